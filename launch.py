@@ -1,0 +1,44 @@
+"""Validate experiment YAMLs, plan them onto stages and jobs, and run them on SLURM (or locally).
+
+    python launch.py --all                       # every experiment in configs/experiments
+    python launch.py --all --config-dir configs/demo --wait
+    python launch.py --exp NAME --dry-run train.learning_rate=1e-4
+    python launch.py --status | --tail EXP[/STAGE] | --cancel [EXP ...] | --report
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from slurm import cli
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--all", action="store_true", help="every experiment in --config-dir")
+    which.add_argument("--exp", nargs="+", metavar="NAME", help="only these experiments")
+    action = parser.add_mutually_exclusive_group()
+    action.add_argument("--dry-run", action="store_true", help="validate and print the plan; submit nothing")
+    action.add_argument("--status", action="store_true", help="one table: state, reason, step, loss, ETA")
+    action.add_argument("--tail", metavar="EXP[/STAGE]", help="follow the log of that job")
+    action.add_argument("--cancel", action="store_true", help="cancel the live jobs of the selected experiments")
+    action.add_argument("--report", action="store_true", help="write runs/report.md, .csv and loss plots")
+    parser.add_argument("--config-dir", type=Path, default=Path("configs/experiments"))
+    parser.add_argument("--backend", choices=["auto", "slurm", "local"], default="auto")
+    parser.add_argument("--json", action="store_true", help="with --dry-run: the plan as JSON")
+    parser.add_argument("--wait", action="store_true", help="block with a live table until every job ended")
+    parser.add_argument("--force", action="store_true", help="rerun finished stages whose config changed")
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="e.g. train.learning_rate=1e-4")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    return cli.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

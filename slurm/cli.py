@@ -1,0 +1,133 @@
+"""What each launch.py action does, start to end. User mistakes end here as messages and exit code 2."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.live import Live
+
+from slurm.experiments import load_experiments, parse_overrides
+from slurm.launcher import LaunchError, decide, run_locally, submit_to_slurm
+from slurm.plan import Plan, build_plan
+from slurm.problems import ConfigError, Problem
+from slurm.profile import load_profile
+from slurm.render import edges_text, plan_table, status_table
+from slurm.states import State
+from slurm.status import plan_status
+
+# Tables stay readable when piped to a file or a CI log (rich would fold them to 80 columns).
+out = Console(width=max(160, Console().width))
+err = Console(stderr=True, width=max(160, Console().width))
+POLL_S = float(os.environ.get("LAUNCH_POLL_S", "5"))
+
+
+def run(args) -> int:
+    try:
+        return dispatch(args)
+    except ConfigError as exc:
+        for problem in exc.warnings:
+            err.print(f"[yellow]warning:[/] {problem}", highlight=False, soft_wrap=True)
+        for problem in exc.problems:
+            err.print(f"[red]error:[/] {problem}", highlight=False, soft_wrap=True)
+        err.print(f"{len(exc.problems)} problem(s); nothing was submitted.", highlight=False)
+        return 2
+    except LaunchError as exc:
+        err.print(f"[red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        return 1
+
+
+def dispatch(args) -> int:
+    if not args.config_dir.is_dir():
+        raise ConfigError([Problem(str(args.config_dir), "--config-dir", "is not a folder of experiment YAMLs")])
+    submitting = not (args.dry_run or args.status or args.tail or args.cancel or args.report)
+    if submitting and not (args.all or args.exp):
+        raise ConfigError([Problem("command line", "", "say which experiments: --all or --exp NAME [NAME ...]")])
+    profile, _ = load_profile(args.config_dir)
+    experiments = load_experiments(args.config_dir, profile, parse_overrides(args.overrides), args.exp)
+    plan = build_plan(experiments, profile)
+    if args.dry_run:
+        return show_plan(plan, args.json)
+    if args.status:
+        out.print(status_table(plan_status(plan, profile.log_dir)))
+        return 0
+    if args.tail:
+        from slurm.tail import follow
+
+        return follow(plan, args.tail, profile.log_dir, out)
+    if args.cancel:
+        return cancel(plan, profile.log_dir)
+    if args.report:
+        from eval.report import write_report
+
+        written = write_report(plan, Path(profile.run_dir))
+        out.print("wrote " + ", ".join(str(p) for p in written))
+        return 0
+    return submit(plan, profile, args)
+
+
+def show_plan(plan: Plan, as_json: bool) -> int:
+    if as_json:
+        print(json.dumps(plan.to_json(), indent=1))
+    else:
+        out.print(plan_table(plan))
+        out.print(edges_text(plan), highlight=False)
+    return 0
+
+
+def submit(plan: Plan, profile, args) -> int:
+    from slurm.submit import LocalBackend, SlurmBackend, pick_backend
+
+    decisions = decide(plan, force=args.force)
+    backend_name = pick_backend(args.backend)
+    todo = [d for d in decisions if d.action == "submit"]
+    skipped = {d.job.id: ("COMPLETED (done)" if d.action == "done" else "queued") for d in decisions}
+    if not todo:
+        out.print(plan_table(plan, skipped))
+        out.print("Nothing to submit: every job is done or already queued.")
+        return wait(plan, profile) if args.wait and backend_name == "slurm" else 0
+    workdir = Path.cwd()
+    if backend_name == "slurm":
+        ids = submit_to_slurm(decisions, SlurmBackend(profile, workdir))
+        states = {d.job.id: f"submitted {ids[d.job.id]}" for d in todo}
+        out.print(plan_table(plan, {**skipped, **states}))
+        out.print(f"Submitted {len(todo)} job(s). Watch: squeue --me, python launch.py --status, --tail EXP")
+        return wait(plan, profile) if args.wait else 0
+
+    def report(job, state: str, pid: str) -> None:
+        out.print(f"{time.strftime('%H:%M:%S')} {job.id}: {state}" + (f" (pid {pid})" if pid else ""))
+
+    out.print(f"Running {len(todo)} job(s) locally, {profile.local_parallel_jobs} at a time; logs in {profile.log_dir}/")
+    states = run_locally(decisions, LocalBackend(profile, workdir), report)
+    out.print(status_table(plan_status(plan, profile.log_dir)))
+    return 1 if any(s is not State.COMPLETED for s in states.values()) else 0
+
+
+def wait(plan: Plan, profile) -> int:
+    """Refresh the status table until no job is queued or running; non-zero if any job did not complete."""
+    with Live(console=out, refresh_per_second=1) as live:
+        while True:
+            rows = plan_status(plan, profile.log_dir)
+            live.update(status_table(rows))
+            if not any(r.state.live for r in rows):
+                break
+            time.sleep(POLL_S)
+    failed = [r for r in rows if r.state is not State.COMPLETED]
+    for row in failed:
+        err.print(f"{row.job.id}: {row.state.value} {row.reason} {row.log_path}".rstrip(), highlight=False)
+    return 1 if failed else 0
+
+
+def cancel(plan: Plan, log_root: str) -> int:
+    import subprocess
+
+    live = [r for r in plan_status(plan, log_root) if r.state.live and r.scheduler_id]
+    slurm_ids = [r.scheduler_id for r in live]
+    if slurm_ids:
+        subprocess.run(["scancel", *slurm_ids], check=False)
+    out.print(f"Cancelled {len(slurm_ids)} job(s): " + (", ".join(r.job.id for r in live) or "none was queued"))
+    return 0
+

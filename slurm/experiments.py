@@ -1,0 +1,264 @@
+"""Experiment YAMLs → validated experiments, or every problem in every file at once.
+
+A file is `inherits:` + changes; `key=value` overrides from the command line apply last. Nothing here
+imports torch: this runs on the login node before anything is queued.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from slurm.problems import ConfigError, Problem, did_you_mean
+from slurm.profile import ClusterProfile
+from slurm.yamlfile import YamlFile, YamlProblem, deep_merge, load_chain, where
+from train.config import DataSpec, Experiment, StageSpec, TrainSpec
+
+# Sections whose keys a "did you mean" can suggest from, by their place in the file.
+SECTIONS: dict[str, type[BaseModel]] = {
+    name: info.annotation
+    for name, info in Experiment.model_fields.items()
+    if isinstance(info.annotation, type) and issubclass(info.annotation, BaseModel)
+}
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One stage, its data and train sections resolved (experiment values + the stage's changes)."""
+
+    name: str
+    data: DataSpec
+    train: TrainSpec
+
+
+@dataclass(frozen=True)
+class LoadedExperiment:
+    experiment: Experiment
+    file: Path
+    stages: tuple[Stage, ...]
+
+    @property
+    def name(self) -> str:
+        return self.experiment.name
+
+
+def experiment_files(config_dir: Path) -> list[Path]:
+    """Every `*.yaml` in the folder except shared fragments (`base.yaml`, `cluster.yaml`, `_*.yaml`)."""
+    skip = {"base.yaml", "cluster.yaml", "baselines.yaml"}
+    return sorted(
+        p
+        for p in config_dir.glob("*.y*ml")
+        if p.suffix in (".yaml", ".yml") and p.name not in skip and not p.name.startswith("_")
+    )
+
+
+def parse_overrides(items: list[str]) -> dict:
+    """`train.learning_rate=1e-4` → {"train": {"learning_rate": 1e-4}}; values are read as YAML."""
+    merged: dict = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key or any(not part for part in key.split(".")):
+            raise ConfigError(
+                [Problem("command line", item, "an override is KEY.PATH=VALUE, e.g. train.epochs=2")]
+            )
+        try:
+            value = yaml.safe_load(raw)
+        except yaml.YAMLError:
+            value = raw
+        for part in reversed(key.split(".")):
+            value = {part: value}
+        merged = deep_merge(merged, value)
+    return merged
+
+
+def load_experiments(
+    config_dir: Path, profile: ClusterProfile, overrides: dict | None = None, names: list[str] | None = None
+) -> list[LoadedExperiment]:
+    """Load and check every experiment in `config_dir`; raise ConfigError listing all problems.
+
+    All files are checked even when `names` selects a few, so a broken neighbour is found now, not later.
+    """
+    problems: list[Problem] = []
+    loaded: list[LoadedExperiment] = []
+    files = experiment_files(config_dir)
+    if not files:
+        raise ConfigError([Problem(str(config_dir), "", "holds no experiment YAML files (*.yaml)")])
+    for path in files:
+        try:
+            raw, chain = load_chain(path, stop=config_dir.resolve().parent)
+        except YamlProblem as exc:
+            problems.append(exc.problem)
+            continue
+        raw = deep_merge(raw, overrides or {})
+        experiment, found = validate_experiment(raw, chain)
+        problems += found
+        if experiment is not None:
+            stages, found = resolve_stages(experiment, raw, chain)
+            problems += (
+                found + check_files(experiment, stages, chain) + check_resources(experiment, profile, chain)
+            )
+            loaded.append(LoadedExperiment(experiment, path, tuple(stages)))
+    problems += check_names(loaded, names)
+    if any(not p.warning for p in problems):
+        raise ConfigError(problems)
+    selected = [e for e in loaded if not names or e.name in names]
+    return selected
+
+
+def validate_experiment(raw: dict, chain: list[YamlFile]) -> tuple[Experiment | None, list[Problem]]:
+    try:
+        return Experiment.model_validate(raw), []
+    except ValidationError as exc:
+        return None, [to_problem(error, chain) for error in exc.errors()]
+
+
+def to_problem(error: dict, chain: list[YamlFile], prefix: tuple = ()) -> Problem:
+    key = (*prefix, *error["loc"])
+    file, line = where(chain, key)
+    kind, message = error["type"], error["msg"].removeprefix("Value error, ")
+    if kind == "extra_forbidden":
+        message = "unknown key" + did_you_mean(str(key[-1]), known_keys(key[:-1]))
+    elif kind == "missing":
+        message = "is required but missing"
+    elif "input" in error and kind not in ("value_error", "assertion_error"):
+        message = f"{message} (got {error['input']!r})"
+    return Problem(file, ".".join(map(str, key)), message, line)
+
+
+def known_keys(section: tuple) -> list[str]:
+    if not section:
+        return list(Experiment.model_fields)
+    model = SECTIONS.get(section[0])
+    if section[0] == "stages":
+        model = StageSpec if len(section) == 2 else SECTIONS.get(section[2]) if len(section) >= 3 else None
+    for part in section[1 if section[0] != "stages" else 3 :]:
+        field = model.model_fields.get(part) if model else None
+        annotation = getattr(field, "annotation", None)
+        model = next((a for a in getattr(annotation, "__args__", (annotation,)) if _is_model(a)), None)
+    return list(model.model_fields) if model else []
+
+
+def _is_model(value) -> bool:
+    return isinstance(value, type) and issubclass(value, BaseModel)
+
+
+def resolve_stages(
+    experiment: Experiment, raw: dict, chain: list[YamlFile]
+) -> tuple[list[Stage], list[Problem]]:
+    """Each stage = the experiment's data/train plus the stage's own changes, validated in full."""
+    stages, problems = [], []
+    for index, stage in enumerate(experiment.stages):
+        specs = {}
+        for section, model in (("data", DataSpec), ("train", TrainSpec)):
+            merged = deep_merge(raw.get(section) or {}, getattr(stage, section))
+            try:
+                specs[section] = model.model_validate(merged)
+            except ValidationError as exc:
+                for error in exc.errors():
+                    # A mistake in the experiment's own section was reported already; report the stage's.
+                    if error["loc"] and error["loc"][0] in getattr(stage, section):
+                        problems.append(to_problem(error, chain, ("stages", index, section)))
+        if len(specs) == 2:
+            stages.append(Stage(stage.name, specs["data"], specs["train"]))
+    return stages, problems
+
+
+def check_files(experiment: Experiment, stages: list[Stage], chain: list[YamlFile]) -> list[Problem]:
+    """Local data files, eval databases and model folders must exist; hub names are checked on the node."""
+    wanted: list[tuple[tuple, str]] = []
+    for index, stage in enumerate(stages):
+        prefix = ("stages", index, "data") if experiment.stages[index].data else ("data",)
+        wanted += [((*prefix, "train"), stage.data.train), ((*prefix, "eval"), stage.data.eval)]
+    wanted.append((("eval", "db"), experiment.eval.db))
+    problems, seen = [], set()
+    for key, value in wanted:
+        if value and not value.startswith("hf:") and value not in seen:
+            seen.add(value)
+            if not Path(value).is_file():
+                file, line = where(chain, key)
+                problems.append(Problem(file, ".".join(map(str, key)), f"file not found: {value}", line))
+    name = experiment.model.name_or_path
+    if _looks_local(name) and not Path(name).is_dir():
+        file, line = where(chain, ("model", "name_or_path"))
+        hint = (
+            " (the demo's tiny models are built by `python -m train.tiny models`)" if "tiny" in name else ""
+        )
+        problems.append(
+            Problem(file, "model.name_or_path", f"local model folder not found: {name}{hint}", line)
+        )
+    return problems
+
+
+def _looks_local(name: str) -> bool:
+    return name.startswith(("/", "./", "../", "~")) or name.count("/") > 1 or Path(name).is_dir()
+
+
+def check_resources(experiment: Experiment, profile: ClusterProfile, chain: list[YamlFile]) -> list[Problem]:
+    res, problems = experiment.resources, []
+    limits = [
+        ("gpus", res.gpus, profile.max_gpus_per_node, "GPUs"),
+        ("cpus", res.cpus, profile.max_cpus_per_node, "CPUs"),
+        ("mem_gb", res.mem_gb, profile.max_mem_gb_per_node, "GB of memory"),
+    ]
+    for key, asked, limit, unit in limits:
+        if asked > limit:
+            file, line = where(chain, ("resources", key))
+            message = (
+                f"asks for {asked:g} {unit} but a node of this cluster has {limit:g} (configs/cluster.yaml)"
+            )
+            problems.append(Problem(file, f"resources.{key}", message, line))
+    return problems
+
+
+def check_names(loaded: list[LoadedExperiment], selected: list[str] | None) -> list[Problem]:
+    """Duplicate names, unknown `after:` targets, cycles, unknown --exp names."""
+    problems: list[Problem] = []
+    by_name: dict[str, LoadedExperiment] = {}
+    for item in loaded:
+        if item.name in by_name:
+            other = by_name[item.name].file
+            problems.append(Problem(str(item.file), "name", f"'{item.name}' is also the name in {other}"))
+        by_name[item.name] = item
+    for item in loaded:
+        for target in item.experiment.after:
+            if target not in by_name:
+                message = f"unknown experiment '{target}'" + did_you_mean(target, by_name)
+                problems.append(Problem(str(item.file), "after", message))
+    cycle = find_cycle({n: [t for t in e.experiment.after if t in by_name] for n, e in by_name.items()})
+    if cycle:
+        problems.append(
+            Problem(
+                str(by_name[cycle[0]].file), "after", "experiments wait on each other: " + " -> ".join(cycle)
+            )
+        )
+    for name in selected or []:
+        if name not in by_name:
+            problems.append(
+                Problem(
+                    "command line", "--exp", f"no experiment named '{name}'" + did_you_mean(name, by_name)
+                )
+            )
+    return problems
+
+
+def find_cycle(graph: dict[str, list[str]]) -> list[str] | None:
+    """A dependency loop as a path that returns to its start, or None."""
+    state: dict[str, int] = {}
+
+    def visit(node: str, path: list[str]) -> list[str] | None:
+        state[node] = 1
+        for nxt in graph.get(node, []):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt) :] + [nxt]
+            if nxt not in state and (found := visit(nxt, [*path, nxt])):
+                return found
+        state[node] = 2
+        return None
+
+    for start in sorted(graph):
+        if start not in state and (found := visit(start, [start])):
+            return found
+    return None

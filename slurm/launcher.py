@@ -1,0 +1,124 @@
+"""From a plan to queued jobs, idempotently: what is done is skipped, what is queued is not queued twice.
+
+Every decision is made before the first sbatch, so a refusal leaves nothing half-submitted; an sbatch that
+fails midway cancels what this launch had queued.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from slurm.plan import Plan, PlannedJob
+from slurm.problems import ConfigError, Problem
+from slurm.rundir import changed_keys, current_job, done_hash, read_spec, record_job, write_spec
+from slurm.states import State
+from slurm.status import query_slurm
+
+Action = Literal["submit", "done", "queued"]
+
+
+@dataclass(frozen=True)
+class Decision:
+    job: PlannedJob
+    action: Action
+    scheduler_id: str = ""  # the live job's id when action == "queued"
+
+
+class LaunchError(Exception):
+    """The scheduler refused a submission; what this launch had queued was cancelled."""
+
+
+def decide(plan: Plan, force: bool = False) -> list[Decision]:
+    """Raise ConfigError if a finished stage's config changed (unless force); else say what to do per job."""
+    records = {job.id: current_job(Path(job.run_dir)) for job in plan.jobs}
+    slurm_ids = [r["job_id"] for r in records.values() if r and r.get("backend") == "slurm"]
+    live = {k: v for k, v in query_slurm(slurm_ids).items() if v.state.live}
+    decisions, refusals = [], []
+    for job in plan.jobs:
+        run_dir, record = Path(job.run_dir), records[job.id]
+        finished = done_hash(run_dir)
+        if finished == job.config_hash:
+            decisions.append(Decision(job, "done"))
+        elif record and record["job_id"] in live:
+            if (read_spec(run_dir) or {}) == job.spec.model_dump():
+                decisions.append(Decision(job, "queued", record["job_id"]))
+            else:
+                refusals.append(refusal(job, f"is queued as SLURM job {record['job_id']}", "--cancel it first"))
+        elif finished and not force:
+            refusals.append(
+                refusal(job, "already finished", "rerun with --force to keep the old run as an archive and run it again")
+            )
+        else:
+            decisions.append(Decision(job, "submit"))
+    if refusals:
+        raise ConfigError(refusals)
+    return decisions
+
+
+def refusal(job: PlannedJob, what: str, hint: str) -> Problem:
+    old = read_spec(Path(job.run_dir)) or {}
+    keys = changed_keys(old, job.spec.model_dump()) or ["(a stage it starts from)"]
+    return Problem(
+        f"{job.run_dir}/config.yaml", "", f"{job.id} {what} with another config (changed: {', '.join(keys)}); {hint}"
+    )
+
+
+def archive_stale(job: PlannedJob) -> Path | None:
+    """A run folder from another config (a finished one with --force, or stale checkpoints that would
+    crash or mislead on resume) is moved aside, never deleted."""
+    run_dir = Path(job.run_dir)
+    old = read_spec(run_dir)
+    if not run_dir.exists() or old is None or old == job.spec.model_dump():
+        return None
+    target = run_dir.with_name(f"{run_dir.name}.old-{time.strftime('%Y%m%d-%H%M%S')}")
+    run_dir.rename(target)
+    return target
+
+
+def parents_of(job: PlannedJob, ids: dict[str, str]) -> list[tuple[str, str]]:
+    """(scheduler id, kind) of the parents still to end; a parent that is done needs no dependency."""
+    return [(ids[d.job_id], d.kind) for d in job.depends_on if d.job_id in ids]
+
+
+def submit_to_slurm(decisions: list[Decision], backend) -> dict[str, str]:
+    """Queue every job that needs it, parents first; returns plan id → SLURM id for queued jobs."""
+    ids = {d.job.id: d.scheduler_id for d in decisions if d.action == "queued"}
+    submitted: list[str] = []
+    for decision in decisions:
+        if decision.action != "submit":
+            continue
+        job = decision.job
+        archive_stale(job)
+        try:
+            ids[job.id] = backend.submit(job, parents_of(job, ids))
+        except Exception as exc:
+            backend.cancel(submitted)
+            raise LaunchError(
+                f"submitting {job.id} failed, so the {len(submitted)} job(s) queued by this launch were "
+                f"cancelled: {str(exc).strip()}"
+            ) from None
+        submitted.append(ids[job.id])
+        write_spec(Path(job.run_dir), job.spec.model_dump())
+        record_job(Path(job.run_dir), ids[job.id], "slurm")
+    return ids
+
+
+def run_locally(decisions: list[Decision], backend, report) -> dict[str, State]:
+    """Run the jobs that need it on this machine, in dependency order; blocks until all ended."""
+    todo = [d.job for d in decisions if d.action == "submit"]
+    pending_ids = {job.id: job.id for job in todo}
+
+    def on_start(job: PlannedJob, pid: str) -> None:
+        write_spec(Path(job.run_dir), job.spec.model_dump())
+        record_job(Path(job.run_dir), pid, "local")
+        report(job, "RUNNING", pid)
+
+    def on_end(job: PlannedJob, state: State) -> None:
+        report(job, state.value, "")
+
+    for job in todo:
+        archive_stale(job)
+    return backend.run(todo, lambda job: parents_of(job, pending_ids), on_start, on_end)

@@ -1,0 +1,175 @@
+"""The plan: every job to run, its resolved spec and hash, resources and dependencies. Pure data.
+
+Stage N+1 starts from stage N's adapter (`afterok`: it needs the data), the eval job follows the last
+stage (`afterok`), and `after: [other]` waits for the other experiment's last job to end (`afterany`:
+ordering only). The plan is printed by --dry-run, tested as data, and only then submitted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Literal
+
+from slurm.experiments import LoadedExperiment
+from slurm.profile import ClusterProfile
+from train.config import EvalJob, Resources, TrainJob
+
+DependencyKind = Literal["afterok", "afterany"]
+
+
+@dataclass(frozen=True)
+class Dependency:
+    job_id: str
+    kind: DependencyKind
+
+
+@dataclass(frozen=True)
+class PlannedJob:
+    id: str  # "EXP/STAGE" or "EXP/eval": also the SLURM job name and the run/log sub-folder
+    experiment: str
+    stage: str
+    kind: Literal["train", "eval"]
+    spec: TrainJob | EvalJob
+    config_hash: str
+    resources: Resources
+    depends_on: tuple[Dependency, ...]
+    wave: int  # how many jobs must end before this one can start, along the longest chain
+
+    @property
+    def run_dir(self) -> str:
+        return self.spec.run_dir if isinstance(self.spec, TrainJob) else self.spec.out_dir
+
+
+@dataclass(frozen=True)
+class Plan:
+    jobs: tuple[PlannedJob, ...]
+    run_root: str
+    log_root: str
+
+    def job(self, job_id: str) -> PlannedJob:
+        return next(j for j in self.jobs if j.id == job_id)
+
+    def edges(self) -> list[tuple[str, str, str]]:
+        return [(dep.job_id, job.id, dep.kind) for job in self.jobs for dep in job.depends_on]
+
+    def to_json(self) -> dict:
+        return {
+            "run_root": self.run_root,
+            "log_root": self.log_root,
+            "jobs": [
+                {
+                    "id": j.id,
+                    "experiment": j.experiment,
+                    "stage": j.stage,
+                    "kind": j.kind,
+                    "config_hash": j.config_hash,
+                    "run_dir": j.run_dir,
+                    "wave": j.wave,
+                    "depends_on": [{"job": d.job_id, "kind": d.kind} for d in j.depends_on],
+                    "resources": j.resources.model_dump(),
+                    "spec": j.spec.model_dump(),
+                }
+                for j in self.jobs
+            ],
+            "edges": [{"from": a, "to": b, "kind": k} for a, b, k in self.edges()],
+        }
+
+
+def build_plan(experiments: list[LoadedExperiment], profile: ClusterProfile) -> Plan:
+    """Jobs in an order where every dependency comes before its dependents."""
+    jobs: dict[str, PlannedJob] = {}
+    last_job: dict[str, str] = {}
+    for loaded in order_by_after(experiments):
+        chained = [Dependency(last_job[t], "afterany") for t in loaded.experiment.after if t in last_job]
+        for job in experiment_jobs(loaded, profile, chained, jobs):
+            jobs[job.id] = job
+        last_job[loaded.name] = job.id
+    return Plan(tuple(jobs.values()), profile.run_dir, profile.log_dir)
+
+
+def order_by_after(experiments: list[LoadedExperiment]) -> list[LoadedExperiment]:
+    by_name = {e.name: e for e in experiments}
+    ordered: list[LoadedExperiment] = []
+
+    def place(item: LoadedExperiment) -> None:
+        if item in ordered:
+            return
+        for target in item.experiment.after:
+            if target in by_name:
+                place(by_name[target])
+        ordered.append(item)
+
+    for item in experiments:
+        place(item)
+    return ordered
+
+
+def experiment_jobs(
+    loaded: LoadedExperiment,
+    profile: ClusterProfile,
+    first_deps: list[Dependency],
+    known: dict[str, PlannedJob],
+) -> list[PlannedJob]:
+    exp = loaded.experiment
+    resources = with_profile_defaults(exp.resources, profile)
+    jobs: list[PlannedJob] = []
+    previous: PlannedJob | None = None
+    for stage in loaded.stages:
+        spec = TrainJob(
+            experiment=exp.name,
+            stage=stage.name,
+            model=exp.model,
+            adapter=exp.adapter,
+            data=stage.data,
+            train=stage.train,
+            init_adapter=f"{previous.run_dir}/adapter" if previous else None,
+            run_dir=f"{profile.run_dir}/{exp.name}/{stage.name}",
+        )
+        deps = [Dependency(previous.id, "afterok")] if previous else list(first_deps)
+        previous = make_job(
+            f"{exp.name}/{stage.name}", "train", spec, resources, deps, {**known, **_ids(jobs)}
+        )
+        jobs.append(previous)
+        is_last = stage is loaded.stages[-1]
+        if exp.eval.metrics and (is_last or exp.eval.after_each_stage):
+            name = "eval" if is_last else f"eval-{stage.name}"
+            eval_spec = EvalJob(
+                experiment=exp.name,
+                stage=stage.name,
+                model=exp.model,
+                data=stage.data,
+                eval=exp.eval,
+                adapter_dir=f"{previous.run_dir}/adapter",
+                out_dir=f"{profile.run_dir}/{exp.name}/{name}",
+            )
+            deps = [Dependency(previous.id, "afterok")]
+            jobs.append(
+                make_job(f"{exp.name}/{name}", "eval", eval_spec, resources, deps, {**known, **_ids(jobs)})
+            )
+    return jobs
+
+
+def _ids(jobs: list[PlannedJob]) -> dict[str, PlannedJob]:
+    return {j.id: j for j in jobs}
+
+
+def make_job(job_id, kind, spec, resources, deps, known: dict[str, PlannedJob]) -> PlannedJob:
+    parents = [known[d.job_id] for d in deps]
+    # A job's identity covers what it starts from: a changed stage 1 means stage 2 must run again.
+    data_parents = sorted(p.config_hash for p, d in zip(parents, deps, strict=True) if d.kind == "afterok")
+    digest = config_hash({"spec": spec.model_dump(), "parents": data_parents})
+    wave = 1 + max((p.wave for p in parents), default=-1)
+    experiment, stage = job_id.split("/", 1)
+    return PlannedJob(job_id, experiment, stage, kind, spec, digest, resources, tuple(deps), wave)
+
+
+def config_hash(value: dict) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def with_profile_defaults(resources: Resources, profile: ClusterProfile) -> Resources:
+    """The experiment's own partition/account/qos win; the cluster profile fills what it left out."""
+    fill = {k: getattr(profile, k) for k in ("partition", "account", "qos") if getattr(resources, k) is None}
+    return resources.model_copy(update=fill)

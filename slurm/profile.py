@@ -1,0 +1,48 @@
+"""The cluster profile (`configs/cluster.yaml`): what every job on this cluster shares."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from slurm.problems import ConfigError, Problem
+from slurm.yamlfile import YamlProblem, find_inherited, read_yaml
+
+
+class ClusterProfile(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    setup: list[str] = Field(default_factory=list, description="shell lines run before each job")
+    run_dir: str = "runs"
+    log_dir: str = "logs"
+    max_gpus_per_node: Annotated[int, Field(ge=0)] = 8
+    max_cpus_per_node: Annotated[int, Field(ge=1)] = 64
+    max_mem_gb_per_node: Annotated[float, Field(gt=0)] = 512
+    local_parallel_jobs: Annotated[int, Field(ge=1)] = 1
+
+
+def find_profile(config_dir: Path) -> Path | None:
+    """The nearest `cluster.yaml`, from the experiments' folder upwards."""
+    return find_inherited("cluster.yaml", config_dir.resolve(), Path(config_dir.resolve().anchor))
+
+
+def load_profile(config_dir: Path) -> tuple[ClusterProfile, Path | None]:
+    path = find_profile(config_dir)
+    if path is None:
+        return ClusterProfile(), None
+    try:
+        yf = read_yaml(path)
+        return ClusterProfile.model_validate(yf.data), path
+    except YamlProblem as exc:
+        raise ConfigError([exc.problem]) from None
+    except ValidationError as exc:
+        problems = [
+            Problem(str(path), ".".join(map(str, e["loc"])), e["msg"], yf.lines.get(tuple(e["loc"])))
+            for e in exc.errors()
+        ]
+        raise ConfigError(problems) from None

@@ -1,0 +1,70 @@
+"""Tables for people: the plan before submission, and where every job stands after."""
+
+from __future__ import annotations
+
+from rich.table import Table
+
+from slurm.plan import Plan, PlannedJob
+from slurm.states import State
+from slurm.status import JobStatus, format_eta
+
+STATE_STYLE = {
+    State.COMPLETED: "green",
+    State.RUNNING: "cyan",
+    State.PENDING: "yellow",
+    State.FAILED: "red",
+    State.TIMEOUT: "red",
+    State.CANCELLED: "red",
+    State.BLOCKED: "magenta",
+}
+
+
+def resources_text(job: PlannedJob) -> str:
+    res = job.resources
+    parts = [f"{res.gpus} gpu" if res.gpus else "cpu", f"{res.cpus} cpu", f"{res.mem_gb:g}G", res.time]
+    if res.partition:
+        parts.append(res.partition)
+    return " ".join(parts)
+
+
+def depends_text(job: PlannedJob) -> str:
+    return ", ".join(f"{d.job_id} ({d.kind})" for d in job.depends_on) or "-"
+
+
+def plan_table(plan: Plan, states: dict[str, str] | None = None) -> Table:
+    table = Table(title=f"Plan: {len(plan.jobs)} jobs", title_justify="left")
+    for column in ("job", "kind", "wave", "depends on", "resources", "run dir", "state"):
+        table.add_column(column, no_wrap=column in ("job", "run dir"))
+    for job in plan.jobs:
+        state = (states or {}).get(job.id, "PLANNED")
+        table.add_row(
+            job.id, job.kind, str(job.wave), depends_text(job), resources_text(job), job.run_dir, state
+        )
+    return table
+
+
+def edges_text(plan: Plan) -> str:
+    lines = [f"  {a} --{kind}--> {b}" for a, b, kind in plan.edges()]
+    return "Dependency edges:\n" + ("\n".join(lines) if lines else "  (none)")
+
+
+def status_table(rows: list[JobStatus]) -> Table:
+    table = Table(title="Status", title_justify="left")
+    for column in ("job", "slurm id", "state", "reason", "elapsed", "step", "loss", "eta"):
+        table.add_column(column)
+    for row in rows:
+        style = STATE_STYLE.get(row.state, "")
+        step = f"{row.step}/{row.total_steps}" if row.step is not None and row.total_steps else ""
+        loss = f"{row.last_loss:.4f}" if isinstance(row.last_loss, (int, float)) else ""
+        eta = format_eta(row.eta_s) if row.state is State.RUNNING else ""
+        table.add_row(
+            row.job.id,
+            row.scheduler_id,
+            f"[{style}]{row.state.value}[/]" if style else row.state.value,
+            row.reason,
+            row.elapsed,
+            step,
+            loss,
+            eta,
+        )
+    return table

@@ -1,0 +1,152 @@
+"""Submission through submitit, the only path to the scheduler: sbatch on SLURM, subprocesses locally.
+
+Both backends take the same jobs with the same dependencies. SLURM enforces them itself (`--dependency`,
+and the dev cluster's `kill_invalid_depend` cancels children of a failed parent); the local backend
+starts a job only when its parents ended as its dependency kind requires.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import submitit
+
+from slurm.jobs import EvalStage, TrainStage
+from slurm.plan import PlannedJob
+from slurm.profile import ClusterProfile
+from slurm.states import State
+
+log = logging.getLogger("slurm.submit")
+
+
+def pick_backend(name: str) -> str:
+    if name == "auto":
+        return "slurm" if shutil.which("sbatch") else "local"
+    return name
+
+
+def job_callable(job: PlannedJob):
+    return TrainStage() if job.kind == "train" else EvalStage()
+
+
+def job_args(job: PlannedJob, workdir: Path) -> tuple:
+    return (job.spec.model_dump(), job.config_hash, str(workdir))
+
+
+def export_pythonpath(workdir: Path) -> None:
+    """Jobs unpickle `slurm.jobs.*`: the project must be importable there (sbatch exports this env)."""
+    paths = [str(workdir), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+
+
+class SlurmBackend:
+    name = "slurm"
+
+    def __init__(self, profile: ClusterProfile, workdir: Path):
+        self.profile, self.workdir = profile, workdir
+        export_pythonpath(workdir)
+
+    def submit(self, job: PlannedJob, parents: list[tuple[str, str]]) -> str:
+        """Queue one job; `parents` are (scheduler id, dependency kind). Returns the SLURM job id."""
+        executor = submitit.SlurmExecutor(
+            folder=self.log_folder(job), max_num_timeout=job.resources.max_requeues
+        )
+        executor.update_parameters(**self.sbatch_parameters(job, parents))
+        return executor.submit(job_callable(job), *job_args(job, self.workdir)).job_id
+
+    def log_folder(self, job: PlannedJob) -> Path:
+        return Path(self.profile.log_dir) / job.id
+
+    def sbatch_parameters(self, job: PlannedJob, parents: list[tuple[str, str]]) -> dict:
+        res = job.resources
+        params = {
+            "job_name": job.id,
+            "time": res.timeout_min,
+            "cpus_per_task": res.cpus,
+            "mem": f"{int(res.mem_gb * 1024)}M",
+            "signal_delay_s": res.signal_delay_s,
+            "stderr_to_stdout": True,  # one log per job: what --tail follows
+            "setup": list(self.profile.setup),
+        }
+        if res.gpus:
+            params["gpus_per_node"] = res.gpus
+        for key in ("partition", "account", "qos", "constraint"):
+            if getattr(res, key):
+                params[key] = getattr(res, key)
+        if parents:
+            params["dependency"] = ",".join(f"{kind}:{job_id}" for job_id, kind in parents)
+        return params
+
+    def cancel(self, job_ids: list[str]) -> None:
+        if job_ids:
+            import subprocess
+
+            subprocess.run(["scancel", *job_ids], check=False, capture_output=True)
+
+
+class LocalBackend:
+    """Runs jobs on this machine, `local_parallel_jobs` at a time, honouring the same dependencies."""
+
+    name = "local"
+
+    def __init__(self, profile: ClusterProfile, workdir: Path):
+        self.profile, self.workdir = profile, workdir
+        export_pythonpath(workdir)
+
+    def run(
+        self,
+        jobs: list[PlannedJob],
+        parents_of: Callable[[PlannedJob], list[tuple[str, str]]],
+        on_start: Callable[[PlannedJob, str], None],
+        on_end: Callable[[PlannedJob, State], None],
+    ) -> dict[str, State]:
+        """Run `jobs` (dependency order) to the end. `parents_of` names each job's parents among them."""
+        states: dict[str, State] = {}
+        waiting, running = list(jobs), {}
+        while waiting or running:
+            for job in list(waiting):
+                verdict = self._ready(parents_of(job), states)
+                if verdict is State.BLOCKED:
+                    waiting.remove(job)
+                    states[job.id] = State.BLOCKED
+                    on_end(job, State.BLOCKED)
+                elif verdict is State.PENDING and len(running) < self.profile.local_parallel_jobs:
+                    waiting.remove(job)
+                    running[job.id] = (job, self._start(job))
+                    on_start(job, running[job.id][1].job_id)
+            for job_id, (job, handle) in list(running.items()):
+                if handle.done():
+                    del running[job_id]
+                    states[job_id] = self._outcome(handle)
+                    on_end(job, states[job_id])
+            time.sleep(0.2)
+        return states
+
+    @staticmethod
+    def _ready(parents: list[tuple[str, str]], states: dict[str, State]) -> State | None:
+        """PENDING = may start now, None = wait, BLOCKED = a parent it needs failed."""
+        for parent, kind in parents:
+            if parent not in states:
+                return None
+            if kind == "afterok" and states[parent] is not State.COMPLETED:
+                return State.BLOCKED
+        return State.PENDING
+
+    def _start(self, job: PlannedJob):
+        executor = submitit.LocalExecutor(folder=Path(self.profile.log_dir) / job.id)
+        executor.update_parameters(timeout_min=job.resources.timeout_min)
+        return executor.submit(job_callable(job), *job_args(job, self.workdir))
+
+    @staticmethod
+    def _outcome(handle) -> State:
+        try:
+            handle.result()
+        except Exception as exc:  # the job's own error; its log holds the traceback
+            log.error("%s failed: %s", handle.job_id, str(exc).strip().splitlines()[-1:] or exc)
+            return State.FAILED
+        return State.COMPLETED

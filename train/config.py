@@ -1,0 +1,284 @@
+"""The experiment schema: what a YAML file may say, checked before anything leaves the login node.
+
+Torch-free on purpose: the launcher validates every experiment with these models on a login node, and the
+trainer reads the very same objects inside the job. Every section forbids unknown keys, so a typo fails at
+load time instead of being silently ignored after hours in the queue.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+TIME_FORMAT = re.compile(r"^(?:(\d+)-)?(\d{1,2}):(\d{2}):(\d{2})$")
+
+# Layers whose full matrices become trainable when listed in modules_to_save: a "LoRA" run then trains
+# tens of percent of the model (46% for flan-t5-small) and saves a full-size copy of them.
+FULL_MATRIX_MODULES = (
+    "embed_tokens",
+    "lm_head",
+    "shared",
+    "wte",
+    "word_embeddings",
+    "embed_out",
+    "output",
+)
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelSpec(Section):
+    """The base model: a hub id (validated here, downloaded only on a compute node) or a local folder."""
+
+    name_or_path: str
+    kind: Literal["seq2seq", "causal"]
+    revision: str | None = None
+    added_tokens: list[str] = Field(default_factory=list, description="special tokens added before training")
+
+
+class AdapterSpec(Section):
+    method: Literal["lora", "qlora"] = "lora"
+    rank: Annotated[int, Field(ge=1, le=1024)] = 16
+    alpha: Annotated[float, Field(gt=0)] = 32
+    dropout: Annotated[float, Field(ge=0, lt=1)] = 0.05
+    target_modules: list[str] | Literal["all-linear"] = "all-linear"
+    modules_to_save: list[str] = Field(default_factory=list)
+    allow_full_modules: bool = False
+    max_trainable_percent: Annotated[float, Field(gt=0, le=100)] = 10.0
+    quant_type: Literal["nf4", "fp4"] = "nf4"
+    double_quant: bool = True
+
+    @field_validator("target_modules")
+    @classmethod
+    def _not_empty(cls, value):
+        if isinstance(value, list) and not value:
+            raise ValueError("is empty; name the projections to adapt or write 'all-linear'")
+        return value
+
+    @model_validator(mode="after")
+    def _no_full_matrices(self):
+        full = [m for m in self.modules_to_save if m.split(".")[-1] in FULL_MATRIX_MODULES]
+        if full and not self.allow_full_modules:
+            raise ValueError(
+                f"modules_to_save: {full} makes those full matrices trainable (tens of percent of the model, "
+                "saved in full with every adapter); remove them, or set adapter.allow_full_modules: true "
+                "if you really mean it (added tokens are handled without this)"
+            )
+        return self
+
+
+class DataSpec(Section):
+    """Where examples come from and how they become tokens. Paths are local files or `hf:NAME:SPLIT`."""
+
+    train: str
+    eval: str | None = None
+    input_field: str = "input"
+    target_field: str = "target"
+    prompt_template: str | None = Field(None, description="e.g. 'question: {question} schema: {schema}'")
+    max_length: int | Literal["auto"] = "auto"
+    max_target_length: int | Literal["auto"] = "auto"
+    order: Literal["shuffle", "file"] = Field("shuffle", description="'file' keeps a curriculum's order")
+    num_workers: Annotated[int, Field(ge=0)] | Literal["auto"] = "auto"
+
+    @field_validator("max_length", "max_target_length")
+    @classmethod
+    def _positive_length(cls, value):
+        if isinstance(value, int) and value < 8:
+            raise ValueError("must be at least 8 tokens, or 'auto' to fit the data")
+        return value
+
+    @field_validator("prompt_template")
+    @classmethod
+    def _template_parses(cls, value):
+        if value is not None:
+            placeholders(value)
+        return value
+
+
+class EarlyStopping(Section):
+    patience: Annotated[int, Field(ge=1)] = 2
+    threshold: Annotated[float, Field(ge=0)] = 0.0
+    metric: str = "eval_loss"
+
+
+class TrainSpec(Section):
+    epochs: Annotated[float, Field(gt=0)] = 3
+    max_steps: Annotated[int, Field(ge=1)] | None = None
+    learning_rate: Annotated[float, Field(gt=0)] = 2e-4
+    batch_size: Annotated[int, Field(ge=1)] = 8
+    grad_accum: Annotated[int, Field(ge=1)] = 1
+    warmup_ratio: Annotated[float, Field(ge=0, le=0.5)] = 0.03
+    weight_decay: Annotated[float, Field(ge=0, le=1)] = 0.0
+    scheduler: Literal["linear", "cosine", "constant", "constant_with_warmup"] = "linear"
+    precision: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
+    gradient_checkpointing: bool = False
+    eval_every_epochs: Annotated[float, Field(gt=0)] | None = 1
+    early_stopping: EarlyStopping | None = None
+    save_every_steps: Annotated[int, Field(ge=1)] = 200
+    logging_steps: Annotated[int, Field(ge=1)] = 10
+    seed: int = 42
+
+    @field_validator("learning_rate")
+    @classmethod
+    def _lora_learning_rate(cls, value):
+        if value >= 1e-2:
+            raise ValueError(
+                f"{value:g} is far too high for LoRA and diverges; use 1e-5 to 5e-4 (2e-4 is a good start)"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _early_stopping_needs_eval(self):
+        if self.early_stopping and self.eval_every_epochs is None:
+            raise ValueError("early_stopping needs eval_every_epochs (it stops on the eval metric)")
+        return self
+
+
+SQL_METRICS = ("sql_exec",)
+Metric = Literal["rouge", "rouge_l", "bleu", "exact_match", "sql_exec"]
+
+
+class EvalSpec(Section):
+    metrics: list[Metric] = Field(default_factory=lambda: ["rouge", "bleu", "exact_match"])
+    num_beams: Annotated[int, Field(ge=1, le=16)] = 1
+    max_new_tokens: Annotated[int, Field(ge=1)] = 128
+    batch_size: Annotated[int, Field(ge=1)] = 16
+    db: str | None = Field(
+        None,
+        description="SQLite file the sql_exec metric runs queries against (read-only)",
+    )
+    sql_timeout_s: Annotated[float, Field(gt=0)] = 5.0
+    after_each_stage: bool = False
+    limit: Annotated[int, Field(ge=1)] | None = Field(
+        None, description="score only the first N eval examples"
+    )
+
+    @model_validator(mode="after")
+    def _sql_needs_db(self):
+        if "sql_exec" in self.metrics and not self.db:
+            raise ValueError("metric sql_exec needs eval.db (the SQLite file to run queries against)")
+        return self
+
+
+class Resources(Section):
+    gpus: Annotated[int, Field(ge=0)] = 1
+    time: str = "04:00:00"
+    mem_gb: Annotated[float, Field(gt=0)] = 32
+    cpus: Annotated[int, Field(ge=1)] = 8
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    constraint: str | None = None
+    signal_delay_s: Annotated[int, Field(ge=10)] = 120
+    max_requeues: Annotated[int, Field(ge=0)] = 3
+
+    @field_validator("time")
+    @classmethod
+    def _slurm_time(cls, value):
+        if not TIME_FORMAT.match(value):
+            raise ValueError("must look like HH:MM:SS or D-HH:MM:SS (e.g. '04:00:00')")
+        return value
+
+    @property
+    def timeout_min(self) -> int:
+        days, hours, minutes, seconds = TIME_FORMAT.match(self.time).groups()
+        total_s = int(days or 0) * 86400 + int(hours) * 3600 + int(minutes) * 60 + int(seconds)
+        return max(1, -(-total_s // 60))
+
+
+class StageSpec(Section):
+    """One training stage as written in YAML: a name plus changes to `data` and `train`."""
+
+    name: str
+    data: dict = Field(default_factory=dict)
+    train: dict = Field(default_factory=dict)
+
+    @field_validator("name")
+    @classmethod
+    def _safe(cls, value):
+        return safe_name(value)
+
+
+class Experiment(Section):
+    name: str
+    description: str = ""
+    model: ModelSpec
+    adapter: AdapterSpec = AdapterSpec()
+    data: DataSpec
+    train: TrainSpec = TrainSpec()
+    eval: EvalSpec = EvalSpec()
+    resources: Resources = Resources()
+    stages: list[StageSpec] = Field(default_factory=lambda: [StageSpec(name="train")])
+    after: list[str] = Field(
+        default_factory=list,
+        description="experiments that must end first (ordering only)",
+    )
+
+    @field_validator("name")
+    @classmethod
+    def _safe(cls, value):
+        return safe_name(value)
+
+    @field_validator("stages")
+    @classmethod
+    def _unique_stages(cls, stages):
+        if not stages:
+            raise ValueError("is empty; leave it out for a single stage named 'train'")
+        names = [s.name for s in stages]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ValueError(f"stage names repeat: {duplicates}")
+        if "eval" in names:
+            raise ValueError("'eval' is reserved for the evaluation job's folder; rename that stage")
+        return stages
+
+
+class TrainJob(Section):
+    """What one training job needs, fully resolved: the trainer takes this and nothing else."""
+
+    experiment: str
+    stage: str
+    model: ModelSpec
+    adapter: AdapterSpec
+    data: DataSpec
+    train: TrainSpec
+    init_adapter: str | None = Field(None, description="previous stage's adapter folder to continue from")
+    run_dir: str
+
+
+class EvalJob(Section):
+    """What one evaluation job needs: the adapter to load, the data to generate on, and how to score."""
+
+    experiment: str
+    stage: str
+    model: ModelSpec
+    data: DataSpec
+    eval: EvalSpec
+    adapter_dir: str
+    out_dir: str
+
+
+def safe_name(value: str) -> str:
+    if not SAFE_NAME.match(value):
+        raise ValueError(
+            f"{value!r} is not a safe name: use letters, digits, '-', '_' or '.', start with a letter or "
+            "digit, at most 64 characters (it becomes a folder and a job name)"
+        )
+    return value
+
+
+def placeholders(template: str) -> list[str]:
+    """The `{field}` names a prompt template uses; raises ValueError on a malformed template."""
+    import string
+
+    try:
+        return [field for _, field, _, _ in string.Formatter().parse(template) if field]
+    except ValueError as exc:
+        raise ValueError(
+            f"prompt_template does not parse ({exc}); write literal braces as '{{{{' and '}}}}'"
+        ) from None
