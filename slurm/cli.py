@@ -42,10 +42,14 @@ def run(args) -> int:
 
 def dispatch(args) -> int:
     if not args.config_dir.is_dir():
-        raise ConfigError([Problem(str(args.config_dir), "--config-dir", "is not a folder of experiment YAMLs")])
+        raise ConfigError(
+            [Problem(str(args.config_dir), "--config-dir", "is not a folder of experiment YAMLs")]
+        )
     submitting = not (args.dry_run or args.status or args.tail or args.cancel or args.report)
     if submitting and not (args.all or args.exp):
-        raise ConfigError([Problem("command line", "", "say which experiments: --all or --exp NAME [NAME ...]")])
+        raise ConfigError(
+            [Problem("command line", "", "say which experiments: --all or --exp NAME [NAME ...]")]
+        )
     profile, _ = load_profile(args.config_dir)
     experiments = load_experiments(args.config_dir, profile, parse_overrides(args.overrides), args.exp)
     plan = build_plan(experiments, profile)
@@ -100,7 +104,9 @@ def submit(plan: Plan, profile, args) -> int:
     def report(job, state: str, pid: str) -> None:
         out.print(f"{time.strftime('%H:%M:%S')} {job.id}: {state}" + (f" (pid {pid})" if pid else ""))
 
-    out.print(f"Running {len(todo)} job(s) locally, {profile.local_parallel_jobs} at a time; logs in {profile.log_dir}/")
+    out.print(
+        f"Running {len(todo)} job(s) locally, {profile.local_parallel_jobs} at a time; logs in {profile.log_dir}/"
+    )
     states = run_locally(decisions, LocalBackend(profile, workdir), report)
     out.print(status_table(plan_status(plan, profile.log_dir)))
     return 1 if any(s is not State.COMPLETED for s in states.values()) else 0
@@ -128,6 +134,7 @@ def cancel(plan: Plan, log_root: str) -> int:
     slurm_ids = [r.scheduler_id for r in live]
     if slurm_ids:
         subprocess.run(["scancel", *slurm_ids], check=False)
-    out.print(f"Cancelled {len(slurm_ids)} job(s): " + (", ".join(r.job.id for r in live) or "none was queued"))
+    out.print(
+        f"Cancelled {len(slurm_ids)} job(s): " + (", ".join(r.job.id for r in live) or "none was queued")
+    )
     return 0
-

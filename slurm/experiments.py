@@ -170,8 +170,14 @@ def check_files(experiment: Experiment, stages: list[Stage], chain: list[YamlFil
     """Local data files, eval databases and model folders must exist; hub names are checked on the node."""
     wanted: list[tuple[tuple, str]] = []
     for index, stage in enumerate(stages):
-        prefix = ("stages", index, "data") if experiment.stages[index].data else ("data",)
-        wanted += [((*prefix, "train"), stage.data.train), ((*prefix, "eval"), stage.data.eval)]
+        for key in ("train", "eval"):
+            written_in_stage = key in experiment.stages[index].data
+            wanted.append(
+                (
+                    ("stages", index, "data", key) if written_in_stage else ("data", key),
+                    getattr(stage.data, key),
+                )
+            )
     wanted.append((("eval", "db"), experiment.eval.db))
     problems, seen = [], set()
     for key, value in wanted:

@@ -46,10 +46,16 @@ def decide(plan: Plan, force: bool = False) -> list[Decision]:
             if (read_spec(run_dir) or {}) == job.spec.model_dump():
                 decisions.append(Decision(job, "queued", record["job_id"]))
             else:
-                refusals.append(refusal(job, f"is queued as SLURM job {record['job_id']}", "--cancel it first"))
+                refusals.append(
+                    refusal(job, f"is queued as SLURM job {record['job_id']}", "--cancel it first")
+                )
         elif finished and not force:
             refusals.append(
-                refusal(job, "already finished", "rerun with --force to keep the old run as an archive and run it again")
+                refusal(
+                    job,
+                    "already finished",
+                    "rerun with --force to keep the old run as an archive and run it again",
+                )
             )
         else:
             decisions.append(Decision(job, "submit"))
@@ -62,7 +68,9 @@ def refusal(job: PlannedJob, what: str, hint: str) -> Problem:
     old = read_spec(Path(job.run_dir)) or {}
     keys = changed_keys(old, job.spec.model_dump()) or ["(a stage it starts from)"]
     return Problem(
-        f"{job.run_dir}/config.yaml", "", f"{job.id} {what} with another config (changed: {', '.join(keys)}); {hint}"
+        f"{job.run_dir}/config.yaml",
+        "",
+        f"{job.id} {what} with another config (changed: {', '.join(keys)}); {hint}",
     )
 
 

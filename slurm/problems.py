@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import difflib
 from dataclasses import dataclass
+from pathlib import Path
 
 
 @dataclass(frozen=True)
@@ -15,7 +16,7 @@ class Problem:
     warning: bool = False
 
     def __str__(self) -> str:
-        where = f"{self.file}:{self.line}" if self.line else self.file
+        where = f"{short_path(self.file)}:{self.line}" if self.line else short_path(self.file)
         key = f" {self.key}:" if self.key else ""
         return f"{where}:{key} {self.message}"
 
@@ -24,9 +25,18 @@ class ConfigError(Exception):
     """Raised with every problem found; the CLI prints them and exits 2, never a traceback."""
 
     def __init__(self, problems: list[Problem]):
-        self.problems = [p for p in problems if not p.warning]
-        self.warnings = [p for p in problems if p.warning]
+        unique = list(dict.fromkeys(problems))  # a shared fragment's mistake is reported once, not per file
+        self.problems = [p for p in unique if not p.warning]
+        self.warnings = [p for p in unique if p.warning]
         super().__init__("\n".join(str(p) for p in self.problems))
+
+
+def short_path(path: str) -> str:
+    """Paths under the current folder are shown relative to it, as the user typed them."""
+    try:
+        return str(Path(path).resolve().relative_to(Path.cwd()))
+    except ValueError:
+        return path
 
 
 def did_you_mean(word: str, choices) -> str:

@@ -66,7 +66,9 @@ def _squeue() -> dict[str, SchedulerInfo]:
 
 
 def _sacct(job_ids: list[str]) -> dict[str, SchedulerInfo]:
-    out = _run(["sacct", "-n", "-P", "-X", "-j", ",".join(job_ids), "-o", "JobID,State,Elapsed,ExitCode,Reason"])
+    out = _run(
+        ["sacct", "-n", "-P", "-X", "-j", ",".join(job_ids), "-o", "JobID,State,Elapsed,ExitCode,Reason"]
+    )
     info = {}
     for line in (out or "").splitlines():
         parts = (line.split("|") + [""] * 5)[:5]
@@ -100,13 +102,20 @@ def job_status(job, record, scheduler, earlier: dict[str, JobStatus], log_root: 
     log_path = str(Path(log_root) / job.id / f"{scheduler_id}_0_log.out") if record else ""
     common = {"scheduler_id": scheduler_id, "log_path": log_path, **fields}
     if done_hash(run_dir) == job.config_hash:
-        return JobStatus(job, State.COMPLETED, **common, elapsed=scheduler.get(scheduler_id, SchedulerInfo(State.COMPLETED)).elapsed)
+        return JobStatus(
+            job,
+            State.COMPLETED,
+            **common,
+            elapsed=scheduler.get(scheduler_id, SchedulerInfo(State.COMPLETED)).elapsed,
+        )
     failed_parent = next(
         (d.job_id for d in job.depends_on if d.kind == "afterok" and earlier[d.job_id].state.failed), None
     )
     if record is None:
         if failed_parent:
-            return JobStatus(job, State.BLOCKED, reason=f"parent {failed_parent} {earlier[failed_parent].state.value}")
+            return JobStatus(
+                job, State.BLOCKED, reason=f"parent {failed_parent} {earlier[failed_parent].state.value}"
+            )
         return JobStatus(job, State.PLANNED, **fields)
     if record.get("backend") == "local":
         info = SchedulerInfo(State.RUNNING if _pid_alive(scheduler_id) else State.FAILED)

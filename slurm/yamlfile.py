@@ -29,7 +29,8 @@ def read_yaml(path: Path) -> YamlFile:
         data = yaml.safe_load(text)
         node = yaml.compose(text, Loader=yaml.SafeLoader)
     except yaml.MarkedYAMLError as exc:
-        mark = exc.problem_mark or exc.context_mark
+        # A flow mapping's mistake is found at its end; where it started is where to look.
+        mark = exc.context_mark or exc.problem_mark
         line = mark.line + 1 if mark else None
         what = " ".join(str(p) for p in (exc.context, exc.problem) if p)
         raise YamlProblem(Problem(str(path), "", f"is not valid YAML: {what}", line)) from None

@@ -1,0 +1,183 @@
+"""Every mistake is reported with its file, line or key and a hint, exit code 2, and nothing is queued.
+
+These run the real CLI against the real dev cluster: "nothing queued" is checked with squeue itself.
+"""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import launch
+from tests.conftest import squeue_ids, write_cluster_yaml
+
+GOOD = """\
+name: {name}
+inherits: base.yaml
+model: {{name_or_path: org/some-model, kind: causal}}
+data: {{train: {data}, input_field: question, target_field: sql}}
+train: {{epochs: 1, learning_rate: 2.0e-4}}
+eval: {{metrics: [exact_match]}}
+resources: {{gpus: 1, cpus: 1, mem_gb: 1, time: "00:05:00"}}
+"""
+
+
+@pytest.fixture
+def config_dir(tmp_path: Path) -> Path:
+    folder = tmp_path / "configs"
+    folder.mkdir()
+    write_cluster_yaml(folder, tmp_path)
+    (folder / "base.yaml").write_text("adapter: {rank: 8, alpha: 16}\n")
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"question": "q", "sql": "SELECT 1"}\n')
+    (folder / "a.yaml").write_text(GOOD.format(name="a", data=data))
+    (folder / "b.yaml").write_text(GOOD.format(name="b", data=data))
+    return folder
+
+
+def run_cli(config_dir: Path, capsys, *extra: str) -> tuple[int, str]:
+    code = launch.main(["--all", "--config-dir", str(config_dir), "--backend", "slurm", *extra])
+    return code, capsys.readouterr().err
+
+
+def edit(path: Path, old: str, new: str) -> None:
+    text = path.read_text()
+    assert old in text, f"test setup: {old!r} not in {path}"
+    path.write_text(text.replace(old, new))
+
+
+# (file to change, old text, new text, what the message must name)
+CASES = {
+    "yaml syntax": ("a.yaml", "train: {epochs", "train: {{epochs", ["a.yaml:5", "not valid YAML"]),
+    "unknown key": (
+        "a.yaml",
+        "learning_rate:",
+        "learnig_rate:",
+        ["a.yaml:5", "train.learnig_rate", "learning_rate"],
+    ),
+    "misspelt section": (
+        "a.yaml",
+        "resources:",
+        "resorces:",
+        ["a.yaml:7", "resorces", "did you mean 'resources'"],
+    ),
+    "wrong type": ("a.yaml", "epochs: 1,", "epochs: many,", ["a.yaml:5", "train.epochs", "many"]),
+    "missing required": ("a.yaml", "kind: causal", "revision: main", ["a.yaml:3", "model.kind", "required"]),
+    "zero epochs": ("a.yaml", "epochs: 1,", "epochs: 0,", ["a.yaml:5", "train.epochs", "greater than 0"]),
+    "zero patience": (
+        "a.yaml",
+        "learning_rate: 2.0e-4}",
+        "learning_rate: 2.0e-4, early_stopping: {patience: 0}}",
+        ["a.yaml:5", "train.early_stopping.patience", "greater than or equal to 1"],
+    ),
+    "lora learning rate": (
+        "a.yaml",
+        "2.0e-4",
+        "0.1",
+        ["a.yaml:5", "train.learning_rate", "too high for LoRA"],
+    ),
+    "warmup ratio": (
+        "a.yaml",
+        "learning_rate: 2.0e-4}",
+        "learning_rate: 2.0e-4, warmup_ratio: 0.9}",
+        ["train.warmup_ratio", "less than or equal to 0.5"],
+    ),
+    "missing data file": (
+        "a.yaml",
+        "train.jsonl",
+        "nope.jsonl",
+        ["a.yaml:4", "data.train", "file not found"],
+    ),
+    "unknown after": (
+        "a.yaml",
+        "name: a\n",
+        "name: a\nafter: [bb]\n",
+        ["a.yaml", "after", "'bb'", "did you mean 'b'"],
+    ),
+    "duplicate names": ("b.yaml", "name: b", "name: a", ["b.yaml", "name", "also the name in"]),
+    "too many gpus": (
+        "a.yaml",
+        "gpus: 1",
+        "gpus: 9",
+        ["a.yaml:7", "resources.gpus", "node of this cluster has 4"],
+    ),
+    "full modules": (
+        "base.yaml",
+        "alpha: 16}",
+        "alpha: 16, modules_to_save: [embed_tokens, lm_head]}",
+        ["base.yaml:1", "adapter", "modules_to_save", "allow_full_modules"],
+    ),
+    "bad time": ("a.yaml", '"00:05:00"', '"5 minutes"', ["a.yaml:7", "resources.time", "HH:MM:SS"]),
+    "unsafe name": ("a.yaml", "name: a", "name: ../x", ["a.yaml:1", "name", "not a safe name"]),
+    "sql without db": ("a.yaml", "[exact_match]", "[sql_exec]", ["a.yaml:6", "eval", "eval.db"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_mistake_is_named_and_nothing_is_queued(case, config_dir, capsys, slurm_cluster):
+    file, old, new, expected = CASES[case]
+    edit(config_dir / file, old, new)
+    before = squeue_ids()
+    code, err = run_cli(config_dir, capsys)
+    assert code == 2
+    assert "Traceback" not in err
+    for fragment in expected:
+        assert fragment in err, f"{fragment!r} missing from:\n{err}"
+    assert "nothing was submitted" in err
+    assert squeue_ids() == before
+    assert not (config_dir.parent / "runs").exists()
+
+
+def test_cycle_in_after_is_shown_as_a_path(config_dir, capsys, slurm_cluster):
+    edit(config_dir / "a.yaml", "name: a\n", "name: a\nafter: [b]\n")
+    edit(config_dir / "b.yaml", "name: b\n", "name: b\nafter: [a]\n")
+    code, err = run_cli(config_dir, capsys)
+    assert code == 2
+    assert "a -> b -> a" in err
+
+
+def test_every_problem_in_every_file_is_reported_at_once(config_dir, capsys, slurm_cluster):
+    edit(config_dir / "a.yaml", "epochs: 1,", "epochs: 0,")
+    edit(config_dir / "b.yaml", "learning_rate: 2.0e-4", "learning_rate: 0.5")
+    code, err = run_cli(config_dir, capsys)
+    assert code == 2
+    assert "a.yaml:5: train.epochs" in err and "b.yaml:5: train.learning_rate" in err
+    assert "2 problem(s)" in err
+
+
+def test_stage_override_errors_point_into_the_stage(config_dir, capsys, slurm_cluster):
+    stages = textwrap.dedent(
+        """\
+        stages:
+          - name: one
+          - name: two
+            train: {epochs: 0}
+        """
+    )
+    (config_dir / "a.yaml").write_text((config_dir / "a.yaml").read_text() + stages)
+    code, err = run_cli(config_dir, capsys)
+    assert code == 2
+    assert "a.yaml:11: stages.1.train.epochs" in err
+
+
+def test_inherited_values_and_overrides_resolve(config_dir, capsys):
+    code = launch.main(
+        ["--exp", "a", "--config-dir", str(config_dir), "--dry-run", "--json", "train.epochs=4"]
+    )
+    out = capsys.readouterr().out
+    assert code == 0
+    import json
+
+    plan = json.loads(out)
+    train_job = next(j for j in plan["jobs"] if j["id"] == "a/train")
+    assert train_job["spec"]["adapter"]["rank"] == 8  # from base.yaml
+    assert train_job["spec"]["train"]["epochs"] == 4  # from the command line
+    assert [j["id"] for j in plan["jobs"]] == ["a/train", "a/eval"]
+
+
+def test_bad_override_is_a_clear_error(config_dir, capsys):
+    code = launch.main(["--all", "--config-dir", str(config_dir), "--dry-run", "train.epochs"])
+    assert code == 2
+    assert "KEY.PATH=VALUE" in capsys.readouterr().err
