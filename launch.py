@@ -1,9 +1,9 @@
 """Validate experiment YAMLs, plan them onto stages and jobs, and run them on SLURM (or locally).
 
-    python launch.py --all                       # every experiment in configs/experiments
-    python launch.py --all --config-dir configs/demo --wait
-    python launch.py --exp NAME --dry-run train.learning_rate=1e-4
-    python launch.py --status | --tail EXP[/STAGE] | --cancel [EXP ...] | --report
+python launch.py --all                       # every experiment in configs/experiments
+python launch.py --all --config-dir configs/demo --wait
+python launch.py --exp NAME --dry-run train.learning_rate=1e-4
+python launch.py --status | --tail EXP[/STAGE] | --cancel [EXP ...] | --report
 """
 
 from __future__ import annotations
@@ -16,7 +16,9 @@ from slurm import cli
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     which = parser.add_mutually_exclusive_group()
     which.add_argument("--all", action="store_true", help="every experiment in --config-dir")
     which.add_argument("--exp", nargs="+", metavar="NAME", help="only these experiments")
@@ -24,7 +26,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     action.add_argument("--dry-run", action="store_true", help="validate and print the plan; submit nothing")
     action.add_argument("--status", action="store_true", help="one table: state, reason, step, loss, ETA")
     action.add_argument("--tail", metavar="EXP[/STAGE]", help="follow the log of that job")
-    action.add_argument("--cancel", action="store_true", help="cancel the live jobs of the selected experiments")
+    action.add_argument(
+        "--cancel", action="store_true", help="cancel the live jobs of the selected experiments"
+    )
     action.add_argument("--report", action="store_true", help="write runs/report.md, .csv and loss plots")
     parser.add_argument("--config-dir", type=Path, default=Path("configs/experiments"))
     parser.add_argument("--backend", choices=["auto", "slurm", "local"], default="auto")

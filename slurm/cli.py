@@ -18,6 +18,7 @@ from slurm.profile import load_profile
 from slurm.render import edges_text, plan_table, status_table
 from slurm.states import State
 from slurm.status import plan_status
+from slurm.yamlfile import find_inherited
 
 # Tables stay readable when piped to a file or a CI log (rich would fold them to 80 columns).
 out = Console(width=max(160, Console().width))
@@ -67,7 +68,9 @@ def dispatch(args) -> int:
     if args.report:
         from eval.report import write_report
 
-        written = write_report(plan, Path(profile.run_dir))
+        states = {row.job.id: row.state.value for row in plan_status(plan, profile.log_dir)}
+        baselines = find_inherited("baselines.yaml", args.config_dir.resolve(), Path("/"))
+        written = write_report(plan, Path(profile.run_dir), states, baselines)
         out.print("wrote " + ", ".join(str(p) for p in written))
         return 0
     return submit(plan, profile, args)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -25,9 +26,16 @@ log = logging.getLogger("slurm.submit")
 
 
 def pick_backend(name: str) -> str:
-    if name == "auto":
-        return "slurm" if shutil.which("sbatch") else "local"
-    return name
+    """auto: SLURM when its client is installed and a controller answers, else this machine."""
+    if name != "auto":
+        return name
+    if not shutil.which("sbatch"):
+        return "local"
+    try:
+        answer = subprocess.run(["sinfo", "-h", "-o", "%P"], capture_output=True, timeout=20, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return "local"
+    return "slurm" if answer.returncode == 0 else "local"
 
 
 def job_callable(job: PlannedJob):
@@ -84,8 +92,6 @@ class SlurmBackend:
 
     def cancel(self, job_ids: list[str]) -> None:
         if job_ids:
-            import subprocess
-
             subprocess.run(["scancel", *job_ids], check=False, capture_output=True)
 
 

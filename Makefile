@@ -1,0 +1,38 @@
+# The two commands of the README, and what they need.
+#   make demo   run every demo experiment (--all on configs/demo): on the dev SLURM cluster if one is
+#               up (sbatch on PATH), else locally
+#   make test   start the dev SLURM cluster and run the whole test suite against it
+PY      := .venv/bin/python
+STATE   ?= /tmp/slurm-lora-dev
+TORCH   ?= torch==2.13.0
+
+.PHONY: demo test venv cluster cluster-down lint
+
+venv: .venv/.installed
+.venv/.installed: pyproject.toml
+	python3 -m venv .venv
+	$(PY) -m pip install -q --upgrade pip
+	# torch first and pinned: a bare `torch` would pull a multi-GB CUDA build on a CPU machine.
+	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $@
+
+models/.built: venv train/tiny.py
+	$(PY) -m train.tiny models
+	touch $@
+
+demo: venv models/.built
+	$(PY) launch.py --all --config-dir configs/demo --wait
+	$(PY) launch.py --report --config-dir configs/demo
+
+cluster:
+	bash slurm/dev-cluster/up.sh $(STATE)
+
+cluster-down:
+	bash slurm/dev-cluster/down.sh $(STATE)
+
+test: venv cluster
+	SLURM_DEV_STATE=$(STATE) $(PY) -m pytest -q
+
+lint: venv
+	$(PY) -m ruff check . && $(PY) -m ruff format --check .

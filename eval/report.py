@@ -1,0 +1,210 @@
+"""The comparison report: one row per experiment (and per published baseline), loss curves, as files.
+
+Reads only run directories: `summary.json` and `metrics.jsonl` of each stage, `results.json` of the eval
+job. An experiment that failed or never ran is a row that says so, never a silent gap.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from pathlib import Path
+
+import yaml
+
+METRIC_COLUMNS = (
+    "exact_match",
+    "rouge_1",
+    "rouge_2",
+    "rouge_l",
+    "bleu",
+    "sql_exec_accuracy",
+    "sql_record_f1",
+    "sql_error_rate",
+)
+COLUMNS = (
+    "experiment",
+    "status",
+    "model",
+    "method",
+    "stages",
+    "trainable_%",
+    "train_min",
+    "gpu_hours",
+    "best_eval_loss",
+    *METRIC_COLUMNS,
+)
+
+
+def read_json(path: Path):
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def read_metrics(path: Path) -> list[dict]:
+    rows = []
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return rows
+    for line in lines:
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            continue  # a line cut by a kill mid-write
+    return rows
+
+
+def experiment_row(plan, experiment: str, states: dict[str, str]) -> dict:
+    jobs = [j for j in plan.jobs if j.experiment == experiment]
+    train_jobs = [j for j in jobs if j.kind == "train"]
+    first = train_jobs[0].spec
+    summaries = [read_json(Path(j.run_dir) / "summary.json") or {} for j in train_jobs]
+    runtime_s = sum(s.get("train_runtime_s") or 0 for s in summaries)
+    losses = [s["best_eval_loss"] for s in summaries if s.get("best_eval_loss") is not None]
+    eval_job = next((j for j in jobs if j.id == f"{experiment}/eval"), None)
+    results = (read_json(Path(eval_job.run_dir) / "results.json") if eval_job else None) or {}
+    row = {
+        "experiment": experiment,
+        "status": status_text(jobs, states, bool(results)),
+        "model": first.model.name_or_path,
+        "method": first.adapter.method,
+        "stages": " → ".join(j.stage for j in train_jobs),
+        "trainable_%": next(
+            (s.get("trainable_percent") for s in summaries if s.get("trainable_percent")), None
+        ),
+        "train_min": round(runtime_s / 60, 2) if runtime_s else None,
+        "gpu_hours": round(runtime_s * max(1, train_jobs[0].resources.gpus) / 3600, 4) if runtime_s else None,
+        "best_eval_loss": min(losses) if losses else None,
+    }
+    row.update({m: results.get(m) for m in METRIC_COLUMNS})
+    return row
+
+
+def status_text(jobs, states: dict[str, str], has_results: bool) -> str:
+    if has_results:
+        flagged = any(
+            (read_json(Path(j.run_dir) / "results.json") or {}).get("adapter_changes_output") is False
+            for j in jobs
+            if j.kind == "eval"
+        )
+        return "complete (adapter did not change outputs!)" if flagged else "complete"
+    bad = [
+        f"{j.stage} {states[j.id]}" for j in jobs if states.get(j.id) not in (None, "COMPLETED", "PLANNED")
+    ]
+    return ("missing: " + ", ".join(bad)) if bad else "missing: not run yet"
+
+
+def baseline_rows(path: Path | None) -> tuple[list[dict], str]:
+    data = yaml.safe_load(path.read_text()) if path and path.is_file() else None
+    if not data:
+        return [], ""
+    rows = [{"experiment": b["name"], "status": "published", **b} for b in data.get("baselines", [])]
+    return rows, data.get("source", "")
+
+
+def to_markdown(rows: list[dict], columns: list[str]) -> str:
+    def cell(value) -> str:
+        if value is None:
+            return "–"
+        return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cell(r.get(c)) for c in columns) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def write_report(
+    plan, run_root: Path, states: dict[str, str] | None = None, baselines: Path | None = None
+) -> list[Path]:
+    states = states or {}
+    experiments = list(dict.fromkeys(j.experiment for j in plan.jobs))
+    rows = [experiment_row(plan, name, states) for name in experiments]
+    extra, source = baseline_rows(baselines)
+    columns = [c for c in COLUMNS if c in ("experiment", "status") or any(r.get(c) is not None for r in rows)]
+    extra_columns = sorted({k for r in extra for k in r} - set(columns) - {"name"})
+    run_root.mkdir(parents=True, exist_ok=True)
+    written = [*plot_losses(plan, experiments, run_root)]
+    md = ["# Experiment report", "", to_markdown(rows + extra, columns + extra_columns), ""]
+    if source:
+        md += [f"Published baselines: {source}.", ""]
+    md += [f"![loss curves]({p.relative_to(run_root)})" for p in written[:1]]
+    (run_root / "report.md").write_text("\n".join(md) + "\n", encoding="utf-8")
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=columns + extra_columns, extrasaction="ignore")
+    writer.writeheader()
+    writer.writerows(rows + extra)
+    (run_root / "report.csv").write_text(buffer.getvalue(), encoding="utf-8")
+    return [run_root / "report.md", run_root / "report.csv", *written]
+
+
+def loss_series(plan, experiment: str) -> tuple[list, list, list]:
+    """(train points, eval points, stage boundaries) with steps counted across stages."""
+    train, evals, boundaries, offset = [], [], [], 0
+    for job in (j for j in plan.jobs if j.experiment == experiment and j.kind == "train"):
+        rows = read_metrics(Path(job.run_dir) / "metrics.jsonl")
+        train += [(offset + r["step"], r["loss"]) for r in rows if "loss" in r and "step" in r]
+        evals += [(offset + r["step"], r["eval_loss"]) for r in rows if "eval_loss" in r and "step" in r]
+        offset += max((r.get("step", 0) for r in rows), default=0)
+        boundaries.append((offset, job.stage))
+    return train, evals, boundaries[:-1]
+
+
+def plot_losses(plan, experiments: list[str], run_root: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series = {name: loss_series(plan, name) for name in experiments}
+    series = {k: v for k, v in series.items() if v[0] or v[1]}
+    if not series:
+        return []
+    paths = [run_root / "loss_curves.png"]
+    fig, ax = plt.subplots(figsize=(9, 5))
+    for name, (train, evals, boundaries) in series.items():
+        draw(ax, name, train, evals, boundaries)
+    finish(ax, "Loss of every experiment (dotted lines: stage boundaries)")
+    fig.savefig(paths[0], dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    for name, (train, evals, boundaries) in series.items():
+        fig, ax = plt.subplots(figsize=(7, 4))
+        draw(ax, name, train, evals, boundaries, label_stages=True)
+        finish(ax, f"{name}: loss")
+        paths.append(run_root / name / "loss.png")
+        paths[-1].parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(paths[-1], dpi=110, bbox_inches="tight")
+        plt.close(fig)
+    return paths
+
+
+def draw(ax, name, train, evals, boundaries, label_stages=False) -> None:
+    line = None
+    if train:
+        (line,) = ax.plot(*zip(*train, strict=True), label=f"{name} train")
+    if evals:
+        color = line.get_color() if line else None
+        ax.plot(*zip(*evals, strict=True), "o--", color=color, label=f"{name} eval")
+    for step, stage in boundaries:
+        ax.axvline(step, color=line.get_color() if line else "grey", linestyle=":", alpha=0.7)
+        if label_stages:
+            ax.annotate(
+                f"end of {stage}",
+                (step, 1),
+                xycoords=("data", "axes fraction"),
+                fontsize=8,
+                rotation=90,
+                va="top",
+                ha="right",
+            )
+
+
+def finish(ax, title: str) -> None:
+    ax.set_xlabel("optimizer step (across stages)")
+    ax.set_ylabel("loss")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)

@@ -1,0 +1,68 @@
+"""`--tail EXP[/STAGE]`: follow the log of a job's current scheduler job, through pending and requeues."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+from rich.console import Console
+
+from slurm.plan import Plan, PlannedJob
+from slurm.problems import ConfigError, Problem, did_you_mean
+from slurm.states import State
+from slurm.status import plan_status
+
+POLL_S = float(os.environ.get("LAUNCH_POLL_S", "5"))
+
+
+def pick_job(plan: Plan, target: str, log_root: str) -> PlannedJob:
+    """EXP/STAGE as given; EXP alone means its job that is running now, else the first not done."""
+    ids = [j.id for j in plan.jobs]
+    if "/" in target:
+        if target not in ids:
+            raise ConfigError(
+                [Problem("command line", "--tail", f"no job '{target}'" + did_you_mean(target, ids))]
+            )
+        return plan.job(target)
+    rows = [r for r in plan_status(plan, log_root) if r.job.experiment == target]
+    if not rows:
+        experiments = {j.experiment for j in plan.jobs}
+        message = f"no experiment '{target}'" + did_you_mean(target, experiments)
+        raise ConfigError([Problem("command line", "--tail", message)])
+    active = (
+        [r for r in rows if r.state.live] or [r for r in rows if r.state is not State.COMPLETED] or rows[-1:]
+    )
+    return active[0].job
+
+
+def follow(plan: Plan, target: str, log_root: str, console: Console) -> int:
+    job = pick_job(plan, target, log_root)
+    shown: tuple[str, int] = ("", 0)  # (log path, bytes printed)
+    while True:
+        row = next(r for r in plan_status(plan, log_root) if r.job.id == job.id)
+        if row.state in (State.PLANNED, State.PENDING) and not Path(row.log_path or "/nonexistent").exists():
+            console.print(f"{job.id}: {row.state.value} {row.reason}".rstrip(), highlight=False)
+        else:
+            shown = print_new(row.log_path, shown)
+        if not row.state.live and row.state is not State.PLANNED:
+            shown = print_new(row.log_path, shown)
+            console.print(f"{job.id}: {row.state.value} {row.reason}".rstrip(), highlight=False)
+            return 0 if row.state is State.COMPLETED else 1
+        if row.state is State.PLANNED:
+            console.print(f"{job.id} has not been submitted.")
+            return 1
+        time.sleep(POLL_S)
+
+
+def print_new(path: str, shown: tuple[str, int]) -> tuple[str, int]:
+    """Print what the log gained since last time; a new file (requeue, retry) or a shorter one restarts."""
+    if not path or not Path(path).exists():
+        return shown
+    offset = shown[1] if shown[0] == path and Path(path).stat().st_size >= shown[1] else 0
+    with open(path, "rb") as fh:
+        fh.seek(offset)
+        chunk = fh.read()
+    if chunk:
+        print(chunk.decode("utf-8", "replace"), end="", flush=True)
+    return path, offset + len(chunk)
