@@ -139,6 +139,7 @@ def experiment_jobs(
                 experiment=exp.name,
                 stage=stage.name,
                 model=exp.model,
+                adapter=exp.adapter,
                 data=stage.data,
                 eval=exp.eval,
                 adapter_dir=f"{previous.run_dir}/adapter",

@@ -257,6 +257,7 @@ class EvalJob(Section):
     experiment: str
     stage: str
     model: ModelSpec
+    adapter: AdapterSpec  # QLoRA adapters are evaluated on the same 4-bit base they were trained on
     data: DataSpec
     eval: EvalSpec
     adapter_dir: str
