@@ -1,0 +1,196 @@
+#!/usr/bin/env bash
+# up.sh STATE_DIR — bring up a one-node Slurm 22.05 cluster (Debian 12 packages)
+# with munge auth, slurmdbd+MariaDB accounting (real sacct), and fake GPUs.
+# Idempotent: re-running with the same STATE_DIR starts only what is not running.
+# Everything (config, keys, sockets, pids, logs, DB) lives under STATE_DIR.
+# Tunables (env): SLURM_NODE_CPUS=8 SLURM_FAKE_GPUS=4 SLURM_NODE_MEM_MB=16000
+#   SLURM_WITH_DBD=1 (0 = no slurmdbd/MariaDB; sacct then only works as `sacct -c`)
+#   SLURM_PORT_BASE=6817 (ctld=BASE, slurmd=BASE+1, dbd=BASE+2, mariadb=BASE+3)
+#   SLURM_PARTITION=debug
+set -euo pipefail
+STATE=${1:?usage: up.sh STATE_DIR}
+mkdir -p "$STATE"; STATE=$(cd "$STATE" && pwd)
+CPUS=${SLURM_NODE_CPUS:-8}; GPUS=${SLURM_FAKE_GPUS:-4}; MEM=${SLURM_NODE_MEM_MB:-16000}
+WITH_DBD=${SLURM_WITH_DBD:-1}; BASE=${SLURM_PORT_BASE:-6817}; PART=${SLURM_PARTITION:-debug}
+CTLD_PORT=$BASE; SLURMD_PORT=$((BASE+1)); DBD_PORT=$((BASE+2)); DB_PORT=$((BASE+3))
+log() { echo "[dev-cluster up $(date +%T)] $*" >&2; }
+
+# ---- 1. packages (only if missing) -------------------------------------------------
+PKGS="slurmctld slurmd slurm-client munge"
+[ "$WITH_DBD" = 1 ] && PKGS="$PKGS slurmdbd mariadb-server"
+need=0
+for b in slurmctld slurmd sbatch munged; do command -v $b >/dev/null || need=1; done
+[ "$WITH_DBD" = 1 ] && { command -v slurmdbd >/dev/null && command -v mariadbd >/dev/null || need=1; }
+if [ $need = 1 ]; then
+  log "installing: $PKGS"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq --no-install-recommends $PKGS >/dev/null
+fi
+
+# ---- 2. layout ---------------------------------------------------------------------
+NODE=$(hostname -s)
+if ! getent hosts "$NODE" >/dev/null; then   # srun/sbatch resolve the own hostname
+  log "WARNING: '$NODE' does not resolve; adding it to /etc/hosts"; echo "127.0.0.1 $NODE" >> /etc/hosts
+fi
+mkdir -p "$STATE"/{etc,log,run,ctld,spool,dev,munge,db}
+chmod 755 "$STATE/munge"            # munged: socket dir must be a+x
+KEY="$STATE/munge/munge.key"
+if [ ! -s "$KEY" ]; then dd if=/dev/urandom of="$KEY" bs=1024 count=1 status=none; fi
+chmod 400 "$KEY"                     # munged: key owned by the daemon's user, not g/o readable
+for i in $(seq 0 $((GPUS-1))); do ln -sfn /dev/null "$STATE/dev/gpu$i"; done  # fake GPU "devices" (must be char devs)
+MSOCK="$STATE/munge/munge.sock"
+
+# ---- 3. configs (always rewritten; identical content keeps it idempotent) ----------
+OLDSUM=$(cat "$STATE/etc/slurm.conf" "$STATE/etc/gres.conf" 2>/dev/null | md5sum || true)
+ACCT="AccountingStorageType=accounting_storage/none"
+if [ "$WITH_DBD" = 1 ]; then
+  ACCT="AccountingStorageType=accounting_storage/slurmdbd
+AccountingStorageHost=127.0.0.1
+AccountingStoragePort=$DBD_PORT
+AccountingStoragePass=$MSOCK
+AccountingStorageTRES=gres/gpu"
+fi
+GRESNODE=""; GRESTYPES=""
+if [ "$GPUS" -gt 0 ]; then
+  GRESNODE="Gres=gpu:$GPUS"; GRESTYPES="GresTypes=gpu"
+  echo "NodeName=$NODE Name=gpu File=$STATE/dev/gpu[0-$((GPUS-1))]" > "$STATE/etc/gres.conf"
+else
+  : > "$STATE/etc/gres.conf"
+fi
+cat > "$STATE/etc/slurm.conf" <<EOF
+ClusterName=testcluster
+SlurmctldHost=$NODE(127.0.0.1)
+SlurmctldPort=$CTLD_PORT
+SlurmdPort=$SLURMD_PORT
+AuthType=auth/munge
+CredType=cred/munge
+AuthInfo=socket=$MSOCK,cred_expire=10
+SlurmUser=root
+SlurmdUser=root
+StateSaveLocation=$STATE/ctld
+SlurmdSpoolDir=$STATE/spool
+SlurmctldPidFile=$STATE/run/slurmctld.pid
+SlurmdPidFile=$STATE/run/slurmd.pid
+SlurmctldLogFile=$STATE/log/slurmctld.log
+SlurmdLogFile=$STATE/log/slurmd.log
+SlurmctldDebug=info
+SlurmdDebug=info
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+JobAcctGatherType=jobacct_gather/linux
+JobAcctGatherFrequency=30
+$ACCT
+JobCompType=jobcomp/filetxt
+JobCompLoc=$STATE/log/jobcomp.txt
+MailProg=/bin/true
+MpiDefault=none
+SchedulerType=sched/backfill
+SchedulerParameters=sched_interval=1,bf_interval=1,sched_min_interval=0
+DependencyParameters=kill_invalid_depend
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+SlurmdParameters=config_overrides
+ReturnToService=2
+MinJobAge=300
+KillWait=5
+InactiveLimit=0
+Waittime=0
+$GRESTYPES
+NodeName=$NODE NodeAddr=127.0.0.1 CPUs=$CPUS RealMemory=$MEM $GRESNODE State=UNKNOWN
+PartitionName=$PART Nodes=$NODE Default=YES MaxTime=INFINITE State=UP
+EOF
+export SLURM_CONF="$STATE/etc/slurm.conf"
+CHANGED=0; [ "$OLDSUM" = "$(cat "$STATE/etc/slurm.conf" "$STATE/etc/gres.conf" | md5sum)" ] || CHANGED=1
+echo "export SLURM_CONF=$SLURM_CONF" > "$STATE/env.sh"
+if [ "$WITH_DBD" != 1 ]; then
+  # No slurmdbd: plain `sacct` exits 1 ("Slurm accounting storage is disabled") and submitit
+  # then never sees CANCELLED/TIMEOUT (job.result() hangs). Shim: read the jobcomp/filetxt log.
+  mkdir -p "$STATE/bin"
+  printf '#!/bin/sh\nexec /usr/bin/sacct --completion "$@"\n' > "$STATE/bin/sacct"
+  chmod +x "$STATE/bin/sacct"
+  echo "export PATH=$STATE/bin:\$PATH" >> "$STATE/env.sh"
+fi
+
+alive() {  # alive PIDFILE NAME : pid in file runs and is not a zombie (PID 1 here does not reap)
+  local p; p=$(cat "$1" 2>/dev/null) || return 1; [ -n "$p" ] || return 1
+  [ -r "/proc/$p/stat" ] || return 1
+  [ "$(cut -d' ' -f3 "/proc/$p/stat")" != Z ] || return 1
+  [ "$(cat /proc/$p/comm)" = "$2" ]
+}
+waitfor() {  # waitfor SECONDS DESCRIPTION CMD...
+  local t=$1 what=$2; shift 2; local end=$((SECONDS + t))
+  until "$@" >/dev/null 2>&1; do
+    [ $SECONDS -lt $end ] || { log "timeout waiting for $what"; return 1; }; sleep 0.1; done
+}
+
+# ---- 4. munged ---------------------------------------------------------------------
+if ! alive "$STATE/munge/munged.pid" munged; then
+  munged --key-file="$KEY" --socket="$MSOCK" --pid-file="$STATE/munge/munged.pid" \
+         --seed-file="$STATE/munge/munged.seed" --log-file="$STATE/log/munged.log" --num-threads=4
+fi
+waitfor 10 munged bash -c "munge -S '$MSOCK' -n | unmunge -S '$MSOCK'"
+
+# ---- 5. MariaDB + slurmdbd ---------------------------------------------------------
+if [ "$WITH_DBD" = 1 ]; then
+  cat > "$STATE/db/my.cnf" <<EOF
+[mariadbd]
+datadir=$STATE/db/data
+socket=$STATE/db/mysqld.sock
+pid-file=$STATE/db/mysqld.pid
+log-error=$STATE/log/mariadb.log
+port=$DB_PORT
+bind-address=127.0.0.1
+user=root
+skip-name-resolve
+innodb_buffer_pool_size=128M
+innodb_log_file_size=64M
+innodb_lock_wait_timeout=900
+EOF
+  if [ ! -d "$STATE/db/data/mysql" ]; then
+    mariadb-install-db --defaults-file="$STATE/db/my.cnf" --auth-root-authentication-method=normal \
+      --skip-test-db > "$STATE/log/mariadb-install.log" 2>&1
+  fi
+  if ! alive "$STATE/db/mysqld.pid" mariadbd; then
+    setsid mariadbd --defaults-file="$STATE/db/my.cnf" </dev/null >>"$STATE/log/mariadb.out" 2>&1 &
+  fi
+  waitfor 60 mariadb mariadb-admin --socket="$STATE/db/mysqld.sock" ping
+  mariadb --socket="$STATE/db/mysqld.sock" -uroot -e "CREATE USER IF NOT EXISTS 'slurm'@'127.0.0.1' IDENTIFIED BY 'slurm'; GRANT ALL ON slurm_acct_db.* TO 'slurm'@'127.0.0.1'; FLUSH PRIVILEGES;"
+  cat > "$STATE/etc/slurmdbd.conf" <<EOF
+AuthType=auth/munge
+AuthInfo=socket=$MSOCK
+DbdHost=localhost
+DbdAddr=127.0.0.1
+DbdPort=$DBD_PORT
+SlurmUser=root
+DebugLevel=info
+LogFile=$STATE/log/slurmdbd.log
+PidFile=$STATE/run/slurmdbd.pid
+StorageType=accounting_storage/mysql
+StorageHost=127.0.0.1
+StoragePort=$DB_PORT
+StorageUser=slurm
+StoragePass=slurm
+StorageLoc=slurm_acct_db
+EOF
+  chmod 600 "$STATE/etc/slurmdbd.conf"   # slurmdbd refuses a world-readable conf
+  if ! alive "$STATE/run/slurmdbd.pid" slurmdbd; then slurmdbd; fi   # finds slurmdbd.conf next to $SLURM_CONF
+  waitfor 30 slurmdbd sacctmgr -n list cluster
+fi
+
+# ---- 6. slurmctld + slurmd ---------------------------------------------------------
+if ! alive "$STATE/run/slurmctld.pid" slurmctld; then slurmctld -f "$SLURM_CONF"
+elif [ $CHANGED = 1 ]; then
+  log "config changed while running: scontrol reconfigure (node/port/gres/cred_expire changes need down.sh + up.sh)"
+  scontrol reconfigure || true
+fi
+waitfor 30 slurmctld scontrol ping
+if ! alive "$STATE/run/slurmd.pid" slurmd; then slurmd -f "$SLURM_CONF"; fi
+node_ok() { case "$(sinfo -h -n "$NODE" -o %T)" in idle|mixed|allocated) return 0;; *) return 1;; esac; }
+if ! waitfor 20 "node $NODE idle" node_ok; then
+  log "node state: $(sinfo -h -n "$NODE" -o '%T %E'); trying resume"
+  scontrol update nodename="$NODE" state=resume || true
+  waitfor 20 "node $NODE idle" node_ok || { tail -20 "$STATE/log/slurmctld.log" "$STATE/log/slurmd.log" >&2; exit 1; }
+fi
+log "cluster up: SLURM_CONF=$SLURM_CONF node=$NODE cpus=$CPUS gpus=$GPUS dbd=$WITH_DBD"
+cat "$STATE/env.sh"
