@@ -1,0 +1,107 @@
+"""The README's main job, for real: the demo experiments through real sbatch on the dev cluster, and the
+same plan on the local backend. Tiny models, real transformers/peft training on CPU, real SQLite."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+import launch
+from tests.conftest import squeue_ids, write_cluster_yaml
+
+DEMO_JOBS = {
+    "sql-t5-lora/train",
+    "sql-t5-lora/eval",
+    "sql-llama-qlora-curriculum/easy",
+    "sql-llama-qlora-curriculum/harder",
+    "sql-llama-qlora-curriculum/eval",
+    "chain-first/train",
+    "chain-first/eval",
+    "chain-second/train",
+    "chain-second/eval",
+}
+
+
+def demo_configs(repo_root: Path, tmp: Path) -> Path:
+    """configs/demo + base.yaml copied under tmp, with runs and logs under tmp too."""
+    configs = tmp / "configs"
+    shutil.copytree(repo_root / "configs" / "demo", configs / "demo")
+    shutil.copy(repo_root / "configs" / "base.yaml", configs / "base.yaml")
+    shutil.copy(repo_root / "configs" / "baselines.yaml", configs / "baselines.yaml")
+    write_cluster_yaml(configs, tmp)
+    return configs / "demo"
+
+
+def scontrol_dependency(job_id: str) -> str:
+    out = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True, check=True).stdout
+    return next(part for part in out.split() if part.startswith("Dependency="))
+
+
+def job_id(tmp: Path, plan_id: str) -> str:
+    return json.loads((tmp / "runs" / plan_id / "job.json").read_text())["jobs"][-1]["job_id"]
+
+
+def check_outputs(tmp: Path) -> None:
+    runs = tmp / "runs"
+    for plan_id in DEMO_JOBS:
+        assert (runs / plan_id / "DONE").is_file(), plan_id
+    for stage in ("sql-t5-lora/train", "sql-llama-qlora-curriculum/harder", "chain-second/train"):
+        rows = [json.loads(line) for line in (runs / stage / "metrics.jsonl").read_text().splitlines()]
+        losses = [r["loss"] for r in rows if "loss" in r]
+        assert len(losses) >= 2 and losses[-1] < losses[0], (stage, losses)
+        assert (runs / stage / "adapter" / "adapter_model.safetensors").is_file()
+    for experiment in ("sql-t5-lora", "sql-llama-qlora-curriculum", "chain-first", "chain-second"):
+        results = json.loads((runs / experiment / "eval" / "results.json").read_text())
+        assert 0.0 <= results["rouge_l"] <= 1.0 and 0.0 <= results["sql_error_rate"] <= 1.0
+        assert results["n"] > 0
+        assert (runs / experiment / "eval" / "predictions.jsonl").is_file()
+
+
+def test_demo_on_the_dev_cluster(repo_root, tmp_path, slurm_cluster, tiny_models, capsys, monkeypatch):
+    monkeypatch.chdir(repo_root)
+    config_dir = demo_configs(repo_root, tmp_path)
+    assert launch.main(["--all", "--config-dir", str(config_dir), "--backend", "slurm"]) == 0
+
+    # The dependencies SLURM holds are the plan's (checked while the children still wait).
+    first_eval = job_id(tmp_path, "chain-first/eval")
+    assert f"afterany:{first_eval}" in scontrol_dependency(job_id(tmp_path, "chain-second/train"))
+    easy = job_id(tmp_path, "sql-llama-qlora-curriculum/easy")
+    assert f"afterok:{easy}" in scontrol_dependency(job_id(tmp_path, "sql-llama-qlora-curriculum/harder"))
+
+    # A second launch while jobs are queued submits nothing new, then waits for all of them.
+    queued = squeue_ids()
+    assert launch.main(["--all", "--config-dir", str(config_dir), "--backend", "slurm", "--wait"]) == 0
+    assert "Nothing to submit" in capsys.readouterr().out
+    check_outputs(tmp_path)
+
+    # Everything done: a third launch submits nothing either, and queues nothing.
+    records = {p: (tmp_path / "runs" / p / "job.json").read_text() for p in DEMO_JOBS}
+    before = squeue_ids()
+    assert launch.main(["--all", "--config-dir", str(config_dir), "--backend", "slurm"]) == 0
+    assert squeue_ids() == before
+    assert records == {p: (tmp_path / "runs" / p / "job.json").read_text() for p in DEMO_JOBS}
+    assert queued  # the first launch really queued jobs
+
+    assert launch.main(["--report", "--config-dir", str(config_dir)]) == 0
+    report = (tmp_path / "runs" / "report.md").read_text()
+    assert report.count("| complete") == 4 and "T5-p" in report
+    assert (tmp_path / "runs" / "loss_curves.png").stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("experiments", [["chain-first", "chain-second"]])
+def test_demo_runs_locally_without_slurm(repo_root, tmp_path, tiny_models, monkeypatch, experiments):
+    monkeypatch.chdir(repo_root)
+    config_dir = demo_configs(repo_root, tmp_path)
+    assert launch.main(["--exp", *experiments, "--config-dir", str(config_dir), "--backend", "local"]) == 0
+    for plan_id in ("chain-first/train", "chain-first/eval", "chain-second/train", "chain-second/eval"):
+        assert (tmp_path / "runs" / plan_id / "DONE").is_file()
+        assert json.loads((tmp_path / "runs" / plan_id / "job.json").read_text())["jobs"][-1]["backend"] == "local"
+    started = [
+        json.loads((tmp_path / "runs" / p / "job.json").read_text())["jobs"][-1]["submitted_at"]
+        for p in ("chain-first/eval", "chain-second/train")
+    ]
+    assert started[0] <= started[1]  # afterany: the second experiment started after the first ended

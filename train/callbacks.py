@@ -1,0 +1,100 @@
+"""Trainer callbacks: the run directory's metrics and progress files, checkpoint commits, a clean stop."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+from transformers import TrainerCallback
+
+from train.checkpoints import commit
+
+
+def write_json_atomic(path: Path, value: dict) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(value))
+    tmp.replace(path)
+
+
+class RunDirectoryLog(TrainerCallback):
+    """`metrics.jsonl` (one row per log step, eval rows too) and `progress.json` (what --status shows)."""
+
+    def __init__(self, run_dir: Path):
+        self.run_dir = run_dir
+        self.last_time: float | None = None
+        self.last_tokens = 0
+        self.last_step = 0
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.last_time, self.last_tokens, self.last_step = (
+            time.time(),
+            state.num_input_tokens_seen,
+            state.global_step,
+        )
+        self.started = time.time()
+        self.first_step = state.global_step
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        logs = dict(logs or {})
+        now = time.time()
+        row = {"step": state.global_step, "epoch": round(state.epoch or 0, 4), "time": round(now, 3)}
+        if "loss" in logs:
+            elapsed = max(now - self.last_time, 1e-9)
+            row |= {k: logs[k] for k in ("loss", "learning_rate", "grad_norm") if k in logs}
+            row["tokens_per_s"] = round((state.num_input_tokens_seen - self.last_tokens) / elapsed, 1)
+            steps = state.global_step - self.last_step
+            row["samples_per_s"] = round(
+                steps * args.train_batch_size * args.gradient_accumulation_steps / elapsed, 2
+            )
+            self.last_time, self.last_tokens, self.last_step = (
+                now,
+                state.num_input_tokens_seen,
+                state.global_step,
+            )
+        row |= {k: v for k, v in logs.items() if k.startswith("eval_")}
+        if len(row) > 3:
+            with open(self.run_dir / "metrics.jsonl", "a", encoding="utf-8") as fh:
+                fh.write(json.dumps(row) + "\n")
+        self.write_progress(state, logs.get("loss"))
+
+    def write_progress(self, state, loss) -> None:
+        done = state.global_step - self.first_step
+        rate = (time.time() - self.started) / done if done else None
+        previous = {}
+        if loss is None and (self.run_dir / "progress.json").is_file():
+            previous = json.loads((self.run_dir / "progress.json").read_text())
+        write_json_atomic(
+            self.run_dir / "progress.json",
+            {
+                "step": state.global_step,
+                "total_steps": state.max_steps,
+                "epoch": round(state.epoch or 0, 4),
+                "last_loss": loss if loss is not None else previous.get("last_loss"),
+                "eta_s": round(rate * (state.max_steps - state.global_step), 1) if rate else None,
+                "updated_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            },
+        )
+
+
+class CommitCheckpoints(TrainerCallback):
+    """Mark each checkpoint complete once the Trainer has written all of it."""
+
+    def on_save(self, args, state, control, **kwargs):
+        commit(Path(args.output_dir) / f"checkpoint-{state.global_step}")
+
+
+class StopWhenAsked(TrainerCallback):
+    """When the job is told to stop (time limit, preemption), save at this step's end and stop."""
+
+    def __init__(self, stop: threading.Event):
+        self.stop = stop
+        self.stopped_early = False
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.stop.is_set() and state.global_step < state.max_steps:
+            control.should_save = True
+            control.should_training_stop = True
+            self.stopped_early = True
+        return control
