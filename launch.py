@@ -30,6 +30,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--cancel", action="store_true", help="cancel the live jobs of the selected experiments"
     )
     action.add_argument("--report", action="store_true", help="write runs/report.md, .csv and loss plots")
+    action.add_argument(
+        "--retry-failed",
+        action="store_true",
+        help="resubmit only failed jobs and the jobs that depend on them",
+    )
     parser.add_argument("--config-dir", type=Path, default=Path("configs/experiments"))
     parser.add_argument("--backend", choices=["auto", "slurm", "local"], default="auto")
     parser.add_argument("--json", action="store_true", help="with --dry-run: the plan as JSON")

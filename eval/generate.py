@@ -34,7 +34,7 @@ def generate(
             padding=True,
             truncation=max_length is not None,
             max_length=max_length,
-            add_special_tokens=kind == "seq2seq",
+            add_special_tokens=True,  # as in training (train/data.py encodes prompts the same way)
         ).to(device)
         generated = model.generate(
             **encoded,

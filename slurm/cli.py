@@ -11,11 +11,11 @@ from rich.console import Console
 from rich.live import Live
 
 from slurm.experiments import load_experiments, parse_overrides
-from slurm.launcher import LaunchError, decide, run_locally, submit_to_slurm
+from slurm.launcher import LaunchError, decide, hold_all_but, run_locally, submit_to_slurm, with_dependents
 from slurm.plan import Plan, build_plan
 from slurm.problems import ConfigError, Problem
 from slurm.profile import load_profile
-from slurm.render import edges_text, plan_table, status_table
+from slurm.render import edges_text, plan_table, problem_lines, status_table
 from slurm.states import State
 from slurm.status import plan_status
 from slurm.yamlfile import find_inherited
@@ -23,6 +23,7 @@ from slurm.yamlfile import find_inherited
 # Tables stay readable when piped to a file or a CI log (rich would fold them to 80 columns).
 out = Console(width=max(160, Console().width))
 err = Console(stderr=True, width=max(160, Console().width))
+SKIPPED = {"done": "COMPLETED (done)", "queued": "already queued", "held": "not retried"}
 POLL_S = float(os.environ.get("LAUNCH_POLL_S", "5"))
 
 
@@ -46,7 +47,9 @@ def dispatch(args) -> int:
         raise ConfigError(
             [Problem(str(args.config_dir), "--config-dir", "is not a folder of experiment YAMLs")]
         )
-    submitting = not (args.dry_run or args.status or args.tail or args.cancel or args.report)
+    submitting = not (
+        args.dry_run or args.status or args.tail or args.cancel or args.report or args.retry_failed
+    )
     if submitting and not (args.all or args.exp):
         raise ConfigError(
             [Problem("command line", "", "say which experiments: --all or --exp NAME [NAME ...]")]
@@ -57,7 +60,10 @@ def dispatch(args) -> int:
     if args.dry_run:
         return show_plan(plan, args.json)
     if args.status:
-        out.print(status_table(plan_status(plan, profile.log_dir)))
+        rows = plan_status(plan, profile.log_dir)
+        out.print(status_table(rows))
+        for line in problem_lines(rows):
+            out.print(line, highlight=False, soft_wrap=True)
         return 0
     if args.tail:
         from slurm.tail import follow
@@ -89,9 +95,14 @@ def submit(plan: Plan, profile, args) -> int:
     from slurm.submit import LocalBackend, SlurmBackend, pick_backend
 
     decisions = decide(plan, force=args.force)
+    if args.retry_failed:
+        failed = {
+            r.job.id for r in plan_status(plan, profile.log_dir) if r.state.failed or r.state is State.UNKNOWN
+        }
+        decisions = hold_all_but(decisions, with_dependents(plan, failed))
     backend_name = pick_backend(args.backend)
     todo = [d for d in decisions if d.action == "submit"]
-    skipped = {d.job.id: ("COMPLETED (done)" if d.action == "done" else "queued") for d in decisions}
+    skipped = {d.job.id: SKIPPED[d.action] for d in decisions if d.action != "submit"}
     if not todo:
         out.print(plan_table(plan, skipped))
         out.print("Nothing to submit: every job is done or already queued.")
@@ -124,10 +135,9 @@ def wait(plan: Plan, profile) -> int:
             if not any(r.state.live for r in rows):
                 break
             time.sleep(POLL_S)
-    failed = [r for r in rows if r.state is not State.COMPLETED]
-    for row in failed:
-        err.print(f"{row.job.id}: {row.state.value} {row.reason} {row.log_path}".rstrip(), highlight=False)
-    return 1 if failed else 0
+    for line in problem_lines(rows):
+        err.print(line, highlight=False, soft_wrap=True)
+    return 1 if any(r.state is not State.COMPLETED for r in rows) else 0
 
 
 def cancel(plan: Plan, log_root: str) -> int:

@@ -17,7 +17,7 @@ from slurm.rundir import changed_keys, current_job, done_hash, read_spec, record
 from slurm.states import State
 from slurm.status import query_slurm
 
-Action = Literal["submit", "done", "queued"]
+Action = Literal["submit", "done", "queued", "held"]
 
 
 @dataclass(frozen=True)
@@ -62,6 +62,22 @@ def decide(plan: Plan, force: bool = False) -> list[Decision]:
     if refusals:
         raise ConfigError(refusals)
     return decisions
+
+
+def with_dependents(plan: Plan, job_ids: set[str]) -> set[str]:
+    """The given jobs and everything downstream of them (plan order puts parents first)."""
+    chosen = set(job_ids)
+    for job in plan.jobs:
+        if any(d.job_id in chosen for d in job.depends_on):
+            chosen.add(job.id)
+    return chosen
+
+
+def hold_all_but(decisions: list[Decision], job_ids: set[str]) -> list[Decision]:
+    """Keep submitting only `job_ids`; others that would have been submitted are held back."""
+    return [
+        Decision(d.job, "held") if d.action == "submit" and d.job.id not in job_ids else d for d in decisions
+    ]
 
 
 def refusal(job: PlannedJob, what: str, hint: str) -> Problem:

@@ -68,3 +68,31 @@ def status_table(rows: list[JobStatus]) -> Table:
             eta,
         )
     return table
+
+
+def problem_lines(rows: list[JobStatus], tail_lines: int = 5) -> list[str]:
+    """For each job that did not complete: why, where its log is, and the log's last lines."""
+    lines = []
+    for row in rows:
+        if row.state is State.BLOCKED:
+            lines.append(f"{row.job.id}: BLOCKED, will not run: {row.reason}")
+        elif row.state.failed or row.state is State.UNKNOWN:
+            lines.append(
+                f"{row.job.id}: {row.state.value} (slurm job {row.scheduler_id}) {row.reason}".rstrip()
+            )
+            lines.append(f"  log: {row.log_path}")
+            lines += [f"  | {line}" for line in last_lines(row.log_path, tail_lines)]
+    if any(r.state.failed for r in rows):
+        lines.append("Fix the cause, then: python launch.py --retry-failed (same --config-dir)")
+    return lines
+
+
+def last_lines(path: str, count: int) -> list[str]:
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(0, 2)
+            fh.seek(max(0, fh.tell() - 8192))
+            text = fh.read().decode("utf-8", "replace")
+    except OSError:
+        return ["(no log)"]
+    return [line for line in text.splitlines() if line.strip()][-count:]

@@ -1,0 +1,70 @@
+"""The evaluation job: load a saved adapter, generate on the eval split, score, write the results.
+
+Reads only the adapter folder (which carries its tokenizer) and the data; writes `predictions.jsonl` and
+`results.json` into the job's own folder. It never trains and never talks to the scheduler, so it can be
+rerun on its own: `python -m eval generate runs/EXP/eval/config.yaml`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+from train.config import EvalJob
+
+log = logging.getLogger("eval.job")
+SAMPLE_FOR_ADAPTER_CHECK = 4
+
+
+def run_eval(job: EvalJob) -> dict:
+    from eval.generate import adapter_changes_output, generate
+    from eval.score import score
+    from train.data import prompts_and_targets
+    from train.model import load_trained
+
+    out = Path(job.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    source = job.data.eval or job.data.train
+    prompts, references = prompts_and_targets(source, job.data, limit=job.eval.limit)
+    started = time.time()
+    model, tokenizer = load_trained(job.model, job.adapter_dir, quantize=job.adapter)
+    model.eval()
+    options = {
+        "kind": job.model.kind,
+        "num_beams": job.eval.num_beams,
+        "max_new_tokens": job.eval.max_new_tokens,
+        "batch_size": job.eval.batch_size,
+    }
+    predictions = generate(model, tokenizer, prompts, **options)
+    generation_s = time.time() - started
+    changed = adapter_changes_output(model, tokenizer, prompts[:SAMPLE_FOR_ADAPTER_CHECK], **options)
+    if not changed:
+        log.warning(
+            "the adapter does not change the base model's outputs on %d examples", SAMPLE_FOR_ADAPTER_CHECK
+        )
+    write_predictions(out / "predictions.jsonl", prompts, references, predictions)
+    results = score(
+        predictions, references, list(job.eval.metrics), db=job.eval.db, sql_timeout_s=job.eval.sql_timeout_s
+    )
+    results |= {
+        "source": source,
+        "adapter_dir": job.adapter_dir,
+        "adapter_changes_output": changed,
+        "generation_s": round(generation_s, 2),
+    }
+    (out / "results.json").write_text(json.dumps(results, indent=1), encoding="utf-8")
+    log.info("results: %s", {k: v for k, v in results.items() if isinstance(v, float)})
+    return results
+
+
+def write_predictions(path: Path, prompts: list[str], references: list[str], predictions: list[str]) -> None:
+    with open(path, "w", encoding="utf-8") as fh:
+        for index, (prompt, reference, prediction) in enumerate(
+            zip(prompts, references, predictions, strict=True)
+        ):
+            fh.write(
+                json.dumps({"id": index, "input": prompt, "reference": reference, "prediction": prediction})
+                + "\n"
+            )
