@@ -35,6 +35,7 @@ from transformers import (
     Seq2SeqTrainingArguments,
     Trainer,
     TrainingArguments,
+    set_seed,
 )
 
 from train import data as data_lib
@@ -81,6 +82,7 @@ class StageRecipe:
         if self.resume_from:
             log.info("resuming from %s", self.resume_from)
             self.forget_metrics_after(step_of(self.resume_from))
+        set_seed(self.job.train.seed)  # before the adapter exists: LoRA's initial weights are drawn from it
         self.model, self.tokenizer = self.load_model()
         self.tokenizer.padding_side = "right"  # training pads on the right; generation sets its own side
         self.trainable_percent = check_trainable(self.model, self.job.adapter.max_trainable_percent)
