@@ -24,6 +24,7 @@ class TrainStage:
     def __call__(self, spec: dict, config_hash: str, workdir: str) -> str:
         os.chdir(workdir)
         _configure_logging()
+        _use_allocated_cpus()  # before torch is imported
         from train.config import TrainJob
         from train.recipe import run_stage
 
@@ -50,6 +51,7 @@ class EvalStage:
     def __call__(self, spec: dict, config_hash: str, workdir: str) -> str:
         os.chdir(workdir)
         _configure_logging()
+        _use_allocated_cpus()
         from eval.job import run_eval
         from train.config import EvalJob
 
@@ -79,6 +81,15 @@ def _route_signal_to(stop: threading.Event):
 
     signal.signal(signal.SIGUSR2, ask_to_stop)
     return previous if callable(previous) else None
+
+
+def _use_allocated_cpus() -> None:
+    """Math threads = the CPUs SLURM gave this job. More threads than cores (torch defaults to every core
+    of the node) makes OpenMP threads of neighbouring jobs spin against each other: 10x slower steps."""
+    cpus = os.environ.get("SLURM_CPUS_PER_TASK") or os.environ.get("SLURM_CPUS_ON_NODE")
+    if cpus:
+        os.environ.setdefault("OMP_NUM_THREADS", cpus)
+        os.environ.setdefault("MKL_NUM_THREADS", cpus)
 
 
 def _configure_logging() -> None:

@@ -1,0 +1,76 @@
+"""Text metrics over (prediction, reference) pairs; every score is a fraction in [0, 1].
+
+Empty inputs score 0.0 (an eval on no examples must still write its results), mismatched lengths are a
+bug upstream and raise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import sacrebleu
+from rouge_score import rouge_scorer
+
+TEXT_METRICS = ("rouge", "rouge_l", "bleu", "exact_match")
+
+
+def normalize(text: str) -> str:
+    """What exact match compares: case and runs of whitespace are formatting, not content."""
+    return " ".join(text.split()).lower()
+
+
+def check_pairs(preds: Sequence[str], refs: Sequence[str]) -> None:
+    if len(preds) != len(refs):
+        raise ValueError(f"{len(preds)} predictions but {len(refs)} references: they must pair up")
+
+
+def exact_match(preds: Sequence[str], refs: Sequence[str]) -> float:
+    check_pairs(preds, refs)
+    if not preds:
+        return 0.0
+    hits = sum(normalize(p) == normalize(r) for p, r in zip(preds, refs, strict=True))
+    return hits / len(preds)
+
+
+def rouge(preds: Sequence[str], refs: Sequence[str]) -> dict[str, float]:
+    """Mean F-measure of ROUGE-1, ROUGE-2 and ROUGE-L (rouge_score's tokenizer: lowercase, alphanumerics)."""
+    check_pairs(preds, refs)
+    keys = {"rouge1": "rouge_1", "rouge2": "rouge_2", "rougeL": "rouge_l"}
+    totals = dict.fromkeys(keys.values(), 0.0)
+    if not preds:
+        return totals
+    # No stemming: scores stay comparable with the published numbers we report against.
+    scorer = rouge_scorer.RougeScorer(list(keys), use_stemmer=False)
+    for pred, ref in zip(preds, refs, strict=True):
+        scores = scorer.score(ref, pred)  # (target, prediction): the order matters for precision/recall
+        for key, name in keys.items():
+            totals[name] += scores[key].fmeasure
+    return {name: total / len(preds) for name, total in totals.items()}
+
+
+def bleu(preds: Sequence[str], refs: Sequence[str]) -> float:
+    """Corpus BLEU-4 (sacrebleu defaults). A prediction shorter than 4 tokens has no 4-grams, so a corpus
+    of only such pairs scores ~0 even when they match exactly."""
+    check_pairs(preds, refs)
+    if not preds:
+        return 0.0
+    score = sacrebleu.corpus_bleu(list(preds), [list(refs)]).score / 100
+    return min(1.0, max(0.0, score))  # float noise puts a perfect corpus at 1.0000000000000004
+
+
+def text_metrics(preds: Sequence[str], refs: Sequence[str], names: Iterable[str]) -> dict[str, float]:
+    """The named metrics; "rouge" gives rouge_1, rouge_2 and rouge_l, "rouge_l" only rouge_l."""
+    names = list(names)
+    unknown = [name for name in names if name not in TEXT_METRICS]
+    if unknown:
+        raise ValueError(f"unknown text metric(s) {', '.join(unknown)}; valid: {', '.join(TEXT_METRICS)}")
+    check_pairs(preds, refs)
+    results: dict[str, float] = {}
+    if "exact_match" in names:
+        results["exact_match"] = exact_match(preds, refs)
+    if "rouge" in names or "rouge_l" in names:
+        scores = rouge(preds, refs)
+        results.update(scores if "rouge" in names else {"rouge_l": scores["rouge_l"]})
+    if "bleu" in names:
+        results["bleu"] = bleu(preds, refs)
+    return results

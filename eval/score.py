@@ -1,0 +1,220 @@
+"""Scoring: `score()` for the eval job, and the `python -m eval score` subcommand over two JSONL files.
+
+Prediction rows are {"id": ..., "prediction": "..."}, reference rows {"id": ..., "reference": "..."}; rows
+pair up by id. A user mistake (missing file, bad line, unmatched ids, unknown metric) is one line on stderr,
+`error: <file>: <what> (hint)`, and exit code 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import os
+import sys
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from eval.metrics import TEXT_METRICS, text_metrics
+from eval.sql import GoldQueryError, NotADatabaseError, ReadOnlyDB, sql_metrics
+
+METRICS = (*TEXT_METRICS, "sql_exec")
+# The order results are written and shown in (the report's column order).
+RESULT_KEYS = (
+    "n",
+    "exact_match",
+    "rouge_1",
+    "rouge_2",
+    "rouge_l",
+    "bleu",
+    "sql_exec_accuracy",
+    "sql_record_f1",
+    "sql_error_rate",
+)
+ID_TYPES = (str, int)
+
+
+class ScoreError(Exception):
+    def __init__(self, file: str | os.PathLike, what: str, hint: str = ""):
+        super().__init__(f"{file}: {what}" + (f" ({hint})" if hint else ""))
+
+
+def score(
+    preds: list[str],
+    refs: list[str],
+    metrics: list[str],
+    db: str | None = None,
+    sql_timeout_s: float = 2.0,
+) -> dict[str, float | int]:
+    """Every requested metric (fractions in [0, 1]) and n. sql_exec runs both query lists against db."""
+    unknown = [name for name in metrics if name not in METRICS]
+    if unknown:
+        raise ValueError(f"unknown metric(s) {', '.join(unknown)}; valid: {', '.join(METRICS)}")
+    if "sql_exec" in metrics and not db:
+        raise ValueError("metric sql_exec needs db, the SQLite file to run the queries against")
+    results: dict[str, float | int] = {"n": len(refs)}
+    text = [name for name in metrics if name in TEXT_METRICS]
+    if text:
+        results.update(text_metrics(preds, refs, text))
+    if "sql_exec" in metrics:
+        results.update(sql_metrics(preds, refs, db, sql_timeout_s))
+    return {key: results[key] for key in RESULT_KEYS if key in results}
+
+
+def parse_metrics(text: str, db: str | None) -> list[str]:
+    metrics = [name.strip() for name in text.split(",") if name.strip()]
+    if not metrics:
+        raise ScoreError("--metrics", "no metric named", f"choose from {', '.join(METRICS)}")
+    for name in metrics:
+        if name not in METRICS:
+            close = difflib.get_close_matches(name, METRICS, n=1)
+            guess = f"; did you mean '{close[0]}'?" if close else ""
+            raise ScoreError("--metrics", f"unknown metric '{name}'", f"valid: {', '.join(METRICS)}{guess}")
+    if "sql_exec" in metrics and not db:
+        raise ScoreError("--metrics", "sql_exec needs --db", "the SQLite file the queries run against")
+    if db:
+        check_db(db)
+    return metrics
+
+
+def check_db(db: str) -> None:
+    try:
+        ReadOnlyDB(db).close()
+    except FileNotFoundError:
+        raise ScoreError(db, "no such file", "--db takes the SQLite file the queries run against") from None
+    except NotADatabaseError as exc:
+        raise ScoreError(db, f"not a readable SQLite database: {exc.reason}", "check --db") from None
+
+
+def parse_row(line: str, field: str) -> tuple[str | int, str]:
+    """(id, text) of one JSONL line; ValueError says what is wrong with it."""
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"not valid JSON: {exc.msg} at column {exc.colno}") from None
+    shape = f'each row is {{"id": ..., "{field}": "..."}}'
+    if not isinstance(row, dict) or "id" not in row or field not in row:
+        raise ValueError(f'not a row with "id" and "{field}" ({shape})')
+    if not isinstance(row["id"], ID_TYPES) or isinstance(row["id"], bool):
+        raise ValueError(f"id {json.dumps(row['id'])} is not a string or an integer")
+    if not isinstance(row[field], str):
+        raise ValueError(f'"{field}" is {json.dumps(row[field])[:40]}, not a string')
+    return row["id"], row[field]
+
+
+def read_jsonl(path: Path, field: str) -> dict[str | int, str]:
+    """id -> text, in file order; blank lines are skipped."""
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except FileNotFoundError:
+        raise ScoreError(path, "no such file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ScoreError(path, f"cannot read it: {exc}") from None
+    rows: dict[str | int, str] = {}
+    first_seen: dict[str | int, int] = {}
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            row_id, text = parse_row(line, field)
+        except ValueError as exc:
+            raise ScoreError(f"{path}:{number}", str(exc), "one JSON object per line") from None
+        if row_id in rows:
+            what = f"id {json.dumps(row_id)} appears twice"
+            raise ScoreError(f"{path}:{number}", what, f"first on line {first_seen[row_id]}")
+        rows[row_id], first_seen[row_id] = text, number
+    return rows
+
+
+def few(ids: list, shown: int = 5) -> str:
+    names = ", ".join(json.dumps(i) for i in ids[:shown])
+    return names + (f" and {len(ids) - shown} more" if len(ids) > shown else "")
+
+
+def pair_by_id(
+    preds: dict, refs: dict, pred_file: Path, ref_file: Path
+) -> tuple[list[str | int], list[str], list[str]]:
+    """(ids, predictions, references) in the references' order; every id must be in both files."""
+    missing = [i for i in refs if i not in preds]
+    extra = [i for i in preds if i not in refs]
+    problems = []
+    if missing:
+        problems.append(f"{len(missing)} id(s) of {ref_file} have no prediction: {few(missing)}")
+    if extra:
+        problems.append(f"{len(extra)} id(s) are not in {ref_file}: {few(extra)}")
+    if problems:
+        raise ScoreError(pred_file, "; ".join(problems), "both files must hold the same ids")
+    ids = list(refs)
+    return ids, [preds[i] for i in ids], [refs[i] for i in ids]
+
+
+def score_files(args: argparse.Namespace) -> dict[str, float | int]:
+    metrics = parse_metrics(args.metrics, args.db)
+    ids, preds, refs = pair_by_id(
+        read_jsonl(args.predictions, "prediction"),
+        read_jsonl(args.references, "reference"),
+        args.predictions,
+        args.references,
+    )
+    try:
+        results = score(preds, refs, metrics, args.db, args.sql_timeout_s)
+    except GoldQueryError as exc:
+        what = f"the reference query of id {json.dumps(ids[exc.index])} fails on {args.db}: {exc.error}"
+        raise ScoreError(args.references, what, "a data bug: fix that reference") from None
+    if args.out:
+        write_json(args.out, results)
+    return results
+
+
+def write_json(path: Path, results: dict) -> None:
+    # Written aside then renamed: a job killed mid-write leaves no half a results.json behind.
+    partial = path.with_name(path.name + ".partial")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial.write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
+        os.replace(partial, path)
+    except OSError as exc:
+        raise ScoreError(path, f"cannot write it: {exc.strerror}") from None
+
+
+def results_table(results: dict[str, float | int]) -> Table:
+    table = Table(title=f"scores over {results['n']} examples")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for key, value in results.items():
+        if key != "n":
+            table.add_row(key, f"{value:.4f}")
+    return table
+
+
+def positive_seconds(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text} is not a positive number of seconds")
+    return value
+
+
+def add_parser(subparsers) -> None:
+    """Registers `score` on the CLI's subcommands."""
+    parser = subparsers.add_parser("score", help="score predictions against references (JSONL, by id)")
+    parser.add_argument("--predictions", type=Path, required=True, help='JSONL of {"id", "prediction"}')
+    parser.add_argument("--references", type=Path, required=True, help='JSONL of {"id", "reference"}')
+    parser.add_argument(
+        "--metrics", default="rouge,bleu,exact_match", help=f"comma-separated, among {', '.join(METRICS)}"
+    )
+    parser.add_argument("--db", help="SQLite file for sql_exec (opened read-only)")
+    parser.add_argument("--out", type=Path, help="write the results here as JSON")
+    parser.add_argument("--sql-timeout-s", type=positive_seconds, default=2.0, help="per query (default 2)")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        results = score_files(args)
+    except ScoreError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    Console(width=max(100, Console().width)).print(results_table(results))
+    return 0

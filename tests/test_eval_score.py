@@ -1,0 +1,168 @@
+"""`python -m eval score` as a user runs it: real files, a real process, exit codes and messages."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import subprocess
+import sys
+
+import pytest
+
+from eval.score import score
+
+
+def write_jsonl(path, rows) -> str:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return str(path)
+
+
+def run_score(repo_root, *args) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "eval", "score", *args],
+        cwd=repo_root,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+
+
+def pair_files(tmp_path, preds: dict, refs: dict) -> list[str]:
+    p = write_jsonl(tmp_path / "pred.jsonl", [{"id": k, "prediction": v} for k, v in preds.items()])
+    r = write_jsonl(tmp_path / "ref.jsonl", [{"id": k, "reference": v} for k, v in refs.items()])
+    return ["--predictions", p, "--references", r]
+
+
+def test_text_metrics_written_to_json(repo_root, tmp_path):
+    # Predictions in another order than references: rows pair up by id, not by line.
+    preds = {"b": "the cat sat on the mat", "a": "  Hello   World "}
+    refs = {"a": "hello world", "b": "the cat is on mat"}
+    out = tmp_path / "out" / "results.json"
+    done = run_score(
+        repo_root,
+        *pair_files(tmp_path, preds, refs),
+        "--metrics",
+        "exact_match,rouge_l,bleu",
+        "--out",
+        str(out),
+    )
+    assert done.returncode == 0, done.stderr
+    results = json.loads(out.read_text())
+    assert set(results) == {"n", "exact_match", "rouge_l", "bleu"}
+    assert results["n"] == 2
+    assert results["exact_match"] == pytest.approx(1 / 2)
+    assert results["rouge_l"] == pytest.approx((1 + 8 / 11) / 2)  # LCS 4 of 6 and 5 tokens: F 8/11
+    assert 0.0 < results["bleu"] < 1.0
+    assert "rouge_l" in done.stdout and "0.8636" in done.stdout  # the table shows it too
+
+
+def test_sql_exec_through_the_cli(repo_root, tmp_path):
+    db = tmp_path / "shop.sqlite"
+    conn = sqlite3.connect(db)
+    conn.execute("CREATE TABLE items (id INTEGER PRIMARY KEY, name TEXT, price INTEGER)")
+    conn.executemany(
+        "INSERT INTO items VALUES (?, ?, ?)", [(1, "apple", 3), (2, "pear", 5), (3, "fig", 5), (4, "kiwi", 2)]
+    )
+    conn.commit()
+    conn.close()
+    preds = {
+        1: "SELECT name FROM items WHERE price = 5",
+        2: "SELECT name FROM items WHERE price <= 3",
+        3: "SELEC",
+    }
+    refs = {
+        1: "SELECT name FROM items WHERE price = 5",
+        2: "SELECT name FROM items WHERE price >= 3",  # overlap 1 of 2 and 3 rows: F1 2/5
+        3: "SELECT name FROM items",
+    }
+    out = tmp_path / "results.json"
+    args = ["--metrics", "sql_exec", "--db", str(db), "--sql-timeout-s", "1", "--out", str(out)]
+    done = run_score(repo_root, *pair_files(tmp_path, preds, refs), *args)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(out.read_text()) == pytest.approx(
+        {"n": 3, "sql_exec_accuracy": 1 / 3, "sql_record_f1": (1 + 2 / 5) / 3, "sql_error_rate": 1 / 3}
+    )
+
+
+def assert_user_error(done: subprocess.CompletedProcess, *fragments: str) -> None:
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith("error: ")
+    assert "Traceback" not in done.stderr
+    for fragment in fragments:
+        assert fragment in done.stderr
+
+
+def test_missing_and_extra_ids_are_named(repo_root, tmp_path):
+    out = tmp_path / "results.json"
+    files = pair_files(tmp_path, {1: "a", 2: "b", 99: "z"}, {1: "a", 2: "b", 3: "c"})
+    done = run_score(repo_root, *files, "--out", str(out))
+    assert_user_error(done, "have no prediction: 3", "not in", ": 99")
+    assert not out.exists()
+
+
+def test_many_missing_ids_show_the_first_few_and_a_count(repo_root, tmp_path):
+    refs = {i: "x" for i in range(1, 11)}
+    done = run_score(repo_root, *pair_files(tmp_path, {1: "x"}, refs))
+    assert_user_error(done, "9 id(s)", "2, 3, 4, 5, 6 and 4 more")
+
+
+def test_malformed_json_line_names_file_and_line(repo_root, tmp_path):
+    args = pair_files(tmp_path, {1: "a", 2: "b"}, {1: "a", 2: "b"})
+    pred = tmp_path / "pred.jsonl"
+    lines = pred.read_text().splitlines()
+    pred.write_text(f'{lines[0]}\n{{"id": 2, "prediction": \n')
+    assert_user_error(run_score(repo_root, *args), f"{pred}:2:", "not valid JSON")
+
+
+def test_row_without_the_field_and_duplicate_ids(repo_root, tmp_path):
+    args = pair_files(tmp_path, {1: "a"}, {1: "a"})
+    ref = tmp_path / "ref.jsonl"
+    ref.write_text('{"id": 1, "reference": "a"}\n\n{"id": 1, "reference": "b"}\n')
+    assert_user_error(run_score(repo_root, *args), f"{ref}:3:", "appears twice", "first on line 1")
+    ref.write_text('{"id": 1, "text": "a"}\n')
+    assert_user_error(run_score(repo_root, *args), f"{ref}:1:", '"reference"')
+
+
+def test_metric_mistakes(repo_root, tmp_path):
+    args = pair_files(tmp_path, {1: "a"}, {1: "a"})
+    assert_user_error(run_score(repo_root, *args, "--metrics", "sql_exec"), "--metrics", "needs --db")
+    assert_user_error(run_score(repo_root, *args, "--metrics", "blue"), "'blue'", "did you mean 'bleu'")
+    absent = tmp_path / "nope.jsonl"
+    assert_user_error(
+        run_score(repo_root, "--predictions", str(absent), *args[2:]), f"{absent}: no such file"
+    )
+
+
+def test_database_mistakes(repo_root, tmp_path):
+    args = [*pair_files(tmp_path, {1: "SELECT 1"}, {1: "SELECT 1"}), "--metrics", "sql_exec", "--db"]
+    missing = tmp_path / "absent.sqlite"
+    assert_user_error(run_score(repo_root, *args, str(missing)), f"{missing}: no such file")
+    notes = tmp_path / "notes.txt"
+    notes.write_text("not a database, but long enough to have a header " * 10)
+    assert_user_error(run_score(repo_root, *args, str(notes)), f"{notes}: not a readable SQLite database")
+
+
+def test_failing_reference_query_names_its_id(repo_root, tmp_path):
+    db = tmp_path / "empty.sqlite"
+    sqlite3.connect(db).close()
+    args = pair_files(
+        tmp_path, {"q1": "SELECT 1", "q2": "SELECT 1"}, {"q1": "SELECT 1", "q2": "SELECT * FROM nope"}
+    )
+    done = run_score(repo_root, *args, "--metrics", "sql_exec", "--db", str(db))
+    assert_user_error(done, 'id "q2"', "no such table: nope", "data bug")
+
+
+def test_score_function():
+    assert score(["A  b"], ["a b"], ["exact_match"]) == {"n": 1, "exact_match": 1.0}
+    with pytest.raises(ValueError, match="sql_exec needs db"):
+        score(["SELECT 1"], ["SELECT 1"], ["sql_exec"])
+    with pytest.raises(ValueError, match="unknown metric"):
+        score(["a"], ["a"], ["accuracy"])
+
+
+def test_scoring_modules_do_not_import_torch(repo_root):
+    code = "import sys, eval.__main__, eval.score, eval.sql, eval.metrics; print('torch' in sys.modules)"
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=repo_root, capture_output=True, text=True, check=True
+    )
+    assert done.stdout.strip() == "False"

@@ -1,0 +1,167 @@
+"""SQL execution scoring on a small real SQLite file: metrics by hand, read-only, time limit, row cap."""
+
+from __future__ import annotations
+
+import hashlib
+import sqlite3
+import time
+
+import pytest
+
+from eval.sql import (
+    TIMEOUT,
+    ExecResult,
+    GoldQueryError,
+    ReadOnlyDB,
+    execute_many,
+    execute_serial,
+    sql_metrics,
+)
+
+RUNAWAY = "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c) SELECT count(*) FROM c"
+COUNT = "SELECT count(*) FROM items"
+
+
+@pytest.fixture()
+def db(tmp_path):
+    path = tmp_path / "shop.sqlite"
+    conn = sqlite3.connect(path)
+    conn.execute("CREATE TABLE items (id INTEGER PRIMARY KEY, name TEXT, price INTEGER)")
+    conn.executemany(
+        "INSERT INTO items VALUES (?, ?, ?)", [(1, "apple", 3), (2, "pear", 5), (3, "fig", 5), (4, "kiwi", 2)]
+    )
+    conn.commit()
+    conn.close()
+    return path
+
+
+def digest(path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+# (prediction, gold): exact, reordered, partial overlap, syntax error.
+CASES = [
+    ("SELECT name FROM items WHERE price = 5", "SELECT name FROM items WHERE price = 5"),
+    ("SELECT name FROM items ORDER BY name DESC", "SELECT name FROM items ORDER BY id"),
+    # pred {apple, kiwi}, gold {apple, pear, fig}: overlap 1, P 1/2, R 1/3, F1 2/5
+    ("SELECT name FROM items WHERE price <= 3", "SELECT name FROM items WHERE price >= 3"),
+    ("SELEC name FROM items", "SELECT name FROM items"),
+]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_metrics_by_hand(db, workers):
+    preds, golds = zip(*CASES, strict=True)
+    scores = sql_metrics(list(preds), list(golds), db, timeout_s=2.0, workers=workers)
+    assert scores == pytest.approx(
+        {"sql_exec_accuracy": 2 / 4, "sql_record_f1": (1 + 1 + 2 / 5 + 0) / 4, "sql_error_rate": 1 / 4}
+    )
+
+
+def test_rows_are_multisets(db):
+    # gold prices 3, 5, 5, 2; DISTINCT loses a 5: overlap 3, P 1, R 3/4, F1 6/7; not an exact match.
+    scores = sql_metrics(["SELECT DISTINCT price FROM items"], ["SELECT price FROM items"], db, workers=0)
+    assert scores == pytest.approx({"sql_exec_accuracy": 0.0, "sql_record_f1": 6 / 7, "sql_error_rate": 0.0})
+
+
+def test_both_empty_is_a_match(db):
+    scores = sql_metrics(
+        ["SELECT name FROM items WHERE id < 0"], ["SELECT name FROM items WHERE price > 99"], db
+    )
+    assert scores == {"sql_exec_accuracy": 1.0, "sql_record_f1": 1.0, "sql_error_rate": 0.0}
+
+
+def test_failing_gold_names_its_index(db):
+    with pytest.raises(GoldQueryError, match="#1") as raised:
+        sql_metrics(["SELECT 1", "SELECT 1"], ["SELECT 1", "SELECT nope FROM items"], db, workers=0)
+    assert raised.value.index == 1
+    assert "no such column: nope" in raised.value.error
+
+
+def test_empty_and_mismatched_inputs(db):
+    assert sql_metrics([], [], db) == {"sql_exec_accuracy": 0.0, "sql_record_f1": 0.0, "sql_error_rate": 0.0}
+    with pytest.raises(ValueError, match="pair up"):
+        sql_metrics(["SELECT 1"], [], db)
+
+
+def test_missing_or_foreign_database_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no such SQLite file"):
+        execute_many(tmp_path / "absent.sqlite", ["SELECT 1"] * 40, workers=2)
+    text = tmp_path / "notes.txt"
+    text.write_text("not a database, but long enough to have a header " * 10)
+    with pytest.raises(ValueError, match="not a readable SQLite database"):
+        execute_many(text, ["SELECT 1"], workers=0)
+
+
+DESTRUCTIVE = [
+    "DROP TABLE items",
+    "DELETE FROM items",
+    "UPDATE items SET price = 0",
+    "INSERT INTO items VALUES (9, 'plum', 1)",
+    "CREATE TABLE evil (x)",
+    "CREATE TEMP TABLE evil (x)",
+    "PRAGMA query_only = OFF",
+    "BEGIN IMMEDIATE",
+    "VACUUM",
+    "SELECT 1; DELETE FROM items",
+    "",
+]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_destructive_queries_fail_and_leave_the_file_untouched(db, tmp_path, workers):
+    attach = f"ATTACH DATABASE '{tmp_path / 'evil.sqlite'}' AS evil"
+    vacuum_into = f"VACUUM INTO '{tmp_path / 'copy.sqlite'}'"
+    queries = [*DESTRUCTIVE, attach, vacuum_into]
+    before, files_before = digest(db), sorted(p.name for p in tmp_path.iterdir())
+    # Each write attempt is followed by a count: nothing may have changed in between.
+    results = execute_many(db, [q for query in queries for q in (query, COUNT)], workers=workers)
+    for query, result, count in zip(queries, results[::2], results[1::2], strict=True):
+        assert result.rows is None and result.error, query
+        assert count == ExecResult(((4,),)), query
+    assert digest(db) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == files_before  # no attached file, no copy, no journal
+
+
+def test_no_state_survives_from_one_query_to_the_next(db):
+    # mode=ro alone would allow both: a temp table or an attached in-memory database, seen by later queries.
+    queries = [
+        "CREATE TEMP TABLE scratch AS SELECT 1 AS x",
+        "SELECT x FROM scratch",
+        "ATTACH DATABASE ':memory:' AS mem",
+        "SELECT count(*) FROM mem.sqlite_master",
+    ]
+    results = execute_serial(db, queries)  # one connection, as in one pool worker
+    assert [r.rows for r in results] == [None] * 4
+    assert "no such table: scratch" in results[1].error
+
+
+def test_runaway_query_is_cut_at_the_limit(db):
+    database = ReadOnlyDB(db)
+    start = time.monotonic()
+    result = database.execute(RUNAWAY, timeout_s=0.3)
+    elapsed = time.monotonic() - start
+    assert result == ExecResult(None, TIMEOUT)
+    assert 0.3 <= elapsed < 3.0  # loose: returned at the limit, not after the query ran its course
+    assert database.execute(COUNT, timeout_s=0.3) == ExecResult(((4,),))  # the connection still works
+    database.close()
+
+
+def test_runaway_query_in_the_pool_holds_up_nothing_else(db):
+    results = execute_many(db, [RUNAWAY, COUNT, "SELEC 1"], timeout_s=0.3, workers=2)
+    assert results[0] == ExecResult(None, TIMEOUT)
+    assert results[1] == ExecResult(((4,),))
+    assert "syntax error" in results[2].error
+
+
+def test_pool_and_serial_agree(db):
+    queries = [q for pair in CASES for q in pair] * 10
+    assert execute_many(db, queries, workers=2) == execute_serial(db, queries)
+
+
+def test_row_cap(db):
+    capped = ReadOnlyDB(db, max_rows=15)
+    # 4 x 4 = 16 rows: one over the cap is an error, not a truncated (and falsely comparable) result.
+    assert "too many rows" in capped.execute("SELECT * FROM items a, items b", 1.0).error
+    assert len(capped.execute("SELECT * FROM items a, items b WHERE a.id > 1", 1.0).rows) == 12
+    capped.close()
