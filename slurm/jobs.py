@@ -19,7 +19,8 @@ log = logging.getLogger("slurm.jobs")
 
 class TrainStage:
     """Train one stage. On SLURM's time-limit or preemption signal (USR2), the trainer saves a checkpoint
-    at the next step end and returns; then submitit requeues this same call, which resumes from it."""
+    at the next step end and returns; then submitit requeues this same call, which resumes from it.
+    On SIGTERM (scancel, `scontrol requeue`, preemption with a grace time) it also checkpoints first."""
 
     def __call__(self, spec: dict, config_hash: str, workdir: str) -> str:
         os.chdir(workdir)
@@ -29,13 +30,15 @@ class TrainStage:
         from train.recipe import run_stage
 
         job = TrainJob.model_validate(spec)
-        stop = threading.Event()
-        requeue = _route_signal_to(stop)
-        outcome = run_stage(job, stop)
-        if outcome == "interrupted" and requeue is not None:
-            requeue(signal.SIGUSR2, None)  # submitit: checkpoint() → scontrol requeue → exit
-        if outcome == "interrupted":
-            raise RuntimeError(f"{job.experiment}/{job.stage} was interrupted and cannot be requeued here")
+        stop = StopRequest()
+        requeue = stop.listen()
+        if run_stage(job, stop.event) == "interrupted":
+            if stop.signal == signal.SIGUSR2 and requeue is not None:
+                requeue(signal.SIGUSR2, None)  # submitit: checkpoint() → scontrol requeue → exit
+            # SIGTERM: SLURM itself requeues (scontrol requeue, preemption) or cancels; progress is saved.
+            raise RuntimeError(
+                f"{job.experiment}/{job.stage} stopped by {stop.signal.name}; its checkpoint is saved"
+            )
         mark_done(Path(job.run_dir), config_hash)
         return job.run_dir
 
@@ -67,20 +70,26 @@ class EvalStage:
         return submitit.helpers.DelayedSubmission(self, *args, **kwargs)
 
 
-def _route_signal_to(stop: threading.Event):
-    """Replace submitit's USR2 handler by one that only asks the trainer to stop; return submitit's."""
-    if threading.current_thread() is not threading.main_thread():
-        return None
-    previous = signal.getsignal(signal.SIGUSR2)
+class StopRequest:
+    """Turns SLURM's signals into a flag the trainer checks at each step end."""
 
-    def ask_to_stop(signum, frame):
-        log.warning(
-            "received %s: checkpointing at the next step, then requeueing", signal.Signals(signum).name
-        )
-        stop.set()
+    def __init__(self):
+        self.event = threading.Event()
+        self.signal: signal.Signals | None = None
 
-    signal.signal(signal.SIGUSR2, ask_to_stop)
-    return previous if callable(previous) else None
+    def listen(self):
+        """Take over USR2 and TERM from submitit; return submitit's USR2 handler (it requeues)."""
+        if threading.current_thread() is not threading.main_thread():
+            return None
+        previous = signal.getsignal(signal.SIGUSR2)
+        signal.signal(signal.SIGUSR2, self._ask)
+        signal.signal(signal.SIGTERM, self._ask)
+        return previous if callable(previous) else None
+
+    def _ask(self, signum, frame) -> None:
+        self.signal = signal.Signals(signum)
+        log.warning("received %s: saving a checkpoint at the next step end", self.signal.name)
+        self.event.set()
 
 
 def _use_allocated_cpus() -> None:

@@ -79,6 +79,7 @@ class SlurmBackend:
             "mem": f"{int(res.mem_gb * 1024)}M",
             "signal_delay_s": res.signal_delay_s,
             "stderr_to_stdout": True,  # one log per job: what --tail follows
+            "additional_parameters": {"open-mode": "append"},  # a requeued run adds to the log, not erase it
             "setup": list(self.profile.setup),
         }
         if res.gpus:

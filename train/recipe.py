@@ -37,6 +37,7 @@ from transformers import (
     TrainingArguments,
     set_seed,
 )
+from transformers.trainer_pt_utils import LengthGroupedSampler
 
 from train import data as data_lib
 from train.callbacks import CommitCheckpoints, RunDirectoryLog, StopWhenAsked
@@ -66,6 +67,45 @@ class Collator:
 
     def __call__(self, features):
         return self.inner([{k: v for k, v in f.items() if k != "length"} for f in features])
+
+
+class EpochSeededLengthSampler(LengthGroupedSampler):
+    """Length-grouped batches whose shuffle depends only on (seed, epoch). HF's own sampler draws from the
+    global RNG when an epoch starts; a run resumed mid-epoch restores a later RNG state, gets another
+    order, and its result drifts from the uninterrupted run's."""
+
+    def __init__(self, *args, seed: int, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.seed, self.epoch = seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self):
+        self.generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        return super().__iter__()
+
+
+class ReproducibleSampling:
+    """Trainer mixin: use the epoch-seeded length-grouped sampler."""
+
+    def _get_train_sampler(self, train_dataset=None):
+        dataset = train_dataset if train_dataset is not None else self.train_dataset
+        if self.args.train_sampling_strategy != "group_by_length":
+            return super()._get_train_sampler(train_dataset)
+        return EpochSeededLengthSampler(
+            self.args.train_batch_size * self.args.gradient_accumulation_steps,
+            lengths=dataset["length"],
+            seed=self.args.seed,
+        )
+
+
+class CausalTrainer(ReproducibleSampling, Trainer):
+    pass
+
+
+class Seq2SeqStageTrainer(ReproducibleSampling, Seq2SeqTrainer):
+    pass
 
 
 class StageRecipe:
@@ -186,7 +226,7 @@ class StageRecipe:
         early = self.job.train.early_stopping
         if early and args.eval_strategy != "no":
             callbacks.append(EarlyStoppingCallback(early.patience, early.threshold))
-        trainer_class = Seq2SeqTrainer if self.job.model.kind == "seq2seq" else Trainer
+        trainer_class = Seq2SeqStageTrainer if self.job.model.kind == "seq2seq" else CausalTrainer
         return trainer_class(
             model=self.model,
             args=args,
