@@ -16,6 +16,7 @@ from slurm.problems import ConfigError, Problem, did_you_mean
 from slurm.profile import ClusterProfile
 from slurm.yamlfile import YamlFile, YamlProblem, deep_merge, load_chain, where
 from train.config import DataSpec, Experiment, StageSpec, TrainSpec
+from train.examples import ExampleError, check_file
 
 # Sections whose keys a "did you mean" can suggest from, by their place in the file.
 SECTIONS: dict[str, type[BaseModel]] = {
@@ -168,24 +169,22 @@ def resolve_stages(
 
 def check_files(experiment: Experiment, stages: list[Stage], chain: list[YamlFile]) -> list[Problem]:
     """Local data files, eval databases and model folders must exist; hub names are checked on the node."""
-    wanted: list[tuple[tuple, str]] = []
+    wanted: list[tuple[tuple, str, DataSpec | None]] = []
     for index, stage in enumerate(stages):
         for key in ("train", "eval"):
             written_in_stage = key in experiment.stages[index].data
-            wanted.append(
-                (
-                    ("stages", index, "data", key) if written_in_stage else ("data", key),
-                    getattr(stage.data, key),
-                )
-            )
-    wanted.append((("eval", "db"), experiment.eval.db))
+            place = ("stages", index, "data", key) if written_in_stage else ("data", key)
+            wanted.append((place, getattr(stage.data, key), stage.data))
+    wanted.append((("eval", "db"), experiment.eval.db, None))
     problems, seen = [], set()
-    for key, value in wanted:
+    for key, value, spec in wanted:
         if value and not value.startswith("hf:") and value not in seen:
             seen.add(value)
+            file, line = where(chain, key)
             if not Path(value).is_file():
-                file, line = where(chain, key)
                 problems.append(Problem(file, ".".join(map(str, key)), f"file not found: {value}", line))
+            elif spec is not None:
+                problems += check_examples(Path(value), spec, ".".join(map(str, key)))
     name = experiment.model.name_or_path
     if _looks_local(name) and not Path(name).is_dir():
         file, line = where(chain, ("model", "name_or_path"))
@@ -196,6 +195,17 @@ def check_files(experiment: Experiment, stages: list[Stage], chain: list[YamlFil
             Problem(file, "model.name_or_path", f"local model folder not found: {name}{hint}", line)
         )
     return problems
+
+
+def check_examples(path: Path, spec: DataSpec, key: str) -> list[Problem]:
+    """Malformed lines, missing fields and empty files are found now, not hours later on a node."""
+    try:
+        check_file(path, spec)
+    except ExampleError as exc:
+        return [Problem(exc.path, "", f"{exc.message} (used as {key})", exc.line)]
+    except (OSError, UnicodeDecodeError) as exc:
+        return [Problem(str(path), "", f"cannot be read ({exc})")]
+    return []
 
 
 def _looks_local(name: str) -> bool:

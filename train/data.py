@@ -6,7 +6,6 @@ Causal LMs learn only the target: prompt tokens are labelled -100. Lengths are m
 
 from __future__ import annotations
 
-import csv
 import hashlib
 import json
 import logging
@@ -16,53 +15,25 @@ from pathlib import Path
 
 import datasets
 
-from train.config import DataSpec, placeholders
+from train.config import DataSpec
+from train.examples import check_file, check_rows, numbered_csv, numbered_jsonl
 
 log = logging.getLogger("train.data")
 FIXED_LENGTHS = (128, 256, 512, 1024, 2048)
 
 
-class DataError(ValueError):
-    """A problem in the user's data file, with the file and line."""
-
-
-def read_rows(source: str) -> list[dict]:
-    """Rows of a .jsonl/.json, .csv or .parquet file, or of `hf:NAME:SPLIT` (honours HF_DATASETS_OFFLINE)."""
+def read_rows(source: str, spec: DataSpec) -> list[dict]:
+    """Checked rows of a .jsonl/.csv/.parquet file, or of `hf:NAME:SPLIT` (honours HF_DATASETS_OFFLINE)."""
     if source.startswith("hf:"):
         name, _, split = source[3:].partition(":")
-        return list(datasets.load_dataset(name, split=split or "train"))
+        rows = list(datasets.load_dataset(name, split=split or "train"))
+        check_rows(list(enumerate(rows, 1)), spec, Path(source))
+        return rows
     path = Path(source)
-    if not path.is_file():
-        raise DataError(f"{source}: file not found")
-    suffix = path.suffix.lower()
-    if suffix in (".jsonl", ".json"):
-        rows = read_jsonl(path)
-    elif suffix == ".csv":
-        with open(path, newline="", encoding="utf-8") as fh:
-            rows = list(csv.DictReader(fh))
-    elif suffix == ".parquet":
-        rows = list(datasets.Dataset.from_parquet(str(path)))
-    else:
-        raise DataError(f"{source}: unknown file type '{suffix}' (use .jsonl, .csv or .parquet)")
-    if not rows:
-        raise DataError(f"{source}: has no examples")
-    return rows
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    rows = []
-    with open(path, encoding="utf-8") as fh:
-        for number, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except ValueError as exc:
-                raise DataError(f"{path}:{number}: not valid JSON ({exc.args[0]})") from None
-            if not isinstance(row, dict):
-                raise DataError(f"{path}:{number}: each line must be a JSON object")
-            rows.append(row)
-    return rows
+    check_file(path, spec)
+    if path.suffix.lower() == ".parquet":
+        return list(datasets.Dataset.from_parquet(str(path)))
+    return [row for _, row in (numbered_csv(path) if path.suffix.lower() == ".csv" else numbered_jsonl(path))]
 
 
 def prompt_of(row: dict, spec: DataSpec) -> str:
@@ -71,20 +42,8 @@ def prompt_of(row: dict, spec: DataSpec) -> str:
     return spec.prompt_template.format(**row)
 
 
-def check_fields(rows: list[dict], spec: DataSpec, source: str) -> None:
-    needed = [
-        spec.target_field,
-        *(placeholders(spec.prompt_template) if spec.prompt_template else [spec.input_field]),
-    ]
-    for number, row in enumerate(rows, 1):
-        missing = [f for f in needed if f not in row]
-        if missing:
-            raise DataError(f"{source}: example {number} has no field {missing} (it has {sorted(row)})")
-
-
 def prompts_and_targets(source: str, spec: DataSpec, limit: int | None = None) -> tuple[list[str], list[str]]:
-    rows = read_rows(source)[:limit]
-    check_fields(rows, spec, source)
+    rows = read_rows(source, spec)[:limit]
     return [prompt_of(r, spec) for r in rows], [str(r[spec.target_field]) for r in rows]
 
 
@@ -141,7 +100,8 @@ def tokenized(source: str, spec: DataSpec, tokenizer, kind: str) -> datasets.Dat
     dataset = datasets.Dataset.from_dict(encode(tokenizer, prompts, targets, kind))
     tmp = folder.with_name(f"{key}.{os.getpid()}.tmp")
     dataset.save_to_disk(str(tmp))
-    os.replace(tmp, folder) if not folder.exists() else None
+    if not folder.exists():  # another job may have cached the same data meanwhile: theirs is as good
+        os.replace(tmp, folder)
     return datasets.load_from_disk(str(folder))
 
 
