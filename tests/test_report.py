@@ -1,0 +1,66 @@
+"""The report reads run folders only: a finished experiment gets its numbers, a failed one a row that says so."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+from eval.report import write_report
+from slurm.experiments import load_experiments
+from slurm.plan import build_plan
+from slurm.profile import load_profile
+from tests.conftest import write_cluster_yaml
+
+EXPERIMENT = """\
+name: {name}
+model: {{name_or_path: org/model, kind: causal}}
+data: {{train: {data}, input_field: q, target_field: a}}
+stages: [{{name: one}}, {{name: two}}]
+eval: {{metrics: [exact_match, bleu]}}
+resources: {{mem_gb: 4, cpus: 1}}
+"""
+
+
+def write_stage(run_dir: Path, losses: list[float], runtime_s: float, eval_loss: float) -> None:
+    run_dir.mkdir(parents=True)
+    rows = [{"step": 5 * (i + 1), "loss": loss} for i, loss in enumerate(losses)]
+    rows.append({"step": 5 * len(losses), "eval_loss": eval_loss})
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 9, "lo')
+    summary = {"trainable_percent": 1.25, "train_runtime_s": runtime_s, "best_eval_loss": eval_loss}
+    (run_dir / "summary.json").write_text(json.dumps(summary))
+
+
+def test_report_rows_plots_and_a_failed_experiment(tmp_path, repo_root):
+    configs = tmp_path / "configs"
+    configs.mkdir()
+    write_cluster_yaml(configs, tmp_path)
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"q": "x", "a": "y"}\n')
+    for name in ("good", "broken"):
+        (configs / f"{name}.yaml").write_text(EXPERIMENT.format(name=name, data=data))
+    profile, _ = load_profile(configs)
+    plan = build_plan(load_experiments(configs, profile), profile)
+    runs = tmp_path / "runs"
+    write_stage(runs / "good" / "one", [3.0, 2.5, 2.0], 60, 2.2)
+    write_stage(runs / "good" / "two", [1.9, 1.5], 120, 1.6)
+    (runs / "good" / "eval").mkdir()
+    results = {"exact_match": 0.25, "bleu": 0.5, "adapter_changes_output": True, "n": 4}
+    (runs / "good" / "eval" / "results.json").write_text(json.dumps(results))
+    states = {"broken/one": "FAILED", "broken/two": "BLOCKED", "broken/eval": "BLOCKED"}
+
+    written = write_report(plan, runs, states, repo_root / "configs" / "baselines.yaml")
+
+    rows = {r["experiment"]: r for r in csv.DictReader((runs / "report.csv").open())}
+    assert rows["good"]["status"] == "complete"
+    assert rows["good"]["stages"] == "one → two"
+    assert float(rows["good"]["exact_match"]) == 0.25 and float(rows["good"]["train_min"]) == 3.0
+    assert float(rows["good"]["best_eval_loss"]) == 1.6
+    assert rows["broken"]["status"] == "missing: one FAILED, two BLOCKED, eval BLOCKED"
+    assert rows["T5-p"]["status"] == "published" and float(rows["T5-p"]["rouge_l"]) == 0.211
+    markdown = (runs / "report.md").read_text()
+    assert "| broken | missing: one FAILED" in markdown and "Ang et al. 2023" in markdown
+    pictures = [p for p in written if p.suffix == ".png"]
+    assert runs / "loss_curves.png" in pictures and runs / "good" / "loss.png" in pictures
+    assert all(p.stat().st_size > 5_000 for p in pictures)
+    assert not (runs / "broken" / "loss.png").exists()
