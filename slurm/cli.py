@@ -61,6 +61,7 @@ def dispatch(args) -> int:
         return show_plan(plan, args.json)
     if args.status:
         rows = plan_status(plan, profile.log_dir)
+        cancel_stuck(rows)
         out.print(status_table(rows))
         for line in problem_lines(rows):
             out.print(line, highlight=False, soft_wrap=True)
@@ -131,6 +132,7 @@ def wait(plan: Plan, profile) -> int:
     with Live(console=out, refresh_per_second=1) as live:
         while True:
             rows = plan_status(plan, profile.log_dir)
+            cancel_stuck(rows)
             live.update(status_table(rows))
             if not any(r.state.live for r in rows):
                 break
@@ -138,6 +140,19 @@ def wait(plan: Plan, profile) -> int:
     for line in problem_lines(rows):
         err.print(line, highlight=False, soft_wrap=True)
     return 1 if any(r.state is not State.COMPLETED for r in rows) else 0
+
+
+def cancel_stuck(rows) -> None:
+    """Jobs SLURM keeps pending as DependencyNeverSatisfied (a parent failed; clusters without
+    kill_invalid_depend) would wait forever: cancel them, so they show as BLOCKED and can be retried."""
+    import subprocess
+
+    stuck = [r for r in rows if r.stuck and r.scheduler_id]
+    if stuck:
+        subprocess.run(["scancel", *[r.scheduler_id for r in stuck]], check=False)
+        err.print(
+            f"cancelled {len(stuck)} job(s) that could never start: " + ", ".join(r.job.id for r in stuck)
+        )
 
 
 def cancel(plan: Plan, log_root: str) -> int:

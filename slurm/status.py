@@ -34,6 +34,7 @@ class JobStatus:
     last_loss: float | None = None
     eta_s: float | None = None
     log_path: str = ""
+    stuck: bool = False  # queued in SLURM but waiting on a dependency that can never be satisfied
 
 
 def query_slurm(job_ids: list[str]) -> dict[str, SchedulerInfo]:
@@ -122,9 +123,12 @@ def job_status(job, record, scheduler, earlier: dict[str, JobStatus], log_root: 
     else:
         info = scheduler.get(scheduler_id, SchedulerInfo(State.UNKNOWN, "not known to squeue or sacct"))
     state, reason = info.state, info.reason
-    if failed_parent and (state in (State.CANCELLED, State.UNKNOWN) or "DependencyNeverSatisfied" in reason):
-        state, reason = State.BLOCKED, f"parent {failed_parent} {earlier[failed_parent].state.value}"
-    return JobStatus(job, state, reason=reason, elapsed=info.elapsed, **common)
+    stuck = state.live and "DependencyNeverSatisfied" in reason
+    if stuck or (failed_parent and state in (State.CANCELLED, State.UNKNOWN)):
+        parent = failed_parent or "a parent"
+        state = State.BLOCKED
+        reason = f"parent {parent} {earlier[parent].state.value}" if failed_parent else "a parent failed"
+    return JobStatus(job, state, reason=reason, elapsed=info.elapsed, stuck=stuck, **common)
 
 
 def _pid_alive(pid: str) -> bool:
