@@ -163,6 +163,17 @@ def resolve_stages(
                     if error["loc"] and error["loc"][0] in getattr(stage, section):
                         problems.append(to_problem(error, chain, ("stages", index, section)))
         if len(specs) == 2:
+            if specs["train"].early_stopping and not specs["data"].eval:
+                file, line = where(chain, ("train", "early_stopping"))
+                problems.append(
+                    Problem(
+                        file,
+                        "train.early_stopping",
+                        f"stops on the eval loss, but stage {stage.name!r} has no data.eval; "
+                        "add data.eval or remove early_stopping",
+                        line,
+                    )
+                )
             stages.append(Stage(stage.name, specs["data"], specs["train"]))
     return stages, problems
 

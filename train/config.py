@@ -105,6 +105,16 @@ class EarlyStopping(Section):
     threshold: Annotated[float, Field(ge=0)] = 0.0
     metric: str = "eval_loss"
 
+    @field_validator("metric")
+    @classmethod
+    def _computed_in_training(cls, value):
+        if value.removeprefix("eval_") != "loss":
+            raise ValueError(
+                f"{value!r} is not computed during training: the in-training eval is loss-only (generation "
+                "metrics come from the eval job, once); use eval_loss"
+            )
+        return value
+
 
 class TrainSpec(Section):
     epochs: Annotated[float, Field(gt=0)] = 3
@@ -165,6 +175,9 @@ class EvalSpec(Section):
         return self
 
 
+SLURM_TIMER_S = 30
+
+
 class Resources(Section):
     gpus: Annotated[int, Field(ge=0)] = 1
     time: str = "04:00:00"
@@ -184,11 +197,25 @@ class Resources(Section):
             raise ValueError("must look like HH:MM:SS or D-HH:MM:SS (e.g. '04:00:00')")
         return value
 
+    @model_validator(mode="after")
+    def _signal_inside_the_limit(self):
+        # slurmctld looks at time limits every 30 s, so the signal can come up to 30 s before it was asked for.
+        if self.signal_delay_s + SLURM_TIMER_S >= self.time_s:
+            raise ValueError(
+                f"signal_delay_s {self.signal_delay_s} leaves no time to train in time {self.time!r}: SLURM may "
+                f"signal up to {SLURM_TIMER_S} s early, so the job would be told to checkpoint and requeue as "
+                "soon as it starts, over and over; make it at most half the time limit"
+            )
+        return self
+
+    @property
+    def time_s(self) -> int:
+        days, hours, minutes, seconds = TIME_FORMAT.match(self.time).groups()
+        return int(days or 0) * 86400 + int(hours) * 3600 + int(minutes) * 60 + int(seconds)
+
     @property
     def timeout_min(self) -> int:
-        days, hours, minutes, seconds = TIME_FORMAT.match(self.time).groups()
-        total_s = int(days or 0) * 86400 + int(hours) * 3600 + int(minutes) * 60 + int(seconds)
-        return max(1, -(-total_s // 60))
+        return max(1, -(-self.time_s // 60))
 
 
 class StageSpec(Section):
