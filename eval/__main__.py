@@ -8,13 +8,14 @@ from __future__ import annotations
 import argparse
 import sys
 
-from eval import score
+from eval import job, score
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m eval", description="Evaluation tools.")
     subcommands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     score.add_parser(subcommands)
+    job.add_parser(subcommands)
     args = parser.parse_args(argv)
     return args.run(args)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 import time
 from pathlib import Path
 
@@ -68,3 +69,26 @@ def write_predictions(path: Path, prompts: list[str], references: list[str], pre
                 json.dumps({"id": index, "input": prompt, "reference": reference, "prediction": prediction})
                 + "\n"
             )
+
+
+def add_parser(subparsers) -> None:
+    """Registers `generate`: rerun an eval job by hand from its run folder's config.yaml."""
+    parser = subparsers.add_parser("generate", help="rerun an eval job: generate with its adapter and score")
+    parser.add_argument("config", type=Path, help="runs/EXP/eval/config.yaml (written at submission)")
+    parser.set_defaults(run=run)
+
+
+def run(args) -> int:
+    import yaml
+    from pydantic import ValidationError
+
+    try:
+        job = EvalJob.model_validate(yaml.safe_load(args.config.read_text(encoding="utf-8")))
+    except (OSError, yaml.YAMLError, ValidationError) as exc:
+        print(f"error: {args.config}: not an eval job's config.yaml ({exc})", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    results = run_eval(job)
+    print(json.dumps({k: v for k, v in results.items() if isinstance(v, float)}))
+    print(f"wrote {Path(job.out_dir) / 'results.json'}")
+    return 0
