@@ -41,11 +41,25 @@ def slurm_cluster() -> Path:
 
 
 @pytest.fixture(scope="session")
-def tiny_models() -> dict[str, Path]:
-    """The demo's tiny T5 and Llama in the repo's models/ folder (built once, reused across runs)."""
+def tiny() -> dict[str, Path]:
+    """{"tiny-t5": folder, "tiny-llama": folder}: the demo's tiny models, each with its tokenizer, in the
+    repo's models/ folder (the demo configs point there; built once, kept while its stamp matches)."""
     from train.tiny import build_tiny_models
 
     return build_tiny_models(ROOT / "models")
+
+
+@pytest.fixture(autouse=True, scope="session")
+def token_cache(tmp_path_factory) -> Path:
+    """A tokenization cache of the session's own, so no test reads another run's cached ids."""
+    folder = tmp_path_factory.mktemp("lora-cache")
+    previous = os.environ.get("LORA_CACHE_DIR")
+    os.environ["LORA_CACHE_DIR"] = str(folder)
+    yield folder
+    if previous is None:
+        os.environ.pop("LORA_CACHE_DIR", None)
+    else:
+        os.environ["LORA_CACHE_DIR"] = previous
 
 
 def squeue_ids() -> set[str]:

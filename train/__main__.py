@@ -1,17 +1,39 @@
-"""`python -m train JOB.yaml`: run one stage by hand, from a resolved TrainJob (a run folder's config.yaml)."""
+"""`python -m train JOB.yaml`: run one stage by hand from a resolved TrainJob (YAML or JSON, e.g. a run
+folder's job.json). Ctrl-C or SIGTERM checkpoints at the next step end, like SLURM's signal does; running
+the same command again resumes from there."""
+
+from __future__ import annotations
 
 import logging
+import signal
 import sys
+import threading
 from pathlib import Path
 
 import yaml
 
-from train.config import TrainJob
-from train.recipe import run_stage
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1:
+        print("usage: python -m train path/to/job.yaml", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from train.config import TrainJob
+    from train.recipe import run_stage
+
+    job = TrainJob.model_validate(yaml.safe_load(Path(argv[0]).read_text()))
+    stop = threading.Event()
+    previous = {
+        signum: signal.signal(signum, lambda *_: stop.set()) for signum in (signal.SIGINT, signal.SIGTERM)
+    }
+    try:
+        outcome = run_stage(job, stop)
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    print(outcome)
+    return 0 if outcome == "completed" else 3
+
 
 if __name__ == "__main__":
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if len(sys.argv) != 2:
-        sys.exit("usage: python -m train path/to/job.yaml")
-    job = TrainJob.model_validate(yaml.safe_load(Path(sys.argv[1]).read_text()))
-    print(run_stage(job))
+    sys.exit(main(sys.argv[1:]))

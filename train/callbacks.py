@@ -5,17 +5,23 @@ from __future__ import annotations
 import json
 import threading
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 
 from transformers import TrainerCallback
 
-from train.checkpoints import commit
+from train.checkpoints import commit, rotate
 
 
-def write_json_atomic(path: Path, value: dict) -> None:
+def write_text_atomic(path: Path, text: str) -> None:
+    """Readers (--status, a resumed job) see the old file or the new one, never half of one."""
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(value))
+    tmp.write_text(text)
     tmp.replace(path)
+
+
+def write_json_atomic(path: Path, value: dict, indent: int | None = None) -> None:
+    write_text_atomic(path, json.dumps(value, indent=indent))
 
 
 class RunDirectoryLog(TrainerCallback):
@@ -73,16 +79,32 @@ class RunDirectoryLog(TrainerCallback):
                 "epoch": round(state.epoch or 0, 4),
                 "last_loss": loss if loss is not None else previous.get("last_loss"),
                 "eta_s": round(rate * (state.max_steps - state.global_step), 1) if rate else None,
-                "updated_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                "updated_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             },
         )
 
 
 class CommitCheckpoints(TrainerCallback):
-    """Mark each checkpoint complete once the Trainer has written all of it."""
+    """Mark each checkpoint complete once the Trainer has written all of it, then drop older ones: the
+    newest and the best (for load_best_model_at_end) are kept."""
 
     def on_save(self, args, state, control, **kwargs):
-        commit(Path(args.output_dir) / f"checkpoint-{state.global_step}")
+        folder = Path(args.output_dir)
+        commit(folder / f"checkpoint-{state.global_step}")
+        rotate(folder, keep={Path(state.best_model_checkpoint)} if state.best_model_checkpoint else set())
+
+
+class SaveEvery(TrainerCallback):
+    """Save every `steps` steps on top of the saves at eval points (HF has one save_steps; when eval runs
+    it must be the eval interval, or the best model would never be saved)."""
+
+    def __init__(self, steps: int):
+        self.steps = steps
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step % self.steps == 0:
+            control.should_save = True
+        return control
 
 
 class StopWhenAsked(TrainerCallback):
@@ -98,3 +120,26 @@ class StopWhenAsked(TrainerCallback):
             control.should_training_stop = True
             self.stopped_early = True
         return control
+
+
+class RuntimeClock(TrainerCallback):
+    """Training time across interruptions: each checkpoint carries the time spent up to it, so a resumed
+    stage's summary reports the whole stage, not its last piece."""
+
+    FILE = "runtime.json"
+
+    def __init__(self, resume_from: Path | None):
+        self.before_s = 0.0
+        if resume_from is not None and (resume_from / self.FILE).is_file():
+            self.before_s = json.loads((resume_from / self.FILE).read_text())["train_runtime_s"]
+        self.started = time.time()
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.started = time.time()
+
+    def total_s(self) -> float:
+        return self.before_s + time.time() - self.started
+
+    def on_save(self, args, state, control, **kwargs):
+        folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+        (folder / self.FILE).write_text(json.dumps({"train_runtime_s": self.total_s()}))

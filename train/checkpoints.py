@@ -1,7 +1,9 @@
 """Crash-safe checkpoints: a checkpoint counts only once its commit marker was written, last and synced.
 
 A job killed mid-save (kill -9, node failure) leaves a folder without the marker; resume skips it with a
-warning and takes the previous one, instead of crashing on a half-written optimizer state.
+warning and takes the previous one, instead of crashing on a half-written optimizer state. Old checkpoints
+are deleted only after a newer one is committed (Hugging Face's own rotation runs before our commit, so a
+kill between the two could leave nothing to resume from; the recipe turns it off and calls `rotate`).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import json
 import logging
 import os
 import re
+import shutil
 from pathlib import Path
 
 log = logging.getLogger("train.checkpoints")
@@ -17,18 +20,26 @@ MARKER = "COMMITTED"
 PATTERN = re.compile(r"^checkpoint-(\d+)$")
 
 
+def fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def commit(checkpoint: Path) -> None:
     """Flush the checkpoint's files to disk, then write the marker: after this it is safe to resume from."""
     for path in checkpoint.rglob("*"):
         if path.is_file():
-            with open(path, "rb") as fh:
-                os.fsync(fh.fileno())
+            fsync_path(path)
     tmp = checkpoint / f".{MARKER}.tmp"
     with open(tmp, "w") as fh:
         fh.write("ok\n")
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, checkpoint / MARKER)
+    fsync_path(checkpoint)  # the rename itself must reach the disk too
 
 
 def is_valid(checkpoint: Path) -> bool:
@@ -38,22 +49,44 @@ def is_valid(checkpoint: Path) -> bool:
         json.loads((checkpoint / "trainer_state.json").read_text())
     except (OSError, ValueError):
         return False
-    return any(checkpoint.glob("adapter_model.safetensors")) or any(checkpoint.glob("*.safetensors"))
+    return any(checkpoint.glob("*.safetensors"))
+
+
+def step_of(checkpoint: Path) -> int:
+    return int(PATTERN.match(checkpoint.name).group(1))
 
 
 def checkpoints(folder: Path) -> list[Path]:
     """Checkpoint folders, newest (highest step) first."""
-    found = [p for p in folder.glob("checkpoint-*") if p.is_dir() and PATTERN.match(p.name)]
-    return sorted(found, key=lambda p: int(PATTERN.match(p.name).group(1)), reverse=True)
+    if not folder.is_dir():
+        return []
+    found = [p for p in folder.iterdir() if p.is_dir() and PATTERN.match(p.name)]
+    return sorted(found, key=step_of, reverse=True)
 
 
 def latest_valid_checkpoint(folder: Path) -> Path | None:
-    for checkpoint in checkpoints(folder):
+    """The newest committed, readable checkpoint; newer torn ones are skipped with a warning."""
+    for checkpoint in checkpoints(Path(folder)):
         if is_valid(checkpoint):
             return checkpoint
         log.warning("skipping %s: incomplete or corrupt (no commit marker or unreadable state)", checkpoint)
     return None
 
 
-def step_of(checkpoint: Path) -> int:
-    return int(PATTERN.match(checkpoint.name).group(1))
+def discard_incomplete(folder: Path) -> list[Path]:
+    """Delete torn checkpoints before resuming: HF would later save into a folder of the same name and
+    mix fresh files with stale ones, and its rotation would count them as real."""
+    torn = [c for c in checkpoints(Path(folder)) if not is_valid(c)]
+    for checkpoint in torn:
+        log.warning("deleting incomplete checkpoint %s", checkpoint)
+        shutil.rmtree(checkpoint, ignore_errors=True)
+    return torn
+
+
+def rotate(folder: Path, keep: set[Path]) -> None:
+    """Keep the newest committed checkpoint and `keep` (the best one); delete the other committed ones."""
+    committed = [c for c in checkpoints(Path(folder)) if is_valid(c)]
+    protected = {c.resolve() for c in committed[:1]} | {Path(k).resolve() for k in keep}
+    for checkpoint in committed[1:]:
+        if checkpoint.resolve() not in protected:
+            shutil.rmtree(checkpoint, ignore_errors=True)

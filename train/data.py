@@ -1,7 +1,9 @@
 """Examples → prompts → token ids, cached on disk under a key that changes with anything that matters.
 
-Causal LMs learn only the target: prompt tokens are labelled -100. Lengths are measured once, so
-`max_length: auto` can pick the smallest length that truncates nothing instead of a blind 2048.
+Causal LMs learn only the target: input = prompt + target + eos, prompt tokens labelled -100 (padding gets
+-100 from the collator). Token ids are cached untruncated, and lengths are measured once, so
+`max_length: auto` can pick the smallest length that truncates nothing instead of a blind 2048, and a new
+max_length reuses the cache (truncating is a cheap in-memory map).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,20 +23,33 @@ from train.examples import check_file, check_rows, numbered_csv, numbered_jsonl
 
 log = logging.getLogger("train.data")
 FIXED_LENGTHS = (128, 256, 512, 1024, 2048)
+CACHE_VERSION = 2  # bump whenever encode() changes what it produces: old cache entries are then ignored
+
+
+# ---- rows and prompts ---------------------------------------------------------------------------------
+def load_hf(source: str) -> datasets.Dataset:
+    """`hf:NAME:SPLIT` or `hf:NAME:CONFIG:SPLIT` (split defaults to train); honours HF_DATASETS_OFFLINE."""
+    parts = source[3:].split(":")
+    name, config = parts[0], parts[1] if len(parts) == 3 else None
+    return datasets.load_dataset(name, config, split=parts[-1] if len(parts) > 1 else "train")
 
 
 def read_rows(source: str, spec: DataSpec) -> list[dict]:
-    """Checked rows of a .jsonl/.csv/.parquet file, or of `hf:NAME:SPLIT` (honours HF_DATASETS_OFFLINE)."""
+    """Checked rows of a .jsonl/.csv/.parquet file, or of an `hf:` dataset."""
     if source.startswith("hf:"):
-        name, _, split = source[3:].partition(":")
-        rows = list(datasets.load_dataset(name, split=split or "train"))
+        rows = list(load_hf(source))
         check_rows(list(enumerate(rows, 1)), spec, Path(source))
         return rows
     path = Path(source)
     check_file(path, spec)
-    if path.suffix.lower() == ".parquet":
-        return list(datasets.Dataset.from_parquet(str(path)))
-    return [row for _, row in (numbered_csv(path) if path.suffix.lower() == ".csv" else numbered_jsonl(path))]
+    suffix = path.suffix.lower()
+    if suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        rows = pq.read_table(path).to_pylist()
+        check_rows(list(enumerate(rows, 1)), spec, path)
+        return rows
+    return [row for _, row in (numbered_csv(path) if suffix == ".csv" else numbered_jsonl(path))]
 
 
 def prompt_of(row: dict, spec: DataSpec) -> str:
@@ -47,43 +63,54 @@ def prompts_and_targets(source: str, spec: DataSpec, limit: int | None = None) -
     return [prompt_of(r, spec) for r in rows], [str(r[spec.target_field]) for r in rows]
 
 
+# ---- tokens -------------------------------------------------------------------------------------------
 def encode(tokenizer, prompts: list[str], targets: list[str], kind: str) -> dict[str, list]:
     """Token ids with no truncation; truncation comes later, once lengths are known."""
     if kind == "seq2seq":
         inputs = tokenizer(prompts)["input_ids"]
         labels = tokenizer(text_target=targets)["input_ids"]
         return {"input_ids": inputs, "labels": labels, "length": [len(i) for i in inputs]}
+    if tokenizer.eos_token_id is None:
+        raise ValueError("the tokenizer has no eos token: a causal LM could never learn where a target ends")
+    # Prompt and target are tokenized apart so the mask falls exactly on the prompt's tokens.
     prompt_ids = tokenizer(prompts)["input_ids"]
     target_ids = tokenizer(targets, add_special_tokens=False)["input_ids"]
     input_ids, labels = [], []
     for p, t in zip(prompt_ids, target_ids, strict=True):
-        full = p + t + [tokenizer.eos_token_id]
-        input_ids.append(full)
+        input_ids.append(p + t + [tokenizer.eos_token_id])
         labels.append([-100] * len(p) + t + [tokenizer.eos_token_id])
     return {"input_ids": input_ids, "labels": labels, "length": [len(i) for i in input_ids]}
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
+    """Vocabulary, merges, normalizer, added tokens and post-processor (all in the backend's JSON)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     text = backend.to_str() if backend is not None else json.dumps(tokenizer.get_vocab(), sort_keys=True)
-    extra = json.dumps([str(t) for t in tokenizer.all_special_tokens] + [tokenizer.padding_side])
+    extra = json.dumps([str(t) for t in tokenizer.all_special_tokens] + [len(tokenizer)])
     return hashlib.sha256((text + extra).encode()).hexdigest()[:16]
 
 
 def source_fingerprint(source: str) -> str:
+    """Content hash of a file (a copy hits the cache, an edit in the same second does not); an `hf:`
+    dataset's own fingerprint."""
     if source.startswith("hf:"):
-        return source
-    stat = Path(source).stat()
-    return f"{Path(source).resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
+        return load_hf(source)._fingerprint
+    digest = hashlib.sha256()
+    with open(source, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def cache_root() -> Path:
     return Path(os.environ.get("LORA_CACHE_DIR", Path.home() / ".cache" / "lora-pipeline"))
 
 
-def tokenized(source: str, spec: DataSpec, tokenizer, kind: str) -> datasets.Dataset:
-    """The tokenized examples of one file, from the disk cache when nothing that matters changed."""
-    key_parts = [
+def cache_key(source: str, spec: DataSpec, tokenizer, kind: str) -> str:
+    """Everything the cached token ids depend on. Max lengths are left out on purpose: the cache holds
+    untruncated ids, so changing them must not re-tokenize."""
+    parts = [
+        CACHE_VERSION,
         source_fingerprint(source),
         tokenizer_fingerprint(tokenizer),
         kind,
@@ -91,31 +118,54 @@ def tokenized(source: str, spec: DataSpec, tokenizer, kind: str) -> datasets.Dat
         spec.input_field,
         spec.target_field,
     ]
-    key = hashlib.sha256(json.dumps(key_parts).encode()).hexdigest()[:20]
+    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:20]
+
+
+def tokenized(source: str, spec: DataSpec, tokenizer, kind: str) -> datasets.Dataset:
+    """The tokenized examples of one file, from the disk cache when nothing that matters changed."""
+    key = cache_key(source, spec, tokenizer, kind)
     folder = cache_root() / "tokenized" / key
     if (folder / "dataset_info.json").is_file():
         log.info("tokenized %s: from cache %s", source, folder)
         return datasets.load_from_disk(str(folder))
     prompts, targets = prompts_and_targets(source, spec)
-    dataset = datasets.Dataset.from_dict(encode(tokenizer, prompts, targets, kind))
-    tmp = folder.with_name(f"{key}.{os.getpid()}.tmp")
-    dataset.save_to_disk(str(tmp))
-    if not folder.exists():  # another job may have cached the same data meanwhile: theirs is as good
-        os.replace(tmp, folder)
+    text = datasets.Dataset.from_dict({"prompt": prompts, "target": targets})
+    dataset = text.map(
+        lambda batch: encode(tokenizer, batch["prompt"], batch["target"], kind),
+        batched=True,
+        remove_columns=["prompt", "target"],
+        keep_in_memory=True,
+        new_fingerprint=key,  # the key already says what this is; hashing the tokenizer again is slow
+    )
+    save_atomic(dataset, folder)
+    log.info("tokenized %s: %d examples, cached in %s", source, len(dataset), folder)
     return datasets.load_from_disk(str(folder))
 
 
+def save_atomic(dataset: datasets.Dataset, folder: Path) -> None:
+    tmp = folder.with_name(f"{folder.name}.{os.getpid()}.tmp")
+    dataset.save_to_disk(str(tmp))
+    try:
+        os.replace(tmp, folder)
+    except OSError:  # another job cached the same data meanwhile: theirs is as good
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+# ---- lengths ------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class LengthReport:
     max_length: int
-    max_target_length: int | None
+    max_target_length: int | None  # seq2seq only: causal targets live inside max_length
     longest: int
+    longest_target: int
     truncated_at: dict[int, int]  # fixed length → how many examples it would cut
 
     def describe(self) -> str:
         cuts = ", ".join(f"{n} at {length}" for length, n in self.truncated_at.items())
+        target = f", max_target_length {self.max_target_length}" if self.max_target_length else ""
         return (
-            f"longest example {self.longest} tokens; max_length {self.max_length}; would be truncated: {cuts}"
+            f"longest example {self.longest} tokens (target {self.longest_target}); max_length "
+            f"{self.max_length}{target}; examples truncated at fixed lengths: {cuts}"
         )
 
 
@@ -123,37 +173,66 @@ def round_up(value: int, multiple: int = 8) -> int:
     return -(-value // multiple) * multiple
 
 
+def target_lengths(dataset: datasets.Dataset) -> list[int]:
+    return [sum(1 for t in labels if t != -100) for labels in dataset["labels"]]
+
+
 def choose_lengths(dataset: datasets.Dataset, spec: DataSpec, kind: str) -> LengthReport:
+    """`auto`: the smallest multiple of 8 that truncates nothing; an explicit length is taken as it is."""
     lengths = dataset["length"]
-    longest = max(lengths)
+    longest, longest_target = max(lengths), max(target_lengths(dataset))
     max_length = round_up(longest) if spec.max_length == "auto" else spec.max_length
     target = None
     if kind == "seq2seq":
-        longest_target = max(len(x) for x in dataset["labels"])
         target = round_up(longest_target) if spec.max_target_length == "auto" else spec.max_target_length
     truncated = {n: sum(1 for x in lengths if x > n) for n in FIXED_LENGTHS}
-    return LengthReport(max_length, target, longest, truncated)
+    return LengthReport(max_length, target, longest, longest_target, truncated)
 
 
-def truncate(dataset: datasets.Dataset, lengths: LengthReport) -> datasets.Dataset:
-    if lengths.max_length >= lengths.longest and lengths.max_target_length is None:
+def cut(ids: list[int], limit: int, keep_last: bool) -> list[int]:
+    """The first `limit` ids; with keep_last the final (eos) id survives, as tokenizer truncation does."""
+    if len(ids) <= limit:
+        return ids
+    return ids[: limit - 1] + ids[-1:] if keep_last else ids[:limit]
+
+
+def truncate(dataset: datasets.Dataset, lengths: LengthReport, kind: str = "causal") -> datasets.Dataset:
+    """Cut to the chosen lengths; causal examples whose whole target was cut away are dropped (they would
+    add nothing but a 0/0 loss)."""
+    input_limit = lengths.max_length
+    label_limit = lengths.max_target_length or lengths.max_length
+    seq2seq = kind == "seq2seq"
+    if lengths.longest <= input_limit and lengths.longest_target <= label_limit:
         return dataset
 
-    def cut(batch):
-        batch["input_ids"] = [x[: lengths.max_length] for x in batch["input_ids"]]
-        limit = lengths.max_target_length or lengths.max_length
-        batch["labels"] = [x[:limit] for x in batch["labels"]]
+    def cut_batch(batch):
+        batch["input_ids"] = [cut(x, input_limit, seq2seq) for x in batch["input_ids"]]
+        batch["labels"] = [cut(x, label_limit, seq2seq) for x in batch["labels"]]
         batch["length"] = [len(x) for x in batch["input_ids"]]
         return batch
 
-    return dataset.map(cut, batched=True, keep_in_memory=True)
+    cut_set = dataset.map(cut_batch, batched=True, keep_in_memory=True)
+    kept = cut_set.filter(lambda labels: any(t != -100 for t in labels), input_columns="labels")
+    if len(kept) == 0:
+        raise ValueError(
+            f"max_length {input_limit} leaves no target token in any example (longest example "
+            f"{lengths.longest} tokens): raise data.max_length or use 'auto'"
+        )
+    if len(kept) < len(cut_set):
+        log.warning(
+            "%d of %d examples dropped: max_length %d cuts their whole target (prompt too long)",
+            len(cut_set) - len(kept),
+            len(cut_set),
+            input_limit,
+        )
+    return kept
 
 
-def padding_fraction(lengths: list[int], batch_size: int, grouped: bool) -> float:
-    """Share of pad tokens if batches are formed in this order (sorted when length-grouped)."""
-    order = sorted(lengths) if grouped else lengths
-    padded = sum(
-        max(order[i : i + batch_size]) * len(order[i : i + batch_size])
-        for i in range(0, len(order), batch_size)
-    )
-    return 1 - sum(lengths) / padded if padded else 0.0
+def padding_fraction(lengths: list[int], order: list[int], batch_size: int, multiple: int = 1) -> float:
+    """Share of pad tokens in the batches formed in `order` (dynamic padding to the longest, rounded up)."""
+    padded = total = 0
+    for start in range(0, len(order), batch_size):
+        batch = [lengths[i] for i in order[start : start + batch_size]]
+        padded += round_up(max(batch), multiple) * len(batch)
+        total += sum(batch)
+    return 1 - total / padded if padded else 0.0

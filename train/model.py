@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
+from dataclasses import dataclass
 
 import torch
 from peft import LoraConfig, PeftModel, TaskType, get_peft_model, prepare_model_for_kbit_training
@@ -28,6 +29,7 @@ def model_class(kind: str):
 
 
 def compute_dtype() -> torch.dtype:
+    """bf16 on a GPU that has it, else fp32: CPU bf16 is slower for small models (notes §6)."""
     if torch.cuda.is_available() and torch.cuda.is_bf16_supported():
         return torch.bfloat16
     return torch.float32
@@ -42,10 +44,15 @@ def load_tokenizer(source: str, spec: ModelSpec):
     return tokenizer
 
 
-def load_base(spec: ModelSpec, adapter: AdapterSpec | None):
-    """The base model; 4-bit NF4 when the adapter is QLoRA (bitsandbytes, on GPU or CPU)."""
-    kwargs: dict = {"revision": spec.revision}
-    if adapter is not None and adapter.method == "qlora":
+def load_base(spec: ModelSpec, adapter: AdapterSpec | None, dtype: torch.dtype | None = None):
+    """The base model in `dtype` (default: compute_dtype()); 4-bit when the adapter is QLoRA.
+
+    The dtype is always explicit: transformers 5 otherwise loads whatever the checkpoint was saved in, and a
+    bf16 checkpoint would then train in bf16 on a CPU that was asked for fp32."""
+    dtype = dtype or compute_dtype()
+    kwargs: dict = {"revision": spec.revision, "dtype": dtype}
+    qlora = adapter is not None and adapter.method == "qlora"
+    if qlora:
         kwargs["quantization_config"] = BitsAndBytesConfig(
             load_in_4bit=True,
             bnb_4bit_quant_type=adapter.quant_type,
@@ -54,8 +61,8 @@ def load_base(spec: ModelSpec, adapter: AdapterSpec | None):
         )
         kwargs["device_map"] = {"": 0} if torch.cuda.is_available() else "cpu"
     model = model_class(spec.kind).from_pretrained(spec.name_or_path, **kwargs)
-    if adapter is not None and adapter.method == "qlora":
-        avoid_cpu_inference_repack(model)
+    if qlora and not torch.cuda.is_available():
+        avoid_cpu_inference_repack(model)  # right after loading: before anything can run an eval forward
     return model
 
 
@@ -70,15 +77,32 @@ def avoid_cpu_inference_repack(model) -> None:
             module.support_avx512bf16_for_cpu = False
 
 
-def add_tokens(model, tokenizer, tokens: list[str]) -> None:
+def add_tokens(model, tokenizer, tokens: list[str]) -> list[int]:
+    """Add `tokens` as special tokens and grow the embeddings to the tokenizer; returns the new ids."""
+    before = len(tokenizer)
     if tokens:
         tokenizer.add_special_tokens({"additional_special_tokens": list(tokens)})
     if len(tokenizer) != model.get_input_embeddings().weight.shape[0]:
         model.resize_token_embeddings(len(tokenizer))
+    return list(range(before, len(tokenizer)))
 
 
-def new_adapter(model, spec: AdapterSpec, kind: str):
+def token_rows(model, token_ids: list[int]) -> dict[str, list[int]] | None:
+    """Where added tokens are trained: only their rows of the input embedding, and of the output layer
+    when it is not tied to it (peft trainable tokens; the full matrices would be tens of percent)."""
+    if not token_ids:
+        return None
+    names = {module: name.split(".")[-1] for name, module in model.named_modules()}
+    rows = {names[model.get_input_embeddings()]: token_ids}
+    output = model.get_output_embeddings()
+    if output is not None and output.weight is not model.get_input_embeddings().weight:
+        rows[names[output]] = token_ids
+    return rows
+
+
+def new_adapter(model, spec: AdapterSpec, kind: str, added_token_ids: list[int] | None = None):
     if spec.method == "qlora":
+        # Gradient checkpointing is the Trainer's business (train.gradient_checkpointing), not a side effect.
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     config = LoraConfig(
         task_type=TaskType.SEQ_2_SEQ_LM if kind == "seq2seq" else TaskType.CAUSAL_LM,
@@ -87,16 +111,24 @@ def new_adapter(model, spec: AdapterSpec, kind: str):
         lora_dropout=spec.dropout,
         target_modules=spec.target_modules,
         modules_to_save=spec.modules_to_save or None,
+        trainable_token_indices=token_rows(model, added_token_ids or []),
     )
     return get_peft_model(model, config)
 
 
 def load_trained(
-    model_spec: ModelSpec, adapter_dir: str, quantize: AdapterSpec | None = None, trainable: bool = False
+    model_spec: ModelSpec,
+    adapter_dir: str,
+    quantize: AdapterSpec | None = None,
+    trainable: bool = False,
+    *,
+    dtype: torch.dtype | None = None,
 ):
-    """(model, tokenizer) from a saved adapter, in the order that works with added tokens."""
+    """(model, tokenizer) from a saved adapter, in the one order that works with added tokens: tokenizer from
+    the adapter folder → base → resize to len(tokenizer) → PeftModel.from_pretrained. Used by later stages
+    (trainable=True) and by the eval job; `quantize` is the adapter spec a QLoRA adapter was trained with."""
     tokenizer = load_tokenizer(adapter_dir, model_spec)
-    base = load_base(model_spec, quantize)
+    base = load_base(model_spec, quantize, dtype)
     if len(tokenizer) != base.get_input_embeddings().weight.shape[0]:
         base.resize_token_embeddings(len(tokenizer))
     if quantize is not None and quantize.method == "qlora" and trainable:
@@ -105,32 +137,70 @@ def load_trained(
     return model, tokenizer
 
 
-def trainable_report(model) -> tuple[int, int, dict[str, int]]:
-    """(trainable, total, trainable parameters per top-level module kind) — 4-bit weights counted unpacked."""
+@dataclass(frozen=True)
+class TrainableParams:
+    trainable: int
+    total: int
+    by_module: dict[str, int]  # trainable parameters per module kind ("lora", "embed_tokens", ...)
+
+    @property
+    def percent(self) -> float:
+        return 100 * self.trainable / self.total
+
+
+def module_kind(name: str) -> str:
+    """What a trainable parameter belongs to, in the words a config uses."""
+    if "lora_" in name:
+        return "lora"
+    if ".modules_to_save." in name:
+        return name.split(".modules_to_save.")[0].split(".")[-1]
+    if "trainable_tokens_delta" in name:
+        return "added token rows of " + name.split(".token_adapter.")[0].split(".")[-1]
+    return name.rsplit(".", 2)[-2] if name.count(".") >= 1 else name
+
+
+def trainable_report(model) -> TrainableParams:
+    """Trainable and total parameters; 4-bit weights are packed two to a byte and counted unpacked."""
     trainable, total, by_module = 0, 0, defaultdict(int)
     for name, param in model.named_parameters():
         count = param.numel() * (2 if getattr(param, "quant_type", None) else 1)
         total += count
         if param.requires_grad:
             trainable += count
-            kind = "lora" if "lora_" in name else name.split(".modules_to_save")[0].split(".")[-1]
-            by_module[kind] += count
-    return trainable, total, dict(by_module)
+            by_module[module_kind(name)] += count
+    return TrainableParams(trainable, total, dict(by_module))
 
 
-def check_trainable(model, limit_percent: float) -> float:
-    trainable, total, by_module = trainable_report(model)
-    percent = 100 * trainable / total
-    log.info("trainable parameters: %d of %d (%.2f%%)", trainable, total, percent)
-    if percent > limit_percent:
-        culprits = sorted(((n, c) for n, c in by_module.items() if n != "lora"), key=lambda x: -x[1])
+def check_trainable(model, limit_percent: float) -> TrainableParams:
+    """Log the trainable share; raise TrainableTooLarge, naming the modules responsible, above the limit."""
+    report = trainable_report(model)
+    log.info(
+        "trainable parameters: %s of %s (%.2f%%); by module: %s",
+        f"{report.trainable:,}",
+        f"{report.total:,}",
+        report.percent,
+        report.by_module,
+    )
+    if report.percent > limit_percent:
+        culprits = sorted(((n, c) for n, c in report.by_module.items() if n != "lora"), key=lambda x: -x[1])
         if culprits:
             named = ", ".join(f"{n} ({c:,} params)" for n, c in culprits)
             hint = f"responsible: {named}; remove them from adapter.modules_to_save"
         else:
             hint = "the LoRA layers alone are this large: lower adapter.rank or target fewer modules"
         raise TrainableTooLarge(
-            f"{percent:.1f}% of the model would be trainable (limit adapter.max_trainable_percent = "
-            f"{limit_percent:g}%); {hint}, or raise the limit"
+            f"{report.percent:.1f}% of the model would be trainable ({report.trainable:,} of "
+            f"{report.total:,} parameters; limit adapter.max_trainable_percent = {limit_percent:g}%); "
+            f"{hint}, or raise the limit"
         )
-    return percent
+    return report
+
+
+def adapter_differences(model, spec: AdapterSpec) -> list[str]:
+    """How a loaded adapter's LoRA settings differ from `spec` (a later stage keeps the loaded ones)."""
+    config = model.peft_config["default"]
+    loaded = {"rank": config.r, "alpha": config.lora_alpha, "dropout": config.lora_dropout}
+    wanted = {"rank": spec.rank, "alpha": spec.alpha, "dropout": spec.dropout}
+    return [
+        f"{k}: adapter has {loaded[k]}, config says {wanted[k]}" for k in loaded if loaded[k] != wanted[k]
+    ]

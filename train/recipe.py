@@ -1,19 +1,36 @@
 """The shared LoRA/QLoRA trainer: one stage of one experiment, read top to bottom.
 
-    run_stage(TrainJob, stop) → "completed" | "interrupted"
+    run_stage(TrainJob, stop) → "completed" | "interrupted"      (python -m train JOB.yaml does the same)
+
+StageRecipe: setup() → train() → save(). The job wrapper sets `stop` on SLURM's time-limit or preemption
+signal; the recipe then checkpoints at the next step end and returns "interrupted". The next start resumes
+from the newest committed checkpoint. The wrapper, not the trainer, writes DONE after "completed".
 
 Feature → config key:
-- seq2seq (T5) or causal (Llama/Qwen) base, hub id or folder  → model.kind, model.name_or_path, model.revision
-- added special tokens, saved with the adapter                 → model.added_tokens
-- LoRA or QLoRA (4-bit NF4, double quantisation)               → adapter.method, rank, alpha, dropout, target_modules
-- refuse runs that train too much of the model                 → adapter.max_trainable_percent, modules_to_save
-- continue the previous stage's adapter                        → (planned) init_adapter
-- JSONL/CSV/Parquet/hf: data, templated prompts, masked prompt → data.train/eval, prompt_template, *_field
-- smallest max_length that truncates nothing                   → data.max_length / max_target_length: auto
-- length-grouped batches, or file order for curricula          → data.order
-- bf16/TF32/fused AdamW/workers on GPU, fp32 on CPU            → train.precision, data.num_workers
-- loss-only eval, early stopping, best + latest checkpoints    → train.eval_every_epochs, early_stopping, save_every_steps
-- resume after a time limit or preemption                      → (automatic) newest committed checkpoint in checkpoints/
+- seq2seq (T5, Seq2SeqTrainer) or causal (Llama/Qwen, Trainer) → model.kind
+- hub id or local folder, pinned revision (offline: HF_HUB_OFFLINE) → model.name_or_path, model.revision
+- added special tokens: embeddings resized, only their rows trained,
+  tokenizer saved with the adapter                              → model.added_tokens
+- LoRA, or QLoRA on a 4-bit base (CPU: bitsandbytes repack fix)   → adapter.method, rank, alpha, dropout,
+                                                                   target_modules, quant_type, double_quant
+- refuse runs that train too much of the model, naming modules    → adapter.max_trainable_percent,
+                                                                   adapter.modules_to_save
+- continue the previous stage's adapter instead of a fresh one    → init_adapter
+- JSONL/CSV/Parquet by extension or hf:NAME:SPLIT                 → data.train, data.eval
+- prompts from a template, prompt masked out of a causal loss     → data.prompt_template, input_field, target_field
+- smallest max_length that truncates nothing (multiple of 8)      → data.max_length / max_target_length: auto
+- length-grouped batches, or file order for curricula             → data.order: shuffle | file
+- fused AdamW; bf16 + TF32 + workers/pinned memory on GPU, fp32 on CPU → train.precision, data.num_workers
+- activation (gradient) checkpointing, only when asked            → train.gradient_checkpointing
+- loss-only eval every N epochs, no generation                    → train.eval_every_epochs, data.eval
+- early stopping, best model loaded at the end                    → train.early_stopping.{metric,patience,threshold}
+- checkpoints: every N steps and at each eval, best + newest kept → train.save_every_steps
+- epochs, or a fixed number of steps that overrides them          → train.epochs, train.max_steps
+- resume after a time limit or preemption                         → (automatic) checkpoints/ in run_dir
+- tokenization cache                                              → env LORA_CACHE_DIR (~/.cache/lora-pipeline)
+
+Run directory (job.run_dir): metrics.jsonl, progress.json, summary.json, checkpoints/checkpoint-N/,
+adapter/ (adapter + tokenizer).
 """
 
 from __future__ import annotations
@@ -22,8 +39,8 @@ import json
 import logging
 import math
 import os
+import shutil
 import threading
-import time
 from pathlib import Path
 from typing import Literal
 
@@ -40,10 +57,26 @@ from transformers import (
 from transformers.trainer_pt_utils import LengthGroupedSampler
 
 from train import data as data_lib
-from train.callbacks import CommitCheckpoints, RunDirectoryLog, StopWhenAsked
-from train.checkpoints import latest_valid_checkpoint, step_of
+from train.callbacks import (
+    CommitCheckpoints,
+    RunDirectoryLog,
+    RuntimeClock,
+    SaveEvery,
+    StopWhenAsked,
+    write_json_atomic,
+    write_text_atomic,
+)
+from train.checkpoints import discard_incomplete, latest_valid_checkpoint, step_of
 from train.config import TrainJob
-from train.model import add_tokens, check_trainable, load_base, load_tokenizer, load_trained, new_adapter
+from train.model import (
+    adapter_differences,
+    add_tokens,
+    check_trainable,
+    load_base,
+    load_tokenizer,
+    load_trained,
+    new_adapter,
+)
 
 log = logging.getLogger("train.recipe")
 
@@ -109,6 +142,9 @@ class Seq2SeqStageTrainer(ReproducibleSampling, Seq2SeqTrainer):
 
 
 class StageRecipe:
+    """One stage: setup() builds model, data and Trainer; train() runs or resumes; save() writes the adapter
+    and summary. The module docstring maps each feature to its config key."""
+
     def __init__(self, job: TrainJob, stop: threading.Event):
         self.job, self.stop = job, stop
         self.run_dir = Path(job.run_dir)
@@ -117,41 +153,66 @@ class StageRecipe:
     # ---- setup ----------------------------------------------------------------------------------
     def setup(self) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.check_eval_settings()  # a config mistake should fail before minutes of loading
         # Resume point first: metrics logged after it would otherwise appear twice.
+        discard_incomplete(self.run_dir / "checkpoints")
         self.resume_from = latest_valid_checkpoint(self.run_dir / "checkpoints")
         if self.resume_from:
             log.info("resuming from %s", self.resume_from)
             self.forget_metrics_after(step_of(self.resume_from))
         set_seed(self.job.train.seed)  # before the adapter exists: LoRA's initial weights are drawn from it
         self.model, self.tokenizer = self.load_model()
-        self.tokenizer.padding_side = "right"  # training pads on the right; generation sets its own side
-        self.trainable_percent = check_trainable(self.model, self.job.adapter.max_trainable_percent)
+        # Training pads on the right (labels line up with inputs); the saved tokenizer keeps its own side.
+        self.saved_padding_side, self.tokenizer.padding_side = self.tokenizer.padding_side, "right"
+        self.params = check_trainable(self.model, self.job.adapter.max_trainable_percent)
         # Data after the tokenizer: its fingerprint is part of the tokenization cache key.
         self.train_set, self.lengths = self.load_split(self.job.data.train)
-        log.info("train data: %s", self.lengths.describe())
-        self.eval_set = self.load_split(self.job.data.eval)[0] if self.job.data.eval else None
+        log.info("train data: %d examples; %s", len(self.train_set), self.lengths.describe())
+        # Eval batches of similar lengths pad little; the order of a loss-only eval does not matter.
+        self.eval_set = self.load_split(self.job.data.eval)[0].sort("length") if self.job.data.eval else None
         self.trainer = self.build_trainer()
 
+    def check_eval_settings(self) -> None:
+        early, data = self.job.train.early_stopping, self.job.data
+        # (The metric itself is checked by the config schema: only eval_loss exists during training.)
+        if early and not data.eval:
+            raise ValueError("train.early_stopping needs data.eval: it stops on the eval loss")
+
     def load_model(self):
-        job = self.job
-        if job.init_adapter:  # a later stage continues the previous stage's adapter
-            return load_trained(job.model, job.init_adapter, quantize=job.adapter, trainable=True)
+        job, dtype = self.job, self.load_dtype()
+        if job.init_adapter:  # a later stage continues the previous stage's adapter, weights and tokens
+            model, tokenizer = load_trained(
+                job.model, job.init_adapter, job.adapter, trainable=True, dtype=dtype
+            )
+            for difference in adapter_differences(model, job.adapter):
+                log.warning("init_adapter %s keeps its own settings: %s", job.init_adapter, difference)
+            missing = [t for t in job.model.added_tokens if t not in tokenizer.get_vocab()]
+            if missing:  # embeddings cannot grow under a loaded adapter; the first stage must add them
+                raise ValueError(f"model.added_tokens {missing} are not in {job.init_adapter}'s tokenizer")
+            return model, tokenizer
         tokenizer = load_tokenizer(job.model.name_or_path, job.model)
-        model = load_base(job.model, job.adapter)
-        add_tokens(model, tokenizer, job.model.added_tokens)
-        return new_adapter(model, job.adapter, job.model.kind), tokenizer
+        model = load_base(job.model, job.adapter, dtype)
+        new_ids = add_tokens(model, tokenizer, job.model.added_tokens)
+        return new_adapter(model, job.adapter, job.model.kind, new_ids), tokenizer
 
     def load_split(self, source: str):
-        dataset = data_lib.tokenized(source, self.job.data, self.tokenizer, self.job.model.kind)
-        lengths = data_lib.choose_lengths(dataset, self.job.data, self.job.model.kind)
-        return data_lib.truncate(dataset, lengths), lengths
+        kind = self.job.model.kind
+        dataset = data_lib.tokenized(source, self.job.data, self.tokenizer, kind)
+        lengths = data_lib.choose_lengths(dataset, self.job.data, kind)
+        return data_lib.truncate(dataset, lengths, kind), lengths
 
     def forget_metrics_after(self, step: int) -> None:
         path = self.run_dir / "metrics.jsonl"
-        if path.is_file():
-            rows = [line for line in path.read_text().splitlines() if line.strip()]
-            kept = [line for line in rows if json.loads(line).get("step", 0) <= step]
-            path.write_text("".join(line + "\n" for line in kept))
+        if not path.is_file():
+            return
+        kept = []
+        for line in path.read_text().splitlines():
+            try:
+                if json.loads(line).get("step", 0) <= step:
+                    kept.append(line)
+            except ValueError:
+                continue  # a row cut by a kill mid-write
+        write_text_atomic(path, "".join(line + "\n" for line in kept))
 
     def precision(self) -> str:
         wanted = self.job.train.precision
@@ -159,32 +220,38 @@ class StageRecipe:
             return "bf16" if self.cuda and torch.cuda.is_bf16_supported() else "fp32"
         return wanted
 
+    def load_dtype(self) -> torch.dtype:
+        # bf16 weights only on a GPU: CPU bf16 runs through autocast with fp32 weights (notes §6). fp16
+        # keeps fp32 weights, as AMP's gradient scaler needs for anything trainable.
+        return torch.bfloat16 if self.cuda and self.precision() == "bf16" else torch.float32
+
+    def workers(self) -> int:
+        wanted = self.job.data.num_workers
+        if wanted != "auto":
+            return wanted
+        available = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        return min(4, available or 1) if self.cuda else 0  # CPU: workers would take cores from the math
+
     def steps_per_epoch(self) -> int:
-        per_step = self.job.train.batch_size * self.job.train.grad_accum * max(1, torch.cuda.device_count())
-        return max(1, math.ceil(len(self.train_set) / per_step))
+        batches = math.ceil(
+            len(self.train_set) / (self.job.train.batch_size * max(1, torch.cuda.device_count()))
+        )
+        return max(1, batches // self.job.train.grad_accum)  # the Trainer's own arithmetic
+
+    def evaluating(self) -> bool:
+        return self.eval_set is not None and self.job.train.eval_every_epochs is not None
 
     def training_arguments(self) -> TrainingArguments:
         train, data = self.job.train, self.job.data
-        precision = self.precision()
-        workers = (
-            data.num_workers
-            if data.num_workers != "auto"
-            else (min(4, os.cpu_count() or 1) if self.cuda else 0)
-        )
-        evaluating = self.eval_set is not None and train.eval_every_epochs is not None
+        precision, evaluating = self.precision(), self.evaluating()
         eval_steps = max(1, round(self.steps_per_epoch() * (train.eval_every_epochs or 1)))
-        save_steps = (
-            eval_steps * max(1, train.save_every_steps // eval_steps)
-            if evaluating
-            else train.save_every_steps
-        )
         args_class = Seq2SeqTrainingArguments if self.job.model.kind == "seq2seq" else TrainingArguments
         return args_class(
             output_dir=str(self.run_dir / "checkpoints"),
             num_train_epochs=train.epochs,
-            max_steps=train.max_steps or -1,
+            max_steps=train.max_steps or -1,  # when set, overrides epochs
             per_device_train_batch_size=train.batch_size,
-            per_device_eval_batch_size=train.batch_size * 2,
+            per_device_eval_batch_size=train.batch_size * 2,  # no gradients: twice the batch fits
             gradient_accumulation_steps=train.grad_accum,
             learning_rate=train.learning_rate,
             warmup_steps=train.warmup_ratio,  # a float below 1 is a ratio of the total steps
@@ -194,24 +261,25 @@ class StageRecipe:
             bf16=precision == "bf16",
             fp16=precision == "fp16",
             tf32=True if self.cuda and torch.cuda.get_device_capability()[0] >= 8 else None,
-            optim="adamw_torch_fused" if self.cuda else "adamw_torch",
-            gradient_checkpointing=train.gradient_checkpointing,
-            dataloader_num_workers=workers,
+            optim="adamw_torch_fused",  # one kernel for all parameters, on CPU as on CUDA
+            activation_checkpointing=train.gradient_checkpointing,
+            dataloader_num_workers=self.workers(),
             dataloader_pin_memory=self.cuda,
             train_sampling_strategy="sequential" if data.order == "file" else "group_by_length",
-            remove_unused_columns=False,
+            remove_unused_columns=False,  # the collator drops `length`; the sampler needs it
             include_num_input_tokens_seen="non_padding",
             eval_strategy="steps" if evaluating else "no",
             eval_steps=eval_steps if evaluating else None,
             prediction_loss_only=True,  # generation happens once, in the eval job
             save_strategy="steps",
-            save_steps=save_steps,
-            save_total_limit=2,  # with load_best_model_at_end: the best and the latest
+            # With eval, every eval point is saved (else the best model could be one never saved);
+            # SaveEvery adds save_every_steps on top. The best and the newest are kept (CommitCheckpoints).
+            save_steps=eval_steps if evaluating else train.save_every_steps,
+            save_total_limit=None,
             load_best_model_at_end=evaluating,
             metric_for_best_model=(train.early_stopping.metric if train.early_stopping else "eval_loss")
             if evaluating
             else None,
-            greater_is_better=False if evaluating else None,
             logging_steps=train.logging_steps,
             logging_first_step=True,
             report_to="none",
@@ -222,9 +290,13 @@ class StageRecipe:
     def build_trainer(self) -> Trainer:
         args = self.training_arguments()
         self.stopper = StopWhenAsked(self.stop)
-        callbacks = [RunDirectoryLog(self.run_dir), CommitCheckpoints(), self.stopper]
+        self.clock = RuntimeClock(self.resume_from)
+        # Order matters: the clock writes into a checkpoint before CommitCheckpoints seals it.
+        callbacks = [RunDirectoryLog(self.run_dir), self.clock, CommitCheckpoints(), self.stopper]
+        if self.evaluating() and self.job.train.save_every_steps != args.save_steps:
+            callbacks.append(SaveEvery(self.job.train.save_every_steps))
         early = self.job.train.early_stopping
-        if early and args.eval_strategy != "no":
+        if early and self.evaluating():
             callbacks.append(EarlyStoppingCallback(early.patience, early.threshold))
         trainer_class = Seq2SeqStageTrainer if self.job.model.kind == "seq2seq" else CausalTrainer
         return trainer_class(
@@ -239,49 +311,62 @@ class StageRecipe:
 
     # ---- train ----------------------------------------------------------------------------------
     def train(self) -> Literal["completed", "interrupted"]:
-        started = time.time()
         result = self.trainer.train(
             resume_from_checkpoint=str(self.resume_from) if self.resume_from else None
         )
-        self.train_runtime_s = time.time() - started
         self.train_metrics = result.metrics
         return "interrupted" if self.stopper.stopped_early else "completed"
 
     # ---- save -----------------------------------------------------------------------------------
     def save(self) -> None:
+        """adapter/ (the best model when eval ran: load_best_model_at_end) with its tokenizer, swapped in
+        whole so a reader never sees half an adapter; then summary.json."""
         adapter_dir = self.run_dir / "adapter"
         tmp = self.run_dir / f".adapter.{os.getpid()}.tmp"
-        self.trainer.model.save_pretrained(tmp)  # the best model when eval ran (load_best_model_at_end)
+        shutil.rmtree(tmp, ignore_errors=True)
+        self.trainer.model.save_pretrained(tmp)
+        self.tokenizer.padding_side = self.saved_padding_side
         self.tokenizer.save_pretrained(tmp)  # added tokens travel with the adapter
         if adapter_dir.exists():
-            import shutil
-
             shutil.rmtree(adapter_dir)
         os.replace(tmp, adapter_dir)
         self.write_summary()
 
+    def batch_order(self) -> list[int]:
+        """The first epoch's example order, as the train sampler gives it."""
+        sampler = self.trainer._get_train_sampler(self.train_set)
+        return list(iter(sampler)) if sampler is not None else list(range(len(self.train_set)))
+
     def write_summary(self) -> None:
-        history = self.trainer.state.log_history
-        eval_losses = [row["eval_loss"] for row in history if "eval_loss" in row]
+        state = self.trainer.state
+        eval_losses = [row["eval_loss"] for row in state.log_history if "eval_loss" in row]
+        padding = data_lib.padding_fraction(
+            self.train_set["length"], self.batch_order(), self.job.train.batch_size, 8 if self.cuda else 1
+        )
         summary = {
             "experiment": self.job.experiment,
             "stage": self.job.stage,
-            "trainable_percent": round(self.trainable_percent, 4),
-            "train_runtime_s": round(self.train_runtime_s, 2),
-            "global_step": self.trainer.state.global_step,
+            "trainable_params": self.params.trainable,
+            "total_params": self.params.total,
+            "trainable_percent": round(self.params.percent, 4),
+            "trainable_by_module": self.params.by_module,
+            "train_runtime_s": round(self.clock.total_s(), 2),
+            "global_step": state.global_step,
+            "epochs_done": round(state.epoch or 0, 4),
             "best_eval_loss": min(eval_losses) if eval_losses else None,
+            "final_train_loss": self.train_metrics.get("train_loss"),
+            "train_examples": len(self.train_set),
+            "eval_examples": len(self.eval_set) if self.eval_set is not None else None,
             "max_length": self.lengths.max_length,
+            "max_target_length": self.lengths.max_target_length,
             "longest_example": self.lengths.longest,
+            "longest_target": self.lengths.longest_target,
             "truncated_at": self.lengths.truncated_at,
-            "padding_fraction": round(
-                data_lib.padding_fraction(
-                    self.train_set["length"], self.job.train.batch_size, self.job.data.order == "shuffle"
-                ),
-                4,
-            ),
-            "device": "cuda" if self.cuda else "cpu",
+            "padding_fraction": round(padding, 4),
+            "device": torch.cuda.get_device_name() if self.cuda else "cpu",
             "precision": self.precision(),
+            "init_adapter": self.job.init_adapter,
             "resumed_from": str(self.resume_from) if self.resume_from else None,
-            "num_input_tokens_seen": self.trainer.state.num_input_tokens_seen,
+            "num_input_tokens_seen": state.num_input_tokens_seen,
         }
-        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        write_json_atomic(self.run_dir / "summary.json", summary, indent=1)

@@ -2,48 +2,66 @@
 
     python -m train.tiny [OUT_DIR] [--force]      # default OUT_DIR: models/
 
-builds a byte-level BPE tokenizer trained on the demo data, then `OUT_DIR/tiny-t5` (seq2seq) and
-`OUT_DIR/tiny-llama` (causal), each saved with its tokenizer, seeded so the weights are the same every time.
-A folder whose stamp matches this recipe is kept as it is.
+builds a byte-level BPE tokenizer trained on the demo data (data/demo/sql), then `OUT_DIR/tiny-t5` (seq2seq)
+and `OUT_DIR/tiny-llama` (causal), each saved with its tokenizer and seeded so the weights are the same
+every time. A folder whose `tiny.json` stamp matches this recipe and the demo data is left as it is.
 """
 
 from __future__ import annotations
 
+import argparse
+import hashlib
 import json
 import os
 import shutil
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
-RECIPE_VERSION = 1
+# Bump when anything below changes what gets built (sizes, tokenizer, seeds): stamped folders then rebuild.
+RECIPE_VERSION = 2
+SEED = 0
+VOCAB_SIZE = 512
 DATA = Path(__file__).resolve().parent.parent / "data" / "demo" / "sql"
 SPECIALS = ["<pad>", "</s>", "<unk>", "<s>"]  # ids 0..3, the T5 convention (pad = decoder start)
+STAMP = "tiny.json"
 
 
-def demo_texts() -> list[str]:
+def demo_texts(data_dir: Path = DATA) -> list[str]:
+    """Questions, schemas and SQL of every demo row, once each (easy/medium/hard only repeat train)."""
     texts = []
-    for path in sorted(DATA.glob("*.jsonl")):
+    for split in ("train", "dev"):
+        path = data_dir / f"{split}.jsonl"
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} is missing: run `python -m train.demo_data` first")
         for line in path.read_text(encoding="utf-8").splitlines():
             row = json.loads(line)
             texts += [row["question"], row["schema"], row["sql"]]
     return texts
 
 
-def train_tokenizer(texts: list[str], seq2seq: bool, vocab_size: int = 512):
+def train_tokenizer(texts: list[str], seq2seq: bool, vocab_size: int = VOCAB_SIZE):
+    """A PreTrainedTokenizerFast; seq2seq appends </s> like T5's, the causal one adds nothing."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)  # byte-level: any SQL round-trips
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)  # byte-level: any string round-trips
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        vocab_size=vocab_size,
+        special_tokens=SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
     )
     tok.train_from_iterator(texts, trainer)
-    if seq2seq:  # like the real T5 tokenizer: every sequence ends with </s>
+    if seq2seq:
         tok.post_processor = processors.TemplateProcessing(
             single="$A </s>", pair="$A </s> $B </s>", special_tokens=[("</s>", 1)]
         )
+    # padding_side only reaches tokenizer_config.json as a constructor argument; the trainer flips it to
+    # left for causal generation. No space clean-up, or decode(encode(sql)) could differ from sql.
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         pad_token="<pad>",
@@ -51,12 +69,15 @@ def train_tokenizer(texts: list[str], seq2seq: bool, vocab_size: int = 512):
         unk_token="<unk>",
         bos_token="<s>",
         padding_side="right",
+        clean_up_tokenization_spaces=False,
     )
 
 
 def tiny_t5(vocab_size: int):
     from transformers import T5Config, T5ForConditionalGeneration
 
+    # initializer_factor 1.0 and no dropout: with smaller init factors the tiny T5 did not learn at all.
+    # transformers ties lm_head to the shared embedding whatever tie_word_embeddings says.
     config = T5Config(
         vocab_size=vocab_size,
         d_model=64,
@@ -94,47 +115,86 @@ def tiny_llama(vocab_size: int):
     return LlamaForCausalLM(config)
 
 
-BUILDERS = {"tiny-t5": (tiny_t5, True), "tiny-llama": (tiny_llama, False)}
+# name -> (model factory, seq2seq tokenizer?)
+BUILDERS: dict[str, tuple[Callable, bool]] = {"tiny-t5": (tiny_t5, True), "tiny-llama": (tiny_llama, False)}
 
 
-def build_tiny_models(out_dir: Path, force: bool = False) -> dict[str, Path]:
-    import torch
-
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    texts = None
-    built = {}
-    for name, (make_model, seq2seq) in BUILDERS.items():
-        target = out_dir / name
-        stamp = {"recipe": RECIPE_VERSION, "name": name}
-        if not force and _read_stamp(target) == stamp:
-            built[name] = target
-            continue
-        texts = texts or demo_texts()
-        torch.manual_seed(0)
-        tokenizer = train_tokenizer(texts, seq2seq)
-        model = make_model(len(tokenizer))
-        tmp = out_dir / f".{name}.{os.getpid()}.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        (tmp / "tiny.json").write_text(json.dumps(stamp))
-        shutil.rmtree(target, ignore_errors=True)
-        os.replace(tmp, target)  # never a half-written model folder
-        built[name] = target
-    return built
+def data_digest(texts: list[str]) -> str:
+    # The tokenizer is trained on the data, so new demo data must rebuild the models too.
+    return hashlib.sha256("\n".join(texts).encode("utf-8")).hexdigest()[:16]
 
 
-def _read_stamp(folder: Path) -> dict | None:
+def read_stamp(folder: Path) -> dict | None:
     try:
-        return json.loads((folder / "tiny.json").read_text())
+        return json.loads((folder / STAMP).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
 
 
+def build_one(name: str, target: Path, texts: list[str], stamp: dict) -> int:
+    """Build into a temp folder next to target, then swap it in; returns the parameter count."""
+    import torch
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()  # a shard bar for a 1 MB file is noise in job logs
+    make_model, seq2seq = BUILDERS[name]
+    tokenizer = train_tokenizer(texts, seq2seq)
+    torch.manual_seed(SEED)
+    model = make_model(len(tokenizer))
+    tmp = target.with_name(f".{name}.{os.getpid()}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    (tmp / STAMP).write_text(json.dumps({**stamp, "params": model.num_parameters()}, indent=1) + "\n")
+    swap_in(tmp, target)
+    return model.num_parameters()
+
+
+def swap_in(tmp: Path, target: Path) -> None:
+    # rename() will not replace a non-empty folder: move the old one aside first, delete it last, so a
+    # crash leaves either the old complete model or the new one at target, never a partial one.
+    old = target.with_name(f".{target.name}.{os.getpid()}.old")
+    shutil.rmtree(old, ignore_errors=True)
+    if target.exists():
+        os.replace(target, old)
+    try:
+        os.replace(tmp, target)
+    except OSError:
+        if read_stamp(target) is None:  # not a concurrent builder's finished model: a real failure
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def build_tiny_models(out_dir: Path, force: bool = False, data_dir: Path = DATA) -> dict[str, Path]:
+    """Build (or keep, when the stamp matches) OUT_DIR/tiny-t5 and OUT_DIR/tiny-llama; returns name -> folder."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    texts = demo_texts(Path(data_dir))
+    built = {}
+    for name in BUILDERS:
+        target = out_dir / name
+        stamp = {"name": name, "recipe": RECIPE_VERSION, "data": data_digest(texts)}
+        old = read_stamp(target)
+        if not force and old is not None and {k: old.get(k) for k in stamp} == stamp:
+            print(f"{name}: skipped, {target} is up to date (recipe {RECIPE_VERSION})")
+        else:
+            start = time.perf_counter()
+            params = build_one(name, target, texts, stamp)
+            # The first build's time includes importing torch and transformers (seconds; the build is not).
+            print(f"{name}: built {target} ({params:,} parameters, {time.perf_counter() - start:.2f} s)")
+        built[name] = target
+    return built
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m train.tiny", description=__doc__.splitlines()[0])
+    parser.add_argument("out_dir", nargs="?", default="models", type=Path, help="default: models/")
+    parser.add_argument("--force", action="store_true", help="rebuild even if the stamp matches")
+    args = parser.parse_args(argv)
+    build_tiny_models(args.out_dir, force=args.force)
+    return 0
+
+
 if __name__ == "__main__":
-    args = [a for a in sys.argv[1:] if a != "--force"]
-    for model_name, path in build_tiny_models(
-        Path(args[0] if args else "models"), "--force" in sys.argv
-    ).items():
-        print(f"{model_name}: {path}")
+    sys.exit(main())
