@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -37,7 +38,9 @@ def demo_configs(repo_root: Path, tmp: Path) -> Path:
 
 
 def scontrol_dependency(job_id: str) -> str:
-    out = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        ["scontrol", "show", "job", job_id], capture_output=True, text=True, check=True
+    ).stdout
     return next(part for part in out.split() if part.startswith("Dependency="))
 
 
@@ -61,7 +64,7 @@ def check_outputs(tmp: Path) -> None:
         assert (runs / experiment / "eval" / "predictions.jsonl").is_file()
 
 
-def test_demo_on_the_dev_cluster(repo_root, tmp_path, slurm_cluster, tiny_models, capsys, monkeypatch):
+def test_demo_on_the_dev_cluster(repo_root, tmp_path, slurm_cluster, tiny, capsys, monkeypatch):
     monkeypatch.chdir(repo_root)
     config_dir = demo_configs(repo_root, tmp_path)
     assert launch.main(["--all", "--config-dir", str(config_dir), "--backend", "slurm"]) == 0
@@ -93,15 +96,34 @@ def test_demo_on_the_dev_cluster(repo_root, tmp_path, slurm_cluster, tiny_models
 
 
 @pytest.mark.parametrize("experiments", [["chain-first", "chain-second"]])
-def test_demo_runs_locally_without_slurm(repo_root, tmp_path, tiny_models, monkeypatch, experiments):
+def test_demo_runs_locally_without_slurm(repo_root, tmp_path, tiny, monkeypatch, experiments):
     monkeypatch.chdir(repo_root)
     config_dir = demo_configs(repo_root, tmp_path)
     assert launch.main(["--exp", *experiments, "--config-dir", str(config_dir), "--backend", "local"]) == 0
     for plan_id in ("chain-first/train", "chain-first/eval", "chain-second/train", "chain-second/eval"):
         assert (tmp_path / "runs" / plan_id / "DONE").is_file()
-        assert json.loads((tmp_path / "runs" / plan_id / "job.json").read_text())["jobs"][-1]["backend"] == "local"
+        assert (
+            json.loads((tmp_path / "runs" / plan_id / "job.json").read_text())["jobs"][-1]["backend"]
+            == "local"
+        )
     started = [
         json.loads((tmp_path / "runs" / p / "job.json").read_text())["jobs"][-1]["submitted_at"]
         for p in ("chain-first/eval", "chain-second/train")
     ]
     assert started[0] <= started[1]  # afterany: the second experiment started after the first ended
+
+    # An eval job reruns by hand from its run folder alone, to the same scores (greedy decoding).
+    eval_dir = tmp_path / "runs" / "chain-second" / "eval"
+    first = json.loads((eval_dir / "results.json").read_text())
+    (eval_dir / "results.json").unlink()
+    rerun = subprocess.run(
+        [sys.executable, "-m", "eval", "generate", str(eval_dir / "config.yaml")],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert rerun.returncode == 0, rerun.stderr[-2000:]
+    again = json.loads((eval_dir / "results.json").read_text())
+    assert {k: v for k, v in again.items() if k != "generation_s"} == {
+        k: v for k, v in first.items() if k != "generation_s"
+    }
