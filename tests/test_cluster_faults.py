@@ -7,6 +7,7 @@ Waiting is always for a condition (a file, a state), never a fixed sleep.
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import time
 from pathlib import Path
@@ -32,7 +33,7 @@ data:
 train: {{epochs: {epochs}, learning_rate: 3.0e-3, batch_size: 8, save_every_steps: {save}, logging_steps: 4,
         eval_every_epochs: null}}
 eval: {eval}
-resources: {{gpus: 1, cpus: 1, mem_gb: 2, time: "{time}", signal_delay_s: 60, max_requeues: 8}}
+resources: {{gpus: 1, cpus: 1, mem_gb: 2, time: "{time}", signal_delay_s: {signal_delay_s}, max_requeues: {requeues}}}
 {extra}
 """
 
@@ -44,6 +45,8 @@ def experiment_dir(
     epochs=6,
     save=8,
     time="00:20:00",
+    signal_delay_s=60,
+    requeues=8,
     extra="",
     evaluation="{metrics: []}",
 ) -> Path:
@@ -51,7 +54,15 @@ def experiment_dir(
     folder.mkdir(exist_ok=True)
     write_cluster_yaml(folder, tmp)
     text = EXPERIMENT.format(
-        name=name, root=repo_root, epochs=epochs, save=save, time=time, extra=extra, eval=evaluation
+        name=name,
+        root=repo_root,
+        epochs=epochs,
+        save=save,
+        time=time,
+        signal_delay_s=signal_delay_s,
+        requeues=requeues,
+        extra=extra,
+        eval=evaluation,
     )
     (folder / f"{name}.yaml").write_text(text)
     return folder
@@ -89,19 +100,27 @@ def assert_same_adapter(expected: dict, run_dir: Path) -> None:
         assert (expected[key] - actual[key]).abs().max().item() <= 1e-6, key
 
 
-def steps_logged(run_dir: Path) -> list[int]:
+def steps_per_epoch(repo_root: Path, batch_size: int = 8) -> int:
+    rows = (repo_root / "data" / "demo" / "sql" / "train.jsonl").read_text().splitlines()
+    return math.ceil(len(rows) / batch_size)
+
+
+def assert_every_step_logged_once(run_dir: Path, global_step: int, every: int = 4) -> None:
+    """Across all the allocations, metrics.jsonl holds each logging step exactly once: none repeated after a
+    resume, none skipped. (The last step is logged only if it falls on the logging interval.)"""
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r["step"] for r in rows if "loss" in r]
+    logged = [r["step"] for r in rows if "loss" in r]
+    assert logged == [1, *range(every, global_step + 1, every)]
 
 
 def test_scontrol_requeue_mid_run_resumes_to_the_same_adapter(
-    repo_root, tmp_path, slurm_cluster, tiny_models, monkeypatch
+    repo_root, tmp_path, slurm_cluster, tiny, monkeypatch
 ):
     # Two identical experiments run side by side on the cluster (same CPU count, so the same arithmetic);
     # only one of them is requeued mid-run.
     monkeypatch.chdir(repo_root)
-    folder = experiment_dir(repo_root, tmp_path, "requeued", epochs=30, save=8)
-    experiment_dir(repo_root, tmp_path, "straight", epochs=30, save=8)
+    folder = experiment_dir(repo_root, tmp_path, "requeued", epochs=16, save=8)
+    experiment_dir(repo_root, tmp_path, "straight", epochs=16, save=8)
     assert submit(folder) == 0
     run_dir = tmp_path / "runs" / "requeued" / "train"
     job_id = slurm_id(tmp_path, "requeued/train")
@@ -111,35 +130,68 @@ def test_scontrol_requeue_mid_run_resumes_to_the_same_adapter(
     assert slurm_id(tmp_path, "requeued/train") == job_id  # same SLURM job, second run
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["resumed_from"] is not None
-    steps = steps_logged(run_dir)
-    assert steps == sorted(set(steps)) and steps[-1] == summary["global_step"]
+    assert_every_step_logged_once(run_dir, summary["global_step"])
     straight = load_file(
         str(tmp_path / "runs" / "straight" / "train" / "adapter" / "adapter_model.safetensors")
     )
     assert_same_adapter(straight, run_dir)
 
 
-def test_time_limit_is_survived_by_repeated_requeues(
-    repo_root, tmp_path, slurm_cluster, tiny_models, monkeypatch
-):
-    # Training needs longer than one 2-minute allocation: SLURM's USR2 (60 s before the limit) makes the
-    # job checkpoint, requeue itself and resume, until it completes.
+def training_steps_per_second(tiny, run_dir: Path, steps: int = 300) -> float:
+    """This machine's speed on the time-limit test's training, measured here as the job will run it (one CPU
+    thread, same model, data, batch, logging and checkpointing), so its length can be set in seconds."""
+    import torch
+
+    from tests.train_helpers import make_job, sql_data
+    from train.recipe import run_stage
+
+    job = make_job(
+        tiny, run_dir, data=sql_data("train"), max_steps=steps, save_every_steps=100, logging_steps=4
+    )
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert run_stage(job) == "completed"
+    finally:
+        torch.set_num_threads(threads)
+    return steps / json.loads((run_dir / "summary.json").read_text())["train_runtime_s"]
+
+
+def test_time_limit_is_survived_by_repeated_requeues(repo_root, tmp_path, slurm_cluster, tiny, monkeypatch):
+    # A 1-minute limit and training that needs two and a half minutes of compute on this machine. SLURM's USR2
+    # comes 10 to 40 s before the limit (it checks limits every 30 s and signals early rather than late), so
+    # an allocation trains for at most ~45 s after start-up: at least three allocations, two requeues, each
+    # resuming from the checkpoint the previous one saved, until the job completes.
     monkeypatch.chdir(repo_root)
-    folder = experiment_dir(repo_root, tmp_path, "limited", epochs=160, save=50, time="00:02:00")
+    per_epoch = steps_per_epoch(repo_root)
+    epochs = math.ceil(150 * training_steps_per_second(tiny, tmp_path / "calibration") / per_epoch)
+    folder = experiment_dir(
+        repo_root,
+        tmp_path,
+        "limited",
+        epochs=epochs,
+        save=100,
+        time="00:01:00",
+        signal_delay_s=10,
+        requeues=30,
+    )
     assert submit(folder, "--wait") == 0
     run_dir = tmp_path / "runs" / "limited" / "train"
     log = (
         tmp_path / "logs" / "limited" / "train" / f"{slurm_id(tmp_path, 'limited/train')}_0_log.out"
     ).read_text()
-    assert "received SIGUSR2: saving a checkpoint at the next step end" in log
+    assert log.count("received SIGUSR2: saving a checkpoint at the next step end") >= 2, log[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["global_step"] == 160 * 16 and summary["resumed_from"] is not None
-    steps = steps_logged(run_dir)
-    assert steps == sorted(set(steps))
+    assert summary["global_step"] == epochs * per_epoch
+    assert summary["resumed_from"] is not None
+    assert_every_step_logged_once(run_dir, summary["global_step"])
+    print(
+        f"{epochs} epochs ({epochs * per_epoch} steps) through {log.count('received SIGUSR2') + 1} allocations"
+    )
 
 
 def test_cancelled_stage_blocks_its_dependents_until_retried(
-    repo_root, tmp_path, slurm_cluster, tiny_models, monkeypatch, capsys
+    repo_root, tmp_path, slurm_cluster, tiny, monkeypatch, capsys
 ):
     monkeypatch.chdir(repo_root)
     stages = "stages:\n  - name: one\n  - name: two\n"
@@ -166,7 +218,7 @@ def test_cancelled_stage_blocks_its_dependents_until_retried(
 
 
 def test_killed_job_with_a_torn_checkpoint_resumes_from_the_last_valid_one(
-    repo_root, tmp_path, slurm_cluster, tiny_models, monkeypatch
+    repo_root, tmp_path, slurm_cluster, tiny, monkeypatch
 ):
     monkeypatch.chdir(repo_root)
     folder = experiment_dir(repo_root, tmp_path, "killed", epochs=30, save=8)

@@ -1,0 +1,101 @@
+"""Load: 200 tiny stage jobs in one `--all` on the dev cluster. All are validated, submitted, tracked and
+finished, and `--status` asks the scheduler once (one squeue, at most one sacct) however many jobs there are.
+
+The scheduler commands are counted by wrappers put first on PATH that log their call and hand it to the real
+squeue and sacct: the answers are the cluster's own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import launch
+from tests.conftest import write_cluster_yaml
+
+N_JOBS = 200
+
+SHARED = """\
+model: {{name_or_path: {root}/models/tiny-llama, kind: causal}}
+adapter: {{rank: 4, alpha: 8, dropout: 0.0, max_trainable_percent: 30}}
+data:
+  train: {root}/data/demo/sql/easy.jsonl
+  input_field: question
+  target_field: sql
+  prompt_template: "{{schema}} | {{question}} | SQL: "
+train: {{max_steps: 1, batch_size: 4, learning_rate: 1.0e-3, eval_every_epochs: null, logging_steps: 1}}
+eval: {{metrics: []}}
+resources: {{gpus: 0, cpus: 1, mem_gb: 1, time: "00:15:00"}}
+"""
+
+
+def counting_wrappers(folder: Path, log: Path) -> None:
+    folder.mkdir()
+    for command in ("squeue", "sacct"):
+        real = shutil.which(command)
+        script = folder / command
+        script.write_text(f'#!/bin/sh\necho {command} >> "{log}"\nexec "{real}" "$@"\n')
+        script.chmod(0o755)
+
+
+def scheduler_calls(log: Path) -> list[str]:
+    calls = log.read_text().split() if log.is_file() else []
+    log.unlink(missing_ok=True)
+    return calls
+
+
+def status(configs: Path) -> float:
+    started = time.perf_counter()
+    assert launch.main(["--status", "--config-dir", str(configs)]) == 0
+    return time.perf_counter() - started
+
+
+def test_two_hundred_stage_jobs_in_one_launch(repo_root, tmp_path, slurm_cluster, tiny, monkeypatch, capsys):
+    monkeypatch.chdir(repo_root)
+    configs = tmp_path / "configs"
+    configs.mkdir()
+    write_cluster_yaml(configs, tmp_path)
+    (configs / "_load.yaml").write_text(SHARED.format(root=repo_root))
+    names = [f"load-{i:03d}" for i in range(N_JOBS)]
+    for name in names:
+        (configs / f"{name}.yaml").write_text(f"name: {name}\ninherits: _load.yaml\n")
+    calls = tmp_path / "scheduler-calls.log"
+    counting_wrappers(tmp_path / "bin", calls)
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
+
+    started = time.perf_counter()
+    assert launch.main(["--all", "--config-dir", str(configs), "--backend", "slurm"]) == 0
+    submitted_s = time.perf_counter() - started
+    records = [json.loads((tmp_path / "runs" / n / "train" / "job.json").read_text()) for n in names]
+    slurm_ids = {r["jobs"][-1]["job_id"] for r in records}
+    assert len(slurm_ids) == N_JOBS
+
+    scheduler_calls(calls)
+    capsys.readouterr()
+    live_status_s = status(configs)
+    assert scheduler_calls(calls).count("squeue") == 1
+    table = capsys.readouterr().out
+    assert all(name in table for name in names)
+
+    assert launch.main(["--all", "--config-dir", str(configs), "--backend", "slurm", "--wait"]) == 0
+    finished_s = time.perf_counter() - started
+    assert all((tmp_path / "runs" / n / "train" / "DONE").is_file() for n in names)
+    assert all(
+        json.loads((tmp_path / "runs" / n / "train" / "summary.json").read_text())["global_step"] == 1
+        for n in names
+    )
+
+    scheduler_calls(calls)
+    capsys.readouterr()
+    ended_status_s = status(configs)
+    done_calls = scheduler_calls(calls)
+    assert done_calls.count("squeue") == 1 and done_calls.count("sacct") <= 1
+    assert capsys.readouterr().out.count("COMPLETED") >= N_JOBS
+    with capsys.disabled():
+        print(
+            f"\n{N_JOBS} jobs: submitted in {submitted_s:.1f} s, all finished after {finished_s:.0f} s; "
+            f"--status {live_status_s:.2f} s while queued, {ended_status_s:.2f} s when ended"
+        )
