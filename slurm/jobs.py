@@ -12,6 +12,7 @@ import signal
 import threading
 from pathlib import Path
 
+from slurm.redact import redact_job_output
 from slurm.rundir import mark_done
 
 log = logging.getLogger("slurm.jobs")
@@ -24,6 +25,7 @@ class TrainStage:
 
     def __call__(self, spec: dict, config_hash: str, workdir: str) -> str:
         os.chdir(workdir)
+        redact_job_output()
         _configure_logging()
         _use_allocated_cpus()  # before torch is imported
         from train.config import TrainJob
@@ -53,6 +55,7 @@ class EvalStage:
 
     def __call__(self, spec: dict, config_hash: str, workdir: str) -> str:
         os.chdir(workdir)
+        redact_job_output()
         _configure_logging()
         _use_allocated_cpus()
         from eval.job import run_eval

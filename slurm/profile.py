@@ -5,10 +5,22 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
 from slurm.problems import ConfigError, Problem
+from slurm.redact import literal_secret
 from slurm.yamlfile import YamlProblem, find_inherited, read_yaml
+
+
+def no_literal_secret(line: str) -> str:
+    name = literal_secret(line)
+    if name:
+        raise ValueError(
+            f"sets {name} to a literal value, and setup lines are copied into every job's submission script "
+            f"under logs/; export {name} in your shell or ~/.bashrc instead (sbatch passes your environment "
+            "to the job), or use `hf auth login` for a Hugging Face token"
+        )
+    return line
 
 
 class ClusterProfile(BaseModel):
@@ -17,7 +29,9 @@ class ClusterProfile(BaseModel):
     partition: str | None = None
     account: str | None = None
     qos: str | None = None
-    setup: list[str] = Field(default_factory=list, description="shell lines run before each job")
+    setup: list[Annotated[str, AfterValidator(no_literal_secret)]] = Field(
+        default_factory=list, description="shell lines run before each job"
+    )
     run_dir: str = "runs"
     log_dir: str = "logs"
     max_gpus_per_node: Annotated[int, Field(ge=0)] = 8
@@ -42,7 +56,12 @@ def load_profile(config_dir: Path) -> tuple[ClusterProfile, Path | None]:
         raise ConfigError([exc.problem]) from None
     except ValidationError as exc:
         problems = [
-            Problem(str(path), ".".join(map(str, e["loc"])), e["msg"], yf.lines.get(tuple(e["loc"])))
+            Problem(
+                str(path),
+                ".".join(map(str, e["loc"])),
+                e["msg"].removeprefix("Value error, "),
+                yf.lines.get(tuple(e["loc"])),
+            )
             for e in exc.errors()
         ]
         raise ConfigError(problems) from None

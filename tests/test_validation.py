@@ -112,6 +112,12 @@ CASES = {
     "bad time": ("a.yaml", '"00:05:00"', '"5 minutes"', ["a.yaml:7", "resources.time", "HH:MM:SS"]),
     "unsafe name": ("a.yaml", "name: a", "name: ../x", ["a.yaml:1", "name", "not a safe name"]),
     "sql without db": ("a.yaml", "[exact_match]", "[sql_exec]", ["a.yaml:6", "eval", "eval.db"]),
+    "secret in setup": (
+        "cluster.yaml",
+        "max_gpus_per_node: 4\n",
+        "max_gpus_per_node: 4\nsetup:\n  - module load cuda\n  - export HF_TOKEN=hf_NotARealTokenButLong\n",
+        ["cluster.yaml:6", "setup.1", "HF_TOKEN", "export HF_TOKEN in your shell"],
+    ),
 }
 
 
@@ -128,6 +134,17 @@ def test_mistake_is_named_and_nothing_is_queued(case, config_dir, capsys, slurm_
     assert "nothing was submitted" in err
     assert squeue_ids() == before
     assert not (config_dir.parent / "runs").exists()
+
+
+def test_secret_in_setup_is_not_repeated_in_the_error(config_dir, capsys):
+    edit(
+        config_dir / "cluster.yaml",
+        "max_gpus_per_node: 4\n",
+        "max_gpus_per_node: 4\nsetup: [WANDB_API_KEY='wb-0123456789']\n",
+    )
+    code, err = run_cli(config_dir, capsys, "--dry-run")
+    assert code == 2 and "WANDB_API_KEY" in err
+    assert "wb-0123456789" not in err
 
 
 def test_cycle_in_after_is_shown_as_a_path(config_dir, capsys, slurm_cluster):
