@@ -21,7 +21,7 @@ from eval.metrics import TEXT_METRICS, text_metrics
 from eval.sql import GoldQueryError, NotADatabaseError, ReadOnlyDB, sql_metrics
 
 METRICS = (*TEXT_METRICS, "sql_exec")
-# The order results are written and shown in (the report's column order).
+# The order results are written and shown in (eval/report.py lists its columns in the same order).
 RESULT_KEYS = (
     "n",
     "exact_match",

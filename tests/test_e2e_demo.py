@@ -14,6 +14,7 @@ import pytest
 import launch
 from tests.conftest import squeue_ids, write_cluster_yaml
 
+TOKEN = "hf_NotARealTokenForTheDemoJobs"
 DEMO_JOBS = {
     "sql-t5-lora/train",
     "sql-t5-lora/eval",
@@ -66,6 +67,8 @@ def check_outputs(tmp: Path) -> None:
 
 def test_demo_on_the_dev_cluster(repo_root, tmp_path, slurm_cluster, tiny, capsys, monkeypatch):
     monkeypatch.chdir(repo_root)
+    # sbatch hands the submitting shell's environment to the jobs; they run with their output masked.
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
     config_dir = demo_configs(repo_root, tmp_path)
     assert launch.main(["--all", "--config-dir", str(config_dir), "--backend", "slurm"]) == 0
 
@@ -93,6 +96,11 @@ def test_demo_on_the_dev_cluster(repo_root, tmp_path, slurm_cluster, tiny, capsy
     report = (tmp_path / "runs" / "report.md").read_text()
     assert report.count("| complete") == 4 and "T5-p" in report
     assert (tmp_path / "runs" / "loss_curves.png").stat().st_size > 10_000
+
+    logs = list((tmp_path / "logs").rglob("*_log.out"))  # one per job: stdout and stderr together
+    assert len(logs) == len(DEMO_JOBS) and all(p.stat().st_size > 0 for p in logs)
+    written = [p for p in tmp_path.rglob("*") if p.is_file()]
+    assert not [p for p in written if TOKEN.encode() in p.read_bytes()]
 
 
 @pytest.mark.parametrize("experiments", [["chain-first", "chain-second"]])
