@@ -12,7 +12,10 @@ import os
 import re
 import sys
 
-SECRET_NAME = re.compile(r"TOKEN|SECRET|PASSWORD|PASSWD|API_?KEY|ACCESS_KEY|PRIVATE_KEY", re.IGNORECASE)
+# Whole name parts only: HF_TOKEN and AWS_SECRET_ACCESS_KEY are secrets, TOKENIZERS_PARALLELISM is not.
+SECRET_NAME = re.compile(
+    r"(?:^|_)(?:TOKEN|SECRET|PASSWORD|PASSWD|API_?KEY|ACCESS_KEY|PRIVATE_KEY)(?:_|$)", re.IGNORECASE
+)
 SHELL_ASSIGNMENT = re.compile(r"^\s*(?:export\s+)?([A-Za-z_][A-Za-z0-9_]*)=(\S*)")
 MASK = "***"
 

@@ -24,6 +24,8 @@ TOKEN = "hf_ThisIsNotARealTokenButIsLong"
         ("export HF_TOKEN=$HF_TOKEN", None),  # passing it on from the environment is fine
         ('export HF_TOKEN="${HF_TOKEN}"', None),
         ("export HF_HOME=/scratch/hf", None),
+        ("export TOKENIZERS_PARALLELISM=false", None),
+        ("export AWS_SECRET_ACCESS_KEY=abc/def", "AWS_SECRET_ACCESS_KEY"),
         ("module load cuda/12.4", None),
         ("source .venv/bin/activate", None),
     ],
@@ -33,7 +35,13 @@ def test_literal_secret_in_a_shell_line(line, name):
 
 
 def test_only_secret_named_long_values_are_masked():
-    environ = {"HF_TOKEN": TOKEN, "MY_SECRET": "short", "PATH": "/usr/bin:/bin", "GH_TOKEN": TOKEN + "Longer"}
+    environ = {
+        "HF_TOKEN": TOKEN,
+        "GH_TOKEN": TOKEN + "Longer",
+        "MY_SECRET": "short",
+        "PATH": "/usr/bin:/bin",
+        "TOKENIZERS_PARALLELISM": "false-but-long",
+    }
     assert secret_values(environ) == [TOKEN + "Longer", TOKEN]
 
 
