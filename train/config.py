@@ -277,6 +277,13 @@ class TrainJob(Section):
     init_adapter: str | None = Field(None, description="previous stage's adapter folder to continue from")
     run_dir: str
 
+    @model_validator(mode="after")
+    def _early_stopping_has_eval_data(self):
+        # The launcher reports this with file and line before planning; this guards jobs run by hand.
+        if self.train.early_stopping and not self.data.eval:
+            raise ValueError("train.early_stopping needs data.eval: it stops on the eval loss")
+        return self
+
 
 class EvalJob(Section):
     """What one evaluation job needs: the adapter to load, the data to generate on, and how to score."""

@@ -153,7 +153,6 @@ class StageRecipe:
     # ---- setup ----------------------------------------------------------------------------------
     def setup(self) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.check_eval_settings()  # a config mistake should fail before minutes of loading
         # Resume point first: metrics logged after it would otherwise appear twice.
         discard_incomplete(self.run_dir / "checkpoints")
         self.resume_from = latest_valid_checkpoint(self.run_dir / "checkpoints")
@@ -171,12 +170,6 @@ class StageRecipe:
         # Eval batches of similar lengths pad little; the order of a loss-only eval does not matter.
         self.eval_set = self.load_split(self.job.data.eval)[0].sort("length") if self.job.data.eval else None
         self.trainer = self.build_trainer()
-
-    def check_eval_settings(self) -> None:
-        early, data = self.job.train.early_stopping, self.job.data
-        # (The metric itself is checked by the config schema: only eval_loss exists during training.)
-        if early and not data.eval:
-            raise ValueError("train.early_stopping needs data.eval: it stops on the eval loss")
 
     def load_model(self):
         job, dtype = self.job, self.load_dtype()
