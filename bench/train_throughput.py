@@ -30,7 +30,6 @@ from peft import LoraConfig, TaskType, get_peft_model  # noqa: E402
 from transformers import (  # noqa: E402
     AutoModelForCausalLM,
     DataCollatorForSeq2Seq,
-    LlamaConfig,
     LlamaForCausalLM,
     Trainer,
     TrainerCallback,
@@ -41,7 +40,7 @@ from train import data as data_lib  # noqa: E402
 from train.config import DataSpec, TrainJob  # noqa: E402
 from train.model import load_tokenizer  # noqa: E402
 from train.recipe import StageRecipe  # noqa: E402
-from train.tiny import build_tiny_models  # noqa: E402
+from train.tiny import build_tiny_models, tiny_llama  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = DataSpec(
@@ -110,22 +109,18 @@ def bench_model(folder: Path, device: str) -> Path:
     tiny = build_tiny_models(folder)["tiny-llama"]
     tokenizer = load_tokenizer(str(tiny), DATA_MODEL(tiny))
     big = device == "cuda"
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
+    torch.manual_seed(0)
+    model = tiny_llama(
+        len(tokenizer),
         hidden_size=768 if big else 256,
         intermediate_size=2048 if big else 688,
         num_hidden_layers=12 if big else 4,
         num_attention_heads=12 if big else 8,
         num_key_value_heads=4,
         max_position_embeddings=1024,
-        pad_token_id=0,
-        eos_token_id=1,
-        bos_token_id=3,
-        tie_word_embeddings=False,
     )
-    torch.manual_seed(0)
     out = folder / "bench-llama"
-    LlamaForCausalLM(config).save_pretrained(out)
+    model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
 

@@ -96,17 +96,22 @@ def tiny_t5(vocab_size: int):
     return T5ForConditionalGeneration(config)
 
 
-def tiny_llama(vocab_size: int):
+def tiny_llama(vocab_size: int, **sizes):
+    """A Llama for the demo tokenizer (its pad/eos/bos ids); `sizes` overrides the shape (the benchmark's is
+    larger)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(
-        vocab_size=vocab_size,
+    shape = dict(
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=512,
+    )
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        **(shape | sizes),
         pad_token_id=0,
         eos_token_id=1,
         bos_token_id=3,
