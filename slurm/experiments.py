@@ -16,7 +16,7 @@ from slurm.problems import ConfigError, Problem, did_you_mean
 from slurm.profile import ClusterProfile
 from slurm.yamlfile import YamlFile, YamlProblem, deep_merge, load_chain, where
 from train.config import DataSpec, Experiment, StageSpec, TrainSpec
-from train.examples import ExampleError, check_file
+from train.examples import ExampleError, check_file, needed_fields
 
 # Sections whose keys a "did you mean" can suggest from, by their place in the file.
 SECTIONS: dict[str, type[BaseModel]] = {
@@ -208,15 +208,34 @@ def check_files(experiment: Experiment, stages: list[Stage], chain: list[YamlFil
     return problems
 
 
+_checked: dict[tuple, ExampleError | OSError | UnicodeDecodeError | None] = {}
+
+
 def check_examples(path: Path, spec: DataSpec, key: str) -> list[Problem]:
-    """Malformed lines, missing fields and empty files are found now, not hours later on a node."""
+    """Malformed lines, missing fields and empty files are found now, not hours later on a node.
+
+    Each file is read once per command for the fields it must have, however many experiments share it."""
+    try:
+        stat = path.stat()
+        version = (str(path.resolve()), stat.st_mtime_ns, stat.st_size, tuple(needed_fields(spec)))
+        if version not in _checked:
+            _checked[version] = _first_problem(path, spec)
+        found = _checked[version]
+    except OSError as exc:
+        found = exc
+    if isinstance(found, ExampleError):
+        return [Problem(found.path, "", f"{found.message} (used as {key})", found.line)]
+    if found is not None:
+        return [Problem(str(path), "", f"cannot be read ({found})")]
+    return []
+
+
+def _first_problem(path: Path, spec: DataSpec) -> ExampleError | OSError | UnicodeDecodeError | None:
     try:
         check_file(path, spec)
-    except ExampleError as exc:
-        return [Problem(exc.path, "", f"{exc.message} (used as {key})", exc.line)]
-    except (OSError, UnicodeDecodeError) as exc:
-        return [Problem(str(path), "", f"cannot be read ({exc})")]
-    return []
+    except (ExampleError, OSError, UnicodeDecodeError) as exc:
+        return exc
+    return None
 
 
 def _looks_local(name: str) -> bool:

@@ -91,19 +91,19 @@ def build_plan(experiments: list[LoadedExperiment], profile: ClusterProfile) -> 
 
 def order_by_after(experiments: list[LoadedExperiment]) -> list[LoadedExperiment]:
     by_name = {e.name: e for e in experiments}
-    ordered: list[LoadedExperiment] = []
+    ordered: dict[str, LoadedExperiment] = {}  # by name: comparing whole experiments is O(n) each
 
     def place(item: LoadedExperiment) -> None:
-        if item in ordered:
+        if item.name in ordered:
             return
         for target in item.experiment.after:
             if target in by_name:
                 place(by_name[target])
-        ordered.append(item)
+        ordered[item.name] = item
 
     for item in experiments:
         place(item)
-    return ordered
+    return list(ordered.values())
 
 
 def experiment_jobs(

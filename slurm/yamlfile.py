@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,15 +20,37 @@ class YamlFile:
     lines: dict[KeyPath, int] = field(default_factory=dict)
 
 
+# libyaml's parser when PyYAML was built with it: the pure-Python one is ~10x slower on a login node.
+Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+_parsed: dict[tuple, YamlFile] = {}  # (path, mtime, size) → parsed file: a fragment is read once per command
+
+
 def read_yaml(path: Path) -> YamlFile:
-    """Parse one file with safe_load semantics; raise a Problem-carrying ValueError on bad YAML."""
+    """Parse one file with safe_load semantics; raise YamlProblem on a file that is not YAML.
+
+    Files shared by many experiments (base.yaml, fragments) are parsed once per command; each caller gets
+    its own copy of the data, so merging into it never changes another experiment's view."""
+    try:
+        stat = path.stat()
+    except OSError as exc:
+        raise YamlProblem(Problem(str(path), "", f"cannot be read ({exc})")) from None
+    key = (str(path), stat.st_mtime_ns, stat.st_size)
+    if key not in _parsed:
+        _parsed[key] = _parse(path)
+    cached = _parsed[key]
+    return YamlFile(cached.path, copy.deepcopy(cached.data), cached.lines)
+
+
+def _parse(path: Path) -> YamlFile:
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise YamlProblem(Problem(str(path), "", f"cannot be read ({exc})")) from None
+    loader = Loader(text)
     try:
-        data = yaml.safe_load(text)
-        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        # One parse gives both the data and the node tree the line numbers come from.
+        node = loader.get_single_node()
+        data = loader.construct_document(node) if node is not None else None
     except yaml.MarkedYAMLError as exc:
         # A flow mapping's mistake is found at its end; where it started is where to look.
         mark = exc.context_mark or exc.problem_mark
@@ -36,6 +59,8 @@ def read_yaml(path: Path) -> YamlFile:
         raise YamlProblem(Problem(str(path), "", f"is not valid YAML: {what}", line)) from None
     except yaml.YAMLError as exc:
         raise YamlProblem(Problem(str(path), "", f"is not valid YAML: {exc}")) from None
+    finally:
+        loader.dispose()
     if data is None:
         data = {}
     if not isinstance(data, dict):

@@ -1,0 +1,166 @@
+"""Login-node overhead: dry run, --status and submission of N generated one-stage experiments.
+
+    python -m bench.launcher              # 300 jobs: dry run and --status (no scheduler needed)
+    python -m bench.launcher --submit     # also submit them, held, to the SLURM on PATH; then cancel them
+
+Targets (figures, not a test): dry run of 300 jobs <= 0.5 s, --status of 300 jobs <= 1 s with one squeue and
+at most one sacct. Every figure is the best of --repeat whole commands in fresh processes, as a user runs
+them; the start-up every command pays (Python and the CLI's imports) is printed apart. Submitted jobs are
+held (an sbatch wrapper adds --hold) so nothing runs, and cancelled at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+SHARED = """\
+# One shared fragment, inherited by every experiment: parsed once per command, not once per file.
+inherits: base.yaml
+model: {{name_or_path: gpt2, kind: causal}}
+adapter: {{rank: 8, alpha: 16, max_trainable_percent: 30}}
+data:
+  train: {root}/data/demo/sql/easy.jsonl
+  eval: {root}/data/demo/sql/dev.jsonl
+  input_field: question
+  target_field: sql
+  prompt_template: "{{schema}} | {{question}} | SQL: "
+train: {{max_steps: 1, batch_size: 4}}
+eval: {{metrics: []}}
+resources: {{gpus: 0, cpus: 1, mem_gb: 1, time: "00:15:00", signal_delay_s: 60}}
+"""
+
+
+def write_configs(folder: Path, jobs: int) -> None:
+    shutil.copy(ROOT / "configs" / "base.yaml", folder / "base.yaml")
+    runs = folder.parent / "runs"
+    (folder / "cluster.yaml").write_text(f"run_dir: {runs}\nlog_dir: {folder.parent / 'logs'}\n")
+    (folder / "_shared.yaml").write_text(SHARED.format(root=ROOT))
+    for index in range(jobs):
+        name = f"bench-{index:04d}"
+        (folder / f"{name}.yaml").write_text(f"name: {name}\ninherits: _shared.yaml\n")
+
+
+def timed(argv: list[str], repeat: int) -> float:
+    """Best wall time of `python launch.py ARGV` in a fresh process (what a user waits for)."""
+    best = float("inf")
+    for _ in range(repeat):
+        started = time.perf_counter()
+        done = subprocess.run(
+            [sys.executable, str(ROOT / "launch.py"), *argv], capture_output=True, check=False
+        )
+        best = min(best, time.perf_counter() - started)
+        if done.returncode != 0:
+            raise SystemExit(f"launch.py {' '.join(argv)} exited {done.returncode}:\n{done.stderr.decode()}")
+    return best
+
+
+def start_up_s(repeat: int) -> float:
+    """What every command pays before it reads a file: Python and the CLI's imports."""
+    best = float("inf")
+    for _ in range(repeat):
+        started = time.perf_counter()
+        subprocess.run([sys.executable, "-c", "import launch"], cwd=ROOT, check=True)
+        best = min(best, time.perf_counter() - started)
+    return best
+
+
+def torch_free(configs: Path) -> bool:
+    """Does a dry run stay torch-free? (the login node must not pay for it)"""
+    probe = (
+        "import sys, launch; launch.main(['--all', '--dry-run', '--json', '--config-dir', sys.argv[1]]); "
+        "print('torch' in sys.modules, file=sys.stderr)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe, str(configs)], cwd=ROOT, capture_output=True, text=True
+    )
+    return done.stderr.strip().endswith("False")
+
+
+def counting_path(folder: Path) -> Path:
+    """Wrappers first on PATH that count squeue/sacct calls and hand them to the real commands."""
+    log = folder / "calls.log"
+    (folder / "bin").mkdir()
+    for command in ("squeue", "sacct"):
+        real = shutil.which(command)
+        if real:
+            script = folder / "bin" / command
+            script.write_text(f'#!/bin/sh\necho {command} >> "{log}"\nexec "{real}" "$@"\n')
+            script.chmod(0o755)
+    os.environ["PATH"] = f"{folder / 'bin'}{os.pathsep}{os.environ['PATH']}"
+    return log
+
+
+def calls(log: Path, repeat: int) -> str:
+    words = log.read_text().split() if log.is_file() else []
+    log.unlink(missing_ok=True)
+    return f"{words.count('squeue') / repeat:g} squeue, {words.count('sacct') / repeat:g} sacct per call"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--jobs", type=int, default=300)
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument(
+        "--submit", action="store_true", help="submit (held) to the SLURM on PATH, then cancel"
+    )
+    args = parser.parse_args(argv)
+
+    base = start_up_s(args.repeat)
+    print(
+        f"start-up (python + import launch): {base:.2f} s; figures below are whole commands, start-up included"
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        configs = Path(tmp) / "configs"
+        configs.mkdir()
+        write_configs(configs, args.jobs)
+        log = counting_path(Path(tmp))
+        common = ["--config-dir", str(configs)]
+        dry = timed(["--all", "--dry-run", *common], args.repeat)
+        print(
+            f"dry run of {args.jobs} jobs: {dry:.3f} s, {dry - base:.3f} s after start-up (target <= 0.5 s)"
+        )
+        print(f"dry run imports torch: {not torch_free(configs)}")
+        status = timed(["--status", *common], args.repeat)
+        print(f"--status of {args.jobs} never-submitted jobs: {status:.3f} s ({calls(log, args.repeat)})")
+        if args.submit:
+            submit_and_watch(common, args.jobs, args.repeat, log)
+    return 0
+
+
+def submit_and_watch(common: list[str], jobs: int, repeat: int, log: Path) -> None:
+    if not shutil.which("sbatch"):
+        raise SystemExit("--submit needs a SLURM on PATH (make cluster; . /tmp/slurm-lora-dev/env.sh)")
+    plain_path = os.environ["PATH"]
+    holding = log.parent / "hold"
+    holding.mkdir()
+    (holding / "sbatch").write_text(f'#!/bin/sh\nexec "{shutil.which("sbatch")}" --hold "$@"\n')
+    (holding / "sbatch").chmod(0o755)
+    os.environ["PATH"] = f"{holding}{os.pathsep}{plain_path}"  # queued held: nothing runs
+    try:
+        submit = timed(["--all", "--backend", "slurm", *common], 1)
+        os.environ["PATH"] = plain_path
+        print(f"submit {jobs} jobs (held): {submit:.2f} s ({1000 * submit / jobs:.1f} ms a job)")
+        calls(log, 1)
+        status = timed(["--status", *common], repeat)
+        print(f"--status of {jobs} queued jobs: {status:.3f} s ({calls(log, repeat)}; target <= 1 s)")
+    finally:
+        os.environ["PATH"] = plain_path
+        timed(["--all", "--cancel", *common], 1)
+        subprocess.run(["squeue", "--me", "-h", "-o", "%i"], capture_output=True, check=False)
+    status = timed(["--status", *common], repeat)
+    print(f"--status of {jobs} ended jobs: {status:.3f} s ({calls(log, repeat)})")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
