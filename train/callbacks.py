@@ -11,17 +11,7 @@ from pathlib import Path
 from transformers import TrainerCallback
 
 from train.checkpoints import commit, rotate
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    """Readers (--status, a resumed job) see the old file or the new one, never half of one."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
-
-
-def write_json_atomic(path: Path, value: dict, indent: int | None = None) -> None:
-    write_text_atomic(path, json.dumps(value, indent=indent))
+from train.files import write_json_atomic
 
 
 class RunDirectoryLog(TrainerCallback):
@@ -142,4 +132,4 @@ class RuntimeClock(TrainerCallback):
 
     def on_save(self, args, state, control, **kwargs):
         folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
-        (folder / self.FILE).write_text(json.dumps({"train_runtime_s": self.total_s()}))
+        write_json_atomic(folder / self.FILE, {"train_runtime_s": self.total_s()})

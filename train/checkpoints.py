@@ -10,22 +10,15 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
 import shutil
 from pathlib import Path
 
+from train.files import fsync_path, write_atomic
+
 log = logging.getLogger("train.checkpoints")
 MARKER = "COMMITTED"
 PATTERN = re.compile(r"^checkpoint-(\d+)$")
-
-
-def fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def commit(checkpoint: Path) -> None:
@@ -33,13 +26,7 @@ def commit(checkpoint: Path) -> None:
     for path in checkpoint.rglob("*"):
         if path.is_file():
             fsync_path(path)
-    tmp = checkpoint / f".{MARKER}.tmp"
-    with open(tmp, "w") as fh:
-        fh.write("ok\n")
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, checkpoint / MARKER)
-    fsync_path(checkpoint)  # the rename itself must reach the disk too
+    write_atomic(checkpoint / MARKER, "ok\n")
 
 
 def is_valid(checkpoint: Path) -> bool:

@@ -18,19 +18,23 @@ Feature → config key:
 - continue the previous stage's adapter instead of a fresh one    → init_adapter
 - JSONL/CSV/Parquet by extension or hf:NAME:SPLIT                 → data.train, data.eval
 - prompts from a template, prompt masked out of a causal loss     → data.prompt_template, input_field, target_field
-- smallest max_length that truncates nothing (multiple of 8)      → data.max_length / max_target_length: auto
+- smallest max_length that truncates nothing (multiple of 8),
+  capped at the model's positions; examples cut are counted      → data.max_length / max_target_length: auto
 - length-grouped batches, or file order for curricula             → data.order: shuffle | file
-- fused AdamW; bf16 + TF32 + workers/pinned memory on GPU, fp32 on CPU → train.precision, data.num_workers
+- device cuda:LOCAL_RANK or cpu; bf16 (fp16 AMP on GPUs without
+  bf16), TF32, workers, pinned memory: one table, train/device.py → train.precision, data.num_workers
+- fused AdamW                                                     → (always)
 - activation (gradient) checkpointing, only when asked            → train.gradient_checkpointing
-- loss-only eval every N epochs, no generation                    → train.eval_every_epochs, data.eval
+- loss-only eval every N epochs, no generation, on the Trainer's
+  epoch ends (a last short accumulation still steps)             → train.eval_every_epochs, data.eval
 - early stopping, best model loaded at the end                    → train.early_stopping.{metric,patience,threshold}
 - checkpoints: every N steps and at each eval, best + newest kept → train.save_every_steps
 - epochs, or a fixed number of steps that overrides them          → train.epochs, train.max_steps
 - resume after a time limit or preemption                         → (automatic) checkpoints/ in run_dir
 - tokenization cache                                              → env LORA_CACHE_DIR (~/.cache/lora-pipeline)
 
-Run directory (job.run_dir): metrics.jsonl, progress.json, summary.json, checkpoints/checkpoint-N/,
-adapter/ (adapter + tokenizer).
+Run directory (job.run_dir): metrics.jsonl, progress.json, summary.json (with the device and precision
+that ran, and how many examples max_length cut), checkpoints/checkpoint-N/, adapter/ (adapter + tokenizer).
 """
 
 from __future__ import annotations
@@ -63,11 +67,11 @@ from train.callbacks import (
     RuntimeClock,
     SaveEvery,
     StopWhenAsked,
-    write_json_atomic,
-    write_text_atomic,
 )
 from train.checkpoints import discard_incomplete, latest_valid_checkpoint, step_of
 from train.config import TrainJob
+from train.device import current as current_placement
+from train.files import write_atomic, write_json_atomic
 from train.model import (
     adapter_differences,
     add_tokens,
@@ -75,6 +79,7 @@ from train.model import (
     load_base,
     load_tokenizer,
     load_trained,
+    max_positions,
     new_adapter,
 )
 
@@ -148,7 +153,10 @@ class StageRecipe:
     def __init__(self, job: TrainJob, stop: threading.Event):
         self.job, self.stop = job, stop
         self.run_dir = Path(job.run_dir)
-        self.cuda = torch.cuda.is_available()
+        # Device and precision first: every later step (loading, batching, the Trainer) follows them.
+        self.placement = current_placement(job.train.precision)
+        for warning in self.placement.warnings:
+            log.warning("%s", warning)
 
     # ---- setup ----------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -165,17 +173,17 @@ class StageRecipe:
         self.saved_padding_side, self.tokenizer.padding_side = self.tokenizer.padding_side, "right"
         self.params = check_trainable(self.model, self.job.adapter.max_trainable_percent)
         # Data after the tokenizer: its fingerprint is part of the tokenization cache key.
-        self.train_set, self.lengths = self.load_split(self.job.data.train)
-        log.info("train data: %d examples; %s", len(self.train_set), self.lengths.describe())
-        # Eval batches of similar lengths pad little; the order of a loss-only eval does not matter.
-        self.eval_set = self.load_split(self.job.data.eval)[0].sort("length") if self.job.data.eval else None
+        self.train_set, self.lengths = self.load_split(self.job.data.train, "train")
+        self.eval_set = None
+        if self.job.data.eval:  # sorted: similar lengths pad little, and a loss-only eval has no order
+            self.eval_set = self.load_split(self.job.data.eval, "eval")[0].sort("length")
         self.trainer = self.build_trainer()
 
     def load_model(self):
-        job, dtype = self.job, self.load_dtype()
+        job, placement = self.job, self.placement
         if job.init_adapter:  # a later stage continues the previous stage's adapter, weights and tokens
             model, tokenizer = load_trained(
-                job.model, job.init_adapter, job.adapter, trainable=True, dtype=dtype
+                job.model, job.init_adapter, job.adapter, trainable=True, placement=placement
             )
             for difference in adapter_differences(model, job.adapter):
                 log.warning("init_adapter %s keeps its own settings: %s", job.init_adapter, difference)
@@ -184,14 +192,15 @@ class StageRecipe:
                 raise ValueError(f"model.added_tokens {missing} are not in {job.init_adapter}'s tokenizer")
             return model, tokenizer
         tokenizer = load_tokenizer(job.model.name_or_path, job.model)
-        model = load_base(job.model, job.adapter, dtype)
+        model = load_base(job.model, job.adapter, placement)
         new_ids = add_tokens(model, tokenizer, job.model.added_tokens)
         return new_adapter(model, job.adapter, job.model.kind, new_ids), tokenizer
 
-    def load_split(self, source: str):
+    def load_split(self, source: str, split: str):
         kind = self.job.model.kind
         dataset = data_lib.tokenized(source, self.job.data, self.tokenizer, kind)
-        lengths = data_lib.choose_lengths(dataset, self.job.data, kind)
+        lengths = data_lib.choose_lengths(dataset, self.job.data, kind, max_positions(self.model.config))
+        log.info("%s data: %d examples; %s", split, len(dataset), lengths.describe())
         return data_lib.truncate(dataset, lengths, kind), lengths
 
     def forget_metrics_after(self, step: int) -> None:
@@ -205,38 +214,23 @@ class StageRecipe:
                     kept.append(line)
             except ValueError:
                 continue  # a row cut by a kill mid-write
-        write_text_atomic(path, "".join(line + "\n" for line in kept))
-
-    def precision(self) -> str:
-        wanted = self.job.train.precision
-        if wanted == "auto":
-            return "bf16" if self.cuda and torch.cuda.is_bf16_supported() else "fp32"
-        return wanted
-
-    def load_dtype(self) -> torch.dtype:
-        # bf16 weights only on a GPU: CPU bf16 runs through autocast with fp32 weights (notes §6). fp16
-        # keeps fp32 weights, as AMP's gradient scaler needs for anything trainable.
-        return torch.bfloat16 if self.cuda and self.precision() == "bf16" else torch.float32
+        write_atomic(path, "".join(line + "\n" for line in kept))
 
     def workers(self) -> int:
         wanted = self.job.data.num_workers
-        if wanted != "auto":
-            return wanted
-        available = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-        return min(4, available or 1) if self.cuda else 0  # CPU: workers would take cores from the math
+        return self.placement.workers if wanted == "auto" else wanted
 
     def steps_per_epoch(self) -> int:
-        batches = math.ceil(
-            len(self.train_set) / (self.job.train.batch_size * max(1, torch.cuda.device_count()))
-        )
-        return max(1, batches // self.job.train.grad_accum)  # the Trainer's own arithmetic
+        """Optimizer steps per epoch, as the Trainer counts them: a last, shorter accumulation still steps."""
+        batches = math.ceil(len(self.train_set) / (self.job.train.batch_size * self.placement.data_parallel))
+        return max(1, math.ceil(batches / self.job.train.grad_accum))
 
     def evaluating(self) -> bool:
         return self.eval_set is not None and self.job.train.eval_every_epochs is not None
 
     def training_arguments(self) -> TrainingArguments:
-        train, data = self.job.train, self.job.data
-        precision, evaluating = self.precision(), self.evaluating()
+        train, data, placement = self.job.train, self.job.data, self.placement
+        evaluating = self.evaluating()
         eval_steps = max(1, round(self.steps_per_epoch() * (train.eval_every_epochs or 1)))
         args_class = Seq2SeqTrainingArguments if self.job.model.kind == "seq2seq" else TrainingArguments
         return args_class(
@@ -251,13 +245,13 @@ class StageRecipe:
             weight_decay=train.weight_decay,
             lr_scheduler_type=train.scheduler,
             seed=train.seed,
-            bf16=precision == "bf16",
-            fp16=precision == "fp16",
-            tf32=True if self.cuda and torch.cuda.get_device_capability()[0] >= 8 else None,
+            bf16=placement.bf16,
+            fp16=placement.fp16,
+            tf32=placement.tf32 or None,  # None leaves torch's default alone
             optim="adamw_torch_fused",  # one kernel for all parameters, on CPU as on CUDA
             activation_checkpointing=train.gradient_checkpointing,
             dataloader_num_workers=self.workers(),
-            dataloader_pin_memory=self.cuda,
+            dataloader_pin_memory=placement.pin_memory,
             train_sampling_strategy="sequential" if data.order == "file" else "group_by_length",
             remove_unused_columns=False,  # the collator drops `length`; the sampler needs it
             include_num_input_tokens_seen="non_padding",
@@ -276,7 +270,7 @@ class StageRecipe:
             logging_steps=train.logging_steps,
             logging_first_step=True,
             report_to="none",
-            use_cpu=not self.cuda,
+            use_cpu=not placement.cuda,
             disable_tqdm=True,
         )
 
@@ -297,7 +291,7 @@ class StageRecipe:
             args=args,
             train_dataset=self.train_set,
             eval_dataset=self.eval_set,
-            data_collator=Collator(self.tokenizer, self.model, 8 if self.cuda else None),
+            data_collator=Collator(self.tokenizer, self.model, self.placement.pad_to_multiple_of),
             processing_class=self.tokenizer,
             callbacks=callbacks,
         )
@@ -334,7 +328,10 @@ class StageRecipe:
         state = self.trainer.state
         eval_losses = [row["eval_loss"] for row in state.log_history if "eval_loss" in row]
         padding = data_lib.padding_fraction(
-            self.train_set["length"], self.batch_order(), self.job.train.batch_size, 8 if self.cuda else 1
+            self.train_set["length"],
+            self.batch_order(),
+            self.job.train.batch_size,
+            self.placement.pad_to_multiple_of or 1,
         )
         summary = {
             "experiment": self.job.experiment,
@@ -354,10 +351,13 @@ class StageRecipe:
             "max_target_length": self.lengths.max_target_length,
             "longest_example": self.lengths.longest,
             "longest_target": self.lengths.longest_target,
+            "truncated_inputs": self.lengths.inputs_truncated,
+            "truncated_targets": self.lengths.targets_truncated,
             "truncated_at": self.lengths.truncated_at,
             "padding_fraction": round(padding, 4),
-            "device": torch.cuda.get_device_name() if self.cuda else "cpu",
-            "precision": self.precision(),
+            "device": self.placement.device,
+            "device_name": self.placement.device_name,
+            "precision": self.placement.precision,
             "init_adapter": self.job.init_adapter,
             "resumed_from": str(self.resume_from) if self.resume_from else None,
             "num_input_tokens_seen": state.num_input_tokens_seen,
