@@ -1,6 +1,9 @@
 """Our trainer against plain Hugging Face setups on the same model, data and LoRA config. Prints figures.
 
-    python -m bench.train_throughput [--device cpu|cuda] [--epochs 2] [--json]
+    python -m bench.train_throughput [--epochs 2] [--json]
+
+Runs where train/device.py places this process (its GPU when there is one, in that GPU's precision), as the
+trainer does; on a GPU it adds model FLOPs utilisation.
 
 - "users' setup": every batch padded to a fixed max_length of 4x the data's mean length, random order, fp32,
   and a generation eval at the end of every epoch (what people ran before this project);
@@ -38,6 +41,7 @@ from transformers import (  # noqa: E402
 
 from train import data as data_lib  # noqa: E402
 from train.config import DataSpec, TrainJob  # noqa: E402
+from train.device import Placement, current  # noqa: E402
 from train.model import load_tokenizer  # noqa: E402
 from train.recipe import StageRecipe  # noqa: E402
 from train.tiny import build_tiny_models, tiny_llama  # noqa: E402
@@ -104,11 +108,11 @@ class GenerateEachEpoch(TrainerCallback):
         model.train()
 
 
-def bench_model(folder: Path, device: str) -> Path:
+def bench_model(folder: Path, placement: Placement) -> Path:
     """A small Llama (about 4M parameters on CPU, 120M on a GPU) with the demo tokenizer."""
     tiny = build_tiny_models(folder)["tiny-llama"]
     tokenizer = load_tokenizer(str(tiny), DATA_MODEL(tiny))
-    big = device == "cuda"
+    big = placement.cuda
     torch.manual_seed(0)
     model = tiny_llama(
         len(tokenizer),
@@ -131,7 +135,8 @@ def DATA_MODEL(path: Path):  # noqa: N802 - a ModelSpec for a folder
     return ModelSpec(name_or_path=str(path), kind="causal")
 
 
-def hf_run(model_dir: Path, device: str, epochs: int, users: bool, precision: str) -> dict:
+def hf_run(model_dir: Path, placement: Placement, epochs: int, users: bool) -> dict:
+    """users: fp32, as people ran it; tuned: the placement's precision, as ours."""
     tokenizer = load_tokenizer(str(model_dir), DATA_MODEL(model_dir))
     tokenizer.padding_side = "right"
     dataset = data_lib.tokenized(DATA.train, DATA, tokenizer, "causal")
@@ -140,7 +145,8 @@ def hf_run(model_dir: Path, device: str, epochs: int, users: bool, precision: st
     if users:  # every example padded to the same fixed length
         dataset = dataset.map(lambda row: pad_to(row, fixed, tokenizer.pad_token_id))
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(model_dir).to(device)
+    dtype = torch.float32 if users else placement.load_dtype
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(placement.device)
     lora = LoraConfig(
         task_type=TaskType.CAUSAL_LM, r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear"
     )
@@ -159,8 +165,10 @@ def hf_run(model_dir: Path, device: str, epochs: int, users: bool, precision: st
         save_strategy="no",
         logging_steps=50,
         disable_tqdm=True,
-        use_cpu=device == "cpu",
-        bf16=precision == "bf16",
+        use_cpu=not placement.cuda,
+        bf16=placement.bf16 and not users,
+        fp16=placement.fp16 and not users,
+        tf32=(placement.tf32 and not users) or None,
         remove_unused_columns=False,
         include_num_input_tokens_seen="non_padding",
         train_sampling_strategy="random" if users else "group_by_length",
@@ -199,7 +207,7 @@ def figures(tokens: int, wall: float, step_s: float, padding: float) -> dict:
     }
 
 
-def ours(model_dir: Path, device: str, epochs: int, run_dir: Path, evaluate: bool = True) -> dict:
+def ours(model_dir: Path, epochs: int, run_dir: Path, evaluate: bool = True) -> dict:
     job = TrainJob(
         experiment="bench",
         stage="train",
@@ -251,11 +259,10 @@ PEAK_BF16_FLOPS = {
 }
 
 
-def model_flops_utilisation(tokens_per_s: float, params: int) -> float | None:
+def model_flops_utilisation(tokens_per_s: float, params: int, gpu_name: str) -> float | None:
     """6 N FLOPs per token (forward + backward, the usual estimate; a frozen base skips its weight
     gradients, so for LoRA this overstates the work a little) over the GPU's dense bf16 peak."""
-    name = torch.cuda.get_device_name()
-    peak = next((flops for key, flops in PEAK_BF16_FLOPS.items() if key in name), None)
+    peak = next((flops for key, flops in PEAK_BF16_FLOPS.items() if key in gpu_name), None)
     return round(6 * params * tokens_per_s / peak, 4) if peak else None
 
 
@@ -263,26 +270,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
+    placement = current("auto")  # the trainer's own choice: "ours" runs through the same call
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = bench_model(Path(tmp), args.device)
-        precision = "bf16" if args.device == "cuda" else "fp32"
+        model_dir = bench_model(Path(tmp), placement)
         results = {
-            "users_setup": hf_run(model_dir, args.device, args.epochs, users=True, precision="fp32"),
-            "tuned_hf": hf_run(model_dir, args.device, args.epochs, users=False, precision=precision),
-            "ours": ours(model_dir, args.device, args.epochs, Path(tmp) / "run"),
-            "ours_no_eval": ours(
-                model_dir, args.device, args.epochs, Path(tmp) / "run-no-eval", evaluate=False
-            ),
+            "users_setup": hf_run(model_dir, placement, args.epochs, users=True),
+            "tuned_hf": hf_run(model_dir, placement, args.epochs, users=False),
+            "ours": ours(model_dir, args.epochs, Path(tmp) / "run"),
+            "ours_no_eval": ours(model_dir, args.epochs, Path(tmp) / "run-no-eval", evaluate=False),
         }
-    if args.device == "cuda":
-        params = LlamaForCausalLM.from_pretrained(model_dir).num_parameters()
-        for row in results.values():
-            row["mfu"] = model_flops_utilisation(row["tokens_per_s"], params)
+        if placement.cuda:
+            params = LlamaForCausalLM.from_pretrained(model_dir).num_parameters()
+            for row in results.values():
+                row["mfu"] = model_flops_utilisation(row["tokens_per_s"], params, placement.device_name)
     for name, row in results.items():
         print(
             f"{name:13s} {row['tokens_per_s']:>10.1f} non-pad tokens/s  wall {row['wall_s']:>7.2f} s  "
@@ -294,7 +298,9 @@ def main() -> None:
         "ratio_vs_tuned": round(results["ours"]["tokens_per_s"] / results["tuned_hf"]["tokens_per_s"], 2),
         "padding_fraction": results["ours"]["padding_fraction"],
         "non_training_fraction": results["ours"]["non_training_fraction"],
-        "device": args.device,
+        "device": placement.device,
+        "device_name": placement.device_name,
+        "precision": placement.precision,
         **results,
     }
     summary["ratio_vs_tuned_no_eval"] = round(

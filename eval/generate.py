@@ -1,8 +1,57 @@
-"""Batched generation from a fine-tuned model: sorted by length, decoded without prompt or padding."""
+"""A trained adapter loaded onto this process's device, and batched generation from it: sorted by length,
+decoded without prompt, padding, bos or eos, but with the model's added tokens."""
 
 from __future__ import annotations
 
+import json
+import logging
+from pathlib import Path
+
 import torch
+
+from train.config import EvalJob
+from train.device import Hardware, Placement, decide, ranks
+from train.model import load_trained
+
+log = logging.getLogger("eval.generate")
+
+
+def trained_precision(adapter_dir: str) -> str:
+    """The precision the stage ran in, from its summary.json next to the adapter; "auto" when absent
+    (an adapter from elsewhere)."""
+    summary = Path(adapter_dir).parent / "summary.json"
+    if not summary.is_file():
+        return "auto"
+    return json.loads(summary.read_text(encoding="utf-8")).get("precision", "auto")
+
+
+def eval_placement(adapter_dir: str, hardware: Hardware | None = None) -> Placement:
+    """This process's device, and the precision the adapter was trained in (train/device.py decides)."""
+    placement = decide(hardware or Hardware.detect(), trained_precision(adapter_dir), **ranks())
+    for warning in placement.warnings:
+        log.warning("%s", warning)
+    return placement
+
+
+def load_for_eval(job: EvalJob, placement: Placement):
+    """(model, tokenizer) of the job's adapter on `placement.device`, in eval mode."""
+    model, tokenizer = load_trained(job.model, job.adapter_dir, quantize=job.adapter, placement=placement)
+    log.info("generating on %s (%s) in %s", placement.device, placement.device_name, placement.precision)
+    return model.eval(), tokenizer
+
+
+def framing_ids(model, tokenizer) -> set[int]:
+    """Ids that frame an output rather than say anything: pad, bos, eos and the decoder start (T5: pad)."""
+    ids = {tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id}
+    ids.add(getattr(model.generation_config, "decoder_start_token_id", None))
+    return {i for i in ids if i is not None}
+
+
+def decode(tokenizer, sequences, strip: set[int]) -> list[str]:
+    """Text of each sequence without the `strip` ids. skip_special_tokens would also drop the model's
+    added tokens (model.added_tokens are special tokens), which are part of the answer."""
+    kept = [[i for i in sequence if i not in strip] for sequence in sequences.tolist()]
+    return [text.strip() for text in tokenizer.batch_decode(kept, skip_special_tokens=False)]
 
 
 @torch.inference_mode()
@@ -17,7 +66,7 @@ def generate(
     batch_size: int,
     max_length: int | None = None,
 ) -> list[str]:
-    """One output per prompt, in the prompts' order.
+    """One output per prompt, in the prompts' order, generated on the model's device.
 
     Prompts are batched by length (little padding, so little wasted compute). Causal models pad on the
     left so every prompt ends where generation starts, and only the new tokens are decoded.
@@ -25,7 +74,7 @@ def generate(
     tokenizer.padding_side = "left" if kind == "causal" else "right"
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     outputs: list[str] = [""] * len(prompts)
-    device = next(model.parameters()).device
+    strip = framing_ids(model, tokenizer)
     for start in range(0, len(order), batch_size):
         batch = order[start : start + batch_size]
         encoded = tokenizer(
@@ -35,7 +84,7 @@ def generate(
             truncation=max_length is not None,
             max_length=max_length,
             add_special_tokens=True,  # as in training (train/data.py encodes prompts the same way)
-        ).to(device)
+        ).to(model.device)
         generated = model.generate(
             **encoded,
             num_beams=num_beams,
@@ -45,9 +94,8 @@ def generate(
         )
         if kind == "causal":
             generated = generated[:, encoded["input_ids"].shape[1] :]
-        texts = tokenizer.batch_decode(generated, skip_special_tokens=True)
-        for index, text in zip(batch, texts, strict=True):
-            outputs[index] = text.strip()
+        for index, text in zip(batch, decode(tokenizer, generated, strip), strict=True):
+            outputs[index] = text
     return outputs
 
 

@@ -20,18 +20,16 @@ SAMPLE_FOR_ADAPTER_CHECK = 4
 
 
 def run_eval(job: EvalJob) -> dict:
-    from eval.generate import adapter_changes_output, generate
+    from eval.generate import adapter_changes_output, eval_placement, generate, load_for_eval
     from eval.score import score
     from train.data import prompts_and_targets
-    from train.model import load_trained
 
     out = Path(job.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     source = job.data.eval or job.data.train
     prompts, references = prompts_and_targets(source, job.data, limit=job.eval.limit)
     started = time.time()
-    model, tokenizer = load_trained(job.model, job.adapter_dir, quantize=job.adapter)
-    model.eval()
+    model, tokenizer = load_for_eval(job, eval_placement(job.adapter_dir))
     options = {
         "kind": job.model.kind,
         "num_beams": job.eval.num_beams,

@@ -97,6 +97,51 @@ def test_explicit_max_length_truncates_and_drops_examples_left_without_target(ti
         data_lib.truncate(dataset, data_lib.choose_lengths(dataset, tiny_limit, "causal"), "causal")
 
 
+def test_examples_cut_at_the_chosen_lengths_are_counted(tiny):
+    # Counted at the length actually used, not only at the fixed 128..2048 (which all cut nothing here).
+    causal = DataSpec(**sql_data("train", max_length=72))
+    dataset = data_lib.tokenized(causal.train, causal, tokenizer_of(tiny), "causal")
+    report = data_lib.choose_lengths(dataset, causal, "causal")
+    longer = sum(1 for x in dataset["length"] if x > 72)
+    assert (report.inputs_truncated, report.targets_truncated) == (longer, 0) and longer > 0
+    assert set(report.truncated_at.values()) == {0}
+    assert f"truncated: {longer} inputs;" in report.describe()
+
+    seq2seq = DataSpec(**sql_data("train", max_length=56, max_target_length=16))
+    dataset = data_lib.tokenized(seq2seq.train, seq2seq, tokenizer_of(tiny, "seq2seq"), "seq2seq")
+    report = data_lib.choose_lengths(dataset, seq2seq, "seq2seq")
+    inputs = sum(1 for x in dataset["length"] if x > 56)
+    targets = sum(1 for x in data_lib.target_lengths(dataset) if x > 16)
+    assert (report.inputs_truncated, report.targets_truncated) == (inputs, targets) and inputs and targets
+    assert f"truncated: {inputs} inputs, {targets} targets;" in report.describe()
+
+    auto = data_lib.choose_lengths(
+        dataset, seq2seq.model_copy(update={"max_target_length": "auto"}), "seq2seq"
+    )
+    assert auto.targets_truncated == 0
+
+
+def test_auto_length_is_capped_at_the_model_positions(tiny, caplog):
+    spec = DataSpec(**sql_data("easy"))
+    dataset = data_lib.tokenized(spec.train, spec, tokenizer_of(tiny), "causal")
+    assert max(dataset["length"]) > 64
+    with caplog.at_level("WARNING", logger="train.data"):
+        report = data_lib.choose_lengths(dataset, spec, "causal", max_positions=64)
+    assert report.max_length == 64
+    assert report.inputs_truncated == sum(1 for x in dataset["length"] if x > 64) > 0
+    assert "max_length auto: the longest example has" in caplog.text and "capped at 64" in caplog.text
+
+    # Relative positions (T5: max_positions None) cap nothing; a seq2seq target is capped like an input.
+    spec = DataSpec(**sql_data("train"))
+    dataset = data_lib.tokenized(spec.train, spec, tokenizer_of(tiny, "seq2seq"), "seq2seq")
+    longest_target = max(data_lib.target_lengths(dataset))
+    uncapped = data_lib.choose_lengths(dataset, spec, "seq2seq", max_positions=None)
+    assert uncapped.max_target_length == data_lib.round_up(longest_target) > 32
+    capped = data_lib.choose_lengths(dataset, spec, "seq2seq", max_positions=32)
+    assert capped.max_target_length == 32
+    assert capped.targets_truncated == sum(1 for x in data_lib.target_lengths(dataset) if x > 32) > 0
+
+
 def test_seq2seq_truncation_keeps_the_final_eos(tiny):
     tokenizer = tokenizer_of(tiny, "seq2seq")
     spec = DataSpec(**sql_data("train", max_length=16, max_target_length=8))

@@ -1,4 +1,5 @@
-"""train/model.py: the trainable-% guard, added tokens and the one load order, CPU QLoRA gradients, dtype."""
+"""train/model.py: the trainable-% guard and count, added tokens and the one load order, CPU QLoRA gradients,
+dtype."""
 
 from __future__ import annotations
 
@@ -12,8 +13,34 @@ from safetensors.torch import load_file
 
 from tests.train_helpers import make_job, model_spec
 from train.config import AdapterSpec, ModelSpec
-from train.model import TrainableTooLarge, load_base, load_tokenizer, load_trained, new_adapter
+from train.device import Hardware, decide
+from train.model import (
+    TrainableTooLarge,
+    load_base,
+    load_tokenizer,
+    load_trained,
+    max_positions,
+    new_adapter,
+    trainable_report,
+)
 from train.recipe import StageRecipe, run_stage
+
+CPU = decide(Hardware(), "auto")
+
+
+@pytest.mark.parametrize(("kind", "full"), [("causal", ["embed_tokens", "lm_head"]), ("seq2seq", ["shared"])])
+def test_trainable_share_counts_each_real_parameter_once(tiny, kind, full):
+    # peft keeps a frozen original of every modules_to_save layer next to its trainable copy; only one of
+    # them runs, so the total is the base model's own count plus the LoRA matrices.
+    spec = ModelSpec(**model_spec(tiny, kind))
+    base_count = load_base(spec, None, CPU).num_parameters()
+    adapter = AdapterSpec(rank=8, modules_to_save=full, allow_full_modules=True, max_trainable_percent=100)
+    model = new_adapter(load_base(spec, None, CPU), adapter, kind)
+    lora = sum(p.numel() for n, p in model.named_parameters() if "lora_" in n)
+    report = trainable_report(model)
+    assert report.total == base_count + lora
+    assert report.trainable == lora + len(full) * 512 * 64  # each full matrix: vocabulary x width
+    assert report.by_module == {"lora": lora} | {name: 512 * 64 for name in full}
 
 
 def test_full_embedding_matrices_are_refused_naming_them(tiny, tmp_path):
@@ -41,7 +68,7 @@ def test_added_token_round_trip_in_the_one_load_order(tiny, tmp_path, kind):
     adapter_dir = tmp_path / "adapter"
     base_vocab = len(load_tokenizer(spec.name_or_path, spec))
 
-    model, tokenizer = load_trained(spec, str(adapter_dir))  # fresh base, from the saved folder only
+    model, tokenizer = load_trained(spec, str(adapter_dir), placement=CPU)  # from the saved folder only
     sql_id = tokenizer.convert_tokens_to_ids("<sql>")
     assert len(tokenizer) == base_vocab + 1 and sql_id == base_vocab
     assert model.get_input_embeddings().weight.shape[0] == base_vocab + 1
@@ -55,7 +82,7 @@ def test_added_token_round_trip_in_the_one_load_order(tiny, tmp_path, kind):
 
     # The order people get wrong: the adapter onto a base with the base's own vocabulary.
     with pytest.raises((RuntimeError, IndexError)):
-        PeftModel.from_pretrained(load_base(spec, None), str(adapter_dir))
+        PeftModel.from_pretrained(load_base(spec, None, CPU), str(adapter_dir))
 
 
 def lora_gradients(model, batch) -> dict[str, torch.Tensor]:
@@ -88,7 +115,7 @@ def test_qlora_gradients_on_cpu_are_exact_after_an_eval_forward(tiny):
 
     def fresh():
         torch.manual_seed(0)
-        model = new_adapter(load_base(spec, adapter), adapter, "causal")
+        model = new_adapter(load_base(spec, adapter, CPU), adapter, "causal")
         for name, param in model.named_parameters():
             if "lora_B" in name:  # B starts at zero, which would leave lora_A without a gradient
                 torch.nn.init.normal_(param, std=0.02)
@@ -114,7 +141,16 @@ def test_qlora_gradients_on_cpu_are_exact_after_an_eval_forward(tiny):
 
 def test_base_loads_in_fp32_on_cpu_whatever_dtype_it_was_saved_in(tiny, tmp_path):
     spec = ModelSpec(**model_spec(tiny))
-    load_base(spec, None).to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    load_base(spec, None, CPU).to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
     load_tokenizer(spec.name_or_path, spec).save_pretrained(tmp_path / "bf16")
-    model = load_base(ModelSpec(name_or_path=str(tmp_path / "bf16"), kind="causal"), None)
+    model = load_base(ModelSpec(name_or_path=str(tmp_path / "bf16"), kind="causal"), None, CPU)
     assert {p.dtype for p in model.parameters()} == {torch.float32}
+
+
+def test_max_positions_of_absolute_and_relative_position_models(tiny):
+    from transformers import AutoConfig, GPT2Config, T5Config
+
+    assert max_positions(AutoConfig.from_pretrained(tiny["tiny-llama"])) == 512
+    assert max_positions(GPT2Config(n_positions=256)) == 256
+    assert max_positions(AutoConfig.from_pretrained(tiny["tiny-t5"])) is None
+    assert max_positions(T5Config(n_positions=512)) is None  # t5-base's config says 512; nothing limits it

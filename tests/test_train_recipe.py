@@ -4,6 +4,7 @@ stage chaining, eval with early stopping, data order, the command line."""
 from __future__ import annotations
 
 import json
+import shutil
 import threading
 
 import pytest
@@ -12,7 +13,10 @@ import yaml
 from safetensors.torch import load_file
 
 from tests.train_helpers import make_job, read_jsonl, sql_data
+from train import data as data_lib
 from train.checkpoints import checkpoints, step_of
+from train.config import ModelSpec
+from train.model import load_tokenizer
 from train.recipe import StageRecipe, run_stage
 
 TRAIN_ROW = {"step", "epoch", "loss", "learning_rate", "grad_norm", "tokens_per_s", "samples_per_s", "time"}
@@ -39,6 +43,11 @@ def test_short_run_learns_and_writes_the_run_directory(tiny, tmp_path):
     assert summary["max_length"] % 8 == 0 and summary["max_length"] >= summary["longest_example"]
     assert 0 <= summary["padding_fraction"] < 0.5  # length-grouped batches pad little
     assert (summary["device"], summary["precision"], summary["global_step"]) == ("cpu", "fp32", 30)
+    assert (summary["device_name"], summary["truncated_inputs"], summary["truncated_targets"]) == (
+        "cpu",
+        0,
+        0,
+    )
     assert summary["train_runtime_s"] > 0 and summary["best_eval_loss"] is None
 
     adapter = {p.name for p in (tmp_path / "adapter").iterdir()}
@@ -103,6 +112,42 @@ def test_seq2seq_eval_early_stopping_keeps_best_and_newest(tiny, tmp_path):
     # Saved every 3 steps and at each eval; only the newest and the best are left.
     best_step = min(evals, key=lambda r: r["eval_loss"])["step"]
     assert {step_of(c) for c in checkpoints(tmp_path / "checkpoints")} == {summary["global_step"], best_step}
+
+
+def test_evals_fall_on_epoch_ends_with_gradient_accumulation(tiny, tmp_path):
+    # 240 examples in batches of 8: 30 batches an epoch; 4 per step: 7 full steps and a last one of 2
+    # batches, which the Trainer still takes. Epoch ends at steps 8 and 16, not 7 and 14.
+    job = make_job(
+        tiny,
+        tmp_path,
+        data=sql_data("train", eval_split="dev"),
+        max_steps=None,
+        epochs=2,
+        batch_size=8,
+        grad_accum=4,
+        eval_every_epochs=1,
+        logging_steps=50,
+    )
+    assert run_stage(job) == "completed"
+    evals = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if "eval_loss" in r]
+    assert [r["step"] for r in evals] == [8, 16]
+    assert [r["epoch"] for r in evals] == [1.0, 2.0]
+    assert json.loads((tmp_path / "summary.json").read_text())["global_step"] == 16
+
+
+def test_max_length_auto_stops_at_the_model_positions_and_counts_what_it_cuts(tiny, tmp_path):
+    short = tmp_path / "llama-64-positions"
+    shutil.copytree(tiny["tiny-llama"], short)
+    config = json.loads((short / "config.json").read_text())
+    (short / "config.json").write_text(json.dumps(config | {"max_position_embeddings": 64}))
+    job = make_job(tiny, tmp_path / "run", model={"name_or_path": str(short), "kind": "causal"}, max_steps=2)
+    assert run_stage(job) == "completed"
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    tokenizer = load_tokenizer(str(short), ModelSpec(name_or_path=str(short), kind="causal"))
+    lengths = data_lib.tokenized(job.data.train, job.data, tokenizer, "causal")["length"]
+    longer = sum(1 for n in lengths if n > 64)
+    assert summary["longest_example"] == max(lengths) > 64 and longer > 0
+    assert (summary["max_length"], summary["truncated_inputs"]) == (64, longer)
 
 
 def test_file_order_keeps_the_curriculum(tiny, tmp_path):

@@ -2,8 +2,9 @@
 
 Causal LMs learn only the target: input = prompt + target + eos, prompt tokens labelled -100 (padding gets
 -100 from the collator). Token ids are cached untruncated, and lengths are measured once, so
-`max_length: auto` can pick the smallest length that truncates nothing instead of a blind 2048, and a new
-max_length reuses the cache (truncating is a cheap in-memory map).
+`max_length: auto` can pick the smallest length that truncates nothing (up to the model's positions) instead
+of a blind 2048, and a new max_length reuses the cache (truncating is a cheap in-memory map). The examples
+the chosen lengths cut are counted, whichever way they were chosen.
 """
 
 from __future__ import annotations
@@ -158,14 +159,18 @@ class LengthReport:
     max_target_length: int | None  # seq2seq only: causal targets live inside max_length
     longest: int
     longest_target: int
+    inputs_truncated: int  # examples longer than max_length (causal: prompt + target + eos)
+    targets_truncated: int  # seq2seq targets longer than max_target_length (causal: 0, counted above)
     truncated_at: dict[int, int]  # fixed length → how many examples it would cut
 
     def describe(self) -> str:
         cuts = ", ".join(f"{n} at {length}" for length, n in self.truncated_at.items())
         target = f", max_target_length {self.max_target_length}" if self.max_target_length else ""
+        cut_targets = f", {self.targets_truncated} targets" if self.max_target_length else ""
         return (
             f"longest example {self.longest} tokens (target {self.longest_target}); max_length "
-            f"{self.max_length}{target}; examples truncated at fixed lengths: {cuts}"
+            f"{self.max_length}{target}; truncated: {self.inputs_truncated} inputs{cut_targets}; "
+            f"examples truncated at fixed lengths: {cuts}"
         )
 
 
@@ -177,16 +182,42 @@ def target_lengths(dataset: datasets.Dataset) -> list[int]:
     return [sum(1 for t in labels if t != -100) for labels in dataset["labels"]]
 
 
-def choose_lengths(dataset: datasets.Dataset, spec: DataSpec, kind: str) -> LengthReport:
-    """`auto`: the smallest multiple of 8 that truncates nothing; an explicit length is taken as it is."""
-    lengths = dataset["length"]
-    longest, longest_target = max(lengths), max(target_lengths(dataset))
-    max_length = round_up(longest) if spec.max_length == "auto" else spec.max_length
-    target = None
+def pick_length(wanted: int | str, longest: int, max_positions: int | None, key: str) -> int:
+    """`auto`: the smallest multiple of 8 that holds `longest`, but no more than the model has positions
+    for; an explicit length is taken as it is (with a warning when the model cannot use it)."""
+    if wanted != "auto":
+        if max_positions is not None and wanted > max_positions:
+            log.warning("data.%s %d is beyond the model's %d positions", key, wanted, max_positions)
+        return wanted
+    fits = round_up(longest)
+    if max_positions is None or fits <= max_positions:
+        return fits
+    log.warning(
+        "data.%s auto: the longest example has %d tokens but the model has %d positions "
+        "(max_position_embeddings); capped at %d, longer examples are truncated",
+        key,
+        longest,
+        max_positions,
+        max_positions,
+    )
+    return max_positions
+
+
+def choose_lengths(
+    dataset: datasets.Dataset, spec: DataSpec, kind: str, max_positions: int | None = None
+) -> LengthReport:
+    """The lengths to cut at (see pick_length; `max_positions` None: relative positions, as T5's, have no
+    maximum), and how many examples they cut."""
+    lengths, targets = dataset["length"], target_lengths(dataset)
+    longest, longest_target = max(lengths), max(targets)
+    max_length = pick_length(spec.max_length, longest, max_positions, "max_length")
+    target, targets_cut = None, 0
     if kind == "seq2seq":
-        target = round_up(longest_target) if spec.max_target_length == "auto" else spec.max_target_length
+        target = pick_length(spec.max_target_length, longest_target, max_positions, "max_target_length")
+        targets_cut = sum(1 for x in targets if x > target)
+    inputs_cut = sum(1 for x in lengths if x > max_length)
     truncated = {n: sum(1 for x in lengths if x > n) for n in FIXED_LENGTHS}
-    return LengthReport(max_length, target, longest, longest_target, truncated)
+    return LengthReport(max_length, target, longest, longest_target, inputs_cut, targets_cut, truncated)
 
 
 def cut(ids: list[int], limit: int, keep_last: bool) -> list[int]:

@@ -11,11 +11,11 @@ import logging
 from collections import defaultdict
 from dataclasses import dataclass
 
-import torch
 from peft import LoraConfig, PeftModel, TaskType, get_peft_model, prepare_model_for_kbit_training
 from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer, BitsAndBytesConfig
 
 from train.config import AdapterSpec, ModelSpec
+from train.device import Placement
 
 log = logging.getLogger("train.model")
 
@@ -28,13 +28,6 @@ def model_class(kind: str):
     return AutoModelForSeq2SeqLM if kind == "seq2seq" else AutoModelForCausalLM
 
 
-def compute_dtype() -> torch.dtype:
-    """bf16 on a GPU that has it, else fp32: CPU bf16 is slower for small models (notes §6)."""
-    if torch.cuda.is_available() and torch.cuda.is_bf16_supported():
-        return torch.bfloat16
-    return torch.float32
-
-
 def load_tokenizer(source: str, spec: ModelSpec):
     tokenizer = AutoTokenizer.from_pretrained(
         source, revision=spec.revision if source == spec.name_or_path else None
@@ -44,26 +37,41 @@ def load_tokenizer(source: str, spec: ModelSpec):
     return tokenizer
 
 
-def load_base(spec: ModelSpec, adapter: AdapterSpec | None, dtype: torch.dtype | None = None):
-    """The base model in `dtype` (default: compute_dtype()); 4-bit when the adapter is QLoRA.
+def load_base(spec: ModelSpec, adapter: AdapterSpec | None, placement: Placement):
+    """The base model on `placement.device`, its weights in `placement.load_dtype`; 4-bit when the adapter
+    is QLoRA. Loaded straight onto the device (no CPU copy first), for LoRA as for QLoRA.
 
     The dtype is always explicit: transformers 5 otherwise loads whatever the checkpoint was saved in, and a
     bf16 checkpoint would then train in bf16 on a CPU that was asked for fp32."""
-    dtype = dtype or compute_dtype()
-    kwargs: dict = {"revision": spec.revision, "dtype": dtype}
+    kwargs: dict = {
+        "revision": spec.revision,
+        "dtype": placement.load_dtype,
+        "device_map": {"": placement.device},
+    }
     qlora = adapter is not None and adapter.method == "qlora"
     if qlora:
         kwargs["quantization_config"] = BitsAndBytesConfig(
             load_in_4bit=True,
             bnb_4bit_quant_type=adapter.quant_type,
             bnb_4bit_use_double_quant=adapter.double_quant,
-            bnb_4bit_compute_dtype=compute_dtype(),
+            bnb_4bit_compute_dtype=placement.compute_dtype,
         )
-        kwargs["device_map"] = {"": 0} if torch.cuda.is_available() else "cpu"
     model = model_class(spec.kind).from_pretrained(spec.name_or_path, **kwargs)
-    if qlora and not torch.cuda.is_available():
+    if qlora and not placement.cuda:
         avoid_cpu_inference_repack(model)  # right after loading: before anything can run an eval forward
     return model
+
+
+def max_positions(config) -> int | None:
+    """The longest sequence the model's position embeddings cover; None for relative positions (T5: its
+    configs may still carry an `n_positions` that limits nothing)."""
+    if getattr(config, "relative_attention_num_buckets", None) is not None:
+        return None
+    for key in ("max_position_embeddings", "n_positions"):
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
 
 
 def avoid_cpu_inference_repack(model) -> None:
@@ -122,13 +130,14 @@ def load_trained(
     quantize: AdapterSpec | None = None,
     trainable: bool = False,
     *,
-    dtype: torch.dtype | None = None,
+    placement: Placement,
 ):
     """(model, tokenizer) from a saved adapter, in the one order that works with added tokens: tokenizer from
     the adapter folder → base → resize to len(tokenizer) → PeftModel.from_pretrained. Used by later stages
-    (trainable=True) and by the eval job; `quantize` is the adapter spec a QLoRA adapter was trained with."""
+    (trainable=True) and by the eval job; `quantize` is the adapter spec a QLoRA adapter was trained with;
+    `placement` the device and dtype to load onto (train.device)."""
     tokenizer = load_tokenizer(adapter_dir, model_spec)
-    base = load_base(model_spec, quantize, dtype)
+    base = load_base(model_spec, quantize, placement)
     if len(tokenizer) != base.get_input_embeddings().weight.shape[0]:
         base.resize_token_embeddings(len(tokenizer))
     if quantize is not None and quantize.method == "qlora" and trainable:
@@ -160,9 +169,13 @@ def module_kind(name: str) -> str:
 
 
 def trainable_report(model) -> TrainableParams:
-    """Trainable and total parameters; 4-bit weights are packed two to a byte and counted unpacked."""
+    """Trainable and total parameters, each real parameter once; 4-bit weights are packed two to a byte and
+    counted unpacked. peft keeps a frozen copy of every modules_to_save layer (`original_module`) that no
+    forward uses while the adapter is on: counting it would understate the trainable share."""
     trainable, total, by_module = 0, 0, defaultdict(int)
     for name, param in model.named_parameters():
+        if ".original_module." in name:
+            continue
         count = param.numel() * (2 if getattr(param, "quant_type", None) else 1)
         total += count
         if param.requires_grad:

@@ -1,0 +1,87 @@
+"""train/device.py: the device and dtype decision table, on made-up hardware (no GPU needed)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from train.device import Hardware, PlacementError, decide, ranks
+
+CPU = Hardware(cpu_cores=16)
+H100 = Hardware(cuda_devices=1, bf16_supported=True, capability_major=9, name="NVIDIA H100", cpu_cores=16)
+V100 = Hardware(cuda_devices=1, bf16_supported=False, capability_major=7, name="Tesla V100", cpu_cores=8)
+FOUR_A100 = Hardware(cuda_devices=4, bf16_supported=True, capability_major=8, name="A100", cpu_cores=32)
+
+
+def row(placement) -> tuple:
+    return (placement.device, placement.precision, placement.load_dtype, placement.compute_dtype)
+
+
+@pytest.mark.parametrize(
+    ("hardware", "asked", "expected"),
+    [
+        (CPU, "auto", ("cpu", "fp32", torch.float32, torch.float32)),
+        (CPU, "fp32", ("cpu", "fp32", torch.float32, torch.float32)),
+        # CPU bf16: autocast over fp32 weights (bf16 weights are slower on CPUs for small models).
+        (CPU, "bf16", ("cpu", "bf16", torch.float32, torch.float32)),
+        (H100, "auto", ("cuda:0", "bf16", torch.bfloat16, torch.bfloat16)),
+        (H100, "bf16", ("cuda:0", "bf16", torch.bfloat16, torch.bfloat16)),
+        # fp16 AMP needs fp32 master weights for its gradient scaler.
+        (H100, "fp16", ("cuda:0", "fp16", torch.float32, torch.float16)),
+        (H100, "fp32", ("cuda:0", "fp32", torch.float32, torch.float32)),
+        (V100, "auto", ("cuda:0", "fp16", torch.float32, torch.float16)),
+        (V100, "fp32", ("cuda:0", "fp32", torch.float32, torch.float32)),
+    ],
+)
+def test_decision_table(hardware, asked, expected):
+    placement = decide(hardware, asked)
+    assert row(placement) == expected
+    assert placement.warnings == ()
+
+
+def test_gpu_batching_and_loading_facts_follow_the_device():
+    gpu, cpu = decide(H100, "auto"), decide(CPU, "auto")
+    assert (gpu.cuda, gpu.pin_memory, gpu.pad_to_multiple_of, gpu.workers) == (True, True, 8, 4)
+    assert (cpu.cuda, cpu.pin_memory, cpu.pad_to_multiple_of, cpu.workers) == (False, False, None, 0)
+    assert (gpu.bf16, gpu.fp16, cpu.bf16, cpu.fp16) == (True, False, False, False)
+    assert gpu.device_name == "NVIDIA H100" and cpu.device_name == "cpu"
+    assert (
+        decide(Hardware(cuda_devices=1, bf16_supported=True, capability_major=8, cpu_cores=2), "auto").workers
+        == 2
+    )
+
+
+def test_tf32_on_ampere_and_later_unless_fp32_was_asked_for():
+    assert decide(H100, "auto").tf32 and decide(H100, "fp16").tf32
+    assert not decide(H100, "fp32").tf32  # asked for fp32, gets fp32 matmuls
+    assert not decide(V100, "auto").tf32 and not decide(CPU, "auto").tf32
+
+
+def test_the_gpu_comes_from_local_rank():
+    assert decide(FOUR_A100, "auto", local_rank=2, world_size=4).device == "cuda:2"
+    assert ranks({"LOCAL_RANK": "2", "WORLD_SIZE": "4"}) == {"local_rank": 2, "world_size": 4}
+    assert ranks({}) == {"local_rank": 0, "world_size": 1}
+    with pytest.raises(PlacementError, match="LOCAL_RANK 4 .* 4 GPU"):
+        decide(FOUR_A100, "auto", local_rank=4, world_size=8)
+
+
+def test_a_batch_is_split_over_ddp_processes_or_the_gpus_of_one_process():
+    assert decide(FOUR_A100, "auto", local_rank=1, world_size=4).data_parallel == 4  # DDP
+    assert decide(FOUR_A100, "auto").data_parallel == 4  # one process: the Trainer's DataParallel
+    assert decide(H100, "auto").data_parallel == decide(CPU, "auto").data_parallel == 1
+
+
+def test_what_this_hardware_cannot_do_falls_back_with_a_warning():
+    # A config written for the cluster still runs on a laptop; summary.json records what ran.
+    fp16_on_cpu = decide(CPU, "fp16")
+    assert row(fp16_on_cpu) == ("cpu", "fp32", torch.float32, torch.float32)
+    assert "fp16 needs a CUDA GPU" in fp16_on_cpu.warnings[0]
+    bf16_on_v100 = decide(V100, "bf16")
+    assert row(bf16_on_v100) == ("cuda:0", "fp16", torch.float32, torch.float16)
+    assert "Tesla V100 has no native bf16" in bf16_on_v100.warnings[0]
+
+
+def test_this_machine_is_detected_as_it_is():
+    hardware = Hardware.detect()
+    assert hardware.cuda_devices == torch.cuda.device_count() and hardware.cpu_cores >= 1
+    assert Hardware.detect() is hardware  # read from torch once

@@ -1,0 +1,156 @@
+"""Every device and dtype decision, in one place: which device this process uses and in what precision.
+
+    placement = current("auto")            # Hardware.detect() + LOCAL_RANK/WORLD_SIZE from the environment
+    decide(Hardware(cuda_devices=1, bf16_supported=True, capability_major=9), "auto")   # pure: tests use this
+
+`decide` is a pure function of facts (the hardware, `train.precision`, the process's rank), so its whole
+table is tested on a CPU. The trainer, the eval job and the benchmark ask it; nothing else calls
+`torch.cuda.*` to decide anything.
+
+The table (precision → what runs):
+- CPU: auto and fp32 → fp32. bf16 → bf16 autocast over fp32 weights (bf16 weights are slower on CPUs for
+  small models, and the optimizer keeps fp32 anyway). fp16 → fp32 with a warning: there is no fp16 AMP on a
+  CPU, and a config written for the cluster should still run on a laptop; summary.json records fp32.
+- GPU with bf16 (compute capability ≥ 8: A100, H100, L40S...): auto and bf16 → bf16 weights and autocast;
+  TF32 matmuls on. fp16 → fp16 AMP over fp32 weights (the gradient scaler needs fp32 master weights).
+  fp32 → fp32, TF32 off (asked for fp32, gets fp32).
+- GPU without bf16 (V100, T4): auto → fp16 AMP over fp32 weights. bf16 → the same, with a warning (no
+  emulated bf16: it is many times slower). fp32 → fp32.
+- The GPU is `cuda:LOCAL_RANK` (torchrun/SLURM set it; 0 for one process). A rank without a GPU is an error.
+Warnings are returned in `Placement.warnings` for the caller to log, so the table stays pure.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from functools import cache
+from typing import Literal
+
+import torch
+
+Precision = Literal["auto", "bf16", "fp16", "fp32"]
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class PlacementError(RuntimeError):
+    """This process cannot run here as asked (e.g. LOCAL_RANK names a GPU the node does not have)."""
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """What this node offers, read from torch once (`detect`), or written by hand in tests."""
+
+    cuda_devices: int = 0
+    bf16_supported: bool = False  # natively: emulated bf16 does not count
+    capability_major: int = 0
+    name: str = "cpu"
+    cpu_cores: int = 1
+
+    @staticmethod
+    @cache
+    def detect() -> Hardware:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        if not torch.cuda.is_available():
+            return Hardware(cpu_cores=cores)
+        return Hardware(
+            cuda_devices=torch.cuda.device_count(),
+            bf16_supported=torch.cuda.is_bf16_supported(including_emulation=False),
+            capability_major=torch.cuda.get_device_capability()[0],
+            name=torch.cuda.get_device_name(),
+            cpu_cores=cores,
+        )
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where and how this process runs. `precision` is what actually runs (never "auto")."""
+
+    device: str  # "cuda:K" or "cpu"
+    device_name: str  # the GPU's name, or "cpu"
+    precision: Literal["bf16", "fp16", "fp32"]
+    load_dtype: torch.dtype  # the weights, as loaded
+    compute_dtype: torch.dtype  # what a 4-bit base computes in (bnb_4bit_compute_dtype)
+    tf32: bool
+    pin_memory: bool
+    pad_to_multiple_of: int | None  # tensor cores like multiples of 8; on a CPU it only adds padding
+    workers: int  # data loader workers for `data.num_workers: auto`
+    data_parallel: int  # processes (DDP) or GPUs (one process, DataParallel) a batch is split over
+    warnings: tuple[str, ...] = field(default=())
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.startswith("cuda")
+
+    @property
+    def bf16(self) -> bool:
+        return self.precision == "bf16"
+
+    @property
+    def fp16(self) -> bool:
+        return self.precision == "fp16"
+
+
+def decide(hardware: Hardware, precision: Precision, local_rank: int = 0, world_size: int = 1) -> Placement:
+    """The placement for one process; see the module docstring for the table."""
+    if hardware.cuda_devices == 0:
+        return on_cpu(hardware, precision, world_size)
+    if local_rank >= hardware.cuda_devices:
+        raise PlacementError(
+            f"LOCAL_RANK {local_rank} names GPU {local_rank}, but this node shows {hardware.cuda_devices} "
+            "GPU(s): start one process per allocated GPU (resources.gpus) and check CUDA_VISIBLE_DEVICES"
+        )
+    runs, warnings = gpu_precision(hardware, precision)
+    return Placement(
+        device=f"cuda:{local_rank}",
+        device_name=hardware.name,
+        precision=runs,
+        load_dtype=torch.bfloat16 if runs == "bf16" else torch.float32,
+        compute_dtype=DTYPES[runs],
+        tf32=hardware.capability_major >= 8 and precision != "fp32",
+        pin_memory=True,
+        pad_to_multiple_of=8,
+        workers=min(4, hardware.cpu_cores),
+        data_parallel=world_size if world_size > 1 else hardware.cuda_devices,
+        warnings=warnings,
+    )
+
+
+def gpu_precision(hardware: Hardware, precision: Precision) -> tuple[str, tuple[str, ...]]:
+    if precision in ("auto", "bf16") and hardware.bf16_supported:
+        return "bf16", ()
+    if precision == "bf16":
+        return "fp16", (f"train.precision bf16: {hardware.name} has no native bf16; using fp16 AMP",)
+    return ("fp16" if precision == "auto" else precision), ()
+
+
+def on_cpu(hardware: Hardware, precision: Precision, world_size: int) -> Placement:
+    runs, warnings = precision, ()
+    if precision in ("auto", "fp16"):
+        runs = "fp32"
+    if precision == "fp16":
+        warnings = ("train.precision fp16 needs a CUDA GPU (no fp16 AMP on a CPU); running in fp32",)
+    return Placement(
+        device="cpu",
+        device_name="cpu",
+        precision=runs,
+        load_dtype=torch.float32,  # CPU bf16 runs as autocast over fp32 weights
+        compute_dtype=torch.float32,
+        tf32=False,
+        pin_memory=False,
+        pad_to_multiple_of=None,
+        workers=0,  # workers would take cores from the math
+        data_parallel=max(1, world_size),
+        warnings=warnings,
+    )
+
+
+def ranks(env: Mapping[str, str] = os.environ) -> dict[str, int]:
+    """This process's LOCAL_RANK and WORLD_SIZE (set by torchrun and by the DDP job wrapper; else 0 and 1)."""
+    return {"local_rank": int(env.get("LOCAL_RANK", 0)), "world_size": int(env.get("WORLD_SIZE", 1))}
+
+
+def current(precision: Precision) -> Placement:
+    """The placement of this process on this node."""
+    return decide(Hardware.detect(), precision, **ranks())
