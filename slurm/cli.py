@@ -10,7 +10,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.live import Live
 
-from slurm.experiments import load_experiments, parse_overrides
+from slurm.experiments import load_experiments, load_watchable_experiments, parse_overrides
 from slurm.launcher import LaunchError, decide, hold_all_but, run_locally, submit_to_slurm, with_dependents
 from slurm.plan import Plan, build_plan
 from slurm.problems import ConfigError, Problem
@@ -47,40 +47,52 @@ def dispatch(args) -> int:
         raise ConfigError(
             [Problem(str(args.config_dir), "--config-dir", "is not a folder of experiment YAMLs")]
         )
-    submitting = not (
-        args.dry_run or args.status or args.tail or args.cancel or args.report or args.retry_failed
-    )
-    if submitting and not (args.all or args.exp):
+    profile, _ = load_profile(args.config_dir)
+    if args.status or args.tail or args.cancel or args.report:
+        return watch(args, profile)
+    if not (args.dry_run or args.retry_failed or args.all or args.exp):
         raise ConfigError(
             [Problem("command line", "", "say which experiments: --all or --exp NAME [NAME ...]")]
         )
-    profile, _ = load_profile(args.config_dir)
     experiments = load_experiments(args.config_dir, profile, parse_overrides(args.overrides), args.exp)
     plan = build_plan(experiments, profile)
     if args.dry_run:
         return show_plan(plan, args.json)
+    return submit(plan, profile, args)
+
+
+def watch(args, profile) -> int:
+    """--status, --tail, --cancel, --report: on the experiments that load; broken files are warned about."""
+    experiments, warnings = load_watchable_experiments(
+        args.config_dir, parse_overrides(args.overrides), args.exp
+    )
+    for problem in warnings:
+        err.print(f"[yellow]warning:[/] {problem} (skipped)", highlight=False, soft_wrap=True)
+    plan = build_plan(experiments, profile)
     if args.status:
-        rows = plan_status(plan, profile.log_dir)
-        cancel_stuck(rows)
-        out.print(status_table(rows))
-        for line in problem_lines(rows):
-            out.print(line, highlight=False, soft_wrap=True)
-        return 0
+        return show_status(plan, profile)
     if args.tail:
         from slurm.tail import follow
 
         return follow(plan, args.tail, profile.log_dir, out)
     if args.cancel:
         return cancel(plan, profile.log_dir)
-    if args.report:
-        from eval.report import write_report
+    from eval.report import write_report
 
-        states = {row.job.id: row.state.value for row in plan_status(plan, profile.log_dir)}
-        baselines = find_inherited("baselines.yaml", args.config_dir.resolve(), Path("/"))
-        written = write_report(plan, Path(profile.run_dir), states, baselines)
-        out.print("wrote " + ", ".join(str(p) for p in written))
-        return 0
-    return submit(plan, profile, args)
+    states = {row.job.id: row.state.value for row in plan_status(plan, profile.log_dir)}
+    baselines = find_inherited("baselines.yaml", args.config_dir.resolve(), Path("/"))
+    written = write_report(plan, Path(profile.run_dir), states, baselines)
+    out.print("wrote " + ", ".join(str(p) for p in written))
+    return 0
+
+
+def show_status(plan: Plan, profile) -> int:
+    rows = plan_status(plan, profile.log_dir)
+    cancel_stuck(rows, profile.log_dir)
+    out.print(status_table(rows))
+    for line in problem_lines(rows):
+        out.print(line, highlight=False, soft_wrap=True)
+    return 0
 
 
 def show_plan(plan: Plan, as_json: bool) -> int:
@@ -93,36 +105,58 @@ def show_plan(plan: Plan, as_json: bool) -> int:
 
 
 def submit(plan: Plan, profile, args) -> int:
-    from slurm.submit import LocalBackend, SlurmBackend, pick_backend
+    """Decide and submit under the run root's launch lock (a second launch waits, then finds the jobs
+    queued); a local run keeps it until its jobs end. --wait follows SLURM jobs after letting it go."""
+    from slurm.lock import launch_lock
+    from slurm.snapshot import take_snapshot
+    from slurm.submit import pick_backend
 
-    decisions = decide(plan, force=args.force)
-    if args.retry_failed:
-        failed = {
-            r.job.id for r in plan_status(plan, profile.log_dir) if r.state.failed or r.state is State.UNKNOWN
-        }
-        decisions = hold_all_but(decisions, with_dependents(plan, failed))
+    def waiting(holder: str) -> None:
+        err.print(f"waiting for the launch lock of {profile.run_dir}/: held by {holder}", highlight=False)
+
     backend_name = pick_backend(args.backend)
+    with launch_lock(Path(profile.run_dir), waiting):
+        decisions = decide(plan, force=args.force)
+        if args.retry_failed:
+            failed = {
+                r.job.id
+                for r in plan_status(plan, profile.log_dir)
+                if r.state.failed or r.state is State.UNKNOWN
+            }
+            decisions = hold_all_but(decisions, with_dependents(plan, failed))
+        todo = [d for d in decisions if d.action == "submit"]
+        skipped = {d.job.id: SKIPPED[d.action] for d in decisions if d.action != "submit"}
+        if not todo:
+            out.print(plan_table(plan, skipped))
+            out.print("Nothing to submit: every job is done or already queued.")
+        elif backend_name == "local":
+            return run_here(plan, profile, decisions, take_snapshot(Path(profile.log_dir)))
+        else:
+            queue(plan, profile, decisions, skipped, take_snapshot(Path(profile.log_dir)))
+    return wait(plan, profile) if args.wait and backend_name == "slurm" else 0
+
+
+def queue(plan: Plan, profile, decisions, skipped: dict[str, str], code) -> None:
+    from slurm.submit import SlurmBackend
+
+    ids = submit_to_slurm(decisions, SlurmBackend(profile, Path.cwd(), code))
+    states = {d.job.id: f"submitted {ids[d.job.id]}" for d in decisions if d.action == "submit"}
+    out.print(plan_table(plan, {**skipped, **states}))
+    out.print(f"Submitted {len(states)} job(s). Watch: squeue --me, python launch.py --status, --tail EXP")
+
+
+def run_here(plan: Plan, profile, decisions, code) -> int:
+    from slurm.submit import LocalBackend
+
+    def report(job, state: str, detail: str) -> None:
+        line = f"{time.strftime('%H:%M:%S')} {job.id}: {state}" + (f" ({detail})" if detail else "")
+        out.print(line, highlight=False, soft_wrap=True)
+
     todo = [d for d in decisions if d.action == "submit"]
-    skipped = {d.job.id: SKIPPED[d.action] for d in decisions if d.action != "submit"}
-    if not todo:
-        out.print(plan_table(plan, skipped))
-        out.print("Nothing to submit: every job is done or already queued.")
-        return wait(plan, profile) if args.wait and backend_name == "slurm" else 0
-    workdir = Path.cwd()
-    if backend_name == "slurm":
-        ids = submit_to_slurm(decisions, SlurmBackend(profile, workdir))
-        states = {d.job.id: f"submitted {ids[d.job.id]}" for d in todo}
-        out.print(plan_table(plan, {**skipped, **states}))
-        out.print(f"Submitted {len(todo)} job(s). Watch: squeue --me, python launch.py --status, --tail EXP")
-        return wait(plan, profile) if args.wait else 0
-
-    def report(job, state: str, pid: str) -> None:
-        out.print(f"{time.strftime('%H:%M:%S')} {job.id}: {state}" + (f" (pid {pid})" if pid else ""))
-
     out.print(
         f"Running {len(todo)} job(s) locally, {profile.local_parallel_jobs} at a time; logs in {profile.log_dir}/"
     )
-    states = run_locally(decisions, LocalBackend(profile, workdir), report)
+    states = run_locally(decisions, LocalBackend(profile, Path.cwd(), code), report)
     out.print(status_table(plan_status(plan, profile.log_dir)))
     return 1 if any(s is not State.COMPLETED for s in states.values()) else 0
 
@@ -132,7 +166,7 @@ def wait(plan: Plan, profile) -> int:
     with Live(console=out, refresh_per_second=1) as live:
         while True:
             rows = plan_status(plan, profile.log_dir)
-            cancel_stuck(rows)
+            cancel_stuck(rows, profile.log_dir)
             live.update(status_table(rows))
             if not any(r.state.live for r in rows):
                 break
@@ -142,27 +176,32 @@ def wait(plan: Plan, profile) -> int:
     return 1 if any(r.state is not State.COMPLETED for r in rows) else 0
 
 
-def cancel_stuck(rows) -> None:
+def cancel_stuck(rows, log_root: str) -> None:
     """Jobs SLURM keeps pending as DependencyNeverSatisfied (a parent failed; clusters without
     kill_invalid_depend) would wait forever: cancel them, so they show as BLOCKED and can be retried."""
-    import subprocess
-
     stuck = [r for r in rows if r.stuck and r.scheduler_id]
     if stuck:
-        subprocess.run(["scancel", *[r.scheduler_id for r in stuck]], check=False)
+        cancel_rows(stuck, log_root)
         err.print(
             f"cancelled {len(stuck)} job(s) that could never start: " + ", ".join(r.job.id for r in stuck)
         )
 
 
 def cancel(plan: Plan, log_root: str) -> int:
-    import subprocess
-
     live = [r for r in plan_status(plan, log_root) if r.state.live and r.scheduler_id]
-    slurm_ids = [r.scheduler_id for r in live]
-    if slurm_ids:
-        subprocess.run(["scancel", *slurm_ids], check=False)
-    out.print(
-        f"Cancelled {len(slurm_ids)} job(s): " + (", ".join(r.job.id for r in live) or "none was queued")
-    )
+    cancel_rows(live, log_root)
+    out.print(f"Cancelled {len(live)} job(s): " + (", ".join(r.job.id for r in live) or "none was queued"))
     return 0
+
+
+def cancel_rows(rows, log_root: str) -> None:
+    """Through submitit (scancel), or by stopping the local process, as each job.json record says."""
+    from slurm.rundir import current_job, mark_cancelled
+    from slurm.scheduler import cancel as cancel_jobs
+    from slurm.scheduler import scheduler_job
+
+    records = {r.job.id: current_job(Path(r.job.run_dir)) for r in rows}
+    cancel_jobs([scheduler_job(log_root, r.job.id, records[r.job.id]) for r in rows])
+    for row in rows:
+        if records[row.job.id].get("backend") == "local":
+            mark_cancelled(Path(row.job.run_dir))

@@ -6,7 +6,7 @@ imports torch: this runs on the login node before anything is queued.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import yaml
@@ -14,7 +14,7 @@ from pydantic import BaseModel, ValidationError
 
 from slurm.problems import ConfigError, Problem, did_you_mean
 from slurm.profile import ClusterProfile
-from slurm.yamlfile import YamlFile, YamlProblem, deep_merge, load_chain, where
+from slurm.yamlfile import YamlFile, YamlProblem, command_line_files, deep_merge, load_chain, where
 from train.config import DataSpec, Experiment, StageSpec, TrainSpec
 from train.examples import ExampleError, check_file, needed_fields
 
@@ -75,6 +75,16 @@ def parse_overrides(items: list[str]) -> dict:
     return merged
 
 
+def load_with_overrides(path: Path, config_dir: Path, overrides: dict | None) -> tuple[dict, list[YamlFile]]:
+    """An experiment file merged with its `inherits:` chain, then with the command line's overrides, which
+    join the chain so that a mistake in one is blamed on the command line."""
+    raw, chain = load_chain(path, stop=config_dir.resolve().parent)
+    if not overrides:
+        return raw, chain
+    keys, sections = command_line_files(overrides)
+    return deep_merge(raw, overrides), [keys, *chain, sections]
+
+
 def load_experiments(
     config_dir: Path, profile: ClusterProfile, overrides: dict | None = None, names: list[str] | None = None
 ) -> list[LoadedExperiment]:
@@ -89,11 +99,10 @@ def load_experiments(
         raise ConfigError([Problem(str(config_dir), "", "holds no experiment YAML files (*.yaml)")])
     for path in files:
         try:
-            raw, chain = load_chain(path, stop=config_dir.resolve().parent)
+            raw, chain = load_with_overrides(path, config_dir, overrides)
         except YamlProblem as exc:
             problems.append(exc.problem)
             continue
-        raw = deep_merge(raw, overrides or {})
         experiment, found = validate_experiment(raw, chain)
         problems += found
         if experiment is not None:
@@ -107,6 +116,32 @@ def load_experiments(
         raise ConfigError(problems)
     selected = [e for e in loaded if not names or e.name in names]
     return selected
+
+
+def load_watchable_experiments(
+    config_dir: Path, overrides: dict | None = None, names: list[str] | None = None
+) -> tuple[list[LoadedExperiment], list[Problem]]:
+    """For --status, --tail, --cancel and --report: every experiment whose files parse and validate, and
+    the problems of the others as warnings. A broken neighbour must not stop anyone from watching or
+    cancelling what runs; data files and resource limits are not checked (nothing is submitted)."""
+    loaded, problems = [], []
+    for path in experiment_files(config_dir):
+        try:
+            raw, chain = load_with_overrides(path, config_dir, overrides)
+        except YamlProblem as exc:
+            problems.append(exc.problem)
+            continue
+        experiment, found = validate_experiment(raw, chain)
+        stages, more = resolve_stages(experiment, raw, chain) if experiment else ([], [])
+        problems += found + more
+        if experiment is not None and not more:
+            loaded.append(LoadedExperiment(experiment, path, tuple(stages)))
+    known = [e.name for e in loaded]
+    for name in set(names or []) - set(known):
+        message = f"no experiment named '{name}' loads" + did_you_mean(name, known)
+        problems.append(Problem("command line", "--exp", message))
+    selected = [e for e in loaded if not names or e.name in names]
+    return selected, [replace(p, warning=True) for p in problems if not p.warning]
 
 
 def validate_experiment(raw: dict, chain: list[YamlFile]) -> tuple[Experiment | None, list[Problem]]:
@@ -243,19 +278,26 @@ def _looks_local(name: str) -> bool:
 
 
 def check_resources(experiment: Experiment, profile: ClusterProfile, chain: list[YamlFile]) -> list[Problem]:
-    res, problems = experiment.resources, []
+    # The eval job's own values only: what it leaves out is the training job's, checked once.
+    return over_node_limits(("resources",), experiment.resources, profile, chain) + over_node_limits(
+        ("eval", "resources"), experiment.eval.resources, profile, chain
+    )
+
+
+def over_node_limits(section: tuple, res, profile: ClusterProfile, chain: list[YamlFile]) -> list[Problem]:
+    problems = []
     limits = [
         ("gpus", res.gpus, profile.max_gpus_per_node, "GPUs"),
         ("cpus", res.cpus, profile.max_cpus_per_node, "CPUs"),
         ("mem_gb", res.mem_gb, profile.max_mem_gb_per_node, "GB of memory"),
     ]
     for key, asked, limit, unit in limits:
-        if asked > limit:
-            file, line = where(chain, ("resources", key))
+        if asked is not None and asked > limit:
+            file, line = where(chain, (*section, key))
             message = (
                 f"asks for {asked:g} {unit} but a node of this cluster has {limit:g} (configs/cluster.yaml)"
             )
-            problems.append(Problem(file, f"resources.{key}", message, line))
+            problems.append(Problem(file, ".".join((*section, key)), message, line))
     return problems
 
 

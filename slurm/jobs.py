@@ -12,22 +12,38 @@ import signal
 import threading
 from pathlib import Path
 
+import submitit
+
 from slurm.redact import redact_job_output
 from slurm.rundir import mark_done
 
 log = logging.getLogger("slurm.jobs")
 
 
-class TrainStage:
-    """Train one stage. On SLURM's time-limit or preemption signal (USR2), the trainer saves a checkpoint
-    at the next step end and returns; then submitit requeues this same call, which resumes from it.
-    On SIGTERM (scancel, `scontrol requeue`, preemption with a grace time) it also checkpoints first."""
+class StageJob(submitit.helpers.Checkpointable):
+    """What every job does before its work: move from the code snapshot it was started in to the user's
+    directory (relative data paths), mask secrets in its output, log, and size its math threads.
+
+    On a time limit or preemption submitit calls `checkpoint()` (Checkpointable's: requeue this same call
+    with the same arguments); a training stage then resumes from its last checkpoint, an eval reruns."""
 
     def __call__(self, spec: dict, config_hash: str, workdir: str) -> str:
         os.chdir(workdir)
         redact_job_output()
         _configure_logging()
         _use_allocated_cpus()  # before torch is imported
+        return self.run(spec, config_hash)
+
+    def run(self, spec: dict, config_hash: str) -> str:
+        raise NotImplementedError
+
+
+class TrainStage(StageJob):
+    """Train one stage. On SLURM's time-limit or preemption signal (USR2), the trainer saves a checkpoint
+    at the next step end and returns; then submitit requeues this same call, which resumes from it.
+    On SIGTERM (scancel, `scontrol requeue`, preemption with a grace time) it also checkpoints first."""
+
+    def run(self, spec: dict, config_hash: str) -> str:
         from train.config import TrainJob
         from train.recipe import run_stage
 
@@ -44,20 +60,12 @@ class TrainStage:
         mark_done(Path(job.run_dir), config_hash)
         return job.run_dir
 
-    def checkpoint(self, *args, **kwargs):
-        import submitit
 
-        return submitit.helpers.DelayedSubmission(self, *args, **kwargs)
+class EvalStage(StageJob):
+    """Generate with a saved adapter and score it; reads only the run directory. Short and restartable
+    from scratch: a requeue reruns it as it was."""
 
-
-class EvalStage:
-    """Generate with a saved adapter and score it; reads only the run directory."""
-
-    def __call__(self, spec: dict, config_hash: str, workdir: str) -> str:
-        os.chdir(workdir)
-        redact_job_output()
-        _configure_logging()
-        _use_allocated_cpus()
+    def run(self, spec: dict, config_hash: str) -> str:
         from eval.job import run_eval
         from train.config import EvalJob
 
@@ -65,12 +73,6 @@ class EvalStage:
         run_eval(job)
         mark_done(Path(job.out_dir), config_hash)
         return job.out_dir
-
-    def checkpoint(self, *args, **kwargs):
-        # Evaluation is short and restartable from scratch: requeue it as it was.
-        import submitit
-
-        return submitit.helpers.DelayedSubmission(self, *args, **kwargs)
 
 
 class StopRequest:

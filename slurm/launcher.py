@@ -125,8 +125,9 @@ def submit_to_slurm(decisions: list[Decision], backend) -> dict[str, str]:
                 f"cancelled: {str(exc).strip()}"
             ) from None
         submitted.append(ids[job.id])
-        write_spec(Path(job.run_dir), job.spec.model_dump())
-        record_job(Path(job.run_dir), ids[job.id], "slurm")
+        code = backend.code.provenance()
+        write_spec(Path(job.run_dir), job.spec.model_dump(), code)
+        record_job(Path(job.run_dir), ids[job.id], "slurm", code)
     return ids
 
 
@@ -135,13 +136,15 @@ def run_locally(decisions: list[Decision], backend, report) -> dict[str, State]:
     todo = [d.job for d in decisions if d.action == "submit"]
     pending_ids = {job.id: job.id for job in todo}
 
-    def on_start(job: PlannedJob, pid: str) -> None:
-        write_spec(Path(job.run_dir), job.spec.model_dump())
-        record_job(Path(job.run_dir), pid, "local")
-        report(job, "RUNNING", pid)
+    code = backend.code.provenance()
 
-    def on_end(job: PlannedJob, state: State) -> None:
-        report(job, state.value, "")
+    def on_start(job: PlannedJob, pid: str) -> None:
+        write_spec(Path(job.run_dir), job.spec.model_dump(), code)
+        record_job(Path(job.run_dir), pid, "local", code)
+        report(job, "RUNNING", f"pid {pid}")
+
+    def on_end(job: PlannedJob, state: State, reason: str) -> None:
+        report(job, state.value, reason)
 
     for job in todo:
         archive_stale(job)

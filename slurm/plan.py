@@ -1,8 +1,9 @@
 """The plan: every job to run, its resolved spec and hash, resources and dependencies. Pure data.
 
 Stage N+1 starts from stage N's adapter (`afterok`: it needs the data), the eval job follows the last
-stage (`afterok`), and `after: [other]` waits for the other experiment's last job to end (`afterany`:
-ordering only). The plan is printed by --dry-run, tested as data, and only then submitted.
+stage (`afterok`) on its own, smaller allocation (`eval.resources`), and `after: [other]` waits for the
+other experiment's last job to end (`afterany`: ordering only). The plan is printed by --dry-run, tested
+as data, and only then submitted.
 """
 
 from __future__ import annotations
@@ -135,21 +136,24 @@ def experiment_jobs(
         is_last = stage is loaded.stages[-1]
         if exp.eval.metrics and (is_last or exp.eval.after_each_stage):
             name = "eval" if is_last else f"eval-{stage.name}"
-            eval_spec = EvalJob(
-                experiment=exp.name,
-                stage=stage.name,
-                model=exp.model,
-                adapter=exp.adapter,
-                data=stage.data,
-                eval=exp.eval,
-                adapter_dir=f"{previous.run_dir}/adapter",
-                out_dir=f"{profile.run_dir}/{exp.name}/{name}",
-            )
-            deps = [Dependency(previous.id, "afterok")]
-            jobs.append(
-                make_job(f"{exp.name}/{name}", "eval", eval_spec, resources, deps, {**known, **_ids(jobs)})
-            )
+            jobs.append(eval_job(exp, stage, previous, name, resources, profile, {**known, **_ids(jobs)}))
     return jobs
+
+
+def eval_job(exp, stage, trained: PlannedJob, name: str, training: Resources, profile, known) -> PlannedJob:
+    """The job that scores `trained`'s adapter, on its own allocation (`eval.resources`)."""
+    spec = EvalJob(
+        experiment=exp.name,
+        stage=stage.name,
+        model=exp.model,
+        adapter=exp.adapter,
+        data=stage.data,
+        eval=exp.eval,
+        adapter_dir=f"{trained.run_dir}/adapter",
+        out_dir=f"{profile.run_dir}/{exp.name}/{name}",
+    )
+    resources = exp.eval.resources.for_training(training)
+    return make_job(f"{exp.name}/{name}", "eval", spec, resources, [Dependency(trained.id, "afterok")], known)
 
 
 def _ids(jobs: list[PlannedJob]) -> dict[str, PlannedJob]:

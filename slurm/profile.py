@@ -10,6 +10,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 from slurm.problems import ConfigError, Problem
 from slurm.redact import literal_secret
 from slurm.yamlfile import YamlProblem, find_inherited, read_yaml
+from train.config import SlurmNames
 
 
 def no_literal_secret(line: str) -> str:
@@ -23,17 +24,24 @@ def no_literal_secret(line: str) -> str:
     return line
 
 
+def one_line(folder: str) -> str:
+    # Job scripts name the log folder in their #SBATCH --output line: a newline would start a shell line.
+    if any(not ch.isprintable() for ch in folder):
+        raise ValueError(f"{folder!r} holds a newline or another control character; name a plain folder")
+    return folder
+
+
 class ClusterProfile(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    partition: str | None = None
-    account: str | None = None
-    qos: str | None = None
+    partition: SlurmNames | None = None
+    account: SlurmNames | None = None
+    qos: SlurmNames | None = None
     setup: list[Annotated[str, AfterValidator(no_literal_secret)]] = Field(
         default_factory=list, description="shell lines run before each job"
     )
     run_dir: str = "runs"
-    log_dir: str = "logs"
+    log_dir: Annotated[str, AfterValidator(one_line)] = "logs"
     max_gpus_per_node: Annotated[int, Field(ge=0)] = 8
     max_cpus_per_node: Annotated[int, Field(ge=1)] = 64
     max_mem_gb_per_node: Annotated[float, Field(gt=0)] = 512

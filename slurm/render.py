@@ -21,9 +21,8 @@ STATE_STYLE = {
 
 def resources_text(job: PlannedJob) -> str:
     res = job.resources
-    parts = [f"{res.gpus} gpu" if res.gpus else "cpu", f"{res.cpus} cpu", f"{res.mem_gb:g}G", res.time]
-    if res.partition:
-        parts.append(res.partition)
+    parts = [f"{res.gpus} gpu", f"{res.cpus} cpu", f"{res.mem_gb:g}G", res.time]
+    parts += [value for value in (res.partition, res.constraint) if value]
     return " ".join(parts)
 
 
@@ -77,9 +76,10 @@ def problem_lines(rows: list[JobStatus], tail_lines: int = 5) -> list[str]:
         if row.state is State.BLOCKED:
             lines.append(f"{row.job.id}: BLOCKED, will not run: {row.reason}")
         elif row.state.failed or row.state is State.UNKNOWN:
-            lines.append(
-                f"{row.job.id}: {row.state.value} (slurm job {row.scheduler_id}) {row.reason}".rstrip()
+            which = (
+                f"local pid {row.scheduler_id}" if row.backend == "local" else f"slurm job {row.scheduler_id}"
             )
+            lines.append(f"{row.job.id}: {row.state.value} ({which}) {row.reason}".rstrip())
             lines.append(f"  log: {row.log_path}")
             lines += [f"  | {line}" for line in last_lines(row.log_path, tail_lines)]
     if any(r.state.failed for r in rows):

@@ -1,7 +1,7 @@
 """The run directory of one job, `runs/EXP/STAGE/`: what the launcher writes and reads there.
 
 config.yaml    the resolved spec the job runs (written at submission)
-job.json       every scheduler job id this folder ever had, oldest first
+job.json       every scheduler job id this folder ever had, oldest first, with the code it ran
 progress.json  step / total / loss / ETA, rewritten by the trainer while it runs
 DONE           the config hash, written last: a stage with a matching DONE never runs again
 """
@@ -9,33 +9,20 @@ DONE           the config hash, written last: a stage with a matching DONE never
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 
 import yaml
 
-
-def write_atomic(path: Path, text: str) -> None:
-    """Readers see the old file or the new one, never half of one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w", encoding="utf-8") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+from train.files import read_json, write_atomic
 
 
-def read_json(path: Path, default=None):
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return default
-
-
-def write_spec(run_dir: Path, spec: dict) -> None:
-    write_atomic(run_dir / "config.yaml", yaml.safe_dump(spec, sort_keys=False))
+def write_spec(run_dir: Path, spec: dict, code: dict | None = None) -> None:
+    """The spec as YAML. The code it runs with (git commit, dirty tree, snapshot folder) heads the file as
+    comments: provenance for people, invisible to every reader of the spec, so a new commit is never
+    taken for a changed config (job.json holds the same facts per submission, for programs)."""
+    header = "".join(f"# code.{key}: {value}\n" for key, value in (code or {}).items())
+    write_atomic(run_dir / "config.yaml", header + yaml.safe_dump(spec, sort_keys=False))
 
 
 def read_spec(run_dir: Path) -> dict | None:
@@ -45,10 +32,21 @@ def read_spec(run_dir: Path) -> dict | None:
         return None
 
 
-def record_job(run_dir: Path, job_id: str, backend: str) -> None:
+def record_job(run_dir: Path, job_id: str, backend: str, code: dict | None = None) -> None:
     jobs = job_records(run_dir)
-    jobs.append({"job_id": job_id, "backend": backend, "submitted_at": time.strftime("%Y-%m-%dT%H:%M:%S")})
+    now = time.strftime("%Y-%m-%dT%H:%M:%S")
+    jobs.append(
+        {"job_id": job_id, "backend": backend, "submitted_at": now, **({"code": code} if code else {})}
+    )
     write_atomic(run_dir / "job.json", json.dumps({"jobs": jobs}, indent=1))
+
+
+def mark_cancelled(run_dir: Path) -> None:
+    """A local job leaves no scheduler record: its cancellation is noted on its job.json entry."""
+    jobs = job_records(run_dir)
+    if jobs:
+        jobs[-1]["cancelled_at"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+        write_atomic(run_dir / "job.json", json.dumps({"jobs": jobs}, indent=1))
 
 
 def job_records(run_dir: Path) -> list[dict]:

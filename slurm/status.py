@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import getpass
-import os
 import subprocess
 import time
 from dataclasses import dataclass
@@ -34,6 +33,7 @@ class JobStatus:
     last_loss: float | None = None
     eta_s: float | None = None
     log_path: str = ""
+    backend: str = ""  # "slurm" or "local": what scheduler_id is (a SLURM job id or a local pid)
     stuck: bool = False  # queued in SLURM but waiting on a dependency that can never be satisfied
 
 
@@ -56,28 +56,48 @@ def _run(command: list[str]) -> str | None:
     return done.stdout if done.returncode == 0 else None
 
 
+SQUEUE_FORMAT = "%i|%T|%r|%M"
+SACCT_FIELDS = "JobID,State,Elapsed,ExitCode,Reason"
+
+
 def _squeue() -> dict[str, SchedulerInfo]:
-    out = _run(["squeue", "-h", "-u", getpass.getuser(), "-o", "%i|%T|%r|%M"]) or ""
-    info = {}
-    for line in out.splitlines():
-        job_id, state, reason, elapsed = (line.split("|") + ["", "", ""])[:4]
-        reason = "" if reason in ("None", "(null)") else reason
-        info[job_id.strip()] = SchedulerInfo(from_slurm(state), reason, elapsed)
-    return info
+    return parse_squeue(_run(["squeue", "-h", "-u", getpass.getuser(), "-o", SQUEUE_FORMAT]) or "")
 
 
 def _sacct(job_ids: list[str]) -> dict[str, SchedulerInfo]:
-    out = _run(
-        ["sacct", "-n", "-P", "-X", "-j", ",".join(job_ids), "-o", "JobID,State,Elapsed,ExitCode,Reason"]
-    )
+    return parse_sacct(_run(["sacct", "-n", "-P", "-X", "-j", ",".join(job_ids), "-o", SACCT_FIELDS]) or "")
+
+
+def parse_squeue(text: str) -> dict[str, SchedulerInfo]:
+    """`squeue -h -o SQUEUE_FORMAT` output → job id → state, reason, elapsed. Array tasks keep their `ID_TASK`."""
     info = {}
-    for line in (out or "").splitlines():
-        parts = (line.split("|") + [""] * 5)[:5]
-        job_id, state, elapsed, exit_code, reason = parts
-        reason = "" if reason in ("None", "(null)") else reason
-        # A requeued job appears once per attempt; the last line is the current one.
-        info[job_id.strip()] = SchedulerInfo(from_slurm(state), reason, elapsed, exit_code)
+    for job_id, state, reason, elapsed in _rows(text, 4):
+        info[job_id] = SchedulerInfo(from_slurm(state), _reason(reason), elapsed)
     return info
+
+
+def parse_sacct(text: str) -> dict[str, SchedulerInfo]:
+    """`sacct -n -P -X -o SACCT_FIELDS` output → job id → state, reason, elapsed, exit code."""
+    info = {}
+    for job_id, state, elapsed, exit_code, reason in _rows(text, 5):
+        # A requeued job can be listed once per attempt (as `sacct --duplicates` does), oldest first:
+        # the last line is the current one.
+        info[job_id] = SchedulerInfo(from_slurm(state), _reason(reason), elapsed, exit_code)
+    return info
+
+
+def _rows(text: str, width: int) -> list[list[str]]:
+    """`|`-separated lines, each padded or cut to `width` fields; lines without a job id are skipped."""
+    rows = [
+        ([field.strip() for field in line.split("|")] + [""] * width)[:width] for line in text.splitlines()
+    ]
+    return [row for row in rows if row[0]]
+
+
+def _reason(raw: str) -> str:
+    """`(DependencyNeverSatisfied)` (squeue's %R style) → `DependencyNeverSatisfied`; `None`/`(null)` → ``."""
+    reason = raw.strip().removeprefix("(").removesuffix(")")
+    return "" if reason in ("None", "null") else reason
 
 
 def plan_status(plan: Plan, log_root: str) -> list[JobStatus]:
@@ -100,8 +120,10 @@ def job_status(job, record, scheduler, earlier: dict[str, JobStatus], log_root: 
         "eta_s": progress.get("eta_s"),
     }
     scheduler_id = record["job_id"] if record else ""
-    log_path = str(Path(log_root) / job.id / f"{scheduler_id}_0_log.out") if record else ""
-    common = {"scheduler_id": scheduler_id, "log_path": log_path, **fields}
+    submitted = _submitit_job(log_root, job.id, record) if record else None
+    log_path = str(submitted.paths.stdout) if submitted else ""
+    backend = record.get("backend", "slurm") if record else ""
+    common = {"scheduler_id": scheduler_id, "log_path": log_path, "backend": backend, **fields}
     if done_hash(run_dir) == job.config_hash:
         return JobStatus(
             job,
@@ -118,8 +140,8 @@ def job_status(job, record, scheduler, earlier: dict[str, JobStatus], log_root: 
                 job, State.BLOCKED, reason=f"parent {failed_parent} {earlier[failed_parent].state.value}"
             )
         return JobStatus(job, State.PLANNED, **fields)
-    if record.get("backend") == "local":
-        info = SchedulerInfo(State.RUNNING if _pid_alive(scheduler_id) else State.FAILED)
+    if backend == "local":
+        info = local_info(submitted, record)
     else:
         info = scheduler.get(scheduler_id, SchedulerInfo(State.UNKNOWN, "not known to squeue or sacct"))
     state, reason = info.state, info.reason
@@ -131,12 +153,21 @@ def job_status(job, record, scheduler, earlier: dict[str, JobStatus], log_root: 
     return JobStatus(job, state, reason=reason, elapsed=info.elapsed, stuck=stuck, **common)
 
 
-def _pid_alive(pid: str) -> bool:
-    try:
-        os.kill(int(pid), 0)
-    except (ValueError, OSError):
-        return False
-    return True
+def _submitit_job(log_root: str, plan_id: str, record: dict):
+    from slurm.scheduler import scheduler_job  # submitit: only once a job was submitted (not for dry runs)
+
+    return scheduler_job(log_root, plan_id, record)
+
+
+def local_info(submitted, record: dict) -> SchedulerInfo:
+    """A local job runs while its submitit controller does; once ended without DONE, why it failed."""
+    from slurm.scheduler import local_alive, local_failure
+
+    if local_alive(submitted):
+        return SchedulerInfo(State.RUNNING)
+    if record.get("cancelled_at"):
+        return SchedulerInfo(State.CANCELLED, f"cancelled at {record['cancelled_at']}")
+    return SchedulerInfo(State.FAILED, local_failure(submitted))
 
 
 def format_eta(seconds: float | None) -> str:

@@ -1,4 +1,5 @@
-"""Submission through submitit, the only path to the scheduler: sbatch on SLURM, subprocesses locally.
+"""Submission through submitit: sbatch on SLURM, subprocesses locally (finding, watching and cancelling a
+submitted job later goes through slurm/scheduler.py). Jobs run the launch's code snapshot (slurm/snapshot.py).
 
 Both backends take the same jobs with the same dependencies. SLURM enforces them itself (`--dependency`,
 and the dev cluster's `kill_invalid_depend` cancels children of a failed parent); the local backend
@@ -7,12 +8,12 @@ starts a job only when its parents ended as its dependency kind requires.
 
 from __future__ import annotations
 
-import logging
 import os
 import shutil
 import subprocess
 import time
 from collections.abc import Callable
+from contextlib import contextmanager
 from pathlib import Path
 
 import submitit
@@ -20,9 +21,9 @@ import submitit
 from slurm.jobs import EvalStage, TrainStage
 from slurm.plan import PlannedJob
 from slurm.profile import ClusterProfile
+from slurm.scheduler import cancel, local_failure
+from slurm.snapshot import CodeSnapshot
 from slurm.states import State
-
-log = logging.getLogger("slurm.submit")
 
 
 def pick_backend(name: str) -> str:
@@ -46,18 +47,22 @@ def job_args(job: PlannedJob, workdir: Path) -> tuple:
     return (job.spec.model_dump(), job.config_hash, str(workdir))
 
 
-def export_pythonpath(workdir: Path) -> None:
-    """Jobs unpickle `slurm.jobs.*`: the project must be importable there (sbatch exports this env)."""
-    paths = [str(workdir), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
-    os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+@contextmanager
+def working_directory(folder: Path):
+    """The local executor starts the job's processes in the launcher's working directory."""
+    previous = Path.cwd()
+    os.chdir(folder)
+    try:
+        yield
+    finally:
+        os.chdir(previous)
 
 
 class SlurmBackend:
     name = "slurm"
 
-    def __init__(self, profile: ClusterProfile, workdir: Path):
-        self.profile, self.workdir = profile, workdir
-        export_pythonpath(workdir)
+    def __init__(self, profile: ClusterProfile, workdir: Path, code: CodeSnapshot):
+        self.profile, self.workdir, self.code = profile, workdir, code
 
     def submit(self, job: PlannedJob, parents: list[tuple[str, str]]) -> str:
         """Queue one job; `parents` are (scheduler id, dependency kind). Returns the SLURM job id."""
@@ -80,7 +85,10 @@ class SlurmBackend:
             "signal_delay_s": res.signal_delay_s,
             "stderr_to_stdout": True,  # one log per job: what --tail follows
             "additional_parameters": {"open-mode": "append"},  # a requeued run adds to the log, not erase it
-            "setup": list(self.profile.setup),
+            "setup": list(self.profile.setup),  # run in the user's directory, as they expect
+            # Python starts in the code snapshot, so it imports that code (sys.path[0]); the job then
+            # moves to the user's directory (workdir) before it reads any data path.
+            "srun_args": [f"--chdir={self.code.folder}"],
         }
         if res.gpus:
             params["gpus_per_node"] = res.gpus
@@ -92,8 +100,8 @@ class SlurmBackend:
         return params
 
     def cancel(self, job_ids: list[str]) -> None:
-        if job_ids:
-            subprocess.run(["scancel", *job_ids], check=False, capture_output=True)
+        # Cancelling needs only the id; submitit's job wants a folder, which it does not read for this.
+        cancel([submitit.SlurmJob(self.profile.log_dir, job_id) for job_id in job_ids])
 
 
 class LocalBackend:
@@ -101,16 +109,15 @@ class LocalBackend:
 
     name = "local"
 
-    def __init__(self, profile: ClusterProfile, workdir: Path):
-        self.profile, self.workdir = profile, workdir
-        export_pythonpath(workdir)
+    def __init__(self, profile: ClusterProfile, workdir: Path, code: CodeSnapshot):
+        self.profile, self.workdir, self.code = profile, workdir, code
 
     def run(
         self,
         jobs: list[PlannedJob],
         parents_of: Callable[[PlannedJob], list[tuple[str, str]]],
         on_start: Callable[[PlannedJob, str], None],
-        on_end: Callable[[PlannedJob, State], None],
+        on_end: Callable[[PlannedJob, State, str], None],
     ) -> dict[str, State]:
         """Run `jobs` (dependency order) to the end. `parents_of` names each job's parents among them."""
         states: dict[str, State] = {}
@@ -121,7 +128,7 @@ class LocalBackend:
                 if verdict is State.BLOCKED:
                     waiting.remove(job)
                     states[job.id] = State.BLOCKED
-                    on_end(job, State.BLOCKED)
+                    on_end(job, State.BLOCKED, "a parent it needs failed")
                 elif verdict is State.PENDING and len(running) < self.profile.local_parallel_jobs:
                     waiting.remove(job)
                     running[job.id] = (job, self._start(job))
@@ -129,8 +136,8 @@ class LocalBackend:
             for job_id, (job, handle) in list(running.items()):
                 if handle.done():
                     del running[job_id]
-                    states[job_id] = self._outcome(handle)
-                    on_end(job, states[job_id])
+                    states[job_id], reason = self.outcome(handle)
+                    on_end(job, states[job_id], reason)
             time.sleep(0.2)
         return states
 
@@ -146,14 +153,13 @@ class LocalBackend:
 
     def _start(self, job: PlannedJob):
         executor = submitit.LocalExecutor(folder=Path(self.profile.log_dir) / job.id)
-        executor.update_parameters(timeout_min=job.resources.timeout_min)
-        return executor.submit(job_callable(job), *job_args(job, self.workdir))
+        executor.update_parameters(timeout_min=job.resources.timeout_min, stderr_to_stdout=True)
+        with working_directory(self.code.folder):  # see SlurmBackend: the job imports the snapshot
+            return executor.submit(job_callable(job), *job_args(job, self.workdir))
 
     @staticmethod
-    def _outcome(handle) -> State:
-        try:
-            handle.result()
-        except Exception as exc:  # the job's own error; its log holds the traceback
-            log.error("%s failed: %s", handle.job_id, str(exc).strip().splitlines()[-1:] or exc)
-            return State.FAILED
-        return State.COMPLETED
+    def outcome(handle) -> tuple[State, str]:
+        """COMPLETED, or FAILED with the exception's last line (its log holds the traceback)."""
+        if handle.paths.result_pickle.exists() and not local_failure(handle):
+            return State.COMPLETED, ""
+        return State.FAILED, f"{local_failure(handle)} (log: {handle.paths.stdout})"

@@ -11,13 +11,14 @@ import yaml
 from slurm.problems import Problem
 
 KeyPath = tuple  # e.g. ("train", "learning_rate") or ("stages", 1, "name")
+COMMAND_LINE = "command line"
 
 
 @dataclass
 class YamlFile:
     path: Path
     data: dict
-    lines: dict[KeyPath, int] = field(default_factory=dict)
+    lines: dict[KeyPath, int | None] = field(default_factory=dict)  # None: a command-line override
 
 
 # libyaml's parser when PyYAML was built with it: the pure-Python one is ~10x slower on a login node.
@@ -151,6 +152,26 @@ def load_chain(path: Path, stop: Path) -> tuple[dict, list[YamlFile]]:
     return merged, chain
 
 
+def command_line_files(overrides: dict) -> tuple[YamlFile, YamlFile]:
+    """`key=value` overrides as two "files" of a chain, so a mistake in one is reported as coming from the
+    command line, not from the YAML line it replaced: the keys they set (put first: they win over every
+    YAML line) and the sections they reach into (put last: a check of a whole section, like
+    `eval.resources` for `eval.resources.time=…`, is theirs only when no YAML file wrote that section)."""
+    keys: dict[KeyPath, int | None] = {}
+    sections: dict[KeyPath, int | None] = {}
+
+    def collect(value: dict, prefix: KeyPath) -> None:
+        for key, item in value.items():
+            if isinstance(item, dict) and item:
+                sections[(*prefix, key)] = None
+                collect(item, (*prefix, key))
+            else:
+                keys[(*prefix, key)] = None
+
+    collect(overrides, ())
+    return YamlFile(Path(COMMAND_LINE), overrides, keys), YamlFile(Path(COMMAND_LINE), {}, sections)
+
+
 def where(chain: list[YamlFile], key: KeyPath) -> tuple[str, int | None]:
     """The file and line that wrote `key` (or its nearest written parent), most derived file first."""
     for length in range(len(key), 0, -1):
@@ -158,4 +179,5 @@ def where(chain: list[YamlFile], key: KeyPath) -> tuple[str, int | None]:
         for yf in chain:
             if prefix in yf.lines:
                 return str(yf.path), yf.lines[prefix]
-    return str(chain[0].path), None
+    written = next(yf for yf in chain if str(yf.path) != COMMAND_LINE)  # unplaced: the experiment's file
+    return str(written.path), None

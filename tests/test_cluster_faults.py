@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from safetensors.torch import load_file
+from submitit.core.utils import JobPaths
 
 import launch
 from slurm.states import State
@@ -177,9 +178,9 @@ def test_time_limit_is_survived_by_repeated_requeues(repo_root, tmp_path, slurm_
     )
     assert submit(folder, "--wait") == 0
     run_dir = tmp_path / "runs" / "limited" / "train"
-    log = (
-        tmp_path / "logs" / "limited" / "train" / f"{slurm_id(tmp_path, 'limited/train')}_0_log.out"
-    ).read_text()
+    log = JobPaths(
+        tmp_path / "logs" / "limited" / "train", slurm_id(tmp_path, "limited/train")
+    ).stdout.read_text()
     assert log.count("received SIGUSR2: saving a checkpoint at the next step end") >= 2, log[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["global_step"] == epochs * per_epoch

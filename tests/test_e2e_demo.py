@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from submitit.core.utils import JobPaths
 
 import launch
 from tests.conftest import squeue_ids, write_cluster_yaml
@@ -107,6 +108,8 @@ def test_demo_on_the_dev_cluster(repo_root, tmp_path, slurm_cluster, tiny, capsy
 def test_demo_runs_locally_without_slurm(repo_root, tmp_path, tiny, monkeypatch, experiments):
     monkeypatch.chdir(repo_root)
     config_dir = demo_configs(repo_root, tmp_path)
+    # Two job slots: were `after:` (afterany) ignored, chain-second/train would start beside chain-first/train.
+    write_cluster_yaml(config_dir.parent, tmp_path, local_parallel_jobs=2)
     assert launch.main(["--exp", *experiments, "--config-dir", str(config_dir), "--backend", "local"]) == 0
     for plan_id in ("chain-first/train", "chain-first/eval", "chain-second/train", "chain-second/eval"):
         assert (tmp_path / "runs" / plan_id / "DONE").is_file()
@@ -114,11 +117,13 @@ def test_demo_runs_locally_without_slurm(repo_root, tmp_path, tiny, monkeypatch,
             json.loads((tmp_path / "runs" / plan_id / "job.json").read_text())["jobs"][-1]["backend"]
             == "local"
         )
-    started = [
-        json.loads((tmp_path / "runs" / p / "job.json").read_text())["jobs"][-1]["submitted_at"]
-        for p in ("chain-first/eval", "chain-second/train")
-    ]
-    assert started[0] <= started[1]  # afterany: the second experiment started after the first ended
+    # afterany: the second experiment started after the first one's last job ended (its DONE, written as
+    # that job's last act, is older than the second's submitted call, written when the launcher started it).
+    # Nanosecond file times; the one-second `submitted_at` stamps could not tell the order apart.
+    first_end = (tmp_path / "runs" / "chain-first" / "eval" / "DONE").stat().st_mtime_ns
+    second_pid = job_id(tmp_path, "chain-second/train")
+    second_call = JobPaths(tmp_path / "logs" / "chain-second" / "train", second_pid).submitted_pickle
+    assert first_end < second_call.stat().st_mtime_ns
 
     # An eval job reruns by hand from its run folder alone, to the same scores (greedy decoding).
     eval_dir = tmp_path / "runs" / "chain-second" / "eval"

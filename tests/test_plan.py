@@ -45,16 +45,125 @@ def test_a_stage_starts_from_the_previous_stage_adapter():
     assert plan.job("qwen-curriculum2/eval").spec.adapter_dir == f"{part2.run_dir}/adapter"
 
 
-def test_a_changed_stage_changes_the_hash_of_what_starts_from_it_only():
-    before = {j.id: j.config_hash for j in plan_for(names=["qwen-curriculum2", "qwen-random"]).jobs}
-    after = {
-        j.id: j.config_hash
-        for j in plan_for(["adapter.dropout=0.1"], names=["qwen-curriculum2", "qwen-random"]).jobs
-    }
-    assert all(before[k] != after[k] for k in before)  # an override applies to every selected experiment
-    lr_only = {j.id: j.config_hash for j in plan_for(["train.seed=3"], names=["qwen-curriculum2"]).jobs}
-    assert lr_only["qwen-curriculum2/part2"] != before["qwen-curriculum2/part2"]
-    assert plan_for(names=["qwen-random"]).job("qwen-random/train").config_hash == before["qwen-random/train"]
+CHAIN = """\
+name: chain
+model: {{name_or_path: org/some-model, kind: causal}}
+data: {{train: {data}}}
+eval: {{metrics: [exact_match]}}
+stages:
+  - name: one
+    train: {{learning_rate: {first_rate}}}
+  - name: two
+"""
+OTHER = """\
+name: other
+model: {{name_or_path: org/some-model, kind: causal}}
+data: {{train: {data}}}
+eval: {{metrics: [exact_match]}}
+"""
+
+
+def write_experiments(folder: Path, first_rate: str = "2.0e-4", cluster: str = "", **files: str) -> Path:
+    folder.mkdir(exist_ok=True)
+    data = folder / "train.jsonl"
+    data.write_text('{"input": "q", "target": "a"}\n')
+    (folder / "cluster.yaml").write_text(f"run_dir: runs\nlog_dir: {folder / 'logs'}\n{cluster}")
+    (folder / "chain.yaml").write_text(CHAIN.format(data=data, first_rate=first_rate))
+    (folder / "other.yaml").write_text(OTHER.format(data=data))
+    for name, text in files.items():
+        (folder / f"{name}.yaml").write_text(text.replace("DATA", str(data)))
+    return folder
+
+
+def test_changing_only_the_first_stage_changes_the_hash_of_what_starts_from_it(tmp_path):
+    before = plan_for(folder=write_experiments(tmp_path, "2.0e-4"))
+    after = plan_for(folder=write_experiments(tmp_path, "1.25e-4"))  # the same files, stage one edited
+    one, two, evaluation = "chain/one", "chain/two", "chain/eval"
+    assert before.job(one).spec != after.job(one).spec
+    # Stage two's own spec is equal, adapter path included: only what it starts from changed.
+    assert before.job(two).spec == after.job(two).spec
+    for job_id in (one, two, evaluation):
+        assert before.job(job_id).config_hash != after.job(job_id).config_hash, job_id
+    assert before.job("other/train").config_hash == after.job("other/train").config_hash
+    assert before.job("other/eval").config_hash == after.job("other/eval").config_hash
+
+
+def sized(name: str, resources: str, eval_section: str = "{metrics: [exact_match]}") -> str:
+    model = "{name_or_path: org/some-model, kind: causal}"
+    return (
+        f"name: {name}\nmodel: {model}\ndata: {{train: DATA}}\neval: {eval_section}\nresources: {resources}\n"
+    )
+
+
+def eval_resources_folder(tmp_path: Path) -> Path:
+    big = '{gpus: 4, cpus: 16, mem_gb: 64, time: "06:00:00", partition: gpu, constraint: "a100&ib"}'
+    own = '{metrics: [exact_match], resources: {gpus: 2, cpus: 2, time: "00:20:00", partition: short}}'
+    return write_experiments(
+        tmp_path,
+        cluster="account: lab\n",
+        big=sized("big", big),
+        cpuonly=sized("cpuonly", '{gpus: 0, cpus: 4, mem_gb: 8, time: "02:00:00"}'),
+        own=sized("own", '{gpus: 4, cpus: 16, mem_gb: 64, time: "06:00:00"}', own),
+    )
+
+
+def test_eval_jobs_get_one_gpu_for_an_hour_with_the_training_jobs_cpus_memory_and_placement(tmp_path):
+    plan = plan_for(folder=eval_resources_folder(tmp_path))
+    train, evaluation = plan.job("big/train").resources, plan.job("big/eval").resources
+    assert (train.gpus, train.time) == (4, "06:00:00")
+    assert (evaluation.gpus, evaluation.time, evaluation.cpus, evaluation.mem_gb) == (1, "01:00:00", 16, 64)
+    assert (evaluation.partition, evaluation.constraint, evaluation.account) == ("gpu", "a100&ib", "lab")
+    assert evaluation.signal_delay_s + 30 < evaluation.time_s  # the default passes Resources' own check
+
+
+def test_a_cpu_experiments_eval_asks_for_no_gpu(tmp_path):
+    evaluation = plan_for(folder=eval_resources_folder(tmp_path)).job("cpuonly/eval").resources
+    assert (evaluation.gpus, evaluation.cpus, evaluation.mem_gb, evaluation.time) == (0, 4, 8, "01:00:00")
+
+
+def test_eval_resources_set_in_yaml_win_and_the_rest_comes_from_training(tmp_path):
+    evaluation = plan_for(folder=eval_resources_folder(tmp_path)).job("own/eval").resources
+    assert (evaluation.gpus, evaluation.cpus, evaluation.time, evaluation.partition) == (
+        2,
+        2,
+        "00:20:00",
+        "short",
+    )
+    assert (evaluation.mem_gb, evaluation.account) == (64, "lab")
+
+
+def test_eval_resources_are_not_part_of_the_eval_jobs_identity(tmp_path):
+    folder = eval_resources_folder(tmp_path)
+    before = plan_for(folder=folder).job("own/eval")
+    after = plan_for(["eval.resources.time=00:40:00"], folder=folder).job("own/eval")
+    assert after.resources.time == "00:40:00"
+    assert after.config_hash == before.config_hash  # a finished eval is not run again for a new time limit
+
+
+def test_eval_resources_reach_the_sbatch_parameters(tmp_path):
+    from slurm.snapshot import CodeSnapshot
+    from slurm.submit import SlurmBackend
+
+    folder = eval_resources_folder(tmp_path)
+    plan = plan_for(folder=folder)
+    profile, _ = load_profile(folder)
+    backend = SlurmBackend(profile, tmp_path, CodeSnapshot(tmp_path, None, None))
+    big = backend.sbatch_parameters(plan.job("big/eval"), [("123", "afterok")])
+    assert (big["time"], big["gpus_per_node"], big["cpus_per_task"], big["partition"]) == (60, 1, 16, "gpu")
+    assert "gpus_per_node" not in backend.sbatch_parameters(plan.job("cpuonly/eval"), [])
+    assert backend.sbatch_parameters(plan.job("big/train"), [])["gpus_per_node"] == 4
+
+
+def test_dry_run_shows_each_jobs_resources(tmp_path, capsys, monkeypatch):
+    import launch
+
+    folder = eval_resources_folder(tmp_path)
+    monkeypatch.chdir(folder)
+    assert launch.main(["--all", "--dry-run", "--config-dir", "."]) == 0
+    rows = {line.split()[1]: line for line in capsys.readouterr().out.splitlines() if "/" in line}
+    assert "4 gpu 16 cpu 64G 06:00:00 gpu a100&ib" in rows["big/train"]
+    assert "1 gpu 16 cpu 64G 01:00:00 gpu a100&ib" in rows["big/eval"]
+    assert "0 gpu 4 cpu 8G 01:00:00" in rows["cpuonly/eval"]
 
 
 def test_eval_after_each_stage_adds_intermediate_evals():

@@ -198,3 +198,101 @@ def test_bad_override_is_a_clear_error(config_dir, capsys):
     code = launch.main(["--all", "--config-dir", str(config_dir), "--dry-run", "train.epochs"])
     assert code == 2
     assert "KEY.PATH=VALUE" in capsys.readouterr().err
+
+
+# Values written into the job script's #SBATCH lines: a newline in one would start a line of shell there.
+BLOCK_RESOURCES = """\
+resources:
+  gpus: 1
+  cpus: 1
+  mem_gb: 1
+  time: "00:05:00"
+  constraint: |
+    a100
+    #SBATCH --wrap=touch /tmp/injected
+"""
+INJECTIONS = {
+    "partition with an escaped newline": (
+        "a.yaml",
+        'time: "00:05:00"}',
+        'time: "00:05:00", partition: "gpu\\n#SBATCH --wrap=touch /tmp/injected"}',
+        ["a.yaml:7", "resources.partition", "not a SLURM name", "#SBATCH lines"],
+    ),
+    "constraint in a block scalar": (
+        "a.yaml",
+        'resources: {gpus: 1, cpus: 1, mem_gb: 1, time: "00:05:00"}\n',
+        BLOCK_RESOURCES,
+        ["a.yaml:12", "resources.constraint", "not a SLURM feature expression"],
+    ),
+    "eval qos with a semicolon": (
+        "a.yaml",
+        "eval: {metrics: [exact_match]}",
+        'eval: {metrics: [exact_match], resources: {qos: "normal;touch /tmp/injected"}}',
+        ["a.yaml:6", "eval.resources.qos", "not a SLURM name"],
+    ),
+    "cluster account with a newline": (
+        "cluster.yaml",
+        "max_gpus_per_node: 4\n",
+        'max_gpus_per_node: 4\naccount: "lab\\ntouch /tmp/injected"\n',
+        ["cluster.yaml:4", "account", "not a SLURM name"],
+    ),
+    "cluster log_dir in a block scalar": (
+        "cluster.yaml",
+        "log_dir: ",
+        "log_dir: |\n  logs\n  #SBATCH --wrap=touch /tmp/injected\n# was: ",
+        ["cluster.yaml:2", "log_dir", "control character"],
+    ),
+    "name with a trailing newline": (
+        "a.yaml",
+        "name: a\n",
+        'name: "a\\n"\n',
+        ["a.yaml:1", "name", "not a safe name"],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(INJECTIONS))
+def test_values_that_reach_sbatch_lines_are_checked(case, config_dir, capsys, slurm_cluster):
+    file, old, new, expected = INJECTIONS[case]
+    edit(config_dir / file, old, new)
+    before = squeue_ids()
+    code, err = run_cli(config_dir, capsys)
+    assert code == 2, err
+    assert "Traceback" not in err
+    for fragment in expected:
+        assert fragment in err, f"{fragment!r} missing from:\n{err}"
+    assert squeue_ids() == before
+
+
+def test_slurm_name_lists_and_feature_expressions_are_accepted(config_dir, capsys):
+    edit(
+        config_dir / "a.yaml",
+        'time: "00:05:00"}',
+        'time: "00:05:00", partition: "gpu,debug", qos: high-prio.v2, constraint: "[rack1|rack2]&a100*2"}',
+    )
+    code = launch.main(["--exp", "a", "--config-dir", str(config_dir), "--dry-run", "--json"])
+    assert code == 0
+    import json
+
+    resources = json.loads(capsys.readouterr().out)["jobs"][0]["resources"]
+    assert (resources["partition"], resources["qos"]) == ("gpu,debug", "high-prio.v2")
+    assert resources["constraint"] == "[rack1|rack2]&a100*2"
+
+
+def test_override_mistakes_are_reported_from_the_command_line(config_dir, capsys):
+    argv = ["--all", "--config-dir", str(config_dir), "--dry-run", "train.learning_rate=0.5", "train.epoch=2"]
+    code = launch.main(argv)
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "command line: train.learning_rate: 0.5 is far too high for LoRA" in err
+    assert "command line: train.epoch: unknown key (did you mean 'epochs'?)" in err
+    assert "a.yaml" not in err and "b.yaml" not in err  # a.yaml:5 writes learning_rate, but is not at fault
+    assert err.count("error:") == 2  # said once, not once per experiment file
+
+
+def test_a_yaml_mistake_is_still_the_yamls_when_overrides_are_given(config_dir, capsys):
+    edit(config_dir / "a.yaml", "epochs: 1,", "epochs: 0,")
+    code = launch.main(["--all", "--config-dir", str(config_dir), "--dry-run", "train.seed=3"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "a.yaml:5: train.epochs" in err and "command line" not in err

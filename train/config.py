@@ -10,10 +10,15 @@ from __future__ import annotations
 import re
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 TIME_FORMAT = re.compile(r"^(?:(\d+)-)?(\d{1,2}):(\d{2}):(\d{2})$")
+# What SLURM accepts as partition, account and qos names (',' between several) and as a --constraint
+# expression (features joined by & | , with [ ] ( ) grouping and *N counts). These values are written into
+# the job script's `#SBATCH` lines, where a newline would start a line of shell: nothing else gets through.
+SLURM_NAMES = re.compile(r"[A-Za-z0-9_.-]+(,[A-Za-z0-9_.-]+)*")
+SLURM_CONSTRAINT = re.compile(r"[A-Za-z0-9_.\-&|,\[\]()*]+")
 
 # Layers whose full matrices become trainable when listed in modules_to_save: a "LoRA" run then trains
 # tens of percent of the model (46% for flan-t5-small) and saves a full-size copy of them.
@@ -149,32 +154,27 @@ class TrainSpec(Section):
         return self
 
 
-SQL_METRICS = ("sql_exec",)
-Metric = Literal["rouge", "rouge_l", "bleu", "exact_match", "sql_exec"]
+def slurm_names(value: str) -> str:
+    if not SLURM_NAMES.fullmatch(value):
+        raise ValueError(
+            f"{value!r} is not a SLURM name: use letters, digits, '_', '-' and '.', with ',' between several "
+            "(no spaces or newlines: it is written into the job script's #SBATCH lines)"
+        )
+    return value
 
 
-class EvalSpec(Section):
-    metrics: list[Metric] = Field(default_factory=lambda: ["rouge", "bleu", "exact_match"])
-    num_beams: Annotated[int, Field(ge=1, le=16)] = 1
-    max_new_tokens: Annotated[int, Field(ge=1)] = 128
-    batch_size: Annotated[int, Field(ge=1)] = 16
-    db: str | None = Field(
-        None,
-        description="SQLite file the sql_exec metric runs queries against (read-only)",
-    )
-    sql_timeout_s: Annotated[float, Field(gt=0)] = 5.0
-    after_each_stage: bool = False
-    limit: Annotated[int, Field(ge=1)] | None = Field(
-        None, description="score only the first N eval examples"
-    )
-
-    @model_validator(mode="after")
-    def _sql_needs_db(self):
-        if "sql_exec" in self.metrics and not self.db:
-            raise ValueError("metric sql_exec needs eval.db (the SQLite file to run queries against)")
-        return self
+def slurm_constraint(value: str) -> str:
+    if not SLURM_CONSTRAINT.fullmatch(value):
+        raise ValueError(
+            f"{value!r} is not a SLURM feature expression: feature names (letters, digits, '_', '-', '.') "
+            "joined by '&', '|' or ',', grouped with [ ] or ( ), counted with *N, e.g. 'a100&ib' "
+            "(no spaces or newlines: it is written into the job script's #SBATCH lines)"
+        )
+    return value
 
 
+SlurmNames = Annotated[str, AfterValidator(slurm_names)]
+SlurmConstraint = Annotated[str, AfterValidator(slurm_constraint)]
 SLURM_TIMER_S = 30
 
 
@@ -183,10 +183,10 @@ class Resources(Section):
     time: str = "04:00:00"
     mem_gb: Annotated[float, Field(gt=0)] = 32
     cpus: Annotated[int, Field(ge=1)] = 8
-    partition: str | None = None
-    account: str | None = None
-    qos: str | None = None
-    constraint: str | None = None
+    partition: SlurmNames | None = None
+    account: SlurmNames | None = None
+    qos: SlurmNames | None = None
+    constraint: SlurmConstraint | None = None
     signal_delay_s: Annotated[int, Field(ge=10)] = 120
     max_requeues: Annotated[int, Field(ge=0)] = 3
 
@@ -216,6 +216,56 @@ class Resources(Section):
     @property
     def timeout_min(self) -> int:
         return max(1, -(-self.time_s // 60))
+
+
+class EvalResources(Resources):
+    """The eval job's own allocation (`eval.resources`): generating and scoring needs far less than training.
+
+    Left out, `gpus` is 1, or 0 when training asks for none (a CPU experiment's eval stays on CPUs); `cpus`,
+    `mem_gb`, `partition`, `account`, `qos` and `constraint` are the training job's; `time` is one hour.
+    """
+
+    gpus: Annotated[int, Field(ge=0)] | None = None
+    time: str = "01:00:00"
+    mem_gb: Annotated[float, Field(gt=0)] | None = None
+    cpus: Annotated[int, Field(ge=1)] | None = None
+
+    def for_training(self, training: Resources) -> Resources:
+        """The resources of the eval job that follows a training job holding `training`."""
+        inherited = ("cpus", "mem_gb", "partition", "account", "qos", "constraint")
+        values = self.model_dump()
+        values.update({k: getattr(training, k) for k in inherited if values[k] is None})
+        if values["gpus"] is None:
+            values["gpus"] = min(1, training.gpus)
+        return Resources(**values)
+
+
+SQL_METRICS = ("sql_exec",)
+Metric = Literal["rouge", "rouge_l", "bleu", "exact_match", "sql_exec"]
+
+
+class EvalSpec(Section):
+    metrics: list[Metric] = Field(default_factory=lambda: ["rouge", "bleu", "exact_match"])
+    num_beams: Annotated[int, Field(ge=1, le=16)] = 1
+    max_new_tokens: Annotated[int, Field(ge=1)] = 128
+    batch_size: Annotated[int, Field(ge=1)] = 16
+    db: str | None = Field(
+        None,
+        description="SQLite file the sql_exec metric runs queries against (read-only)",
+    )
+    sql_timeout_s: Annotated[float, Field(gt=0)] = 5.0
+    after_each_stage: bool = False
+    # Scheduler business, not the job's identity: changing it does not make a finished eval run again.
+    resources: EvalResources = Field(default_factory=EvalResources, exclude=True)
+    limit: Annotated[int, Field(ge=1)] | None = Field(
+        None, description="score only the first N eval examples"
+    )
+
+    @model_validator(mode="after")
+    def _sql_needs_db(self):
+        if "sql_exec" in self.metrics and not self.db:
+            raise ValueError("metric sql_exec needs eval.db (the SQLite file to run queries against)")
+        return self
 
 
 class StageSpec(Section):
@@ -299,7 +349,7 @@ class EvalJob(Section):
 
 
 def safe_name(value: str) -> str:
-    if not SAFE_NAME.match(value):
+    if not SAFE_NAME.fullmatch(value):
         raise ValueError(
             f"{value!r} is not a safe name: use letters, digits, '-', '_' or '.', start with a letter or "
             "digit, at most 64 characters (it becomes a folder and a job name)"

@@ -1,0 +1,131 @@
+"""Watching and cancelling always work: a broken YAML elsewhere is a warning, a local run is stopped
+through its own process, and a failed local job says why. Real local jobs (submitit's LocalExecutor)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from submitit.core.utils import JobPaths
+
+import launch
+from tests.conftest import write_cluster_yaml
+
+EXPERIMENT = """\
+name: {name}
+model: {{name_or_path: {model}, kind: causal}}
+adapter: {{rank: 4, alpha: 8, dropout: 0.0, max_trainable_percent: 30}}
+data:
+  train: {root}/data/demo/sql/easy.jsonl
+  input_field: question
+  target_field: sql
+  prompt_template: "{{schema}} | {{question}} | SQL: "
+train: {{epochs: {epochs}, batch_size: 4, learning_rate: 1.0e-3, eval_every_epochs: null, logging_steps: 1}}
+eval: {{metrics: []}}
+resources: {{gpus: 0, cpus: 1, mem_gb: 1, time: "00:15:00"}}
+"""
+BROKEN = "name: broken\nmodel:\n  name_or_path: [unclosed\n"
+
+
+def configs(tmp: Path, repo_root: Path, **experiments: dict) -> Path:
+    folder = tmp / "configs"
+    folder.mkdir(exist_ok=True)
+    write_cluster_yaml(folder, tmp)
+    for name, fields in experiments.items():
+        fields = {"model": repo_root / "models" / "tiny-llama", "epochs": 1, **fields}
+        (folder / f"{name}.yaml").write_text(EXPERIMENT.format(name=name, root=repo_root, **fields))
+    return folder
+
+
+def record(tmp: Path, job: str) -> dict:
+    return json.loads((tmp / "runs" / job / "job.json").read_text())["jobs"][-1]
+
+
+def wait_until(condition, what: str, timeout_s: float = 120):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if value := condition():
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
+
+
+def alive(pid: str) -> bool:
+    try:
+        os.kill(int(pid), 0)
+    except OSError:
+        return False
+    return True
+
+
+def test_watching_goes_on_when_another_yaml_is_broken(repo_root, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(repo_root)
+    folder = configs(tmp_path, repo_root, fine={})
+    (folder / "broken.yaml").write_text(BROKEN)
+    expected = {  # action: (exit code, what it printed about the experiment that loads)
+        "--status": (0, "fine/train"),
+        "--tail": (1, "fine/train has not been submitted"),
+        "--cancel": (0, "Cancelled 0 job(s)"),
+        "--report": (0, "wrote"),
+    }
+    for action, (code, printed) in expected.items():
+        capsys.readouterr()
+        argv = [action, "fine/train"] if action == "--tail" else [action]
+        assert launch.main([*argv, "--config-dir", str(folder)]) == code, action
+        out, err = capsys.readouterr()
+        assert "warning: configs/broken.yaml:3" in err or "broken.yaml:3" in err, (action, err)
+        assert printed in out, (action, out)
+    assert launch.main(["--all", "--config-dir", str(folder), "--dry-run"]) == 2  # submitting still refuses
+
+
+def test_a_failed_local_job_shows_its_exception_and_log(repo_root, tmp_path, tiny, monkeypatch, capsys):
+    monkeypatch.chdir(repo_root)
+    empty = tmp_path / "empty-model"  # a folder, so validation passes; loading it fails on the node
+    empty.mkdir()
+    folder = configs(tmp_path, repo_root, crash={"model": empty})
+    assert launch.main(["--all", "--config-dir", str(folder), "--backend", "local"]) == 1
+    launched = capsys.readouterr().out
+    pid = record(tmp_path, "crash/train")["job_id"]
+    log = JobPaths(tmp_path / "logs" / "crash" / "train", pid).stdout
+    # One log, as on SLURM: the traceback is there, not in a separate .err file.
+    error = [line for line in log.read_text().splitlines() if re.match(r"\w+Error: ", line)][-1].strip()
+    assert f"crash/train: FAILED ({error} (log: {log}))" in launched
+
+    assert launch.main(["--status", "--config-dir", str(folder)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert f"crash/train: FAILED (local pid {pid}) {error}" in lines
+    assert f"  log: {log}" in lines
+
+
+def test_cancel_stops_a_local_run(repo_root, tmp_path, tiny, monkeypatch, capsys):
+    monkeypatch.chdir(repo_root)
+    folder = configs(tmp_path, repo_root, long={"epochs": 500})
+    run = subprocess.Popen(
+        [sys.executable, "launch.py", "--all", "--config-dir", str(folder), "--backend", "local"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        progress = tmp_path / "runs" / "long" / "train" / "progress.json"
+        wait_until(progress.exists, "the local job to train")
+        pid = record(tmp_path, "long/train")["job_id"]
+        assert launch.main(["--cancel", "--all", "--config-dir", str(folder)]) == 0
+        assert "Cancelled 1 job(s): long/train" in capsys.readouterr().out
+        wait_until(lambda: not alive(pid), f"local job {pid} to stop")
+        assert run.wait(timeout=60) == 1
+    finally:
+        run.kill()
+        job = tmp_path / "runs" / "long" / "train" / "job.json"
+        if job.exists() and alive(pid := record(tmp_path, "long/train")["job_id"]):
+            os.kill(int(pid), signal.SIGINT)  # a failed test leaves no training behind
+    assert "long/train: FAILED" in run.stdout.read()
+    assert launch.main(["--status", "--config-dir", str(folder)]) == 0
+    assert "CANCELLED" in capsys.readouterr().out
+    assert not (tmp_path / "runs" / "long" / "train" / "DONE").exists()
