@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+from slurm.rundir import write_atomic
 from train.config import EvalJob
 
 log = logging.getLogger("eval.job")
@@ -26,7 +27,7 @@ def run_eval(job: EvalJob) -> dict:
 
     out = Path(job.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    source = job.data.eval or job.data.train
+    source = job.source  # data.eval, or the training data when eval.split: train says so
     prompts, references = prompts_and_targets(source, job.data, limit=job.eval.limit)
     started = time.time()
     model, tokenizer = load_for_eval(job, eval_placement(job.adapter_dir))
@@ -48,12 +49,13 @@ def run_eval(job: EvalJob) -> dict:
         predictions, references, list(job.eval.metrics), db=job.eval.db, sql_timeout_s=job.eval.sql_timeout_s
     )
     results |= {
+        "split": job.eval.split,
         "source": source,
         "adapter_dir": job.adapter_dir,
         "adapter_changes_output": changed,
         "generation_s": round(generation_s, 2),
     }
-    (out / "results.json").write_text(json.dumps(results, indent=1), encoding="utf-8")
+    write_atomic(out / "results.json", json.dumps(results, indent=1))  # the report may read it meanwhile
     log.info("results: %s", {k: v for k, v in results.items() if isinstance(v, float)})
     return results
 

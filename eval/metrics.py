@@ -11,7 +11,7 @@ from collections.abc import Iterable, Sequence
 import sacrebleu
 from rouge_score import rouge_scorer
 
-TEXT_METRICS = ("rouge", "rouge_l", "bleu", "exact_match")
+from eval.names import TEXT_METRICS
 
 
 def normalize(text: str) -> str:

@@ -13,16 +13,8 @@ from pathlib import Path
 
 import yaml
 
-METRIC_COLUMNS = (
-    "exact_match",
-    "rouge_1",
-    "rouge_2",
-    "rouge_l",
-    "bleu",
-    "sql_exec_accuracy",
-    "sql_record_f1",
-    "sql_error_rate",
-)
+from eval.names import SCORE_KEYS as METRIC_COLUMNS
+
 COLUMNS = (
     "experiment",
     "status",
@@ -33,6 +25,7 @@ COLUMNS = (
     "train_min",
     "gpu_hours",
     "best_eval_loss",
+    "eval_split",
     *METRIC_COLUMNS,
 )
 
@@ -80,8 +73,15 @@ def experiment_row(plan, experiment: str, states: dict[str, str]) -> dict:
         "gpu_hours": round(runtime_s * max(1, train_jobs[0].resources.gpus) / 3600, 4) if runtime_s else None,
         "best_eval_loss": min(losses) if losses else None,
     }
+    row["eval_split"] = split_marker(results)
     row.update({m: results.get(m) for m in METRIC_COLUMNS})
     return row
+
+
+def split_marker(results: dict) -> str | None:
+    """Which data the scores come from; scores on the training data are flagged, never mistaken for eval."""
+    split = results.get("split")
+    return "TRAIN (scored on training data)" if split == "train" else split
 
 
 def status_text(jobs, states: dict[str, str], has_results: bool) -> str:

@@ -210,7 +210,23 @@ def resolve_stages(
                     )
                 )
             stages.append(Stage(stage.name, specs["data"], specs["train"]))
-    return stages, problems
+    return stages, problems + check_eval_split(experiment, stages, chain)
+
+
+def check_eval_split(experiment: Experiment, stages: list[Stage], chain: list[YamlFile]) -> list[Problem]:
+    """An evaluated stage needs data.eval, unless eval.split: train says to score on the training data:
+    scores on the training data must never pass for eval scores."""
+    spec = experiment.eval
+    if not spec.metrics or spec.split != "eval" or len(stages) != len(experiment.stages):
+        return []
+    evaluated = stages if spec.after_each_stage else stages[-1:]
+    missing = [stage.name for stage in evaluated if not stage.data.eval]
+    if not missing:
+        return []
+    file, line = where(chain, ("data", "eval"))
+    what = f"the eval job scores stage(s) {missing}, which have no data.eval"
+    hint = "add data.eval, or set `eval.split: train` to knowingly score on the training data"
+    return [Problem(file, "data.eval", f"{what}; {hint}", line)]
 
 
 def check_files(experiment: Experiment, stages: list[Stage], chain: list[YamlFile]) -> list[Problem]:

@@ -79,7 +79,9 @@ def test_sql_exec_through_the_cli(repo_root, tmp_path):
     args = ["--metrics", "sql_exec", "--db", str(db), "--sql-timeout-s", "1", "--out", str(out)]
     done = run_score(repo_root, *pair_files(tmp_path, preds, refs), *args)
     assert done.returncode == 0, done.stderr
-    assert json.loads(out.read_text()) == pytest.approx(
+    results = json.loads(out.read_text())
+    assert results.pop("sql_gold_errors") == {"count": 0, "ids": []}
+    assert results == pytest.approx(
         {"n": 3, "sql_exec_accuracy": 1 / 3, "sql_record_f1": (1 + 2 / 5) / 3, "sql_error_rate": 1 / 3}
     )
 
@@ -142,14 +144,25 @@ def test_database_mistakes(repo_root, tmp_path):
     assert_user_error(run_score(repo_root, *args, str(notes)), f"{notes}: not a readable SQLite database")
 
 
-def test_failing_reference_query_names_its_id(repo_root, tmp_path):
+def test_failing_reference_query_is_named_and_left_out(repo_root, tmp_path):
+    # Today: exit 2 and no scores at all. Now the other examples are scored and the broken id is named.
     db = tmp_path / "empty.sqlite"
     sqlite3.connect(db).close()
     args = pair_files(
-        tmp_path, {"q1": "SELECT 1", "q2": "SELECT 1"}, {"q1": "SELECT 1", "q2": "SELECT * FROM nope"}
+        tmp_path,
+        {"q1": "SELECT 1", "q2": "SELECT 1", "q3": "SELECT 3"},
+        {"q1": "SELECT 1", "q2": "SELECT * FROM nope", "q3": "SELECT 2"},
     )
-    done = run_score(repo_root, *args, "--metrics", "sql_exec", "--db", str(db))
-    assert_user_error(done, 'id "q2"', "no such table: nope", "data bug")
+    out = tmp_path / "results.json"
+    done = run_score(repo_root, *args, "--metrics", "sql_exec", "--db", str(db), "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.startswith("warning: 1 of 3 gold queries fail on") and "Traceback" not in done.stderr
+    assert 'id "q2": no such table: nope' in done.stderr and "data bug" in done.stderr
+    results = json.loads(out.read_text())
+    assert results["sql_gold_errors"] == {"count": 1, "ids": ["q2"]}
+    # Scored over q1 (right) and q3 (wrong) only: the denominator is 2, not 3.
+    assert results["sql_exec_accuracy"] == 0.5 and results["n"] == 3
+    assert not list(tmp_path.glob(".results.json.*"))  # written atomically: no temporary file left over
 
 
 def test_score_function():

@@ -48,7 +48,7 @@ def test_a_stage_starts_from_the_previous_stage_adapter():
 CHAIN = """\
 name: chain
 model: {{name_or_path: org/some-model, kind: causal}}
-data: {{train: {data}}}
+data: {{train: {data}, eval: {data}}}
 eval: {{metrics: [exact_match]}}
 stages:
   - name: one
@@ -58,7 +58,7 @@ stages:
 OTHER = """\
 name: other
 model: {{name_or_path: org/some-model, kind: causal}}
-data: {{train: {data}}}
+data: {{train: {data}, eval: {data}}}
 eval: {{metrics: [exact_match]}}
 """
 
@@ -91,7 +91,8 @@ def test_changing_only_the_first_stage_changes_the_hash_of_what_starts_from_it(t
 def sized(name: str, resources: str, eval_section: str = "{metrics: [exact_match]}") -> str:
     model = "{name_or_path: org/some-model, kind: causal}"
     return (
-        f"name: {name}\nmodel: {model}\ndata: {{train: DATA}}\neval: {eval_section}\nresources: {resources}\n"
+        f"name: {name}\nmodel: {model}\ndata: {{train: DATA, eval: DATA}}\n"
+        f"eval: {eval_section}\nresources: {resources}\n"
     )
 
 

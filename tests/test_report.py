@@ -15,7 +15,7 @@ from tests.conftest import write_cluster_yaml
 EXPERIMENT = """\
 name: {name}
 model: {{name_or_path: org/model, kind: causal}}
-data: {{train: {data}, input_field: q, target_field: a}}
+data: {{train: {data}, eval: {data}, input_field: q, target_field: a}}
 stages: [{{name: one}}, {{name: two}}]
 eval: {{metrics: [exact_match, bleu]}}
 resources: {{mem_gb: 4, cpus: 1}}
@@ -64,3 +64,28 @@ def test_report_rows_plots_and_a_failed_experiment(tmp_path, repo_root):
     assert runs / "loss_curves.png" in pictures and runs / "good" / "loss.png" in pictures
     assert all(p.stat().st_size > 5_000 for p in pictures)
     assert not (runs / "broken" / "loss.png").exists()
+
+
+def test_report_shows_which_split_was_scored(tmp_path):
+    # Today the report has no such column: scores on the training data read like eval scores.
+    configs = tmp_path / "configs"
+    configs.mkdir()
+    write_cluster_yaml(configs, tmp_path)
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"q": "x", "a": "y"}\n')
+    for name in ("held-out", "on-train"):
+        (configs / f"{name}.yaml").write_text(EXPERIMENT.format(name=name, data=data))
+    profile, _ = load_profile(configs)
+    plan = build_plan(load_experiments(configs, profile), profile)
+    runs = tmp_path / "runs"
+    for name, split in (("held-out", "eval"), ("on-train", "train")):
+        (runs / name / "eval").mkdir(parents=True)
+        results = {"n": 1, "exact_match": 1.0, "split": split, "source": str(data)}
+        (runs / name / "eval" / "results.json").write_text(json.dumps(results))
+
+    write_report(plan, runs)
+
+    rows = {r["experiment"]: r for r in csv.DictReader((runs / "report.csv").open())}
+    assert rows["held-out"]["eval_split"] == "eval"
+    assert rows["on-train"]["eval_split"] == "TRAIN (scored on training data)"
+    assert "| TRAIN (scored on training data) |" in (runs / "report.md").read_text()

@@ -17,7 +17,7 @@ GOOD = """\
 name: {name}
 inherits: base.yaml
 model: {{name_or_path: org/some-model, kind: causal}}
-data: {{train: {data}, input_field: question, target_field: sql}}
+data: {{train: {data}, eval: {data}, input_field: question, target_field: sql}}
 train: {{epochs: 1, learning_rate: 2.0e-4}}
 eval: {{metrics: [exact_match]}}
 resources: {{gpus: 1, cpus: 1, mem_gb: 1, time: "00:05:00"}}
@@ -296,3 +296,85 @@ def test_a_yaml_mistake_is_still_the_yamls_when_overrides_are_given(config_dir, 
     err = capsys.readouterr().err
     assert code == 2
     assert "a.yaml:5: train.epochs" in err and "command line" not in err
+
+
+def without_eval_data(config_dir: Path, evaluation: str, stages: str = "") -> None:
+    """a.yaml with data.train only (its data: line is line 4), the given eval section, and stages."""
+    data = config_dir.parent / "train.jsonl"
+    text = GOOD.format(name="a", data=data).replace(f"eval: {data}, ", "")
+    text = text.replace("eval: {metrics: [exact_match]}", f"eval: {evaluation}")
+    (config_dir / "a.yaml").write_text(text + stages)
+
+
+def test_scoring_without_eval_data_is_refused(config_dir, capsys, slurm_cluster):
+    # Today's eval job would score on the training data and report it as eval scores.
+    without_eval_data(config_dir, "{metrics: [exact_match]}")
+    before = squeue_ids()
+    code, err = run_cli(config_dir, capsys)
+    assert code == 2, err
+    assert "a.yaml:4: data.eval: the eval job scores stage(s) ['train'], which have no data.eval" in err
+    assert "add data.eval, or set `eval.split: train`" in err
+    assert "b.yaml" not in err and err.count("error:") == 1
+    assert squeue_ids() == before
+
+
+def test_each_evaluated_stage_needs_eval_data(config_dir, capsys):
+    # Stage one has eval data of its own; stage two, the one the eval job scores, has none.
+    data = config_dir.parent / "train.jsonl"
+    stages = f"stages:\n  - name: one\n    data: {{eval: {data}}}\n  - name: two\n"
+    without_eval_data(config_dir, "{metrics: [exact_match]}", stages)
+    code, err = run_cli(config_dir, capsys, "--dry-run")
+    assert code == 2 and "stage(s) ['two']" in err, err
+    without_eval_data(config_dir, "{metrics: [exact_match], after_each_stage: true}", stages)
+    code, err = run_cli(config_dir, capsys, "--dry-run")
+    assert code == 2 and "stage(s) ['two']" in err, err
+    stages = f"stages:\n  - name: one\n  - name: two\n    data: {{eval: {data}}}\n"
+    without_eval_data(config_dir, "{metrics: [exact_match], after_each_stage: true}", stages)
+    code, err = run_cli(config_dir, capsys, "--dry-run")
+    assert code == 2 and "stage(s) ['one']" in err, err
+
+
+@pytest.mark.parametrize("evaluation", ["{metrics: [exact_match], split: train}", "{metrics: []}"])
+def test_training_data_is_scored_only_when_asked(evaluation, config_dir, capsys):
+    without_eval_data(config_dir, evaluation)
+    code, err = run_cli(config_dir, capsys, "--dry-run")
+    assert code == 0, err
+
+
+def test_the_split_is_checked(config_dir, capsys):
+    edit(
+        config_dir / "a.yaml", "eval: {metrics: [exact_match]}", "eval: {metrics: [exact_match], split: dev}"
+    )
+    code, err = run_cli(config_dir, capsys, "--dry-run")
+    assert code == 2 and "a.yaml:6: eval.split" in err and "'eval' or 'train'" in err, err
+
+
+def test_an_eval_job_run_by_hand_scores_the_split_it_names(tmp_path):
+    from pydantic import ValidationError
+
+    from train.config import EvalJob
+
+    job = {
+        "experiment": "a",
+        "stage": "train",
+        "model": {"name_or_path": "org/m", "kind": "causal"},
+        "adapter": {},
+        "data": {"train": "train.jsonl"},
+        "eval": {"metrics": ["exact_match"]},
+        "adapter_dir": "adapter",
+        "out_dir": "eval",
+    }
+    # Today this job scores train.jsonl and calls it eval.
+    with pytest.raises(ValidationError, match="data.eval is not set; add it, or set eval.split: train"):
+        EvalJob.model_validate(job)
+    assert EvalJob.model_validate(job | {"eval": {"split": "train"}}).source == "train.jsonl"
+    held_out = job | {"data": {"train": "train.jsonl", "eval": "dev.jsonl"}}
+    assert EvalJob.model_validate(held_out).source == "dev.jsonl"
+
+
+def test_the_default_split_leaves_the_eval_hash_alone():
+    from train.config import EvalSpec
+
+    # An eval that finished before `split` existed keeps its hash (it hashes the dumped spec): not rerun.
+    assert "split" not in EvalSpec().model_dump()
+    assert EvalSpec(split="train").model_dump()["split"] == "train"  # scoring on train is a new config

@@ -12,6 +12,8 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from eval.names import METRICS, SPLITS
+
 SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 TIME_FORMAT = re.compile(r"^(?:(\d+)-)?(\d{1,2}):(\d{2}):(\d{2})$")
 # What SLURM accepts as partition, account and qos names (',' between several) and as a --constraint
@@ -240,8 +242,7 @@ class EvalResources(Resources):
         return Resources(**values)
 
 
-SQL_METRICS = ("sql_exec",)
-Metric = Literal["rouge", "rouge_l", "bleu", "exact_match", "sql_exec"]
+Metric = Literal[METRICS]  # eval/names.py owns the list
 
 
 class EvalSpec(Section):
@@ -255,6 +256,13 @@ class EvalSpec(Section):
     )
     sql_timeout_s: Annotated[float, Field(gt=0)] = 5.0
     after_each_stage: bool = False
+    split: Literal[SPLITS] = Field(
+        "eval",
+        description="the data scored: data.eval, or `train` to knowingly score on the training data",
+        # Left out of the spec (and so of its hash) at its default: evals finished before this key existed
+        # keep their hash and are not run again.
+        exclude_if=lambda split: split == "eval",
+    )
     # Scheduler business, not the job's identity: changing it does not make a finished eval run again.
     resources: EvalResources = Field(default_factory=EvalResources, exclude=True)
     limit: Annotated[int, Field(ge=1)] | None = Field(
@@ -346,6 +354,20 @@ class EvalJob(Section):
     eval: EvalSpec
     adapter_dir: str
     out_dir: str
+
+    @model_validator(mode="after")
+    def _split_has_data(self):
+        # The launcher reports this with file and line before planning; this guards jobs run by hand.
+        if self.eval.split == "eval" and not self.data.eval:
+            raise ValueError(
+                "eval.split is 'eval' but data.eval is not set; add it, or set eval.split: train"
+            )
+        return self
+
+    @property
+    def source(self) -> str:
+        """The data file scored: the split's file."""
+        return self.data.eval if self.eval.split == "eval" else self.data.train
 
 
 def safe_name(value: str) -> str:
