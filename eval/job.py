@@ -13,8 +13,8 @@ import sys
 import time
 from pathlib import Path
 
-from slurm.rundir import write_atomic
 from train.config import EvalJob
+from train.files import write_atomic
 
 log = logging.getLogger("eval.job")
 SAMPLE_FOR_ADAPTER_CHECK = 4
@@ -61,14 +61,14 @@ def run_eval(job: EvalJob) -> dict:
 
 
 def write_predictions(path: Path, prompts: list[str], references: list[str], predictions: list[str]) -> None:
-    with open(path, "w", encoding="utf-8") as fh:
-        for index, (prompt, reference, prediction) in enumerate(
-            zip(prompts, references, predictions, strict=True)
-        ):
-            fh.write(
-                json.dumps({"id": index, "input": prompt, "reference": reference, "prediction": prediction})
-                + "\n"
-            )
+    rows = zip(prompts, references, predictions, strict=True)
+    write_atomic(
+        path,
+        "".join(
+            json.dumps({"id": i, "input": prompt, "reference": reference, "prediction": prediction}) + "\n"
+            for i, (prompt, reference, prediction) in enumerate(rows)
+        ),
+    )
 
 
 def add_parser(subparsers) -> None:

@@ -14,6 +14,7 @@ from pathlib import Path
 import yaml
 
 from eval.names import SCORE_KEYS as METRIC_COLUMNS
+from train.files import write_atomic
 
 COLUMNS = (
     "experiment",
@@ -132,12 +133,12 @@ def write_report(
     if source:
         md += [f"Published baselines: {source}.", ""]
     md += [f"![loss curves]({p.relative_to(run_root)})" for p in written[:1]]
-    (run_root / "report.md").write_text("\n".join(md) + "\n", encoding="utf-8")
+    write_atomic(run_root / "report.md", "\n".join(md) + "\n")
     buffer = io.StringIO()
     writer = csv.DictWriter(buffer, fieldnames=columns + extra_columns, extrasaction="ignore")
     writer.writeheader()
     writer.writerows(rows + extra)
-    (run_root / "report.csv").write_text(buffer.getvalue(), encoding="utf-8")
+    write_atomic(run_root / "report.csv", buffer.getvalue())
     return [run_root / "report.md", run_root / "report.csv", *written]
 
 

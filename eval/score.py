@@ -21,7 +21,7 @@ from rich.table import Table
 from eval.metrics import text_metrics
 from eval.names import METRICS, SCORE_KEYS, TEXT_METRICS
 from eval.sql import NotADatabaseError, ReadOnlyDB, sql_metrics
-from slurm.rundir import write_atomic
+from train.files import write_atomic
 
 # The order results are written and shown in (eval/report.py lists its columns in the same order).
 RESULT_KEYS = ("n", *SCORE_KEYS, "sql_gold_errors")
