@@ -3,7 +3,7 @@
 python launch.py --all                       # every experiment in configs/experiments
 python launch.py --all --config-dir configs/demo --wait
 python launch.py --exp NAME --dry-run train.learning_rate=1e-4
-python launch.py --status | --tail EXP[/STAGE] | --cancel [EXP ...] | --report
+python launch.py --status | --tail EXP[/STAGE] [--rank K] | --cancel [EXP ...] | --report
 """
 
 from __future__ import annotations
@@ -34,6 +34,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--retry-failed",
         action="store_true",
         help="resubmit only failed jobs and the jobs that depend on them",
+    )
+    parser.add_argument(
+        "--rank", type=int, default=0, metavar="K", help="with --tail: the log of task K of a multi-GPU job"
     )
     parser.add_argument("--config-dir", type=Path, default=Path("configs/experiments"))
     parser.add_argument("--backend", choices=["auto", "slurm", "local"], default="auto")

@@ -74,7 +74,7 @@ def watch(args, profile) -> int:
     if args.tail:
         from slurm.tail import follow
 
-        return follow(plan, args.tail, profile.log_dir, out)
+        return follow(plan, args.tail, profile.log_dir, out, rank=args.rank)
     if args.cancel:
         return cancel(plan, profile.log_dir)
     from eval.report import write_report

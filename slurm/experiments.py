@@ -295,9 +295,36 @@ def _looks_local(name: str) -> bool:
 
 def check_resources(experiment: Experiment, profile: ClusterProfile, chain: list[YamlFile]) -> list[Problem]:
     # The eval job's own values only: what it leaves out is the training job's, checked once.
-    return over_node_limits(("resources",), experiment.resources, profile, chain) + over_node_limits(
-        ("eval", "resources"), experiment.eval.resources, profile, chain
+    return (
+        over_node_limits(("resources",), experiment.resources, profile, chain)
+        + over_node_limits(("eval", "resources"), experiment.eval.resources, profile, chain)
+        + beyond_one_node(("resources",), experiment.resources, profile, chain)
+        + beyond_one_node(("eval", "resources"), experiment.eval.resources, profile, chain)
+        + eval_on_one_gpu(experiment, chain)
     )
+
+
+def beyond_one_node(section: tuple, res, profile: ClusterProfile, chain: list[YamlFile]) -> list[Problem]:
+    """Data parallelism runs one task per GPU on one node; several nodes would need a rendezvous across
+    hosts and per-node logs and stops that are not built, so they are refused rather than half-run."""
+    if res.nodes <= 1:
+        return []
+    file, line = where(chain, (*section, "nodes"))
+    message = (
+        f"asks for {res.nodes} nodes: multi-node is not supported; use up to "
+        f"{profile.max_gpus_per_node:g} GPUs of one node (resources.gpus) and leave nodes out"
+    )
+    return [Problem(file, ".".join((*section, "nodes")), message, line)]
+
+
+def eval_on_one_gpu(experiment: Experiment, chain: list[YamlFile]) -> list[Problem]:
+    """Generation and scoring run as one process: more GPUs would sit idle in the queue and on the node."""
+    gpus = experiment.eval.resources.gpus
+    if gpus is None or gpus <= 1:
+        return []
+    file, line = where(chain, ("eval", "resources", "gpus"))
+    message = f"asks for {gpus} GPUs but an eval job runs one process on one GPU; use 0 or 1"
+    return [Problem(file, "eval.resources.gpus", message, line)]
 
 
 def over_node_limits(section: tuple, res, profile: ClusterProfile, chain: list[YamlFile]) -> list[Problem]:

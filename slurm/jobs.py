@@ -30,7 +30,8 @@ class StageJob(submitit.helpers.Checkpointable):
     def __call__(self, spec: dict, config_hash: str, workdir: str) -> str:
         os.chdir(workdir)
         redact_job_output()
-        _configure_logging()
+        rank = _export_distributed_environment()
+        _configure_logging(rank)
         _use_allocated_cpus()  # before torch is imported
         return self.run(spec, config_hash)
 
@@ -50,14 +51,20 @@ class TrainStage(StageJob):
         job = TrainJob.model_validate(spec)
         stop = StopRequest()
         requeue = stop.listen()
+        rank = int(os.environ.get("RANK", "0"))
         if run_stage(job, stop.event) == "interrupted":
-            if stop.signal == signal.SIGUSR2 and requeue is not None:
+            # The ranks stopped together at one step and the checkpoint is whole (train/callbacks.py).
+            if rank != 0:
+                return job.run_dir  # rank 0 requeues the whole job; this task just ends
+            # No signal of its own: SLURM's USR2 reached only another rank, which stopped us all; the
+            # time limit is as near for this rank, so it requeues as for its own USR2.
+            if stop.signal in (signal.SIGUSR2, None) and requeue is not None:
                 requeue(signal.SIGUSR2, None)  # submitit: checkpoint() → scontrol requeue → exit
             # SIGTERM: SLURM itself requeues (scontrol requeue, preemption) or cancels; progress is saved.
-            raise RuntimeError(
-                f"{job.experiment}/{job.stage} stopped by {stop.signal.name}; its checkpoint is saved"
-            )
-        mark_done(Path(job.run_dir), config_hash)
+            name = stop.signal.name if stop.signal else "USR2"
+            raise RuntimeError(f"{job.experiment}/{job.stage} stopped by {name}; its checkpoint is saved")
+        if rank == 0:
+            mark_done(Path(job.run_dir), config_hash)
         return job.run_dir
 
 
@@ -97,14 +104,37 @@ class StopRequest:
         self.event.set()
 
 
+def _export_distributed_environment() -> int:
+    """A job of several tasks (resources.gpus > 1: one per GPU) is one DDP run: export RANK, LOCAL_RANK,
+    WORLD_SIZE, MASTER_ADDR, MASTER_PORT (port drawn from the job id, so a requeued job meets on the same
+    one) for torch's env:// rendezvous; train/device.py then puts rank K on cuda:LOCAL_RANK.
+    CUDA_VISIBLE_DEVICES is left as SLURM set it: it may name GPUs 2,3 of the node, not 0,1. Returns
+    this task's rank."""
+    environment = submitit.JobEnvironment()
+    if environment.num_tasks <= 1:
+        return 0
+    exported = submitit.helpers.TorchDistributedEnvironment().export(
+        set_cuda_visible_devices=False,
+        overwrite=True,  # a RANK inherited from the submitting shell is stale
+    )
+    return exported.rank
+
+
 def _use_allocated_cpus() -> None:
     """Math threads = the CPUs SLURM gave this job. More threads than cores (torch defaults to every core
     of the node) makes OpenMP threads of neighbouring jobs spin against each other: 10x slower steps."""
     cpus = os.environ.get("SLURM_CPUS_PER_TASK") or os.environ.get("SLURM_CPUS_ON_NODE")
+    tasks = int(os.environ.get("WORLD_SIZE", "1"))
+    if not cpus and tasks > 1:  # the local backend's ranks share this machine's cores
+        cpus = str(max(1, (os.cpu_count() or 1) // tasks))
     if cpus:
         os.environ.setdefault("OMP_NUM_THREADS", cpus)
         os.environ.setdefault("MKL_NUM_THREADS", cpus)
 
 
-def _configure_logging() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+def _configure_logging(rank: int) -> None:
+    # Each task has its own log file (`--tail EXP/STAGE --rank K`); the rank in each line tells merged
+    # copies apart.
+    logging.basicConfig(
+        level=logging.INFO, format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s"
+    )

@@ -42,6 +42,18 @@ class PlannedJob:
     def run_dir(self) -> str:
         return self.spec.run_dir if isinstance(self.spec, TrainJob) else self.spec.out_dir
 
+    @property
+    def tasks(self) -> int:
+        """Processes the job runs: one per GPU for training (DDP); an eval job is one process."""
+        return self.resources.tasks if self.kind == "train" else 1
+
+    @property
+    def effective_batch(self) -> int | None:
+        """Examples per optimizer step: batch_size x grad_accum x tasks (each task takes its own batch)."""
+        if not isinstance(self.spec, TrainJob):
+            return None
+        return self.spec.train.batch_size * self.spec.train.grad_accum * self.tasks
+
 
 @dataclass(frozen=True)
 class Plan:
@@ -68,6 +80,8 @@ class Plan:
                     "config_hash": j.config_hash,
                     "run_dir": j.run_dir,
                     "wave": j.wave,
+                    "tasks": j.tasks,
+                    "effective_batch": j.effective_batch,
                     "depends_on": [{"job": d.job_id, "kind": d.kind} for d in j.depends_on],
                     "resources": j.resources.model_dump(),
                     "spec": j.spec.model_dump(),

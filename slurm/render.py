@@ -26,18 +26,35 @@ def resources_text(job: PlannedJob) -> str:
     return " ".join(parts)
 
 
+def batch_text(job: PlannedJob) -> str:
+    """`32 (8x2x2)`: examples per optimizer step = batch_size x grad_accum x tasks."""
+    if job.effective_batch is None:
+        return "-"
+    train = job.spec.train
+    return f"{job.effective_batch} ({train.batch_size}x{train.grad_accum}x{job.tasks})"
+
+
 def depends_text(job: PlannedJob) -> str:
     return ", ".join(f"{d.job_id} ({d.kind})" for d in job.depends_on) or "-"
 
 
 def plan_table(plan: Plan, states: dict[str, str] | None = None) -> Table:
     table = Table(title=f"Plan: {len(plan.jobs)} jobs", title_justify="left")
-    for column in ("job", "kind", "wave", "depends on", "resources", "run dir", "state"):
+    columns = ("job", "kind", "wave", "depends on", "resources", "tasks", "eff. batch", "run dir", "state")
+    for column in columns:
         table.add_column(column, no_wrap=column in ("job", "run dir"))
     for job in plan.jobs:
         state = (states or {}).get(job.id, "PLANNED")
         table.add_row(
-            job.id, job.kind, str(job.wave), depends_text(job), resources_text(job), job.run_dir, state
+            job.id,
+            job.kind,
+            str(job.wave),
+            depends_text(job),
+            resources_text(job),
+            str(job.tasks),
+            batch_text(job),
+            job.run_dir,
+            state,
         )
     return table
 

@@ -80,7 +80,10 @@ class SlurmBackend:
         params = {
             "job_name": job.id,
             "time": res.timeout_min,
-            "cpus_per_task": res.cpus,
+            "nodes": 1,
+            # One task per GPU (DDP); `cpus` is the job's, split over its tasks.
+            "ntasks_per_node": job.tasks,
+            "cpus_per_task": max(1, res.cpus // job.tasks),
             "mem": f"{int(res.mem_gb * 1024)}M",
             "signal_delay_s": res.signal_delay_s,
             "stderr_to_stdout": True,  # one log per job: what --tail follows
@@ -90,7 +93,13 @@ class SlurmBackend:
             # moves to the user's directory (workdir) before it reads any data path.
             "srun_args": [f"--chdir={self.code.folder}"],
         }
+        if job.tasks > 1:
+            # A rank that fails ends the job at once; the others would wait in their next all-reduce
+            # until the process group's timeout (10-30 minutes of idle GPUs).
+            params["srun_args"].append("--kill-on-bad-exit=1")
         if res.gpus:
+            # The job's GPUs, each visible to every task (no per-task binding): rank k trains on
+            # cuda:LOCAL_RANK of the GPUs CUDA shows it (train/device.py), the same order on every task.
             params["gpus_per_node"] = res.gpus
         for key in ("partition", "account", "qos", "constraint"):
             if getattr(res, key):
@@ -153,7 +162,9 @@ class LocalBackend:
 
     def _start(self, job: PlannedJob):
         executor = submitit.LocalExecutor(folder=Path(self.profile.log_dir) / job.id)
-        executor.update_parameters(timeout_min=job.resources.timeout_min, stderr_to_stdout=True)
+        executor.update_parameters(
+            timeout_min=job.resources.timeout_min, tasks_per_node=job.tasks, stderr_to_stdout=True
+        )
         with working_directory(self.code.folder):  # see SlurmBackend: the job imports the snapshot
             return executor.submit(job_callable(job), *job_args(job, self.workdir))
 

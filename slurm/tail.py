@@ -1,12 +1,15 @@
-"""`--tail EXP[/STAGE]`: follow the log of a job's current scheduler job, through pending and requeues."""
+"""`--tail EXP[/STAGE] [--rank K]`: follow the log of a job's current scheduler job, through pending and
+requeues. A multi-GPU job runs one task per GPU, each with its own log; rank 0's is the default."""
 
 from __future__ import annotations
 
 import os
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from rich.console import Console
+from submitit.core.utils import JobPaths
 
 from slurm.plan import Plan, PlannedJob
 from slurm.problems import ConfigError, Problem, did_you_mean
@@ -36,11 +39,16 @@ def pick_job(plan: Plan, target: str, log_root: str) -> PlannedJob:
     return active[0].job
 
 
-def follow(plan: Plan, target: str, log_root: str, console: Console) -> int:
+def follow(plan: Plan, target: str, log_root: str, console: Console, rank: int = 0) -> int:
     job = pick_job(plan, target, log_root)
+    if not 0 <= rank < job.tasks:
+        ranks = "0" if job.tasks == 1 else f"0-{job.tasks - 1}"
+        message = f"job {job.id} runs {job.tasks} task(s): --rank is one of {ranks}"
+        raise ConfigError([Problem("command line", "--rank", message)])
     shown: tuple[str, int] = ("", 0)  # (log path, bytes printed)
     while True:
         row = next(r for r in plan_status(plan, log_root) if r.job.id == job.id)
+        row = replace(row, log_path=task_log(row.log_path, row.scheduler_id, rank))
         if row.state in (State.PLANNED, State.PENDING) and not Path(row.log_path or "/nonexistent").exists():
             console.print(f"{job.id}: {row.state.value} {row.reason}".rstrip(), highlight=False)
         else:
@@ -66,3 +74,10 @@ def print_new(path: str, shown: tuple[str, int]) -> tuple[str, int]:
     if chunk:
         print(chunk.decode("utf-8", "replace"), end="", flush=True)
     return path, offset + len(chunk)
+
+
+def task_log(rank0_log: str, scheduler_id: str, rank: int) -> str:
+    """Task K's log, beside task 0's in the job's log folder (submitit names them <job>_<K>_log.out)."""
+    if not rank0_log or rank == 0:
+        return rank0_log
+    return str(JobPaths(Path(rank0_log).parent, scheduler_id, task_id=rank).stdout)

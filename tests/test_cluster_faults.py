@@ -34,7 +34,7 @@ data:
 train: {{epochs: {epochs}, learning_rate: 3.0e-3, batch_size: 8, save_every_steps: {save}, logging_steps: 4,
         eval_every_epochs: null}}
 eval: {eval}
-resources: {{gpus: 1, cpus: 1, mem_gb: 2, time: "{time}", signal_delay_s: {signal_delay_s}, max_requeues: {requeues}}}
+resources: {{gpus: {gpus}, cpus: {gpus}, mem_gb: 2, time: "{time}", signal_delay_s: {signal_delay_s}, max_requeues: {requeues}}}
 {extra}
 """
 
@@ -50,6 +50,7 @@ def experiment_dir(
     requeues=8,
     extra="",
     evaluation="{metrics: []}",
+    gpus=1,
 ) -> Path:
     folder = tmp / "configs"
     folder.mkdir(exist_ok=True)
@@ -64,6 +65,7 @@ def experiment_dir(
         requeues=requeues,
         extra=extra,
         eval=evaluation,
+        gpus=gpus,
     )
     (folder / f"{name}.yaml").write_text(text)
     return folder

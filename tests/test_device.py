@@ -63,12 +63,27 @@ def test_the_gpu_comes_from_local_rank():
     assert ranks({}) == {"local_rank": 0, "world_size": 1}
     with pytest.raises(PlacementError, match="LOCAL_RANK 4 .* 4 GPU"):
         decide(FOUR_A100, "auto", local_rank=4, world_size=8)
+    # SLURM binding one GPU to each task: every task sees its own GPU as cuda:0.
+    assert decide(H100, "auto", local_rank=3, world_size=4).device == "cuda:0"
 
 
-def test_a_batch_is_split_over_ddp_processes_or_the_gpus_of_one_process():
-    assert decide(FOUR_A100, "auto", local_rank=1, world_size=4).data_parallel == 4  # DDP
-    assert decide(FOUR_A100, "auto").data_parallel == 4  # one process: the Trainer's DataParallel
-    assert decide(H100, "auto").data_parallel == decide(CPU, "auto").data_parallel == 1
+def test_a_batch_is_split_over_ddp_processes_only():
+    ddp = decide(FOUR_A100, "auto", local_rank=1, world_size=4)
+    assert (ddp.world_size, ddp.backend, ddp.warnings) == (4, "nccl", ())
+    assert decide(H100, "auto").world_size == decide(CPU, "auto").world_size == 1
+
+
+def test_one_process_with_several_gpus_uses_its_own_gpu_and_says_how_to_use_all():
+    # The bug of issue 11: the Trainer wrapped the model in nn.DataParallel and multiplied the batch by 4.
+    alone = decide(FOUR_A100, "auto")
+    assert (alone.device, alone.world_size) == ("cuda:0", 1)
+    assert "sees 4 GPUs" in alone.warnings[0] and "resources.gpus" in alone.warnings[0]
+
+
+def test_ranks_talk_nccl_between_gpus_and_gloo_between_cpus():
+    assert decide(H100, "auto").backend == "nccl"
+    cpu = decide(CPU, "auto", local_rank=1, world_size=2)
+    assert (cpu.device, cpu.world_size, cpu.backend) == ("cpu", 2, "gloo")
 
 
 def test_what_this_hardware_cannot_do_falls_back_with_a_warning():

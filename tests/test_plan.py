@@ -98,7 +98,7 @@ def sized(name: str, resources: str, eval_section: str = "{metrics: [exact_match
 
 def eval_resources_folder(tmp_path: Path) -> Path:
     big = '{gpus: 4, cpus: 16, mem_gb: 64, time: "06:00:00", partition: gpu, constraint: "a100&ib"}'
-    own = '{metrics: [exact_match], resources: {gpus: 2, cpus: 2, time: "00:20:00", partition: short}}'
+    own = '{metrics: [exact_match], resources: {gpus: 0, cpus: 2, time: "00:20:00", partition: short}}'
     return write_experiments(
         tmp_path,
         cluster="account: lab\n",
@@ -125,7 +125,7 @@ def test_a_cpu_experiments_eval_asks_for_no_gpu(tmp_path):
 def test_eval_resources_set_in_yaml_win_and_the_rest_comes_from_training(tmp_path):
     evaluation = plan_for(folder=eval_resources_folder(tmp_path)).job("own/eval").resources
     assert (evaluation.gpus, evaluation.cpus, evaluation.time, evaluation.partition) == (
-        2,
+        0,
         2,
         "00:20:00",
         "short",
@@ -153,6 +153,31 @@ def test_eval_resources_reach_the_sbatch_parameters(tmp_path):
     assert (big["time"], big["gpus_per_node"], big["cpus_per_task"], big["partition"]) == (60, 1, 16, "gpu")
     assert "gpus_per_node" not in backend.sbatch_parameters(plan.job("cpuonly/eval"), [])
     assert backend.sbatch_parameters(plan.job("big/train"), [])["gpus_per_node"] == 4
+
+
+def test_a_multi_gpu_job_is_one_task_per_gpu_on_one_node_and_its_eval_one_task(tmp_path):
+    from slurm.snapshot import CodeSnapshot
+    from slurm.submit import SlurmBackend
+
+    folder = eval_resources_folder(tmp_path)
+    plan = plan_for(["train.batch_size=8", "train.grad_accum=2"], ["big"], folder=folder)
+    profile, _ = load_profile(folder)
+    backend = SlurmBackend(profile, tmp_path, CodeSnapshot(tmp_path, None, None))
+    train = backend.sbatch_parameters(plan.job("big/train"), [])
+    # 16 CPUs for the job: 4 for each of its 4 processes; the GPUs are the node's, shared by its tasks.
+    assert (train["nodes"], train["ntasks_per_node"], train["cpus_per_task"], train["gpus_per_node"]) == (
+        1,
+        4,
+        4,
+        4,
+    )
+    assert "--kill-on-bad-exit=1" in train["srun_args"]  # a failed rank does not leave the others waiting
+    evaluation = backend.sbatch_parameters(plan.job("big/eval"), [])
+    assert (evaluation["ntasks_per_node"], evaluation["cpus_per_task"]) == (1, 16)
+    assert "--kill-on-bad-exit=1" not in evaluation["srun_args"]
+    assert (plan.job("big/train").effective_batch, plan.job("big/eval").effective_batch) == (64, None)
+    rows = {row["id"]: row for row in plan.to_json()["jobs"]}
+    assert (rows["big/train"]["tasks"], rows["big/train"]["effective_batch"]) == (4, 64)
 
 
 def test_dry_run_shows_each_jobs_resources(tmp_path, capsys, monkeypatch):

@@ -103,6 +103,18 @@ CASES = {
         "gpus: 9",
         ["a.yaml:7", "resources.gpus", "node of this cluster has 4"],
     ),
+    "several nodes": (
+        "a.yaml",
+        "gpus: 1,",
+        "gpus: 2, nodes: 2,",
+        ["a.yaml:7", "resources.nodes", "multi-node is not supported", "up to 4 GPUs of one node"],
+    ),
+    "eval on several gpus": (
+        "a.yaml",
+        "[exact_match]}",
+        "[exact_match], resources: {gpus: 2}}",
+        ["a.yaml:6", "eval.resources.gpus", "one process on one GPU", "use 0 or 1"],
+    ),
     "full modules": (
         "base.yaml",
         "alpha: 16}",

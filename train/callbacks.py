@@ -10,12 +10,14 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
+from train import distributed
 from train.checkpoints import commit, rotate
 from train.files import write_json_atomic
 
 
 class RunDirectoryLog(TrainerCallback):
-    """`metrics.jsonl` (one row per log step, eval rows too) and `progress.json` (what --status shows)."""
+    """`metrics.jsonl` (one row per log step, eval rows too) and `progress.json` (what --status shows).
+    Written by rank 0 only; the loss it logs is already the mean over the ranks (the Trainer gathers it)."""
 
     def __init__(self, run_dir: Path):
         self.run_dir = run_dir
@@ -33,6 +35,8 @@ class RunDirectoryLog(TrainerCallback):
         self.first_step = state.global_step
 
     def on_log(self, args, state, control, logs=None, **kwargs):
+        if not state.is_world_process_zero:
+            return
         logs = dict(logs or {})
         now = time.time()
         row = {"step": state.global_step, "epoch": round(state.epoch or 0, 4), "time": round(now, 3)}
@@ -42,7 +46,8 @@ class RunDirectoryLog(TrainerCallback):
             row["tokens_per_s"] = round((state.num_input_tokens_seen - self.last_tokens) / elapsed, 1)
             steps = state.global_step - self.last_step
             row["samples_per_s"] = round(
-                steps * args.train_batch_size * args.gradient_accumulation_steps / elapsed, 2
+                steps * args.train_batch_size * args.gradient_accumulation_steps * args.world_size / elapsed,
+                2,
             )
             self.last_time, self.last_tokens, self.last_step = (
                 now,
@@ -76,12 +81,17 @@ class RunDirectoryLog(TrainerCallback):
 
 class CommitCheckpoints(TrainerCallback):
     """Mark each checkpoint complete once the Trainer has written all of it, then drop older ones: the
-    newest and the best (for load_best_model_at_end) are kept."""
+    newest and the best (for load_best_model_at_end) are kept. With several ranks, rank 0 commits once
+    every rank has written its part (each saves its own RNG state), and no rank goes on before the commit:
+    a rank that stops here leaves a checkpoint that is whole."""
 
     def on_save(self, args, state, control, **kwargs):
-        folder = Path(args.output_dir)
-        commit(folder / f"checkpoint-{state.global_step}")
-        rotate(folder, keep={Path(state.best_model_checkpoint)} if state.best_model_checkpoint else set())
+        distributed.barrier()
+        if state.is_world_process_zero:
+            folder = Path(args.output_dir)
+            commit(folder / f"checkpoint-{state.global_step}")
+            rotate(folder, keep={Path(state.best_model_checkpoint)} if state.best_model_checkpoint else set())
+        distributed.barrier()
 
 
 class SaveEvery(TrainerCallback):
@@ -98,14 +108,18 @@ class SaveEvery(TrainerCallback):
 
 
 class StopWhenAsked(TrainerCallback):
-    """When the job is told to stop (time limit, preemption), save at this step's end and stop."""
+    """When the job is told to stop (time limit, preemption), save at this step's end and stop. The stop is
+    collective: SLURM's signal may reach the ranks at different steps, or only one; a rank that left alone
+    would hang the others at their next collective. So the ranks agree at every step end (all-reduce MAX of
+    the local flag) and all stop at the same step."""
 
     def __init__(self, stop: threading.Event):
         self.stop = stop
         self.stopped_early = False
 
     def on_step_end(self, args, state, control, **kwargs):
-        if self.stop.is_set() and state.global_step < state.max_steps:
+        asked = distributed.any_rank(self.stop.is_set())  # on every rank at every step: collectives pair up
+        if asked and state.global_step < state.max_steps:
             control.should_save = True
             control.should_training_stop = True
             self.stopped_early = True
@@ -131,5 +145,7 @@ class RuntimeClock(TrainerCallback):
         return self.before_s + time.time() - self.started
 
     def on_save(self, args, state, control, **kwargs):
+        if not state.is_world_process_zero:
+            return
         folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
         write_json_atomic(folder / self.FILE, {"train_runtime_s": self.total_s()})

@@ -181,7 +181,10 @@ SLURM_TIMER_S = 30
 
 
 class Resources(Section):
+    # gpus > 1: one process (SLURM task) per GPU on one node, data parallel (DDP); `cpus` and `mem_gb` are
+    # the whole job's, `cpus` split evenly over the tasks. `nodes` > 1 is refused (slurm/experiments.py).
     gpus: Annotated[int, Field(ge=0)] = 1
+    nodes: Annotated[int, Field(ge=1)] = 1
     time: str = "04:00:00"
     mem_gb: Annotated[float, Field(gt=0)] = 32
     cpus: Annotated[int, Field(ge=1)] = 8
@@ -218,6 +221,15 @@ class Resources(Section):
     @property
     def timeout_min(self) -> int:
         return max(1, -(-self.time_s // 60))
+
+    @property
+    def tasks(self) -> int:
+        """Processes of the job: one per GPU (DDP), one for a CPU or one-GPU job."""
+        return max(1, self.gpus)
+
+    @property
+    def cpus_per_task(self) -> int:
+        return max(1, self.cpus // self.tasks)
 
 
 class EvalResources(Resources):

@@ -16,7 +16,11 @@ The table (precision → what runs):
   fp32 → fp32, TF32 off (asked for fp32, gets fp32).
 - GPU without bf16 (V100, T4): auto → fp16 AMP over fp32 weights. bf16 → the same, with a warning (no
   emulated bf16: it is many times slower). fp32 → fp32.
-- The GPU is `cuda:LOCAL_RANK` (torchrun/SLURM set it; 0 for one process). A rank without a GPU is an error.
+- The GPU is `cuda:LOCAL_RANK` when the process sees several (torchrun; SLURM tasks sharing the node's
+  GPUs), `cuda:0` when it sees one (SLURM binding one GPU to each task). A rank without a GPU is an error.
+- Data parallelism is DDP only: WORLD_SIZE processes, one GPU each, backend nccl (gloo on CPUs). One
+  process that sees several GPUs uses only its own, with a warning: the Trainer would otherwise wrap the
+  model in nn.DataParallel (slow; 4-bit models cannot) and multiply the batch by the GPU count.
 Warnings are returned in `Placement.warnings` for the caller to log, so the table stays pure.
 """
 
@@ -76,12 +80,17 @@ class Placement:
     pin_memory: bool
     pad_to_multiple_of: int | None  # tensor cores like multiples of 8; on a CPU it only adds padding
     workers: int  # data loader workers for `data.num_workers: auto`
-    data_parallel: int  # processes (DDP) or GPUs (one process, DataParallel) a batch is split over
+    world_size: int  # DDP processes a global batch is split over (1: no data parallelism)
     warnings: tuple[str, ...] = field(default=())
 
     @property
     def cuda(self) -> bool:
         return self.device.startswith("cuda")
+
+    @property
+    def backend(self) -> Literal["nccl", "gloo"]:
+        """The torch.distributed backend between the ranks: nccl between GPUs, gloo between CPUs."""
+        return "nccl" if self.cuda else "gloo"
 
     @property
     def bf16(self) -> bool:
@@ -96,12 +105,19 @@ def decide(hardware: Hardware, precision: Precision, local_rank: int = 0, world_
     """The placement for one process; see the module docstring for the table."""
     if hardware.cuda_devices == 0:
         return on_cpu(hardware, precision, world_size)
+    if hardware.cuda_devices == 1:
+        local_rank = 0  # this task's own GPU, bound to it (CUDA_VISIBLE_DEVICES holds only that one)
     if local_rank >= hardware.cuda_devices:
         raise PlacementError(
             f"LOCAL_RANK {local_rank} names GPU {local_rank}, but this node shows {hardware.cuda_devices} "
             "GPU(s): start one process per allocated GPU (resources.gpus) and check CUDA_VISIBLE_DEVICES"
         )
     runs, warnings = gpu_precision(hardware, precision)
+    if world_size <= 1 and hardware.cuda_devices > 1:
+        warnings += (
+            f"this process sees {hardware.cuda_devices} GPUs but is one process: it trains on cuda:0 only. "
+            "For data parallelism run one process per GPU (resources.gpus: N starts N tasks)",
+        )
     return Placement(
         device=f"cuda:{local_rank}",
         device_name=hardware.name,
@@ -112,7 +128,7 @@ def decide(hardware: Hardware, precision: Precision, local_rank: int = 0, world_
         pin_memory=True,
         pad_to_multiple_of=8,
         workers=min(4, hardware.cpu_cores),
-        data_parallel=world_size if world_size > 1 else hardware.cuda_devices,
+        world_size=max(1, world_size),
         warnings=warnings,
     )
 
@@ -141,7 +157,7 @@ def on_cpu(hardware: Hardware, precision: Precision, world_size: int) -> Placeme
         pin_memory=False,
         pad_to_multiple_of=None,
         workers=0,  # workers would take cores from the math
-        data_parallel=max(1, world_size),
+        world_size=max(1, world_size),
         warnings=warnings,
     )
 

@@ -23,6 +23,13 @@ Feature → config key:
 - length-grouped batches, or file order for curricula             → data.order: shuffle | file
 - device cuda:LOCAL_RANK or cpu; bf16 (fp16 AMP on GPUs without
   bf16), TF32, workers, pinned memory: one table, train/device.py → train.precision, data.num_workers
+- data parallelism: DDP over WORLD_SIZE processes, nccl (gloo on
+  CPU); each example once per epoch across the ranks; rank 0
+  writes the run directory; a stop is agreed by all ranks; never
+  nn.DataParallel (train/distributed.py)                          → resources.gpus (the wrapper starts a
+                                                                   task per GPU and exports RANK,
+                                                                   LOCAL_RANK, WORLD_SIZE, MASTER_ADDR,
+                                                                   MASTER_PORT)
 - fused AdamW                                                     → (always)
 - activation (gradient) checkpointing, only when asked            → train.gradient_checkpointing
 - loss-only eval every N epochs, no generation, on the Trainer's
@@ -34,7 +41,8 @@ Feature → config key:
 - tokenization cache                                              → env LORA_CACHE_DIR (~/.cache/lora-pipeline)
 
 Run directory (job.run_dir): metrics.jsonl, progress.json, summary.json (with the device and precision
-that ran, and how many examples max_length cut), checkpoints/checkpoint-N/, adapter/ (adapter + tokenizer).
+that ran, the world size and each rank's device, and how many examples max_length cut),
+checkpoints/checkpoint-N/, adapter/ (adapter + tokenizer). With several ranks only rank 0 writes them.
 """
 
 from __future__ import annotations
@@ -61,6 +69,7 @@ from transformers import (
 from transformers.trainer_pt_utils import LengthGroupedSampler
 
 from train import data as data_lib
+from train import distributed
 from train.callbacks import (
     CommitCheckpoints,
     RunDirectoryLog,
@@ -92,6 +101,7 @@ def run_stage(job: TrainJob, stop: threading.Event | None = None) -> Literal["co
     outcome = recipe.train()
     if outcome == "completed":
         recipe.save()
+    distributed.leave()  # not after an error: the other ranks are not coming
     return outcome
 
 
@@ -110,7 +120,10 @@ class Collator:
 class EpochSeededLengthSampler(LengthGroupedSampler):
     """Length-grouped batches whose shuffle depends only on (seed, epoch). HF's own sampler draws from the
     global RNG when an epoch starts; a run resumed mid-epoch restores a later RNG state, gets another
-    order, and its result drifts from the uninterrupted run's."""
+    order, and its result drifts from the uninterrupted run's. Under DDP every rank draws this same order
+    and accelerate deals its batches out round-robin (batch i to rank i mod N): each example of the epoch
+    goes to one rank. When the epoch does not divide by the global batch, the last round is filled up
+    with the epoch's first examples (accelerate's even_batches, as DistributedSampler does)."""
 
     def __init__(self, *args, seed: int, **kwargs):
         super().__init__(*args, **kwargs)
@@ -157,16 +170,28 @@ class StageRecipe:
         self.placement = current_placement(job.train.precision)
         for warning in self.placement.warnings:
             log.warning("%s", warning)
+        distributed.join(self.placement)  # before setup: preparing the run directory needs a barrier
+        log.info(
+            "rank %d of %d on %s (%s)",
+            distributed.rank(),
+            self.placement.world_size,
+            self.placement.device,
+            self.placement.backend if self.placement.world_size > 1 else "one process",
+        )
 
     # ---- setup ----------------------------------------------------------------------------------
     def setup(self) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        # Resume point first: metrics logged after it would otherwise appear twice.
-        discard_incomplete(self.run_dir / "checkpoints")
+        # Resume point first: metrics logged after it would otherwise appear twice. Rank 0 tidies the run
+        # directory; the others wait, then all resume from the same checkpoint.
+        if distributed.is_main():
+            discard_incomplete(self.run_dir / "checkpoints")
+        distributed.barrier()
         self.resume_from = latest_valid_checkpoint(self.run_dir / "checkpoints")
         if self.resume_from:
             log.info("resuming from %s", self.resume_from)
-            self.forget_metrics_after(step_of(self.resume_from))
+            if distributed.is_main():
+                self.forget_metrics_after(step_of(self.resume_from))
         set_seed(self.job.train.seed)  # before the adapter exists: LoRA's initial weights are drawn from it
         self.model, self.tokenizer = self.load_model()
         # Training pads on the right (labels line up with inputs); the saved tokenizer keeps its own side.
@@ -222,7 +247,7 @@ class StageRecipe:
 
     def steps_per_epoch(self) -> int:
         """Optimizer steps per epoch, as the Trainer counts them: a last, shorter accumulation still steps."""
-        batches = math.ceil(len(self.train_set) / (self.job.train.batch_size * self.placement.data_parallel))
+        batches = math.ceil(len(self.train_set) / (self.job.train.batch_size * self.placement.world_size))
         return max(1, math.ceil(batches / self.job.train.grad_accum))
 
     def evaluating(self) -> bool:
@@ -233,7 +258,7 @@ class StageRecipe:
         evaluating = self.evaluating()
         eval_steps = max(1, round(self.steps_per_epoch() * (train.eval_every_epochs or 1)))
         args_class = Seq2SeqTrainingArguments if self.job.model.kind == "seq2seq" else TrainingArguments
-        return args_class(
+        args = args_class(
             output_dir=str(self.run_dir / "checkpoints"),
             num_train_epochs=train.epochs,
             max_steps=train.max_steps or -1,  # when set, overrides epochs
@@ -271,8 +296,16 @@ class StageRecipe:
             logging_first_step=True,
             report_to="none",
             use_cpu=not placement.cuda,
+            ddp_backend=placement.backend if placement.world_size > 1 else None,  # a backend means DDP
+            ddp_find_unused_parameters=False,  # LoRA: the frozen base has no gradients, nothing is unused
             disable_tqdm=True,
         )
+        # One process never splits its batch over GPUs: with several visible, the Trainer would wrap the
+        # model in nn.DataParallel and multiply the batch by their count (issue 11). It uses its own GPU;
+        # the placement warned how to use them all.
+        if args.n_gpu > 1:
+            args._n_gpu = 1
+        return args
 
     def build_trainer(self) -> Trainer:
         args = self.training_arguments()
@@ -307,7 +340,15 @@ class StageRecipe:
     # ---- save -----------------------------------------------------------------------------------
     def save(self) -> None:
         """adapter/ (the best model when eval ran: load_best_model_at_end) with its tokenizer, swapped in
-        whole so a reader never sees half an adapter; then summary.json."""
+        whole so a reader never sees half an adapter; then summary.json. Rank 0 writes; every rank joins
+        the summary's gather of devices."""
+        devices = distributed.gather(self.placement.device)
+        if distributed.is_main():
+            self.write_adapter()
+            self.write_summary(devices)
+        distributed.barrier()  # no rank reports "completed" before the adapter is there
+
+    def write_adapter(self) -> None:
         adapter_dir = self.run_dir / "adapter"
         tmp = self.run_dir / f".adapter.{os.getpid()}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
@@ -317,14 +358,13 @@ class StageRecipe:
         if adapter_dir.exists():
             shutil.rmtree(adapter_dir)
         os.replace(tmp, adapter_dir)
-        self.write_summary()
 
     def batch_order(self) -> list[int]:
         """The first epoch's example order, as the train sampler gives it."""
         sampler = self.trainer._get_train_sampler(self.train_set)
         return list(iter(sampler)) if sampler is not None else list(range(len(self.train_set)))
 
-    def write_summary(self) -> None:
+    def write_summary(self, devices: list[str]) -> None:
         state = self.trainer.state
         eval_losses = [row["eval_loss"] for row in state.log_history if "eval_loss" in row]
         padding = data_lib.padding_fraction(
@@ -358,6 +398,8 @@ class StageRecipe:
             "device": self.placement.device,
             "device_name": self.placement.device_name,
             "precision": self.placement.precision,
+            "world_size": self.placement.world_size,
+            "rank_devices": devices,  # rank K's device at index K
             "init_adapter": self.job.init_adapter,
             "resumed_from": str(self.resume_from) if self.resume_from else None,
             "num_input_tokens_seen": state.num_input_tokens_seen,

@@ -1,0 +1,55 @@
+"""One rank of a data-parallel test run (tests/test_train_ddp.py starts one such process per rank, with
+the distributed environment the SLURM wrapper exports).
+
+    python -m tests.ddp_worker JOB.json OUT.json [STOP_AFTER]
+
+Runs the stage exactly as run_stage does, recording which training examples this rank's batches held
+(the examples carry their index through a wrapped collator), and writes {"outcome", "seen"} to OUT.json.
+STOP_AFTER sets this rank's stop flag after that many step ends, as SLURM's signal reaching only it would.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import threading
+from pathlib import Path
+
+from tests.train_helpers import StopAfter
+from train import distributed
+from train.config import TrainJob
+from train.recipe import StageRecipe
+
+
+def record_examples(recipe: StageRecipe, seen: list[int]) -> None:
+    """Give every training example an `index` column and note the indices each batch holds."""
+    trainer = recipe.trainer
+    trainer.train_dataset = recipe.train_set.add_column("index", list(range(len(recipe.train_set))))
+    inner = trainer.data_collator
+
+    def collate(features):
+        seen.extend(f["index"] for f in features)
+        return inner([{k: v for k, v in f.items() if k != "index"} for f in features])
+
+    trainer.data_collator = collate
+
+
+def main(job_path: str, out_path: str, stop_after: str | None = None) -> None:
+    rank = os.environ.get("RANK", "0")
+    logging.basicConfig(level=logging.INFO, format=f"rank {rank} %(levelname)s %(name)s: %(message)s")
+    job = TrainJob.model_validate(json.loads(Path(job_path).read_text()))
+    stop = StopAfter(int(stop_after)) if stop_after else threading.Event()
+    recipe, seen = StageRecipe(job, stop), []
+    recipe.setup()
+    record_examples(recipe, seen)
+    outcome = recipe.train()
+    if outcome == "completed":
+        recipe.save()
+    distributed.leave()
+    Path(out_path).write_text(json.dumps({"outcome": outcome, "seen": seen}))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

@@ -1,0 +1,115 @@
+"""`resources.gpus: 2` on the dev cluster: one SLURM task per (fake) GPU, one DDP run over gloo on CPUs.
+
+The trainer's side (each example once across the ranks, the loss of one process with the same global
+batch, a stop seen by one rank) is tested with two local processes in tests/test_train_ddp.py; here the
+same run goes through sbatch, submitit's task environment and SLURM's own requeue and signals.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+from safetensors.torch import load_file
+from submitit.core.utils import JobPaths
+
+import launch
+from tests.test_cluster_faults import (
+    assert_every_step_logged_once,
+    assert_same_adapter,
+    experiment_dir,
+    progress_step,
+    slurm_id,
+    submit,
+    wait_until,
+)
+from train.checkpoints import latest_valid_checkpoint, step_of
+
+
+def task_log(tmp_path, job: str, rank: int) -> str:
+    return JobPaths(tmp_path / "logs" / job, slurm_id(tmp_path, job), task_id=rank).stdout.read_text()
+
+
+def command_line(pid: str) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_text()
+    except OSError:  # ended meanwhile
+        return ""
+
+
+def task_pids(job_id: str) -> dict[int, int]:
+    """{global task id: pid} of a running job, from SLURM itself (`scontrol listpids`)."""
+    done = subprocess.run(["scontrol", "listpids", job_id], capture_output=True, text=True, check=True)
+    pids = {}
+    for line in done.stdout.splitlines()[1:]:  # PID JOBID STEPID LOCALID GLOBALID
+        pid, _, step, _, task = line.split()
+        # The srun step's task processes (not the batch script, nor a task's own children).
+        if step.isdigit() and task.isdigit() and "submitit" in command_line(pid):
+            pids[int(task)] = int(pid)
+    return pids
+
+
+def test_two_gpus_train_as_two_ranks_and_a_requeue_resumes_both_to_the_same_adapter(
+    repo_root, tmp_path, slurm_cluster, tiny, monkeypatch, capsys
+):
+    monkeypatch.chdir(repo_root)
+    folder = experiment_dir(repo_root, tmp_path, "requeued", epochs=8, save=8, gpus=2)
+    experiment_dir(repo_root, tmp_path, "straight", epochs=8, save=8, gpus=2)
+    assert launch.main(["--all", "--config-dir", str(folder), "--dry-run", "--json"]) == 0
+    planned = {job["id"]: job for job in json.loads(capsys.readouterr().out)["jobs"]}
+    assert (planned["requeued/train"]["tasks"], planned["requeued/train"]["effective_batch"]) == (2, 16)
+    assert submit(folder) == 0
+    run_dir = tmp_path / "runs" / "requeued" / "train"
+    job_id = slurm_id(tmp_path, "requeued/train")
+    wait_until(lambda: latest_valid_checkpoint(run_dir / "checkpoints"), "a first checkpoint")
+    subprocess.run(["scontrol", "requeue", job_id], check=True)
+    assert submit(folder, "--wait") == 0
+    assert slurm_id(tmp_path, "requeued/train") == job_id  # same SLURM job, second run
+
+    for name in ("requeued", "straight"):
+        summary = json.loads((tmp_path / "runs" / name / "train" / "summary.json").read_text())
+        assert (summary["world_size"], summary["rank_devices"]) == (2, ["cpu", "cpu"])
+        assert summary["global_step"] == 8 * 15  # 240 examples / (8 x 2) a step, 8 epochs
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["resumed_from"] is not None
+    assert_every_step_logged_once(run_dir, summary["global_step"])
+    straight = load_file(
+        str(tmp_path / "runs" / "straight" / "train" / "adapter" / "adapter_model.safetensors")
+    )
+    assert_same_adapter(straight, run_dir)
+
+    # One log per task; --tail shows rank 0's unless asked for another.
+    assert "rank 1 of 2 on cpu (gloo)" in task_log(tmp_path, "requeued/train", 1)
+    assert "rank 0 of 2 on cpu (gloo)" in task_log(tmp_path, "requeued/train", 0)
+    capsys.readouterr()
+    tail = ["--config-dir", str(folder), "--tail", "requeued/train"]
+    assert launch.main([*tail, "--rank", "1"]) == 0
+    shown = capsys.readouterr().out
+    assert "rank1 INFO" in shown and "rank0 INFO" not in shown
+    assert launch.main([*tail, "--rank", "2"]) == 2
+    assert "runs 2 task(s): --rank is one of 0-1" in capsys.readouterr().err
+
+
+def test_usr2_reaching_only_one_rank_stops_both_at_one_checkpoint_and_requeues(
+    repo_root, tmp_path, slurm_cluster, tiny, monkeypatch
+):
+    # SLURM signals every task of the step; a signal that reaches one task only (a rank slow to install
+    # its handler, a user's `kill`) must not leave the other rank waiting in its next all-reduce.
+    monkeypatch.chdir(repo_root)
+    folder = experiment_dir(repo_root, tmp_path, "signalled", epochs=8, save=1000, gpus=2)
+    assert submit(folder) == 0
+    run_dir = tmp_path / "runs" / "signalled" / "train"
+    job_id = slurm_id(tmp_path, "signalled/train")
+    wait_until(lambda: progress_step(run_dir) >= 4, "training under way")
+    pids = wait_until(lambda: (found := task_pids(job_id)).keys() >= {0, 1} and found, "both task pids")
+    os.kill(pids[1], signal.SIGUSR2)  # rank 1 only
+    assert submit(folder, "--wait") == 0  # the requeued job resumes and completes: no hang
+    assert slurm_id(tmp_path, "signalled/train") == job_id
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["global_step"] == 8 * 15
+    resumed = step_of(Path(summary["resumed_from"]))
+    assert 4 <= resumed < 8 * 15  # the one checkpoint both ranks stopped at (save_every_steps is 1000)
+    assert_every_step_logged_once(run_dir, summary["global_step"])

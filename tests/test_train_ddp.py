@@ -1,0 +1,129 @@
+"""Data parallelism (issue 11): the trainer started as 2 real processes with the environment the SLURM
+wrapper exports (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), on CPUs with gloo.
+
+80 examples (a multiple of the global batch: no example is repeated to fill a last round), batch 4 on
+each of 2 ranks = 10 steps in the epoch. The reference is one process with batch 8.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.test_train_resume import assert_same_adapter
+from tests.train_helpers import ROOT, SQL, make_job, read_jsonl, sql_data
+from train.checkpoints import checkpoints, is_valid, step_of
+from train.recipe import run_stage
+
+EXAMPLES, STEPS, TIMEOUT_S = 80, 10, 120
+
+
+def job(tiny, run_dir: Path, batch_size: int):
+    subset = run_dir.parent / "train80.jsonl"
+    subset.write_text("".join((SQL / "easy.jsonl").read_text().splitlines(keepends=True)[:EXAMPLES]))
+    return make_job(
+        tiny,
+        run_dir,
+        data=sql_data() | {"train": str(subset)},
+        max_steps=None,
+        epochs=1,
+        batch_size=batch_size,
+        save_every_steps=100,
+    )
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_two_ranks(tiny, run_dir: Path, stop_after: dict[int, int] | None = None) -> list[dict]:
+    """Run the stage as 2 processes; each rank's {"outcome", "seen"}. A hang fails the test at the timeout."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    job_path = run_dir.parent / f"{run_dir.name}.job.json"
+    job_path.write_text(job(tiny, run_dir, batch_size=4).model_dump_json())
+    port, ranks = free_port(), []
+    for rank in range(2):
+        env = os.environ | {
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": "2",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "OMP_NUM_THREADS": "1",  # two ranks on a small machine
+        }
+        out = run_dir.parent / f"{run_dir.name}.rank{rank}.json"
+        extra = [str(stop_after[rank])] if stop_after and rank in stop_after else []
+        command = [sys.executable, "-m", "tests.ddp_worker", str(job_path), str(out), *extra]
+        ranks.append((subprocess.Popen(command, cwd=ROOT, env=env), out))
+    try:
+        codes = [process.wait(timeout=TIMEOUT_S) for process, _ in ranks]
+    finally:
+        for process, _ in ranks:
+            process.kill()
+    assert codes == [0, 0], f"rank exit codes {codes}"
+    return [json.loads(out.read_text()) for _, out in ranks]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tiny, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("ddp") / "straight"
+    return run_dir, run_two_ranks(tiny, run_dir)
+
+
+def test_two_ranks_complete_and_record_the_world(two_ranks):
+    run_dir, ranks = two_ranks
+    assert [r["outcome"] for r in ranks] == ["completed", "completed"]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert (summary["world_size"], summary["rank_devices"], summary["global_step"]) == (
+        2,
+        ["cpu", "cpu"],
+        STEPS,
+    )
+    assert (run_dir / "adapter" / "adapter_model.safetensors").is_file()
+
+
+def test_each_example_of_the_epoch_is_seen_once_across_the_ranks(two_ranks):
+    _, ranks = two_ranks
+    first, second = (r["seen"] for r in ranks)
+    assert len(first) == len(second) == EXAMPLES // 2
+    assert set(first).isdisjoint(second)
+    assert sorted(first + second) == list(range(EXAMPLES))
+
+
+def test_final_loss_matches_one_process_with_the_same_global_batch(two_ranks, tiny, tmp_path):
+    run_dir, _ = two_ranks
+    one = tmp_path / "one"
+    assert run_stage(job(tiny, one, batch_size=8)) == "completed"
+    expected = [r for r in read_jsonl(one / "metrics.jsonl") if "loss" in r]
+    actual = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "loss" in r]
+    assert [r["step"] for r in actual] == [r["step"] for r in expected] == list(range(1, STEPS + 1))
+    assert actual[-1]["loss"] == pytest.approx(expected[-1]["loss"], rel=0.02)
+    assert json.loads((one / "summary.json").read_text())["world_size"] == 1
+
+
+def test_a_stop_seen_by_one_rank_stops_both_at_one_checkpoint_and_resumes_exactly(two_ranks, tiny, tmp_path):
+    straight, _ = two_ranks
+    run_dir = tmp_path / "interrupted"
+    # Only rank 1 is told to stop, after 3 step ends: both must stop at step 4 (rank 0 would otherwise
+    # go on into step 5 and wait there forever for rank 1).
+    ranks = run_two_ranks(tiny, run_dir, stop_after={1: 3})
+    assert [r["outcome"] for r in ranks] == ["interrupted", "interrupted"]
+    saved = checkpoints(run_dir / "checkpoints")
+    assert [step_of(c) for c in saved] == [4] and is_valid(saved[0])
+    assert sorted(p.name for p in saved[0].glob("rng_state_*.pth")) == ["rng_state_0.pth", "rng_state_1.pth"]
+    assert not (run_dir / "adapter").exists()
+
+    resumed = run_two_ranks(tiny, run_dir)
+    assert [r["outcome"] for r in resumed] == ["completed", "completed"]
+    assert json.loads((run_dir / "summary.json").read_text())["resumed_from"].endswith("checkpoint-4")
+    assert_same_adapter(straight, run_dir)
+    steps = [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl") if "loss" in r]
+    assert steps == list(range(1, STEPS + 1))

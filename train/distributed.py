@@ -1,0 +1,76 @@
+"""The few collective steps the recipe needs when it runs as N data-parallel processes (DDP).
+
+    join(placement)        # init the process group from RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT (env://)
+    is_main()              # rank 0 writes the run directory; the others only train
+    barrier()              # wait until every rank got here (e.g. a checkpoint is committed)
+    any_rank(flag)         # True on every rank when it is True on any: a stop is collective
+    gather(value)          # every rank's value, in rank order (on every rank)
+    leave()                # all ranks meet at the end of the stage
+
+With one process (WORLD_SIZE unset or 1) each of these is the trivial local answer, so the recipe reads
+the same either way. The process group is made here, before the Trainer: the recipe needs a barrier while
+it prepares the run directory; accelerate (the Trainer's) then reuses the group instead of making one.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from train.device import Placement
+
+
+def join(placement: Placement) -> None:
+    """Join the process group of this run when there is more than one process (idempotent)."""
+    if placement.world_size <= 1 or dist.is_initialized():
+        return
+    if placement.cuda:
+        torch.cuda.set_device(placement.device)  # nccl binds each rank to its own GPU
+    dist.init_process_group(
+        backend=placement.backend,
+        init_method="env://",
+        device_id=torch.device(placement.device) if placement.cuda else None,
+    )
+
+
+def active() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def rank() -> int:
+    return dist.get_rank() if active() else 0
+
+
+def is_main() -> bool:
+    return rank() == 0
+
+
+def barrier() -> None:
+    if active():
+        dist.barrier()
+
+
+def any_rank(flag: bool) -> bool:
+    """All-reduce (MAX) of a local flag: every rank gets the same answer at the same call."""
+    if not active():
+        return flag
+    device = f"cuda:{torch.cuda.current_device()}" if dist.get_backend() == "nccl" else "cpu"
+    value = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
+
+
+def gather(value) -> list:
+    """Every rank's (picklable) value, in rank order."""
+    if not active():
+        return [value]
+    values = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return values
+
+
+def leave() -> None:
+    """All ranks meet at the end, so rank 0 (host of the rendezvous store) does not exit under the others.
+    The group is not destroyed: torch frees it at exit. Destroying it while the Trainer's DDP model still
+    holds it hung a rank at exit about one run in three (tests/test_train_ddp.py)."""
+    barrier()
