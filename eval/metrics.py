@@ -6,6 +6,7 @@ bug upstream and raise.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Sequence
 
 import sacrebleu
@@ -13,10 +14,30 @@ from rouge_score import rouge_scorer
 
 from eval.names import TEXT_METRICS
 
+SQL_START = re.compile(r"\s*(select|with)\b", re.IGNORECASE)
+SQL_STRING = re.compile(r"'(?:[^']|'')*'")  # a single-quoted literal, '' escaping a quote inside
+
 
 def normalize(text: str) -> str:
     """What exact match compares: case and runs of whitespace are formatting, not content."""
     return " ".join(text.split()).lower()
+
+
+def normalize_sql(query: str) -> str:
+    """As normalize, except inside string literals: `name = 'Atlas'` and `name = 'atlas'` select
+    different rows, while keywords and identifiers (case-insensitive in SQL) may differ in case."""
+    parts, end = [], 0
+    for literal in SQL_STRING.finditer(query):
+        parts += [normalize(query[end : literal.start()]), literal.group()]
+        end = literal.end()
+    parts.append(normalize(query[end:]))
+    return " ".join(part for part in parts if part)
+
+
+def exact_match_key(reference: str):
+    """The normalizer for one pair, chosen by its reference: a query (SELECT/WITH ...) keeps the case of
+    its string literals; any other text folds case."""
+    return normalize_sql if SQL_START.match(reference) else normalize
 
 
 def check_pairs(preds: Sequence[str], refs: Sequence[str]) -> None:
@@ -28,7 +49,7 @@ def exact_match(preds: Sequence[str], refs: Sequence[str]) -> float:
     check_pairs(preds, refs)
     if not preds:
         return 0.0
-    hits = sum(normalize(p) == normalize(r) for p, r in zip(preds, refs, strict=True))
+    hits = sum(exact_match_key(r)(p) == exact_match_key(r)(r) for p, r in zip(preds, refs, strict=True))
     return hits / len(preds)
 
 

@@ -71,7 +71,17 @@ def experiment_row(plan, experiment: str, states: dict[str, str]) -> dict:
             (s.get("trainable_percent") for s in summaries if s.get("trainable_percent")), None
         ),
         "train_min": round(runtime_s / 60, 2) if runtime_s else None,
-        "gpu_hours": round(runtime_s * max(1, train_jobs[0].resources.gpus) / 3600, 4) if runtime_s else None,
+        # Each stage's runtime on its own GPUs: a CPU run (gpus: 0) costs no GPU-hours.
+        "gpu_hours": round(
+            sum(
+                (s.get("train_runtime_s") or 0) * j.resources.gpus
+                for s, j in zip(summaries, train_jobs, strict=True)
+            )
+            / 3600,
+            4,
+        )
+        if runtime_s
+        else None,
         "best_eval_loss": min(losses) if losses else None,
     }
     row["eval_split"] = split_marker(results)
@@ -99,12 +109,27 @@ def status_text(jobs, states: dict[str, str], has_results: bool) -> str:
     return ("missing: " + ", ".join(bad)) if bad else "missing: not run yet"
 
 
-def baseline_rows(path: Path | None) -> tuple[list[dict], str]:
+class BaselinesError(ValueError):
+    """baselines.yaml is not as documented (configs/README.md)."""
+
+
+def baseline_sets(path: Path | None) -> dict[str, tuple[list[dict], str]]:
+    """{task: (rows, source)} from baselines.yaml: one set (`task`, `source`, `baselines`) or a list of
+    them under `sets`. Published numbers are only comparable on the task they were measured on."""
     data = yaml.safe_load(path.read_text()) if path and path.is_file() else None
     if not data:
-        return [], ""
-    rows = [{"experiment": b["name"], "status": "published", **b} for b in data.get("baselines", [])]
-    return rows, data.get("source", "")
+        return {}
+    sets = data.get("sets", [data]) if isinstance(data, dict) else None
+    found = {}
+    for number, entry in enumerate(sets or [None], 1):
+        if not isinstance(entry, dict) or not entry.get("task"):
+            raise BaselinesError(
+                f"set {number} has no `task`: name the task its numbers were measured on "
+                "(an experiment's `task:` key), so they are shown only beside experiments on that task"
+            )
+        rows = [{"experiment": b["name"], "status": "published", **b} for b in entry.get("baselines", [])]
+        found[entry["task"]] = (rows, entry.get("source", ""))
+    return found
 
 
 def to_markdown(rows: list[dict], columns: list[str]) -> str:
@@ -119,23 +144,36 @@ def to_markdown(rows: list[dict], columns: list[str]) -> str:
 
 
 def write_report(
-    plan, run_root: Path, states: dict[str, str] | None = None, baselines: Path | None = None
+    plan,
+    run_root: Path,
+    states: dict[str, str] | None = None,
+    baselines: Path | None = None,
+    tasks: dict[str, str | None] | None = None,
 ) -> list[Path]:
-    states = states or {}
+    """report.md (one table per task, each with the published baselines of that task), report.csv (every
+    row, with its task) and the loss curves. `tasks`: experiment name → its `task:` (None: not set)."""
+    states, tasks = states or {}, tasks or {}
     experiments = list(dict.fromkeys(j.experiment for j in plan.jobs))
-    rows = [experiment_row(plan, name, states) for name in experiments]
-    extra, source = baseline_rows(baselines)
+    rows = [experiment_row(plan, name, states) | {"task": tasks.get(name)} for name in experiments]
+    published = baseline_sets(baselines)
+    groups = list(dict.fromkeys(row["task"] for row in rows))
+    extra = [b | {"task": task} for task in groups if task in published for b in published[task][0]]
     columns = [c for c in COLUMNS if c in ("experiment", "status") or any(r.get(c) is not None for r in rows)]
-    extra_columns = sorted({k for r in extra for k in r} - set(columns) - {"name"})
+    extra_columns = sorted({k for r in extra for k in r} - set(columns) - {"name", "task"})
     run_root.mkdir(parents=True, exist_ok=True)
     written = [*plot_losses(plan, experiments, run_root)]
-    md = ["# Experiment report", "", to_markdown(rows + extra, columns + extra_columns), ""]
-    if source:
-        md += [f"Published baselines: {source}.", ""]
+    md = ["# Experiment report", ""]
+    for task in groups:
+        if len(groups) > 1:
+            md += [f"## Task: {task or '(no task set)'}", ""]
+        members = [r for r in rows if r["task"] == task] + [r for r in extra if r["task"] == task]
+        md += [to_markdown(members, columns + extra_columns), ""]
+        if task in published and published[task][1]:
+            md += [f"Published baselines ({task}): {published[task][1]}.", ""]
     md += [f"![loss curves]({p.relative_to(run_root)})" for p in written[:1]]
     write_atomic(run_root / "report.md", "\n".join(md) + "\n")
     buffer = io.StringIO()
-    writer = csv.DictWriter(buffer, fieldnames=columns + extra_columns, extrasaction="ignore")
+    writer = csv.DictWriter(buffer, fieldnames=columns + extra_columns + ["task"], extrasaction="ignore")
     writer.writeheader()
     writer.writerows(rows + extra)
     write_atomic(run_root / "report.csv", buffer.getvalue())

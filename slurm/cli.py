@@ -77,11 +77,15 @@ def watch(args, profile) -> int:
         return follow(plan, args.tail, profile.log_dir, out, rank=args.rank)
     if args.cancel:
         return cancel(plan, profile.log_dir)
-    from eval.report import write_report
+    from eval.report import BaselinesError, write_report
 
     states = {row.job.id: row.state.value for row in plan_status(plan, profile.log_dir)}
     baselines = find_inherited("baselines.yaml", args.config_dir.resolve(), Path("/"))
-    written = write_report(plan, Path(profile.run_dir), states, baselines)
+    tasks = {e.name: e.task for e in experiments}
+    try:
+        written = write_report(plan, Path(profile.run_dir), states, baselines, tasks)
+    except BaselinesError as exc:
+        raise ConfigError([Problem(str(baselines), "task", str(exc))]) from None
     out.print("wrote " + ", ".join(str(p) for p in written))
     return 0
 

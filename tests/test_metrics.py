@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from eval.metrics import bleu, exact_match, normalize, rouge, text_metrics
+from eval.metrics import bleu, exact_match, normalize, normalize_sql, rouge, text_metrics
 
 # pred: the cat sat on the mat (6 tokens)    ref: the cat is on mat (5 tokens)
 #   unigram overlap: the, cat, on, mat = 4          -> P 4/6, R 4/5, F 8/11
@@ -19,6 +19,25 @@ REVERSED = ("a b c d", "d c b a")
 
 def test_normalize_folds_case_and_whitespace():
     assert normalize("  The\tCat \n sat ") == "the cat sat"
+
+
+def test_sql_exact_match_keeps_the_case_inside_string_literals():
+    # A real model's eval scored EM above execution accuracy because 'Atlas' = 'atlas' here.
+    assert (
+        exact_match(["SELECT name FROM t WHERE name = 'atlas'"], ["select NAME from t where name = 'Atlas'"])
+        == 0
+    )
+    assert (
+        exact_match(
+            ["SELECT  name FROM t WHERE name = 'Atlas'"], ["select name\nfrom t where name = 'Atlas'"]
+        )
+        == 1
+    )
+    assert normalize_sql("SELECT 'It''s A'  ,X") == "select 'It''s A' ,x"
+    assert normalize_sql("WITH a AS (SELECT 1) SELECT * FROM a WHERE s = 'Q  R'") == (
+        "with a as (select 1) select * from a where s = 'Q  R'"
+    )
+    assert exact_match(["It's the CAPITAL"], ["it's the capital"]) == 1  # text is not SQL: case folds
 
 
 def test_exact_match_ignores_case_and_spacing_but_not_punctuation():

@@ -49,17 +49,24 @@ def test_report_rows_plots_and_a_failed_experiment(tmp_path, repo_root):
     (runs / "good" / "eval" / "results.json").write_text(json.dumps(results))
     states = {"broken/one": "FAILED", "broken/two": "BLOCKED", "broken/eval": "BLOCKED"}
 
-    written = write_report(plan, runs, states, repo_root / "configs" / "baselines.yaml")
+    tasks = {"good": "socratiq-qg", "broken": None}
+    written = write_report(plan, runs, states, repo_root / "configs" / "baselines.yaml", tasks)
 
     rows = {r["experiment"]: r for r in csv.DictReader((runs / "report.csv").open())}
     assert rows["good"]["status"] == "complete"
     assert rows["good"]["stages"] == "one → two"
     assert float(rows["good"]["exact_match"]) == 0.25 and float(rows["good"]["train_min"]) == 3.0
     assert float(rows["good"]["best_eval_loss"]) == 1.6
+    assert float(rows["good"]["gpu_hours"]) == 0.05  # 180 s on one GPU
     assert rows["broken"]["status"] == "missing: one FAILED, two BLOCKED, eval BLOCKED"
     assert rows["T5-p"]["status"] == "published" and float(rows["T5-p"]["rouge_l"]) == 0.211
     markdown = (runs / "report.md").read_text()
     assert "| broken | missing: one FAILED" in markdown and "Ang et al. 2023" in markdown
+    # The published numbers sit in the socratiq-qg table, not beside the experiment without that task.
+    other, socratiq = markdown.split("## Task: socratiq-qg")
+    assert "## Task: (no task set)" in other
+    assert "| T5-p | published" in socratiq and "| good |" in socratiq
+    assert "| broken |" in other and "T5-p" not in other
     pictures = [p for p in written if p.suffix == ".png"]
     assert runs / "loss_curves.png" in pictures and runs / "good" / "loss.png" in pictures
     assert all(p.stat().st_size > 5_000 for p in pictures)
@@ -89,3 +96,53 @@ def test_report_shows_which_split_was_scored(tmp_path):
     assert rows["held-out"]["eval_split"] == "eval"
     assert rows["on-train"]["eval_split"] == "TRAIN (scored on training data)"
     assert "| TRAIN (scored on training data) |" in (runs / "report.md").read_text()
+
+
+def test_a_cpu_run_costs_no_gpu_hours_and_a_four_gpu_run_four_times_its_runtime(tmp_path, repo_root):
+    configs = tmp_path / "configs"
+    configs.mkdir()
+    write_cluster_yaml(configs, tmp_path)
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"q": "x", "a": "y"}\n')
+    for name, gpus in (("cpu", 0), ("four", 4)):
+        text = EXPERIMENT.format(name=name, data=data).replace("{mem_gb: 4,", f"{{gpus: {gpus}, mem_gb: 4,")
+        (configs / f"{name}.yaml").write_text(text)
+    profile, _ = load_profile(configs)
+    plan = build_plan(load_experiments(configs, profile), profile)
+    runs = tmp_path / "runs"
+    for name in ("cpu", "four"):
+        write_stage(runs / name / "one", [3.0], 1800, 2.2)
+        write_stage(runs / name / "two", [2.0], 1800, 1.6)
+    write_report(plan, runs, {}, repo_root / "configs" / "baselines.yaml")
+    rows = {r["experiment"]: r for r in csv.DictReader((runs / "report.csv").open())}
+    assert (float(rows["cpu"]["gpu_hours"]), float(rows["four"]["gpu_hours"])) == (0.0, 4.0)
+
+
+def test_baselines_are_shown_only_beside_experiments_on_their_task(tmp_path, repo_root):
+    import pytest
+
+    from eval.report import BaselinesError
+
+    configs = tmp_path / "configs"
+    configs.mkdir()
+    write_cluster_yaml(configs, tmp_path)
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"q": "x", "a": "y"}\n')
+    (configs / "sql.yaml").write_text(EXPERIMENT.format(name="sql", data=data))
+    profile, _ = load_profile(configs)
+    plan = build_plan(load_experiments(configs, profile), profile)
+    runs = tmp_path / "runs"
+    baselines = tmp_path / "baselines.yaml"
+    baselines.write_text(
+        "sets:\n"
+        "  - {task: socratiq-qg, source: Ang, baselines: [{name: T5-p, rouge_l: 0.211}]}\n"
+        "  - {task: spider, source: Yu, baselines: [{name: Seq2SQL, exact_match: 0.1}]}\n"
+    )
+    write_report(plan, runs, {}, baselines, {"sql": "spider"})
+    rows = {r["experiment"]: r for r in csv.DictReader((runs / "report.csv").open())}
+    assert set(rows) == {"sql", "Seq2SQL"} and rows["Seq2SQL"]["task"] == "spider"
+    assert "Ang" not in (runs / "report.md").read_text()
+
+    baselines.write_text("source: Ang\nbaselines: [{name: T5-p, rouge_l: 0.211}]\n")
+    with pytest.raises(BaselinesError, match="set 1 has no `task`"):
+        write_report(plan, runs, {}, baselines, {"sql": "spider"})

@@ -304,6 +304,11 @@ class StageSpec(Section):
 class Experiment(Section):
     name: str
     description: str = ""
+    task: str | None = Field(
+        None,
+        description="what the experiment is measured on (e.g. squad-qg); the report puts published baselines "
+        "of the same task beside it, and only those",
+    )
     model: ModelSpec
     adapter: AdapterSpec = AdapterSpec()
     data: DataSpec
