@@ -58,7 +58,51 @@ def dispatch(args) -> int:
     plan = build_plan(experiments, profile)
     if args.dry_run:
         return show_plan(plan, args.json)
+    if args.preflight or not args.no_preflight:
+        checked = preflight(
+            plan, experiments, profile, show=args.preflight, as_json=args.json and args.preflight
+        )
+        if args.preflight:
+            return checked
     return submit(plan, profile, args)
+
+
+def preflight(plan: Plan, experiments, profile, show: bool, as_json: bool) -> int:
+    """Refuse (exit 2) what the jobs would refuse or could not fit, before anything is queued; torch is
+    imported only on a preflight cache miss, never by the dry run or the status commands."""
+    from train.preflight_check import preflight_plan
+
+    files = {e.name: str(e.file) for e in experiments}
+    results, problems = preflight_plan(plan, files, profile.gpu_mem_for)
+    if as_json:
+        print(json.dumps([r.as_json() for r in results], indent=1))
+    elif show:
+        out.print(preflight_table(results))
+    if problems:
+        raise ConfigError(problems)
+    return 0
+
+
+def preflight_table(results):
+    from rich.table import Table
+
+    table = Table("job", "trainable", "max_length", "tokens/epoch", "cut at max_length", "memory/GPU", "fits")
+    for r in results:
+        memory = (
+            f"{r.memory_gb:.1f} GB" + (f" of {r.gpu_mem_gb:g}" if r.gpu_mem_gb else "")
+            if r.memory_gb
+            else "-"
+        )
+        table.add_row(
+            r.job,
+            f"{r.trainable_percent:.2f}% ({r.trainable_params:,})",
+            str(r.max_length) if r.max_length else f"skipped: {r.tokens_skipped}",
+            f"{r.tokens_per_epoch:,}" if r.tokens_per_epoch else "-",
+            str(r.truncated_inputs) if r.truncated_inputs is not None else "-",
+            memory,
+            {True: "yes", False: f"no (batch {r.largest_batch} fits)", None: "-"}[r.fits],
+        )
+    return table
 
 
 def watch(args, profile) -> int:
