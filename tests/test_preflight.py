@@ -143,6 +143,19 @@ def test_experiments_sharing_model_and_data_cost_one_preflight(
     assert json.loads(done.stdout) == results
 
 
+def test_a_broken_cache_entry_is_recomputed_not_reported(repo_root, tiny, tmp_path, monkeypatch, capsys):
+    """A half-written or stale entry (a crash, an older version's fields) is a miss, not a config error."""
+    monkeypatch.chdir(repo_root)
+    monkeypatch.setenv("LORA_CACHE_DIR", str(tmp_path / "cache"))
+    folder = configs(tmp_path, repo_root, {"one": {}})
+    [first] = preflight_json(["--all", "--config-dir", str(folder)], capsys)
+    [entry] = (tmp_path / "cache" / "preflight").glob("*.json")
+    for broken in ('{"job": "one/tr', json.dumps({"job": "one/train", "renamed_field": 1})):
+        entry.write_text(broken)
+        assert preflight_json(["--all", "--config-dir", str(folder)], capsys) == [first]
+        assert json.loads(entry.read_text())["trainable_percent"] == first["trainable_percent"]
+
+
 def hub_cache(folder: Path) -> Path:
     """A Hugging Face cache holding only the fixtures' config.json files, as a login node that fetched
     the configs (and nothing else) would have."""

@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from functools import lru_cache
 from pathlib import Path
 
 from slurm.problems import Problem
 from train import data as data_lib
 from train.config import TrainJob
+from train.files import read_json, write_json_atomic
 
 CACHE_VERSION = 1  # bump whenever what a preflight computes changes
 
@@ -121,17 +121,18 @@ def cached_preflight(job: TrainJob, gpu_mem_gb: float | None) -> JobPreflight:
     token lengths were skipped is not kept: once the tokenizer or the data arrive, the next launch has them."""
     path = data_lib.cache_root() / "preflight" / f"{cache_key(job, gpu_mem_gb)}.json"
     name = f"{job.experiment}/{job.stage}"
-    if path.is_file():
-        return JobPreflight(**(json.loads(path.read_text()) | {"job": name}))
+    kept = read_json(path)  # None when missing, or unreadable (a crash mid-write before atomic writes)
+    if isinstance(kept, dict) and kept.keys() == JOB_PREFLIGHT_FIELDS:
+        return JobPreflight(**(kept | {"job": name}))
     from train.preflight import preflight_job  # torch: only on a miss
 
     result = preflight_job(job, gpu_mem_gb)
     if result.tokens_skipped is None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(result.as_json()))
-        tmp.replace(path)
+        write_json_atomic(path, result.as_json())  # launches in parallel may write it; each write is whole
     return result
+
+
+JOB_PREFLIGHT_FIELDS = {f.name for f in fields(JobPreflight)}
 
 
 # ---- a whole plan ---------------------------------------------------------------------------------------
