@@ -78,9 +78,21 @@ def preflight(plan: Plan, experiments, profile, show: bool, as_json: bool) -> in
         print(json.dumps([r.as_json() for r in results], indent=1))
     elif show:
         out.print(preflight_table(results))
+    if fetch := list(dict.fromkeys(c for r in results for c in r.fetch)):
+        err.print(fetch_note(fetch), highlight=False, soft_wrap=True)
     if problems:
         raise ConfigError(problems)
     return 0
+
+
+def fetch_note(commands: list[str]) -> str:
+    """Not a refusal: nodes with network download at the job's start. Nodes without fail there, so the
+    note says how to fetch on this machine into the cache the nodes share."""
+    lines = "\n".join(f"  {c}" for c in commands)
+    return (
+        "[yellow]warning:[/] not in this machine's Hugging Face cache, so jobs on nodes without network "
+        f"would fail at their start; fetch into the shared cache (HF_HOME) first:\n{lines}"
+    )
 
 
 def preflight_table(results):

@@ -69,6 +69,7 @@ def test_demo_preflight_equals_what_the_finished_jobs_write(repo_root, tiny, tmp
     assert sorted(predicted) == sorted(
         j.id for j in jobs
     )  # 5 training jobs: two one-stage, a chain, 2 stages
+    assert all(r["fetch"] == [] for r in predicted.values())  # local models and files: nothing to fetch
     for planned in jobs:
         fast = planned.spec.train.model_copy(update={"max_steps": 1, "eval_every_epochs": None})
         assert run_stage(planned.spec.model_copy(update={"train": fast})) == "completed"
@@ -196,7 +197,23 @@ def test_the_shipped_experiments_preflight_offline_from_fixture_configs(repo_roo
     for result in results.values():  # no tokenizer in the cache: lengths are skipped, saying why
         assert result["max_length"] is None and "not available here" in result["tokens_skipped"]
         assert result["memory_gb"] > 0
+    # Neither weights, tokenizer nor data are here: each job names the commands that fetch them, once.
+    assert results["qwen-random/train"]["fetch"] == [
+        "hf download Qwen/Qwen2.5-0.5B",
+        "hf download b-mc2/sql-create-context --repo-type dataset",
+    ]
+    assert done.stderr.count("  hf download rajpurkar/squad --repo-type dataset\n") == 1
     assert took < 60, f"preflight of {len(results)} jobs took {took:.0f}s"
+
+
+def test_a_model_config_missing_here_is_refused_with_the_command_that_fetches_it(repo_root, tmp_path):
+    env = os.environ | {"HF_HUB_CACHE": str(hub_cache(tmp_path / "hub")), "LORA_CACHE_DIR": str(tmp_path)}
+    command = [sys.executable, "launch.py", "--exp", "qwen-random", "--preflight", "model.revision=v2.0"]
+    done = subprocess.run(command, cwd=repo_root, env=env, capture_output=True, text=True, check=False)
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    assert "qwen-random.yaml: model.name_or_path:" in done.stderr
+    assert "hf download Qwen/Qwen2.5-0.5B --revision v2.0" in done.stderr
 
 
 def test_the_dry_run_imports_no_torch(repo_root, tiny):

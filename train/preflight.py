@@ -22,8 +22,9 @@ from transformers import AutoConfig
 from train import data as data_lib
 from train import memory
 from train.config import TrainJob
+from train.hub_cache import TOKENIZER_FILES, has_any
 from train.model import add_tokens, load_tokenizer, max_positions, model_class, new_adapter, trainable_report
-from train.preflight_check import TOKENIZER_FILES, JobPreflight, first_line, model_file
+from train.preflight_check import JobPreflight, first_line
 
 log = logging.getLogger("train.preflight")
 
@@ -64,7 +65,7 @@ def tokenizer_or_reason(job: TrainJob):
         return None, f"tokenizer of {job.model.name_or_path} not available here ({first_line(exc)})"
     # Without its files transformers builds a near-empty tokenizer instead of failing; resizing the
     # embeddings to it would count a model with almost no vocabulary.
-    if not any(model_file(job.model.name_or_path, name, job.model.revision) for name in TOKENIZER_FILES):
+    if not has_any(job.model.name_or_path, TOKENIZER_FILES, job.model.revision):
         return None, f"tokenizer of {job.model.name_or_path} not available here (no tokenizer files)"
     return tokenizer, None
 

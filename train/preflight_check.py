@@ -19,6 +19,7 @@ from slurm.problems import Problem
 from train import data as data_lib
 from train.config import TrainJob
 from train.files import read_json, write_json_atomic
+from train.hub_cache import TOKENIZER_FILES, fetch_command, missing_for, model_file
 
 CACHE_VERSION = 1  # bump whenever what a preflight computes changes
 
@@ -45,6 +46,7 @@ class JobPreflight:
     fits: bool | None = None  # None: no gpu_mem_gb for this job's partition, or no length to judge by
     largest_batch: int | None = None
     alternatives: list[str] = field(default_factory=list)
+    fetch: list[str] = field(default_factory=list)  # `hf download` commands for what this machine lacks
 
     @property
     def too_trainable(self) -> bool:  # unrounded, as check_trainable compares it
@@ -62,21 +64,6 @@ def first_line(exc: Exception) -> str:
 @lru_cache(maxsize=256)
 def file_fingerprint(source: str) -> str:
     return source if source.startswith("hf:") else data_lib.source_fingerprint(source)
-
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "spiece.model", "tokenizer.model", "vocab.json")
-
-
-def model_file(name_or_path: str, filename: str, revision: str | None) -> str | None:
-    """A model file in its local folder, or in the Hugging Face cache (a snapshot path names its commit);
-    None when neither has it. Nothing is downloaded here."""
-    from huggingface_hub import try_to_load_from_cache
-
-    folder = Path(name_or_path)
-    if folder.is_dir():
-        return str(folder / filename) if (folder / filename).is_file() else None
-    found = try_to_load_from_cache(name_or_path, filename, revision=revision)
-    return found if isinstance(found, str) else None
 
 
 def tokenizer_identity(spec) -> str:
@@ -155,6 +142,7 @@ def preflight_plan(plan, files: dict[str, str], gpu_mem_for) -> tuple[list[JobPr
                 Problem(where, "", f"{planned.id}: the job would fail at its start: {first_line(exc)}")
             )
             continue
+        result.fetch = missing_for(planned.spec)  # not cached: files arrive without changing the key
         results.append(result)
         problems += refusals(result, where)
     return results, problems
@@ -162,10 +150,9 @@ def preflight_plan(plan, files: dict[str, str], gpu_mem_for) -> tuple[list[JobPr
 
 def unavailable(job: TrainJob, exc: Exception) -> str:
     name = job.model.name_or_path
-    revision = f" --revision {job.model.revision}" if job.model.revision else ""
     return (
         f"the config of {name!r} is neither a local folder nor in the Hugging Face cache ({first_line(exc)}); "
-        f"fetch it on a machine with network: hf download {name}{revision}"
+        f"fetch it on a machine with network: {fetch_command(name, job.model.revision)}"
     )
 
 
