@@ -105,7 +105,8 @@ def cache_key(job: TrainJob, gpu_mem_gb: float | None) -> str:
 
 def cached_preflight(job: TrainJob, gpu_mem_gb: float | None) -> JobPreflight:
     """From the disk cache when nothing it depends on changed; the job name is this job's. A result whose
-    token lengths were skipped is not kept: once the tokenizer or the data arrive, the next launch has them."""
+    token lengths were skipped for want of tokenizer files is kept (their arrival changes the key); one
+    skipped for an `hf:` dataset is not (its arrival does not), so the next launch has the lengths."""
     path = data_lib.cache_root() / "preflight" / f"{cache_key(job, gpu_mem_gb)}.json"
     name = f"{job.experiment}/{job.stage}"
     kept = read_json(path)  # None when missing, or unreadable (a crash mid-write before atomic writes)
@@ -114,7 +115,7 @@ def cached_preflight(job: TrainJob, gpu_mem_gb: float | None) -> JobPreflight:
     from train.preflight import preflight_job  # torch: only on a miss
 
     result = preflight_job(job, gpu_mem_gb)
-    if result.tokens_skipped is None:
+    if result.tokens_skipped is None or not tokenizer_identity(job.model):
         write_json_atomic(path, result.as_json())  # launches in parallel may write it; each write is whole
     return result
 
