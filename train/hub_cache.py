@@ -7,6 +7,7 @@ start, so preflight names what is missing and prints the exact `hf download` com
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
 
 from train.config import TrainJob
@@ -71,3 +72,42 @@ def missing_for(job: TrainJob) -> list[str]:
         if name and not dataset_cached(name):
             commands.append(fetch_command(name, repo_type="dataset"))
     return commands
+
+
+class NotInCache(OSError):
+    """A hub repo this process needs is neither in its cache nor downloadable (a node without network,
+    HF_HUB_OFFLINE=1): says which repo and the command that fetches it, instead of the loader's traceback."""
+
+
+@contextmanager
+def fetch_hint(name_or_path: str, revision: str | None):
+    """Around loading a model or tokenizer by hub id: a missing repo fails with its `hf download` command."""
+    try:
+        yield
+    except OSError as exc:
+        if Path(name_or_path).is_dir() or isinstance(exc, NotInCache):
+            raise
+        raise NotInCache(
+            f"{name_or_path} is not in this machine's Hugging Face cache and could not be downloaded "
+            f"({first_line(exc)}); fetch it where there is network, into the cache the nodes share: "
+            f"{fetch_command(name_or_path, revision)}"
+        ) from exc
+
+
+def require_tokenizer_files(name_or_path: str, revision: str | None) -> None:
+    """After loading a tokenizer: transformers builds a near-empty one (Qwen2's: 1 token) from a config
+    alone instead of failing, and a job would train on it silently wrong."""
+    if has_any(name_or_path, TOKENIZER_FILES, revision):
+        return
+    if Path(name_or_path).is_dir():
+        raise FileNotFoundError(
+            f"{name_or_path} has no tokenizer files (one of {', '.join(TOKENIZER_FILES)})"
+        )
+    raise NotInCache(
+        f"{name_or_path} is not in this machine's Hugging Face cache (its tokenizer files are missing); "
+        f"fetch it where there is network, into the cache the nodes share: {fetch_command(name_or_path, revision)}"
+    )
+
+
+def first_line(exc: Exception) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]

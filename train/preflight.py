@@ -22,9 +22,9 @@ from transformers import AutoConfig
 from train import data as data_lib
 from train import memory
 from train.config import TrainJob
-from train.hub_cache import TOKENIZER_FILES, has_any
+from train.hub_cache import first_line
 from train.model import add_tokens, load_tokenizer, max_positions, model_class, new_adapter, trainable_report
-from train.preflight_check import JobPreflight, first_line
+from train.preflight_check import JobPreflight
 
 log = logging.getLogger("train.preflight")
 
@@ -58,16 +58,12 @@ def cached_tokenizer(name_or_path: str, revision: str | None, kind: str):
 
 
 def tokenizer_or_reason(job: TrainJob):
-    """(tokenizer, None), or (None, why it is skipped): a hub tokenizer not in the cache while offline."""
+    """(tokenizer, None), or (None, why it is skipped): a hub tokenizer not in the cache while offline
+    (load_tokenizer refuses a tokenizer without files, which would count a model with almost no vocabulary)."""
     try:  # fetched into the Hugging Face cache where this machine has network and HF_HUB_OFFLINE is unset
-        tokenizer = cached_tokenizer(job.model.name_or_path, job.model.revision, job.model.kind)
+        return cached_tokenizer(job.model.name_or_path, job.model.revision, job.model.kind), None
     except (OSError, ValueError) as exc:
         return None, f"tokenizer of {job.model.name_or_path} not available here ({first_line(exc)})"
-    # Without its files transformers builds a near-empty tokenizer instead of failing; resizing the
-    # embeddings to it would count a model with almost no vocabulary.
-    if not has_any(job.model.name_or_path, TOKENIZER_FILES, job.model.revision):
-        return None, f"tokenizer of {job.model.name_or_path} not available here (no tokenizer files)"
-    return tokenizer, None
 
 
 def token_lengths(job: TrainJob, tokenizer, config) -> dict:

@@ -19,7 +19,7 @@ from slurm.problems import Problem
 from train import data as data_lib
 from train.config import TrainJob
 from train.files import read_json, write_json_atomic
-from train.hub_cache import TOKENIZER_FILES, fetch_command, missing_for, model_file
+from train.hub_cache import TOKENIZER_FILES, fetch_command, first_line, missing_for, model_file
 
 CACHE_VERSION = 1  # bump whenever what a preflight computes changes
 
@@ -54,10 +54,6 @@ class JobPreflight:
 
     def as_json(self) -> dict:
         return asdict(self)
-
-
-def first_line(exc: Exception) -> str:
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
 
 
 # ---- the cache ----------------------------------------------------------------------------------------
