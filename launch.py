@@ -3,6 +3,7 @@
 python launch.py --all                       # every experiment in configs/experiments
 python launch.py --all --config-dir configs/demo --wait
 python launch.py --exp NAME --dry-run train.learning_rate=1e-4
+python launch.py --all --preflight [--json]  # trainable %, token lengths, GPU memory; run before every submit
 python launch.py --status | --tail EXP[/STAGE] [--rank K] | --cancel [EXP ...] | --report
 """
 
@@ -24,6 +25,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     which.add_argument("--exp", nargs="+", metavar="NAME", help="only these experiments")
     action = parser.add_mutually_exclusive_group()
     action.add_argument("--dry-run", action="store_true", help="validate and print the plan; submit nothing")
+    action.add_argument(
+        "--preflight",
+        action="store_true",
+        help="trainable %%, token lengths and GPU memory per training job, from configs (no weights, no GPU)",
+    )
     action.add_argument("--status", action="store_true", help="one table: state, reason, step, loss, ETA")
     action.add_argument("--tail", metavar="EXP[/STAGE]", help="follow the log of that job")
     action.add_argument(
@@ -40,7 +46,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     parser.add_argument("--config-dir", type=Path, default=Path("configs/experiments"))
     parser.add_argument("--backend", choices=["auto", "slurm", "local"], default="auto")
-    parser.add_argument("--json", action="store_true", help="with --dry-run: the plan as JSON")
+    parser.add_argument("--json", action="store_true", help="with --dry-run or --preflight: as JSON")
+    parser.add_argument("--no-preflight", action="store_true", help="submit without the preflight checks")
     parser.add_argument("--wait", action="store_true", help="block with a live table until every job ended")
     parser.add_argument("--force", action="store_true", help="rerun finished stages whose config changed")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="e.g. train.learning_rate=1e-4")

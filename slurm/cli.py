@@ -58,7 +58,63 @@ def dispatch(args) -> int:
     plan = build_plan(experiments, profile)
     if args.dry_run:
         return show_plan(plan, args.json)
+    if args.preflight or not args.no_preflight:
+        checked = preflight(
+            plan, experiments, profile, show=args.preflight, as_json=args.json and args.preflight
+        )
+        if args.preflight:
+            return checked
     return submit(plan, profile, args)
+
+
+def preflight(plan: Plan, experiments, profile, show: bool, as_json: bool) -> int:
+    """Refuse (exit 2) what the jobs would refuse or could not fit, before anything is queued; torch is
+    imported only on a preflight cache miss, never by the dry run or the status commands."""
+    from train.preflight_check import preflight_plan
+
+    files = {e.name: str(e.file) for e in experiments}
+    results, problems = preflight_plan(plan, files, profile.gpu_mem_for)
+    if as_json:
+        print(json.dumps([r.as_json() for r in results], indent=1))
+    elif show:
+        out.print(preflight_table(results))
+    if fetch := list(dict.fromkeys(c for r in results for c in r.fetch)):
+        err.print(fetch_note(fetch), highlight=False, soft_wrap=True)
+    if problems:
+        raise ConfigError(problems)
+    return 0
+
+
+def fetch_note(commands: list[str]) -> str:
+    """Not a refusal: nodes with network download at the job's start. Nodes without fail there, so the
+    note says how to fetch on this machine into the cache the nodes share."""
+    lines = "\n".join(f"  {c}" for c in commands)
+    return (
+        "[yellow]warning:[/] not in this machine's Hugging Face cache, so jobs on nodes without network "
+        f"would fail at their start; fetch into the shared cache (HF_HOME) first:\n{lines}"
+    )
+
+
+def preflight_table(results):
+    from rich.table import Table
+
+    table = Table("job", "trainable", "max_length", "tokens/epoch", "cut at max_length", "memory/GPU", "fits")
+    for r in results:
+        memory = (
+            f"{r.memory_gb:.1f} GB" + (f" of {r.gpu_mem_gb:g}" if r.gpu_mem_gb else "")
+            if r.memory_gb
+            else "-"
+        )
+        table.add_row(
+            r.job,
+            f"{r.trainable_percent:.2f}% ({r.trainable_params:,})",
+            str(r.max_length) if r.max_length else f"skipped: {r.tokens_skipped}",
+            f"{r.tokens_per_epoch:,}" if r.tokens_per_epoch else "-",
+            str(r.truncated_inputs) if r.truncated_inputs is not None else "-",
+            memory,
+            {True: "yes", False: f"no (batch {r.largest_batch} fits)", None: "-"}[r.fits],
+        )
+    return table
 
 
 def watch(args, profile) -> int:
@@ -81,7 +137,7 @@ def watch(args, profile) -> int:
 
     states = {row.job.id: row.state.value for row in plan_status(plan, profile.log_dir)}
     baselines = find_inherited("baselines.yaml", args.config_dir.resolve(), Path("/"))
-    tasks = {e.name: e.task for e in experiments}
+    tasks = {e.name: e.experiment.task for e in experiments}
     try:
         written = write_report(plan, Path(profile.run_dir), states, baselines, tasks)
     except BaselinesError as exc:

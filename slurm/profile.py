@@ -46,6 +46,21 @@ class ClusterProfile(BaseModel):
     max_cpus_per_node: Annotated[int, Field(ge=1)] = 64
     max_mem_gb_per_node: Annotated[float, Field(gt=0)] = 512
     local_parallel_jobs: Annotated[int, Field(ge=1)] = 1
+    gpu_mem_gb: Annotated[float, Field(gt=0)] | dict[str, Annotated[float, Field(gt=0)]] | None = Field(
+        None,
+        description="GPU memory per GPU, for preflight: one number, or by partition or constraint name "
+        "(a 'default' entry for the rest)",
+    )
+
+    def gpu_mem_for(self, resources) -> float | None:
+        """The GPU memory a job with `resources` gets: its constraint's entry, else its partition's, else
+        'default'; None when unknown (preflight then estimates without judging)."""
+        if not isinstance(self.gpu_mem_gb, dict):
+            return self.gpu_mem_gb
+        for name in (resources.constraint, resources.partition or self.partition, "default"):
+            if name in self.gpu_mem_gb:
+                return self.gpu_mem_gb[name]
+        return None
 
 
 def find_profile(config_dir: Path) -> Path | None:

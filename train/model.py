@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokeni
 
 from train.config import AdapterSpec, ModelSpec
 from train.device import Placement
+from train.hub_cache import fetch_hint, require_tokenizer_files
 
 log = logging.getLogger("train.model")
 
@@ -29,9 +30,10 @@ def model_class(kind: str):
 
 
 def load_tokenizer(source: str, spec: ModelSpec):
-    tokenizer = AutoTokenizer.from_pretrained(
-        source, revision=spec.revision if source == spec.name_or_path else None
-    )
+    revision = spec.revision if source == spec.name_or_path else None
+    with fetch_hint(source, revision):
+        tokenizer = AutoTokenizer.from_pretrained(source, revision=revision)
+    require_tokenizer_files(source, revision)
     if tokenizer.pad_token is None:  # Llama-style tokenizers ship none; eos is the usual stand-in
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
@@ -56,7 +58,8 @@ def load_base(spec: ModelSpec, adapter: AdapterSpec | None, placement: Placement
             bnb_4bit_use_double_quant=adapter.double_quant,
             bnb_4bit_compute_dtype=placement.compute_dtype,
         )
-    model = model_class(spec.kind).from_pretrained(spec.name_or_path, **kwargs)
+    with fetch_hint(spec.name_or_path, spec.revision):
+        model = model_class(spec.kind).from_pretrained(spec.name_or_path, **kwargs)
     if qlora and not placement.cuda:
         avoid_cpu_inference_repack(model)  # right after loading: before anything can run an eval forward
     return model

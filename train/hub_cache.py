@@ -1,0 +1,113 @@
+"""What this machine's Hugging Face caches hold, and the command that fetches what they lack.
+
+Torch-free, and nothing here downloads: the launcher asks it on the login node before queueing. Compute
+nodes often have no network; a job whose model or dataset is not in the shared cache then fails at its
+start, so preflight names what is missing and prints the exact `hf download` command for it.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from pathlib import Path
+
+from train.config import TrainJob
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "spiece.model", "tokenizer.model", "vocab.json")
+WEIGHT_FILES = (  # one of these is enough: an index names its shards
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
+
+
+def model_file(name_or_path: str, filename: str, revision: str | None) -> str | None:
+    """A model file in its local folder, or in the Hugging Face cache (a snapshot path names its commit);
+    None when neither has it."""
+    from huggingface_hub import try_to_load_from_cache
+
+    folder = Path(name_or_path)
+    if folder.is_dir():
+        return str(folder / filename) if (folder / filename).is_file() else None
+    found = try_to_load_from_cache(name_or_path, filename, revision=revision)
+    return found if isinstance(found, str) else None
+
+
+def has_any(name_or_path: str, filenames: tuple[str, ...], revision: str | None) -> bool:
+    return any(model_file(name_or_path, name, revision) for name in filenames)
+
+
+def dataset_name(source: str | None) -> str | None:
+    """`hf:NAME[:CONFIG]:SPLIT` → NAME; None for a local file."""
+    return source[3:].split(":")[0] if source and source.startswith("hf:") else None
+
+
+def dataset_cached(name: str) -> bool:
+    """The hub cache holds a snapshot of the dataset repo (`hf download`), or `datasets` prepared it
+    (an earlier load_dataset): either lets load_dataset run with HF_DATASETS_OFFLINE=1."""
+    import datasets.config
+    from huggingface_hub import constants
+
+    snapshots = Path(constants.HF_HUB_CACHE) / f"datasets--{name.replace('/', '--')}" / "snapshots"
+    prepared = Path(datasets.config.HF_DATASETS_CACHE) / name.replace("/", "___")
+    return any(snapshots.glob("*/*")) or prepared.is_dir()
+
+
+def fetch_command(repo: str, revision: str | None = None, repo_type: str = "model") -> str:
+    kind = f" --repo-type {repo_type}" if repo_type != "model" else ""
+    return f"hf download {repo}{kind}" + (f" --revision {revision}" if revision else "")
+
+
+def missing_for(job: TrainJob) -> list[str]:
+    """The `hf download` commands for what `job` needs and this machine's caches lack: its model (weights,
+    tokenizer) unless it is a local folder, and each `hf:` dataset it trains or evaluates on."""
+    model = job.model
+    commands = []
+    if not Path(model.name_or_path).is_dir() and not (
+        has_any(model.name_or_path, WEIGHT_FILES, model.revision)
+        and has_any(model.name_or_path, TOKENIZER_FILES, model.revision)
+    ):
+        commands.append(fetch_command(model.name_or_path, model.revision))
+    for name in dict.fromkeys(dataset_name(s) for s in (job.data.train, job.data.eval)):
+        if name and not dataset_cached(name):
+            commands.append(fetch_command(name, repo_type="dataset"))
+    return commands
+
+
+class NotInCache(OSError):
+    """A hub repo this process needs is neither in its cache nor downloadable (a node without network,
+    HF_HUB_OFFLINE=1): says which repo and the command that fetches it, instead of the loader's traceback."""
+
+
+@contextmanager
+def fetch_hint(name_or_path: str, revision: str | None):
+    """Around loading a model or tokenizer by hub id: a missing repo fails with its `hf download` command."""
+    try:
+        yield
+    except OSError as exc:
+        if Path(name_or_path).is_dir() or isinstance(exc, NotInCache):
+            raise
+        raise NotInCache(
+            f"{name_or_path} is not in this machine's Hugging Face cache and could not be downloaded "
+            f"({first_line(exc)}); fetch it where there is network, into the cache the nodes share: "
+            f"{fetch_command(name_or_path, revision)}"
+        ) from exc
+
+
+def require_tokenizer_files(name_or_path: str, revision: str | None) -> None:
+    """After loading a tokenizer: transformers builds a near-empty one (Qwen2's: 1 token) from a config
+    alone instead of failing, and a job would train on it silently wrong."""
+    if has_any(name_or_path, TOKENIZER_FILES, revision):
+        return
+    if Path(name_or_path).is_dir():
+        raise FileNotFoundError(
+            f"{name_or_path} has no tokenizer files (one of {', '.join(TOKENIZER_FILES)})"
+        )
+    raise NotInCache(
+        f"{name_or_path} is not in this machine's Hugging Face cache (its tokenizer files are missing); "
+        f"fetch it where there is network, into the cache the nodes share: {fetch_command(name_or_path, revision)}"
+    )
+
+
+def first_line(exc: Exception) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]

@@ -1,0 +1,215 @@
+"""Preflight: what each training job will find when it starts, worked out on the login node before queueing.
+
+    preflight_job(TrainJob, gpu_mem_gb) → JobPreflight    (trainable %, token lengths, GPU memory)
+
+Nothing here reads weights or needs a GPU. The model is built on the meta device from its config and the
+adapter applied by train/model.py's own `new_adapter`; the share is counted by the trainer's own
+`trainable_report`; token lengths come from train/data.py's cached tokenization and `choose_lengths`, so the
+job later finds the cache ready and picks the same max_length. Torch is imported here, and only on a cache
+miss (train/preflight_check.py): the dry run and the status commands never import this module.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+from functools import lru_cache, partial
+
+import torch
+from transformers import AutoConfig
+
+from train import data as data_lib
+from train import memory
+from train.config import TrainJob
+from train.hub_cache import first_line
+from train.model import add_tokens, load_tokenizer, max_positions, model_class, new_adapter, trainable_report
+from train.preflight_check import JobPreflight
+
+log = logging.getLogger("train.preflight")
+
+
+# ---- the model on the meta device -----------------------------------------------------------------------
+def model_config(name_or_path: str, revision: str | None):
+    """config.json from a local folder or the Hugging Face cache (HF_HUB_OFFLINE honoured); a fresh object
+    each time, since building a model writes into its config."""
+    return AutoConfig.from_pretrained(name_or_path, revision=revision)
+
+
+def meta_model(job: TrainJob, dtype: torch.dtype = torch.float32, tokenizer=None):
+    """(model, tokenizer): the adapted model as the job builds it (train/recipe.py load_model), with shapes
+    but no weights, and a copy of the tokenizer holding model.added_tokens, as the job's tokenizer does."""
+    config = model_config(job.model.name_or_path, job.model.revision)
+    tokenizer = copy.deepcopy(tokenizer)
+    with torch.device("meta"):
+        model = model_class(job.model.kind).from_config(config, dtype=dtype)
+        # New rows start at the mean of the old ones in the job; a meta tensor has no mean to take.
+        model.resize_token_embeddings = partial(model.resize_token_embeddings, mean_resizing=False)
+        new_ids = add_tokens(model, tokenizer, job.model.added_tokens) if tokenizer is not None else []
+        return new_adapter(model, job.adapter, job.model.kind, new_ids), tokenizer
+
+
+# ---- token lengths ----------------------------------------------------------------------------------
+@lru_cache(maxsize=32)
+def cached_tokenizer(name_or_path: str, revision: str | None, kind: str):
+    from train.config import ModelSpec
+
+    return load_tokenizer(name_or_path, ModelSpec(name_or_path=name_or_path, kind=kind, revision=revision))
+
+
+def tokenizer_or_reason(job: TrainJob):
+    """(tokenizer, None), or (None, why it is skipped): a hub tokenizer not in the cache while offline
+    (load_tokenizer refuses a tokenizer without files, which would count a model with almost no vocabulary)."""
+    try:  # fetched into the Hugging Face cache where this machine has network and HF_HUB_OFFLINE is unset
+        return cached_tokenizer(job.model.name_or_path, job.model.revision, job.model.kind), None
+    except (OSError, ValueError) as exc:
+        return None, f"tokenizer of {job.model.name_or_path} not available here ({first_line(exc)})"
+
+
+def token_lengths(job: TrainJob, tokenizer, config) -> dict:
+    """max_length as the job will choose it (same cache, same choose_lengths), cuts and tokens per epoch."""
+    kind = job.model.kind
+    dataset = data_lib.tokenized(job.data.train, job.data, tokenizer, kind)
+    lengths = data_lib.choose_lengths(dataset, job.data, kind, max_positions(config))
+    kept = data_lib.truncate(dataset, lengths, kind)
+    return {
+        "max_length": lengths.max_length,
+        "max_target_length": lengths.max_target_length,
+        "tokens_per_epoch": int(sum(kept["length"])),
+        "examples": len(kept),
+        "longest_example": lengths.longest,
+        "truncated_inputs": lengths.inputs_truncated,
+        "truncated_at": {str(k): v for k, v in lengths.truncated_at.items()},
+    }
+
+
+# ---- one job ------------------------------------------------------------------------------------------
+def preflight_job(job: TrainJob, gpu_mem_gb: float | None) -> JobPreflight:
+    base_tokenizer, skipped = tokenizer_or_reason(job)
+    report, config, tokenizer = trainable_of(job, base_tokenizer)
+    result = JobPreflight(
+        job=f"{job.experiment}/{job.stage}",
+        trainable_percent=round(report.percent, 4),
+        trainable_params=report.trainable,
+        total_params=report.total,
+        trainable_by_module=report.by_module,
+        max_trainable_percent=job.adapter.max_trainable_percent,
+        gpu_mem_gb=gpu_mem_gb,
+        tokens_skipped=skipped,
+    )
+    if tokenizer is not None:
+        try:
+            vars(result).update(token_lengths(job, tokenizer, config))
+        except (OSError, ValueError, ConnectionError) as exc:  # an hf: dataset not in the cache, offline
+            result.tokens_skipped = f"data {job.data.train} not available here ({first_line(exc)})"
+    judge_memory(result, job, base_tokenizer)
+    return result
+
+
+def trainable_of(job: TrainJob, tokenizer):
+    """(trainable report, model config, tokenizer with the added tokens); once per model and adapter in a
+    process: the stages of a curriculum and experiments that differ in data share it."""
+    key = json.dumps(
+        [job.model.model_dump(), job.adapter.model_dump(), tokenizer_size(tokenizer)], sort_keys=True
+    )
+    if key not in REPORTS:
+        model, with_tokens = meta_model(job, tokenizer=tokenizer)
+        REPORTS[key] = trainable_report(model), model.config, with_tokens
+    return REPORTS[key]
+
+
+REPORTS: dict[str, tuple] = {}
+
+
+def memory_shape(job: TrainJob, result: JobPreflight) -> dict | None:
+    """The padded batch shape a step can reach: batch_size × max_length (None: length unknown)."""
+    length = result.max_length or (job.data.max_length if job.data.max_length != "auto" else None)
+    if length is None:
+        return None
+    target = result.max_target_length
+    if target is None and job.data.max_target_length != "auto":
+        target = job.data.max_target_length
+    return {
+        "batch_size": job.train.batch_size,
+        "max_length": length,
+        "max_target_length": target or length,
+        "gradient_checkpointing": job.train.gradient_checkpointing,
+    }
+
+
+def judge_memory(result: JobPreflight, job: TrainJob, tokenizer) -> None:
+    shape = memory_shape(job, result)
+    if shape is None:
+        return
+    estimate = estimate_for(job, shape, tokenizer)
+    result.memory, result.memory_gb = estimate.as_dict(), round(estimate.total_gb, 3)
+    if result.gpu_mem_gb is None:
+        return
+    result.fits = estimate.total_gb <= result.gpu_mem_gb
+    result.largest_batch = memory.largest_batch(estimate, result.gpu_mem_gb)
+    if not result.fits:
+        result.alternatives = alternatives(job, shape, tokenizer, result.gpu_mem_gb)
+
+
+def estimate_for(job: TrainJob, shape: dict, tokenizer) -> memory.MemoryEstimate:
+    """Once per model, adapter, precision and shape in a process: the stages of a curriculum, and
+    experiments that differ in data only, share it."""
+    key = json.dumps(
+        [
+            job.model.model_dump(),
+            job.adapter.model_dump(),
+            job.train.precision,
+            shape,
+            tokenizer_size(tokenizer),
+        ],
+        sort_keys=True,
+    )
+    if key not in ESTIMATES:
+        ESTIMATES[key] = measure_memory(job, shape, tokenizer)
+    return ESTIMATES[key]
+
+
+ESTIMATES: dict[str, memory.MemoryEstimate] = {}
+
+
+def tokenizer_size(tokenizer) -> int | None:
+    return len(tokenizer) if tokenizer is not None else None
+
+
+def measure_memory(job: TrainJob, shape: dict, tokenizer) -> memory.MemoryEstimate:
+    """Adapter weights are cast to the compute dtype as autocast would compute with them. QLoRA is
+    measured as LoRA over weights in the compute dtype: on a GPU its 4-bit layers compute in
+    bf16 under autocast, while on meta tensors prepare_model_for_kbit_training would upcast every weight
+    to fp32 (there is no autocast for meta tensors). Its weights are still counted at 4 bits."""
+    dtype = memory.weight_dtype(job.train.precision)
+    as_lora = job.model_copy(update={"adapter": job.adapter.model_copy(update={"method": "lora"})})
+    model, _ = meta_model(as_lora, dtype, tokenizer)
+    model = model.to(dtype)  # adapter weights too: autocast computes their matmuls in the compute dtype
+    return memory.estimate(model, job.model.kind, job.adapter.method == "qlora", job.train.precision, shape)
+
+
+def alternatives(job: TrainJob, shape: dict, tokenizer, gpu_mem_gb: float) -> list[str]:
+    """What else would fit: checkpointing, the same effective batch through grad_accum, or QLoRA."""
+    found = []
+    effective = job.train.batch_size * job.train.grad_accum
+    if not job.train.gradient_checkpointing:
+        checkpointed = estimate_for(job, shape | {"gradient_checkpointing": True}, tokenizer)
+        batch = memory.largest_batch(checkpointed, gpu_mem_gb)
+        if batch >= 1:
+            found.append(f"train.gradient_checkpointing: true fits batch_size {batch}")
+    if job.adapter.method == "lora":
+        qlora = job.model_copy(update={"adapter": job.adapter.model_copy(update={"method": "qlora"})})
+        batch = memory.largest_batch(estimate_for(qlora, shape, tokenizer), gpu_mem_gb)
+        if batch >= 1:
+            found.append(f"adapter.method: qlora fits batch_size {batch}")
+    return found + accumulation_hint(job, shape, tokenizer, gpu_mem_gb, effective)
+
+
+def accumulation_hint(job, shape, tokenizer, gpu_mem_gb: float, effective: int) -> list[str]:
+    batch = memory.largest_batch(estimate_for(job, shape, tokenizer), gpu_mem_gb)
+    if batch < 1:
+        return []
+    accum = -(-effective // batch)
+    return [
+        f"train.batch_size: {batch} with train.grad_accum: {accum} keeps the effective batch {batch * accum}"
+    ]

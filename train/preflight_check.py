@@ -1,0 +1,185 @@
+"""Preflight on the login node: look up each training job's preflight in the cache, compute the missing
+ones (train/preflight.py, which imports torch), and turn what a job would refuse or could not fit into
+problems that refuse the launch.
+
+The cache key is everything a result depends on (the model's config.json text, the tokenizer files, the data
+files, the adapter and the train keys memory depends on), read without torch: a relaunch, or 200 experiments
+that differ only in learning rate or name, cost one preflight and no torch import after the first.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field, fields
+from functools import lru_cache
+from pathlib import Path
+
+from slurm.problems import Problem
+from train import data as data_lib
+from train.config import TrainJob
+from train.files import read_json, write_json_atomic
+from train.hub_cache import TOKENIZER_FILES, fetch_command, first_line, missing_for, model_file
+
+CACHE_VERSION = 1  # bump whenever what a preflight computes changes
+
+
+@dataclass
+class JobPreflight:
+    job: str  # EXP/STAGE
+    trainable_percent: float
+    trainable_params: int
+    total_params: int
+    trainable_by_module: dict[str, int]
+    max_trainable_percent: float
+    max_length: int | None = None  # None: token lengths skipped (see tokens_skipped)
+    max_target_length: int | None = None
+    tokens_per_epoch: int | None = None
+    examples: int | None = None
+    longest_example: int | None = None
+    truncated_inputs: int | None = None
+    truncated_at: dict[str, int] = field(default_factory=dict)
+    tokens_skipped: str | None = None
+    memory_gb: float | None = None
+    memory: dict = field(default_factory=dict)
+    gpu_mem_gb: float | None = None
+    fits: bool | None = None  # None: no gpu_mem_gb for this job's partition, or no length to judge by
+    largest_batch: int | None = None
+    alternatives: list[str] = field(default_factory=list)
+    fetch: list[str] = field(default_factory=list)  # `hf download` commands for what this machine lacks
+
+    @property
+    def too_trainable(self) -> bool:  # unrounded, as check_trainable compares it
+        return 100 * self.trainable_params / self.total_params > self.max_trainable_percent
+
+    def as_json(self) -> dict:
+        return asdict(self)
+
+
+# ---- the cache ----------------------------------------------------------------------------------------
+@lru_cache(maxsize=256)
+def file_fingerprint(source: str) -> str:
+    return source if source.startswith("hf:") else data_lib.source_fingerprint(source)
+
+
+def tokenizer_identity(spec) -> str:
+    """Contents of the tokenizer files this machine has (none yet: an empty identity)."""
+    found = [model_file(spec.name_or_path, name, spec.revision) for name in TOKENIZER_FILES]
+    return "".join(Path(p).name + file_fingerprint(p) for p in found if p)
+
+
+@lru_cache(maxsize=64)
+def config_text(name_or_path: str, revision: str | None) -> str:
+    """config.json, read without transformers; fetched into the Hugging Face cache where this machine has
+    network (HF_HUB_OFFLINE unset). Raises OSError when it cannot be had."""
+    path = model_file(name_or_path, "config.json", revision)
+    if path is None and not Path(name_or_path).is_dir():
+        from huggingface_hub import hf_hub_download
+
+        path = hf_hub_download(name_or_path, "config.json", revision=revision)
+    if path is None:
+        raise FileNotFoundError(f"no config.json in {name_or_path}")
+    return Path(path).read_text()
+
+
+def cache_key(job: TrainJob, gpu_mem_gb: float | None) -> str:
+    """Model config, tokenizer, data files, adapter, and the few train keys memory depends on; not the
+    learning rate, the epochs or the experiment's name."""
+    parts = [
+        CACHE_VERSION,
+        config_text(job.model.name_or_path, job.model.revision),
+        tokenizer_identity(job.model),
+        job.model.added_tokens,
+        file_fingerprint(job.data.train),
+        job.data.model_dump(exclude={"eval", "order", "num_workers"}),
+        job.adapter.model_dump(),
+        job.train.model_dump(include={"batch_size", "grad_accum", "gradient_checkpointing", "precision"}),
+        gpu_mem_gb,
+    ]
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:20]
+
+
+def cached_preflight(job: TrainJob, gpu_mem_gb: float | None) -> JobPreflight:
+    """From the disk cache when nothing it depends on changed; the job name is this job's. A result whose
+    token lengths were skipped for want of tokenizer files is kept (their arrival changes the key); one
+    skipped for an `hf:` dataset is not (its arrival does not), so the next launch has the lengths."""
+    path = data_lib.cache_root() / "preflight" / f"{cache_key(job, gpu_mem_gb)}.json"
+    name = f"{job.experiment}/{job.stage}"
+    kept = read_json(path)  # None when missing, or unreadable (a crash mid-write before atomic writes)
+    if isinstance(kept, dict) and kept.keys() == JOB_PREFLIGHT_FIELDS:
+        return JobPreflight(**(kept | {"job": name}))
+    from train.preflight import preflight_job  # torch: only on a miss
+
+    result = preflight_job(job, gpu_mem_gb)
+    if result.tokens_skipped is None or not tokenizer_identity(job.model):
+        write_json_atomic(path, result.as_json())  # launches in parallel may write it; each write is whole
+    return result
+
+
+JOB_PREFLIGHT_FIELDS = {f.name for f in fields(JobPreflight)}
+
+
+# ---- a whole plan ---------------------------------------------------------------------------------------
+def preflight_plan(plan, files: dict[str, str], gpu_mem_for) -> tuple[list[JobPreflight], list[Problem]]:
+    """Every training job of `plan` (eval jobs train nothing), and the problems that refuse the launch.
+    `files`: experiment name → its YAML file; `gpu_mem_for(resources)`: the GPU memory of a job's
+    partition or constraint, or None."""
+    results, problems = [], []
+    for planned in plan.jobs:
+        if planned.kind != "train":
+            continue
+        where = files.get(planned.experiment, planned.experiment)
+        try:
+            result = cached_preflight(planned.spec, gpu_mem_for(planned.resources))
+        except OSError as exc:
+            problems.append(Problem(where, "model.name_or_path", unavailable(planned.spec, exc)))
+            continue
+        except ValueError as exc:  # what the job would fail on at its start, e.g. target modules not found
+            problems.append(
+                Problem(where, "", f"{planned.id}: the job would fail at its start: {first_line(exc)}")
+            )
+            continue
+        result.fetch = missing_for(planned.spec)  # not cached: files arrive without changing the key
+        results.append(result)
+        problems += refusals(result, where)
+    return results, problems
+
+
+def unavailable(job: TrainJob, exc: Exception) -> str:
+    name = job.model.name_or_path
+    return (
+        f"the config of {name!r} is neither a local folder nor in the Hugging Face cache ({first_line(exc)}); "
+        f"fetch it on a machine with network: {fetch_command(name, job.model.revision)}"
+    )
+
+
+def refusals(result: JobPreflight, where: str) -> list[Problem]:
+    found = []
+    if result.too_trainable:
+        modules = ", ".join(f"{n} ({c:,})" for n, c in result.trainable_by_module.items())
+        found.append(
+            Problem(
+                where,
+                "adapter.max_trainable_percent",
+                f"{result.job}: {result.trainable_percent:.1f}% of the model would be trainable "
+                f"({result.trainable_params:,} of {result.total_params:,} parameters; by module: {modules}), "
+                f"over the limit {result.max_trainable_percent:g}%: lower adapter.rank, target fewer modules, "
+                "or raise the limit (the job would refuse it at its start)",
+            )
+        )
+    if result.fits is False:
+        others = "; ".join(result.alternatives) or "no other setting fits: use a larger GPU"
+        largest = (
+            f"the largest batch that fits is train.batch_size: {result.largest_batch}"
+            if result.largest_batch
+            else "not even train.batch_size: 1 fits"
+        )
+        found.append(
+            Problem(
+                where,
+                "train.batch_size",
+                f"{result.job}: a training step needs about {result.memory_gb:.1f} GB per GPU, over the "
+                f"{result.gpu_mem_gb:g} GB of this partition (gpu_mem_gb); {largest}. Or: {others}",
+            )
+        )
+    return found
