@@ -23,7 +23,6 @@ models/.built: venv train/tiny.py
 
 demo: venv models/.built
 	$(PY) launch.py --all --config-dir configs/demo --wait
-	$(PY) launch.py --report --config-dir configs/demo
 
 cluster:
 	bash slurm/dev-cluster/up.sh $(STATE)

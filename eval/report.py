@@ -25,6 +25,7 @@ COLUMNS = (
     "trainable_%",
     "train_min",
     "gpu_hours",
+    "cost",
     "best_eval_loss",
     "eval_split",
     *METRIC_COLUMNS,
@@ -149,12 +150,18 @@ def write_report(
     states: dict[str, str] | None = None,
     baselines: Path | None = None,
     tasks: dict[str, str | None] | None = None,
+    gpu_hour_cost: float | None = None,
 ) -> list[Path]:
     """report.md (one table per task, each with the published baselines of that task), report.csv (every
-    row, with its task) and the loss curves. `tasks`: experiment name → its `task:` (None: not set)."""
+    row, with its task) and the loss curves. `tasks`: experiment name → its `task:` (None: not set);
+    `gpu_hour_cost` (cluster.yaml) adds a cost per experiment and in total."""
     states, tasks = states or {}, tasks or {}
     experiments = list(dict.fromkeys(j.experiment for j in plan.jobs))
     rows = [experiment_row(plan, name, states) | {"task": tasks.get(name)} for name in experiments]
+    total_gpu_hours = sum(r["gpu_hours"] or 0 for r in rows)
+    if gpu_hour_cost is not None:
+        for row in rows:
+            row["cost"] = round(row["gpu_hours"] * gpu_hour_cost, 2) if row["gpu_hours"] is not None else None
     published = baseline_sets(baselines)
     groups = list(dict.fromkeys(row["task"] for row in rows))
     extra = [b | {"task": task} for task in groups if task in published for b in published[task][0]]
@@ -170,6 +177,10 @@ def write_report(
         md += [to_markdown(members, columns + extra_columns), ""]
         if task in published and published[task][1]:
             md += [f"Published baselines ({task}): {published[task][1]}.", ""]
+    total = f"Training: {total_gpu_hours:.2f} GPU-hours"
+    if gpu_hour_cost is not None:
+        total += f", cost {total_gpu_hours * gpu_hour_cost:.2f} (at {gpu_hour_cost:g} per GPU-hour)"
+    md += [total + ".", ""]
     md += [f"![loss curves]({p.relative_to(run_root)})" for p in written[:1]]
     write_atomic(run_root / "report.md", "\n".join(md) + "\n")
     buffer = io.StringIO()

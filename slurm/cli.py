@@ -64,7 +64,18 @@ def dispatch(args) -> int:
         )
         if args.preflight:
             return checked
-    return submit(plan, profile, args)
+    code = submit(plan, profile, args)
+    if code == 0 and (args.wait or backend_of(args) == "local"):
+        # The run ended here, every job completed: the comparison the user ran it for.
+        written = report(plan, experiments, profile, args.config_dir)
+        out.print(f"All {len(plan.jobs)} job(s) completed. Report: {written[0]}", highlight=False)
+    return code
+
+
+def backend_of(args) -> str:
+    from slurm.submit import pick_backend
+
+    return pick_backend(args.backend)
 
 
 def preflight(plan: Plan, experiments, profile, show: bool, as_json: bool) -> int:
@@ -133,17 +144,22 @@ def watch(args, profile) -> int:
         return follow(plan, args.tail, profile.log_dir, out, rank=args.rank)
     if args.cancel:
         return cancel(plan, profile.log_dir)
+    written = report(plan, experiments, profile, args.config_dir)
+    out.print("wrote " + ", ".join(str(p) for p in written))
+    return 0
+
+
+def report(plan: Plan, experiments, profile, config_dir: Path) -> list[Path]:
+    """runs/report.md, report.csv and the loss curves, with the baselines of each experiment's task."""
     from eval.report import BaselinesError, write_report
 
     states = {row.job.id: row.state.value for row in plan_status(plan, profile.log_dir)}
-    baselines = find_inherited("baselines.yaml", args.config_dir.resolve(), Path("/"))
+    baselines = find_inherited("baselines.yaml", config_dir.resolve(), Path("/"))
     tasks = {e.name: e.experiment.task for e in experiments}
     try:
-        written = write_report(plan, Path(profile.run_dir), states, baselines, tasks)
+        return write_report(plan, Path(profile.run_dir), states, baselines, tasks, profile.gpu_hour_cost)
     except BaselinesError as exc:
         raise ConfigError([Problem(str(baselines), "task", str(exc))]) from None
-    out.print("wrote " + ", ".join(str(p) for p in written))
-    return 0
 
 
 def show_status(plan: Plan, profile) -> int:
@@ -169,12 +185,11 @@ def submit(plan: Plan, profile, args) -> int:
     queued); a local run keeps it until its jobs end. --wait follows SLURM jobs after letting it go."""
     from slurm.lock import launch_lock
     from slurm.snapshot import take_snapshot
-    from slurm.submit import pick_backend
 
     def waiting(holder: str) -> None:
         err.print(f"waiting for the launch lock of {profile.run_dir}/: held by {holder}", highlight=False)
 
-    backend_name = pick_backend(args.backend)
+    backend_name = backend_of(args)
     with launch_lock(Path(profile.run_dir), waiting):
         decisions = decide(plan, force=args.force)
         if args.retry_failed:

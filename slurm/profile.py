@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Annotated
 
@@ -31,6 +32,16 @@ def one_line(folder: str) -> str:
     return folder
 
 
+MAIL_ADDRESS = re.compile(r"^[\w.+-]+@[\w-]+(\.[\w-]+)*$")
+
+
+def mail_address(value: str) -> str:
+    # It is written into an #SBATCH line: one plain address, nothing a shell or sbatch would read further.
+    if not MAIL_ADDRESS.match(value):
+        raise ValueError(f"{value!r} is not one plain mail address (e.g. ada@uni.example)")
+    return value
+
+
 class ClusterProfile(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -46,6 +57,12 @@ class ClusterProfile(BaseModel):
     max_cpus_per_node: Annotated[int, Field(ge=1)] = 64
     max_mem_gb_per_node: Annotated[float, Field(gt=0)] = 512
     local_parallel_jobs: Annotated[int, Field(ge=1)] = 1
+    mail_user: Annotated[str, AfterValidator(mail_address)] | None = Field(
+        None, description="sbatch --mail-user for jobs whose resources.mail asks for mail"
+    )
+    gpu_hour_cost: Annotated[float, Field(ge=0)] | None = Field(
+        None, description="what one GPU-hour costs (any currency): the report adds a cost column and total"
+    )
     gpu_mem_gb: Annotated[float, Field(gt=0)] | dict[str, Annotated[float, Field(gt=0)]] | None = Field(
         None,
         description="GPU memory per GPU, for preflight: one number, or by partition or constraint name "

@@ -104,6 +104,10 @@ class SlurmBackend:
         for key in ("partition", "account", "qos", "constraint"):
             if getattr(res, key):
                 params[key] = getattr(res, key)
+        if res.mail:
+            params["mail_type"] = ",".join(res.mail)
+            if self.profile.mail_user:
+                params["mail_user"] = self.profile.mail_user
         if parents:
             params["dependency"] = ",".join(f"{kind}:{job_id}" for job_id, kind in parents)
         return params

@@ -106,12 +106,16 @@ def test_demo_on_the_dev_cluster(repo_root, tmp_path, slurm_cluster, tiny, capsy
 
 
 @pytest.mark.parametrize("experiments", [["chain-first", "chain-second"]])
-def test_demo_runs_locally_without_slurm(repo_root, tmp_path, tiny, monkeypatch, experiments):
+def test_demo_runs_locally_without_slurm(repo_root, tmp_path, tiny, monkeypatch, experiments, capsys):
     monkeypatch.chdir(repo_root)
     config_dir = demo_configs(repo_root, tmp_path)
     # Two job slots: were `after:` (afterany) ignored, chain-second/train would start beside chain-first/train.
     write_cluster_yaml(config_dir.parent, tmp_path, local_parallel_jobs=2)
     assert launch.main(["--exp", *experiments, "--config-dir", str(config_dir), "--backend", "local"]) == 0
+    # Every job completed here: the report is written without a second command, and its path printed.
+    report = tmp_path / "runs" / "report.md"
+    assert f"All 4 job(s) completed. Report: {report}" in capsys.readouterr().out
+    assert "| chain-second | complete" in report.read_text()
     for plan_id in ("chain-first/train", "chain-first/eval", "chain-second/train", "chain-second/eval"):
         assert (tmp_path / "runs" / plan_id / "DONE").is_file()
         assert (

@@ -155,6 +155,29 @@ def test_eval_resources_reach_the_sbatch_parameters(tmp_path):
     assert backend.sbatch_parameters(plan.job("big/train"), [])["gpus_per_node"] == 4
 
 
+def test_mail_reaches_sbatch_for_training_and_eval_jobs_unless_the_eval_says_otherwise(tmp_path):
+    from slurm.snapshot import CodeSnapshot
+    from slurm.submit import SlurmBackend
+
+    folder = write_experiments(
+        tmp_path,
+        cluster="mail_user: ada@uni.example\n",
+        mailed=sized("mailed", "{gpus: 1, mail: [END, FAIL]}"),
+        quiet_eval=sized(
+            "quiet_eval", "{gpus: 1, mail: [FAIL]}", "{metrics: [exact_match], resources: {mail: []}}"
+        ),
+    )
+    plan = plan_for(folder=folder)
+    profile, _ = load_profile(folder)
+    backend = SlurmBackend(profile, tmp_path, CodeSnapshot(tmp_path, None, None))
+    for job_id in ("mailed/train", "mailed/eval"):
+        params = backend.sbatch_parameters(plan.job(job_id), [])
+        assert (params["mail_type"], params["mail_user"]) == ("END,FAIL", "ada@uni.example")
+    assert backend.sbatch_parameters(plan.job("quiet_eval/train"), [])["mail_type"] == "FAIL"
+    assert "mail_type" not in backend.sbatch_parameters(plan.job("quiet_eval/eval"), [])
+    assert "mail_type" not in backend.sbatch_parameters(plan.job("chain/one"), [])  # no mail unless asked
+
+
 def test_a_multi_gpu_job_is_one_task_per_gpu_on_one_node_and_its_eval_one_task(tmp_path):
     from slurm.snapshot import CodeSnapshot
     from slurm.submit import SlurmBackend

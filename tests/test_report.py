@@ -113,9 +113,11 @@ def test_a_cpu_run_costs_no_gpu_hours_and_a_four_gpu_run_four_times_its_runtime(
     for name in ("cpu", "four"):
         write_stage(runs / name / "one", [3.0], 1800, 2.2)
         write_stage(runs / name / "two", [2.0], 1800, 1.6)
-    write_report(plan, runs, {}, repo_root / "configs" / "baselines.yaml")
+    write_report(plan, runs, {}, repo_root / "configs" / "baselines.yaml", gpu_hour_cost=2.5)
     rows = {r["experiment"]: r for r in csv.DictReader((runs / "report.csv").open())}
     assert (float(rows["cpu"]["gpu_hours"]), float(rows["four"]["gpu_hours"])) == (0.0, 4.0)
+    assert (float(rows["cpu"]["cost"]), float(rows["four"]["cost"])) == (0.0, 10.0)
+    assert "Training: 4.00 GPU-hours, cost 10.00 (at 2.5 per GPU-hour)." in (runs / "report.md").read_text()
 
 
 def test_baselines_are_shown_only_beside_experiments_on_their_task(tmp_path, repo_root):

@@ -254,6 +254,18 @@ INJECTIONS = {
         "log_dir: |\n  logs\n  #SBATCH --wrap=touch /tmp/injected\n# was: ",
         ["cluster.yaml:2", "log_dir", "control character"],
     ),
+    "cluster mail_user with a newline": (
+        "cluster.yaml",
+        "max_gpus_per_node: 4\n",
+        'max_gpus_per_node: 4\nmail_user: "ada@uni.example\ntouch /tmp/injected"\n',
+        ["cluster.yaml:4", "mail_user", "not one plain mail address"],
+    ),
+    "mail type sbatch does not know": (
+        "a.yaml",
+        'time: "00:05:00"}',
+        'time: "00:05:00", mail: [END, DONE]}',
+        ["a.yaml:7", "resources.mail", "END", "FAIL"],
+    ),
     "name with a trailing newline": (
         "a.yaml",
         "name: a\n",

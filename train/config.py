@@ -177,6 +177,8 @@ def slurm_constraint(value: str) -> str:
 
 SlurmNames = Annotated[str, AfterValidator(slurm_names)]
 SlurmConstraint = Annotated[str, AfterValidator(slurm_constraint)]
+# sbatch --mail-type values worth asking for (SLURM mails the submitting user, or cluster.yaml's mail_user).
+MailType = Literal["BEGIN", "END", "FAIL", "REQUEUE", "ALL", "TIME_LIMIT", "TIME_LIMIT_90", "TIME_LIMIT_80"]
 SLURM_TIMER_S = 30
 
 
@@ -194,6 +196,7 @@ class Resources(Section):
     constraint: SlurmConstraint | None = None
     signal_delay_s: Annotated[int, Field(ge=10)] = 120
     max_requeues: Annotated[int, Field(ge=0)] = 3
+    mail: list[MailType] = Field(default_factory=list, description="sbatch --mail-type, e.g. [END, FAIL]")
 
     @field_validator("time")
     @classmethod
@@ -236,17 +239,19 @@ class EvalResources(Resources):
     """The eval job's own allocation (`eval.resources`): generating and scoring needs far less than training.
 
     Left out, `gpus` is 1, or 0 when training asks for none (a CPU experiment's eval stays on CPUs); `cpus`,
-    `mem_gb`, `partition`, `account`, `qos` and `constraint` are the training job's; `time` is one hour.
+    `mem_gb`, `partition`, `account`, `qos`, `constraint` and `mail` are the training job's; `time` is one
+    hour.
     """
 
     gpus: Annotated[int, Field(ge=0)] | None = None
     time: str = "01:00:00"
     mem_gb: Annotated[float, Field(gt=0)] | None = None
     cpus: Annotated[int, Field(ge=1)] | None = None
+    mail: list[MailType] | None = None
 
     def for_training(self, training: Resources) -> Resources:
         """The resources of the eval job that follows a training job holding `training`."""
-        inherited = ("cpus", "mem_gb", "partition", "account", "qos", "constraint")
+        inherited = ("cpus", "mem_gb", "partition", "account", "qos", "constraint", "mail")
         values = self.model_dump()
         values.update({k: getattr(training, k) for k in inherited if values[k] is None})
         if values["gpus"] is None:
