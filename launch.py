@@ -4,7 +4,7 @@ python launch.py --all                       # every experiment in configs/exper
 python launch.py --all --config-dir configs/demo --wait
 python launch.py --exp NAME --dry-run train.learning_rate=1e-4
 python launch.py --all --preflight [--json]  # trainable %, token lengths, GPU memory; run before every submit
-python launch.py --status | --tail EXP[/STAGE] [--rank K] | --cancel [EXP ...] | --report
+python launch.py --status | --tail EXP[/STAGE] [--rank K] | --cancel [EXP ...] | --report | --sync
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--cancel", action="store_true", help="cancel the live jobs of the selected experiments"
     )
     action.add_argument("--report", action="store_true", help="write runs/report.md, .csv and loss plots")
+    action.add_argument("--sync", action="store_true", help="upload offline W&B runs (from a login node)")
     action.add_argument(
         "--retry-failed",
         action="store_true",

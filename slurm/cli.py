@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -48,6 +50,8 @@ def dispatch(args) -> int:
             [Problem(str(args.config_dir), "--config-dir", "is not a folder of experiment YAMLs")]
         )
     profile, _ = load_profile(args.config_dir)
+    if args.sync:
+        return sync_wandb(Path(profile.run_dir))
     if args.status or args.tail or args.cancel or args.report:
         return watch(args, profile)
     if not (args.dry_run or args.retry_failed or args.all or args.exp):
@@ -70,6 +74,27 @@ def dispatch(args) -> int:
         written = report(plan, experiments, profile, args.config_dir)
         out.print(f"All {len(plan.jobs)} job(s) completed. Report: {written[0]}", highlight=False)
     return code
+
+
+def sync_wandb(run_root: Path) -> int:
+    """--sync: upload the W&B runs that jobs wrote offline (WANDB_MODE=offline on nodes without network),
+    skipping those already synced (wandb marks them with a `.synced` file)."""
+    runs = [
+        run for run in sorted(run_root.glob("*/*/wandb/offline-run-*")) if not any(run.glob("*.wandb.synced"))
+    ]
+    if not runs:
+        out.print(f"No offline W&B runs to sync under {run_root}/.", highlight=False)
+        return 0
+    out.print(f"Syncing {len(runs)} offline W&B run(s) with `wandb sync`:", highlight=False)
+    done = subprocess.run([sys.executable, "-m", "wandb", "sync", *map(str, runs)], check=False)
+    if done.returncode:
+        err.print(
+            f"[red]error:[/] wandb sync failed (exit {done.returncode}), see above: log in on this machine "
+            "first (`wandb login`, or WANDB_API_KEY in the environment), with network",
+            highlight=False,
+        )
+        return 1
+    return 0
 
 
 def backend_of(args) -> str:
@@ -146,6 +171,7 @@ def watch(args, profile) -> int:
         return cancel(plan, profile.log_dir)
     written = report(plan, experiments, profile, args.config_dir)
     out.print("wrote " + ", ".join(str(p) for p in written))
+    out.print(f"Curves: tensorboard --logdir {profile.run_dir}", highlight=False)
     return 0
 
 

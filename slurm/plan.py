@@ -141,6 +141,7 @@ def experiment_jobs(
             train=stage.train,
             init_adapter=f"{previous.run_dir}/adapter" if previous else None,
             run_dir=f"{profile.run_dir}/{exp.name}/{stage.name}",
+            tracking=exp.tracking,
         )
         deps = [Dependency(previous.id, "afterok")] if previous else list(first_deps)
         previous = make_job(
@@ -178,7 +179,8 @@ def make_job(job_id, kind, spec, resources, deps, known: dict[str, PlannedJob]) 
     parents = [known[d.job_id] for d in deps]
     # A job's identity covers what it starts from: a changed stage 1 means stage 2 must run again.
     data_parents = sorted(p.config_hash for p, d in zip(parents, deps, strict=True) if d.kind == "afterok")
-    digest = config_hash({"spec": spec.model_dump(), "parents": data_parents})
+    # How a run is watched does not change what it computes: tracking is left out.
+    digest = config_hash({"spec": spec.model_dump(exclude={"tracking"}), "parents": data_parents})
     wave = 1 + max((p.wave for p in parents), default=-1)
     experiment, stage = job_id.split("/", 1)
     return PlannedJob(job_id, experiment, stage, kind, spec, digest, resources, tuple(deps), wave)

@@ -19,6 +19,7 @@ import launch
 from slurm.states import State
 from slurm.status import query_slurm
 from tests.conftest import write_cluster_yaml
+from tests.test_tracking import assert_same_curve, logged_losses, tensorboard_losses
 from train.checkpoints import MARKER, latest_valid_checkpoint, step_of
 
 EXPERIMENT = """\
@@ -134,6 +135,9 @@ def test_scontrol_requeue_mid_run_resumes_to_the_same_adapter(
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["resumed_from"] is not None
     assert_every_step_logged_once(run_dir, summary["global_step"])
+    # TensorBoard (on by default) shows the same curve: the steps the first run logged after its
+    # checkpoint, logged again after the requeue, are purged, not drawn twice.
+    assert_same_curve(tensorboard_losses(run_dir), logged_losses(run_dir))
     straight = load_file(
         str(tmp_path / "runs" / "straight" / "train" / "adapter" / "adapter_model.safetensors")
     )
@@ -245,3 +249,7 @@ def test_killed_job_with_a_torn_checkpoint_resumes_from_the_last_valid_one(
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["resumed_from"] == str(good)
     assert (run_dir / "DONE").is_file()
+    # Killed without a last save, the first run had logged steps past its checkpoint; the second logged
+    # them again. TensorBoard shows each step once, with the second run's values, as metrics.jsonl does.
+    assert_every_step_logged_once(run_dir, summary["global_step"])
+    assert_same_curve(tensorboard_losses(run_dir), logged_losses(run_dir))

@@ -306,6 +306,10 @@ class StageSpec(Section):
         return safe_name(value)
 
 
+# Where curves go besides metrics.jsonl (train/tracking.py); not part of a job's identity.
+Tracker = Literal["tensorboard", "wandb"]
+
+
 class Experiment(Section):
     name: str
     description: str = ""
@@ -320,6 +324,9 @@ class Experiment(Section):
     train: TrainSpec = TrainSpec()
     eval: EvalSpec = EvalSpec()
     resources: Resources = Resources()
+    tracking: list[Tracker] = Field(
+        default_factory=lambda: ["tensorboard"], description="tensorboard (RUN_DIR/tb), wandb (opt-in)"
+    )
     stages: list[StageSpec] = Field(default_factory=lambda: [StageSpec(name="train")])
     after: list[str] = Field(
         default_factory=list,
@@ -356,6 +363,7 @@ class TrainJob(Section):
     train: TrainSpec
     init_adapter: str | None = Field(None, description="previous stage's adapter folder to continue from")
     run_dir: str
+    tracking: list[Tracker] = Field(default_factory=lambda: ["tensorboard"])
 
     @model_validator(mode="after")
     def _early_stopping_has_eval_data(self):

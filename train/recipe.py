@@ -91,6 +91,7 @@ from train.model import (
     max_positions,
     new_adapter,
 )
+from train.tracking import step_offset, tracking_callbacks
 
 log = logging.getLogger("train.recipe")
 
@@ -318,6 +319,7 @@ class StageRecipe:
         early = self.job.train.early_stopping
         if early and self.evaluating():
             callbacks.append(EarlyStoppingCallback(early.patience, early.threshold))
+        callbacks += tracking_callbacks(self.job, step_of(self.resume_from) if self.resume_from else None)
         trainer_class = Seq2SeqStageTrainer if self.job.model.kind == "seq2seq" else CausalTrainer
         return trainer_class(
             model=self.model,
@@ -398,6 +400,7 @@ class StageRecipe:
             "device": self.placement.device,
             "device_name": self.placement.device_name,
             "precision": self.placement.precision,
+            "step_offset": step_offset(self.job),  # where this stage starts on its experiment's step axis
             "world_size": self.placement.world_size,
             "rank_devices": devices,  # rank K's device at index K
             "init_adapter": self.job.init_adapter,
