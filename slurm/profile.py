@@ -10,7 +10,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 from slurm.problems import ConfigError, Problem
 from slurm.redact import literal_secret
 from slurm.yamlfile import YamlProblem, find_inherited, read_yaml
-from train.config import SlurmNames
+from train.config import TIME_FORMAT, SlurmNames, slurm_seconds
 
 
 def no_literal_secret(line: str) -> str:
@@ -31,6 +31,12 @@ def one_line(folder: str) -> str:
     return folder
 
 
+def slurm_duration(value: str) -> str:
+    if not TIME_FORMAT.match(value):
+        raise ValueError("must look like HH:MM:SS or D-HH:MM:SS (e.g. '2-00:00:00')")
+    return value
+
+
 class ClusterProfile(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -46,6 +52,12 @@ class ClusterProfile(BaseModel):
     max_cpus_per_node: Annotated[int, Field(ge=1)] = 64
     max_mem_gb_per_node: Annotated[float, Field(gt=0)] = 512
     local_parallel_jobs: Annotated[int, Field(ge=1)] = 1
+    # The longest limit `resources.time: auto` may ask for: set it to the partition's MaxTime.
+    max_time: Annotated[str, AfterValidator(slurm_duration)] = "2-00:00:00"
+
+    @property
+    def max_time_s(self) -> int:
+        return slurm_seconds(self.max_time)
 
 
 def find_profile(config_dir: Path) -> Path | None:
