@@ -17,7 +17,7 @@ from slurm.launcher import LaunchError, decide, hold_all_but, run_locally, submi
 from slurm.plan import Plan, build_plan
 from slurm.problems import ConfigError, Problem
 from slurm.profile import load_profile
-from slurm.render import edges_text, plan_table, problem_lines, status_table
+from slurm.render import edges_text, plan_table, problem_lines, status_table, totals_text
 from slurm.states import State
 from slurm.status import plan_status
 from slurm.yamlfile import find_inherited
@@ -202,6 +202,7 @@ def show_plan(plan: Plan, as_json: bool) -> int:
         print(json.dumps(plan.to_json(), indent=1))
     else:
         out.print(plan_table(plan))
+        out.print(totals_text(plan), highlight=False, soft_wrap=True)
         out.print(edges_text(plan), highlight=False)
     return 0
 

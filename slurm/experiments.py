@@ -16,7 +16,7 @@ from slurm.problems import ConfigError, Problem, did_you_mean
 from slurm.profile import ClusterProfile
 from slurm.yamlfile import YamlFile, YamlProblem, command_line_files, deep_merge, load_chain, where
 from train.config import DataSpec, Experiment, StageSpec, TrainSpec
-from train.examples import ExampleError, check_file, needed_fields
+from train.examples import ExampleError, TextSize, check_file, needed_fields
 
 # Sections whose keys a "did you mean" can suggest from, by their place in the file.
 SECTIONS: dict[str, type[BaseModel]] = {
@@ -108,7 +108,10 @@ def load_experiments(
         if experiment is not None:
             stages, found = resolve_stages(experiment, raw, chain)
             problems += (
-                found + check_files(experiment, stages, chain) + check_resources(experiment, profile, chain)
+                found
+                + check_files(experiment, stages, chain)
+                + check_resources(experiment, profile, chain)
+                + check_auto_time(experiment, stages, chain)
             )
             loaded.append(LoadedExperiment(experiment, path, tuple(stages)))
     problems += check_names(loaded, names)
@@ -259,34 +262,38 @@ def check_files(experiment: Experiment, stages: list[Stage], chain: list[YamlFil
     return problems
 
 
-_checked: dict[tuple, ExampleError | OSError | UnicodeDecodeError | None] = {}
+_read: dict[tuple, TextSize | ExampleError | OSError | UnicodeDecodeError] = {}
+
+
+def read_examples(path: Path, spec: DataSpec) -> TextSize | ExampleError | OSError | UnicodeDecodeError:
+    """A data file's size, or its first problem. Each file is read once per command, however many
+    experiments share it and whether validation or the estimates ask first."""
+    try:
+        stat = path.stat()
+        fields = (spec.prompt_template, *needed_fields(spec))  # the template's own text is counted too
+        version = (str(path.resolve()), stat.st_mtime_ns, stat.st_size, fields)
+        if version not in _read:
+            _read[version] = _read_once(path, spec)
+        return _read[version]
+    except OSError as exc:
+        return exc
 
 
 def check_examples(path: Path, spec: DataSpec, key: str) -> list[Problem]:
-    """Malformed lines, missing fields and empty files are found now, not hours later on a node.
-
-    Each file is read once per command for the fields it must have, however many experiments share it."""
-    try:
-        stat = path.stat()
-        version = (str(path.resolve()), stat.st_mtime_ns, stat.st_size, tuple(needed_fields(spec)))
-        if version not in _checked:
-            _checked[version] = _first_problem(path, spec)
-        found = _checked[version]
-    except OSError as exc:
-        found = exc
+    """Malformed lines, missing fields and empty files are found now, not hours later on a node."""
+    found = read_examples(path, spec)
     if isinstance(found, ExampleError):
         return [Problem(found.path, "", f"{found.message} (used as {key})", found.line)]
-    if found is not None:
+    if not isinstance(found, TextSize):
         return [Problem(str(path), "", f"cannot be read ({found})")]
     return []
 
 
-def _first_problem(path: Path, spec: DataSpec) -> ExampleError | OSError | UnicodeDecodeError | None:
+def _read_once(path: Path, spec: DataSpec) -> TextSize | ExampleError | OSError | UnicodeDecodeError:
     try:
-        check_file(path, spec)
+        return check_file(path, spec)
     except (ExampleError, OSError, UnicodeDecodeError) as exc:
         return exc
-    return None
 
 
 def _looks_local(name: str) -> bool:
@@ -302,6 +309,29 @@ def check_resources(experiment: Experiment, profile: ClusterProfile, chain: list
         + beyond_one_node(("eval", "resources"), experiment.eval.resources, profile, chain)
         + eval_on_one_gpu(experiment, chain)
     )
+
+
+def check_auto_time(experiment: Experiment, stages: list[Stage], chain: list[YamlFile]) -> list[Problem]:
+    """`time: auto` is the job's estimate plus a margin, and an estimate counts a local data file: an
+    `hf:` dataset is only fetched on the node."""
+    sources = {
+        ("resources", "time"): [s.data.train for s in stages],
+        ("eval", "resources", "time"): [
+            s.data.eval if experiment.eval.split == "eval" else s.data.train for s in stages
+        ],
+    }
+    problems = []
+    for key, used in sources.items():
+        section = experiment.resources if key[0] == "resources" else experiment.eval.resources
+        remote = sorted({source for source in used if source and source.startswith("hf:")})
+        if section.time == "auto" and remote:
+            file, line = where(chain, key)
+            message = (
+                f"auto needs a local data file to estimate from, but {remote[0]} is fetched on the node; "
+                "write a time (HH:MM:SS)"
+            )
+            problems.append(Problem(file, ".".join(key), message, line))
+    return problems
 
 
 def beyond_one_node(section: tuple, res, profile: ClusterProfile, chain: list[YamlFile]) -> list[Problem]:

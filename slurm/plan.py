@@ -2,20 +2,27 @@
 
 Stage N+1 starts from stage N's adapter (`afterok`: it needs the data), the eval job follows the last
 stage (`afterok`) on its own, smaller allocation (`eval.resources`), and `after: [other]` waits for the
-other experiment's last job to end (`afterany`: ordering only). The plan is printed by --dry-run, tested
-as data, and only then submitted.
+other experiment's last job to end (`afterany`: ordering only). Each job carries its estimated duration
+(slurm/estimate.py), and `resources.time: auto` is resolved here from it, so everything downstream sees a
+concrete time limit. The plan is printed by --dry-run, tested as data, and only then submitted.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Literal
 
+from pydantic import ValidationError
+
+from slurm.estimate import Estimate, Estimator, auto_time_limit_s
 from slurm.experiments import LoadedExperiment
+from slurm.problems import ConfigError, Problem
 from slurm.profile import ClusterProfile
-from train.config import EvalJob, Resources, TrainJob
+from train import speeds
+from train.config import EvalJob, Resources, TrainJob, slurm_time
 
 DependencyKind = Literal["afterok", "afterany"]
 
@@ -37,6 +44,7 @@ class PlannedJob:
     resources: Resources
     depends_on: tuple[Dependency, ...]
     wave: int  # how many jobs must end before this one can start, along the longest chain
+    estimate: Estimate = Estimate(None, "unknown", "not estimated")
 
     @property
     def run_dir(self) -> str:
@@ -67,10 +75,35 @@ class Plan:
     def edges(self) -> list[tuple[str, str, str]]:
         return [(dep.job_id, job.id, dep.kind) for job in self.jobs for dep in job.depends_on]
 
+    def critical_path(self) -> tuple[float, list[str]]:
+        """(makespan in seconds, the chain of jobs that sets it), if every job starts as soon as its
+        parents end (no queue wait, enough GPUs). A job without an estimate counts as 0 s."""
+        end: dict[str, float] = {}
+        before: dict[str, str | None] = {}
+        for job in self.jobs:  # parents come first
+            parent = max(job.depends_on, key=lambda d: end[d.job_id], default=None)
+            start = end[parent.job_id] if parent else 0.0
+            end[job.id], before[job.id] = start + (job.estimate.seconds or 0.0), parent and parent.job_id
+        last = max(end, key=end.get, default=None)
+        path = []
+        while last is not None:
+            path.append(last)
+            last = before[last]
+        return (end[path[0]] if path else 0.0), path[::-1]
+
+    def gpu_hours(self) -> float:
+        return sum((j.estimate.seconds or 0.0) * j.resources.gpus for j in self.jobs) / 3600
+
+    def unestimated(self) -> list[str]:
+        return [j.id for j in self.jobs if j.estimate.seconds is None]
+
     def to_json(self) -> dict:
+        unknown = bool(self.unestimated())  # then makespan and GPU-hours would be lower bounds: say nothing
         return {
             "run_root": self.run_root,
             "log_root": self.log_root,
+            "makespan_s": None if unknown else round(self.critical_path()[0]),
+            "gpu_hours": None if unknown else round(self.gpu_hours(), 3),
             "jobs": [
                 {
                     "id": j.id,
@@ -82,6 +115,8 @@ class Plan:
                     "wave": j.wave,
                     "tasks": j.tasks,
                     "effective_batch": j.effective_batch,
+                    "estimate": j.estimate.to_json(),
+                    "time_limit_min": j.resources.timeout_min,
                     "depends_on": [{"job": d.job_id, "kind": d.kind} for d in j.depends_on],
                     "resources": j.resources.model_dump(),
                     "spec": j.spec.model_dump(),
@@ -92,16 +127,41 @@ class Plan:
         }
 
 
-def build_plan(experiments: list[LoadedExperiment], profile: ClusterProfile) -> Plan:
-    """Jobs in an order where every dependency comes before its dependents."""
+def build_plan(
+    experiments: list[LoadedExperiment], profile: ClusterProfile, estimator: Estimator | None = None
+) -> Plan:
+    """Jobs in an order where every dependency comes before its dependents, each with its estimate.
+    Estimates read the run root's speed book unless another `estimator` is given."""
+    estimator = estimator or Estimator(speeds.read_book(Path(profile.run_dir) / speeds.FILE))
     jobs: dict[str, PlannedJob] = {}
     last_job: dict[str, str] = {}
     for loaded in order_by_after(experiments):
         chained = [Dependency(last_job[t], "afterany") for t in loaded.experiment.after if t in last_job]
         for job in experiment_jobs(loaded, profile, chained, jobs):
-            jobs[job.id] = job
+            jobs[job.id] = estimated(job, estimator, profile, loaded)
         last_job[loaded.name] = job.id
     return Plan(tuple(jobs.values()), profile.run_dir, profile.log_dir)
+
+
+def estimated(job: PlannedJob, estimator: Estimator, profile: ClusterProfile, loaded) -> PlannedJob:
+    """The job with its estimate, and `time: auto` replaced by the limit that estimate sets."""
+    estimate = estimator(job.spec, job.resources.gpus)
+    resources = job.resources
+    if resources.time == "auto":
+        limit = auto_time_limit_s(estimate.seconds, resources.signal_delay_s, profile.max_time_s)
+        try:  # validated again: the signal delay must fit inside the limit, as for a written time
+            resources = Resources.model_validate({**resources.model_dump(), "time": slurm_time(limit)})
+        except ValidationError as exc:
+            key = "resources.time" if job.kind == "train" else "eval.resources.time"
+            message = f"auto became {slurm_time(limit)} (cluster.yaml max_time {profile.max_time}): "
+            raise ConfigError(
+                [
+                    Problem(
+                        str(loaded.file), key, message + exc.errors()[0]["msg"].removeprefix("Value error, ")
+                    )
+                ]
+            ) from None
+    return replace(job, estimate=estimate, resources=resources)
 
 
 def order_by_after(experiments: list[LoadedExperiment]) -> list[LoadedExperiment]:

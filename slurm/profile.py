@@ -11,7 +11,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 from slurm.problems import ConfigError, Problem
 from slurm.redact import literal_secret
 from slurm.yamlfile import YamlProblem, find_inherited, read_yaml
-from train.config import SlurmNames
+from train.config import TIME_FORMAT, SlurmNames, slurm_seconds
 
 
 def no_literal_secret(line: str) -> str:
@@ -39,6 +39,12 @@ def mail_address(value: str) -> str:
     # It is written into an #SBATCH line: one plain address, nothing a shell or sbatch would read further.
     if not MAIL_ADDRESS.match(value):
         raise ValueError(f"{value!r} is not one plain mail address (e.g. ada@uni.example)")
+    return value
+
+
+def slurm_duration(value: str) -> str:
+    if not TIME_FORMAT.match(value):
+        raise ValueError("must look like HH:MM:SS or D-HH:MM:SS (e.g. '2-00:00:00')")
     return value
 
 
@@ -78,6 +84,13 @@ class ClusterProfile(BaseModel):
             if name in self.gpu_mem_gb:
                 return self.gpu_mem_gb[name]
         return None
+
+    # The longest limit `resources.time: auto` may ask for: set it to the partition's MaxTime.
+    max_time: Annotated[str, AfterValidator(slurm_duration)] = "2-00:00:00"
+
+    @property
+    def max_time_s(self) -> int:
+        return slurm_seconds(self.max_time)
 
 
 def find_profile(config_dir: Path) -> Path | None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from rich.table import Table
 
+from slurm.estimate import format_duration
 from slurm.plan import Plan, PlannedJob
 from slurm.states import State
 from slurm.status import JobStatus, format_eta
@@ -34,15 +35,51 @@ def batch_text(job: PlannedJob) -> str:
     return f"{job.effective_batch} ({train.batch_size}x{train.grad_accum}x{job.tasks})"
 
 
+def estimate_text(job: PlannedJob) -> str:
+    """`~1h12m (guess)`; `? (unknown)` when there was nothing to count."""
+    seconds = job.estimate.seconds
+    return f"{'~' + format_duration(seconds) if seconds is not None else '?'} ({job.estimate.source})"
+
+
+def totals_text(plan: Plan) -> str:
+    """Makespan (the longest dependency chain, each job starting when its parents end) and GPU-hours."""
+    makespan, path = plan.critical_path()
+    unknown = plan.unestimated()
+    if len(unknown) == len(plan.jobs):
+        return "No estimates: every job's data is fetched on the node and not yet in the speed book"
+    at_least = "at least " if unknown else ""
+    lines = [
+        f"Makespan {at_least}~{format_duration(makespan)} (critical path: {' -> '.join(path) or '-'}), "
+        f"{at_least}{plan.gpu_hours():.1f} GPU-hours; no queue waits counted"
+    ]
+    if unknown:
+        lines.append(
+            f"  not estimated (data fetched on the node, not in the speed book): {', '.join(unknown)}"
+        )
+    return "\n".join(lines)
+
+
 def depends_text(job: PlannedJob) -> str:
     return ", ".join(f"{d.job_id} ({d.kind})" for d in job.depends_on) or "-"
 
 
 def plan_table(plan: Plan, states: dict[str, str] | None = None) -> Table:
-    table = Table(title=f"Plan: {len(plan.jobs)} jobs", title_justify="left")
-    columns = ("job", "kind", "wave", "depends on", "resources", "tasks", "eff. batch", "run dir", "state")
+    # Every run folder is RUN_ROOT/JOB: named once in the title, not in a column of its own.
+    title = f"Plan: {len(plan.jobs)} jobs, run folders {plan.run_root}/JOB"
+    table = Table(title=title, title_justify="left")
+    columns = (
+        "job",
+        "kind",
+        "wave",
+        "depends on",
+        "resources",
+        "estimate",
+        "tasks",
+        "eff. batch",
+        "state",
+    )
     for column in columns:
-        table.add_column(column, no_wrap=column in ("job", "run dir"))
+        table.add_column(column, no_wrap=column in ("job", "resources", "estimate"))
     for job in plan.jobs:
         state = (states or {}).get(job.id, "PLANNED")
         table.add_row(
@@ -51,9 +88,9 @@ def plan_table(plan: Plan, states: dict[str, str] | None = None) -> Table:
             str(job.wave),
             depends_text(job),
             resources_text(job),
+            estimate_text(job),
             str(job.tasks),
             batch_text(job),
-            job.run_dir,
             state,
         )
     return table

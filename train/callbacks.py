@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from datetime import datetime, timezone
@@ -149,3 +150,57 @@ class RuntimeClock(TrainerCallback):
             return
         folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
         write_json_atomic(folder / self.FILE, {"train_runtime_s": self.total_s()})
+
+
+class StageTimer(TrainerCallback):
+    """Where a stage's time goes, for the speed book (train/speeds.py): start-up (process start to the end
+    of the first optimizer step), each in-training eval, each checkpoint save, and the steps in between.
+    A step's time runs from the previous event (step end, log, eval or save) to its own end, so evals and
+    saves are never counted as stepping."""
+
+    def __init__(self):
+        self.first_step: int | None = None
+        self.last_step = 0
+        self.startup_s = 0.0
+        self.stepping_s = 0.0
+        self.eval_s: list[float] = []
+        self.save_s: list[float] = []
+        self.last_event = time.time()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        now = time.time()
+        if self.first_step is None:
+            self.first_step, self.startup_s = state.global_step, now - process_started_at()
+        else:
+            self.stepping_s += now - self.last_event
+        self.last_step, self.last_event = state.global_step, now
+
+    def on_log(self, args, state, control, **kwargs):
+        self.last_event = time.time()
+
+    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+        self.eval_s.append((metrics or {}).get("eval_runtime") or time.time() - self.last_event)
+        self.last_event = time.time()
+
+    def on_save(self, args, state, control, **kwargs):
+        now = time.time()
+        self.save_s.append(now - self.last_event)
+        self.last_event = now
+
+    @property
+    def steps_timed(self) -> int:
+        return self.last_step - (self.first_step if self.first_step is not None else self.last_step)
+
+
+def process_started_at() -> float:
+    """When this process started (Linux: /proc), so start-up counts imports and loading; elsewhere, when
+    this module was imported."""
+    try:
+        after_name = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        boot = next(line for line in Path("/proc/stat").read_text().splitlines() if line.startswith("btime"))
+        return int(boot.split()[1]) + int(after_name[19]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError, StopIteration):
+        return IMPORTED_AT
+
+
+IMPORTED_AT = time.time()

@@ -175,6 +175,19 @@ def slurm_constraint(value: str) -> str:
     return value
 
 
+def slurm_seconds(time: str) -> int:
+    """'1-02:03:04' → 93784."""
+    days, hours, minutes, seconds = TIME_FORMAT.match(time).groups()
+    return int(days or 0) * 86400 + int(hours) * 3600 + int(minutes) * 60 + int(seconds)
+
+
+def slurm_time(seconds: int) -> str:
+    """93784 → '1-02:03:04' (the days part only when there are days)."""
+    days, rest = divmod(int(seconds), 86400)
+    clock = f"{rest // 3600:02d}:{rest % 3600 // 60:02d}:{rest % 60:02d}"
+    return f"{days}-{clock}" if days else clock
+
+
 SlurmNames = Annotated[str, AfterValidator(slurm_names)]
 SlurmConstraint = Annotated[str, AfterValidator(slurm_constraint)]
 # sbatch --mail-type values worth asking for (SLURM mails the submitting user, or cluster.yaml's mail_user).
@@ -187,6 +200,7 @@ class Resources(Section):
     # the whole job's, `cpus` split evenly over the tasks. `nodes` > 1 is refused (slurm/experiments.py).
     gpus: Annotated[int, Field(ge=0)] = 1
     nodes: Annotated[int, Field(ge=1)] = 1
+    # "auto": the plan sets it from the job's estimate (slurm/estimate.py); every consumer sees a time.
     time: str = "04:00:00"
     mem_gb: Annotated[float, Field(gt=0)] = 32
     cpus: Annotated[int, Field(ge=1)] = 8
@@ -201,14 +215,15 @@ class Resources(Section):
     @field_validator("time")
     @classmethod
     def _slurm_time(cls, value):
-        if not TIME_FORMAT.match(value):
-            raise ValueError("must look like HH:MM:SS or D-HH:MM:SS (e.g. '04:00:00')")
+        if value != "auto" and not TIME_FORMAT.match(value):
+            raise ValueError("must look like HH:MM:SS or D-HH:MM:SS (e.g. '04:00:00'), or be 'auto'")
         return value
 
     @model_validator(mode="after")
     def _signal_inside_the_limit(self):
         # slurmctld looks at time limits every 30 s, so the signal can come up to 30 s before it was asked for.
-        if self.signal_delay_s + SLURM_TIMER_S >= self.time_s:
+        # An auto limit always leaves room: it is the estimate plus the signal delay plus a margin.
+        if self.time != "auto" and self.signal_delay_s + SLURM_TIMER_S >= self.time_s:
             raise ValueError(
                 f"signal_delay_s {self.signal_delay_s} leaves no time to train in time {self.time!r}: SLURM may "
                 f"signal up to {SLURM_TIMER_S} s early, so the job would be told to checkpoint and requeue as "
@@ -218,8 +233,9 @@ class Resources(Section):
 
     @property
     def time_s(self) -> int:
-        days, hours, minutes, seconds = TIME_FORMAT.match(self.time).groups()
-        return int(days or 0) * 86400 + int(hours) * 3600 + int(minutes) * 60 + int(seconds)
+        if self.time == "auto":
+            raise ValueError("time 'auto' has no seconds until the plan resolves it (slurm/plan.py)")
+        return slurm_seconds(self.time)
 
     @property
     def timeout_min(self) -> int:

@@ -20,7 +20,7 @@ from pathlib import Path
 import datasets
 
 from train.config import DataSpec
-from train.examples import check_file, check_rows, numbered_csv, numbered_jsonl
+from train.examples import check_file, check_rows, numbered_csv, numbered_jsonl, prompt_of
 
 log = logging.getLogger("train.data")
 FIXED_LENGTHS = (128, 256, 512, 1024, 2048)
@@ -51,12 +51,6 @@ def read_rows(source: str, spec: DataSpec) -> list[dict]:
         check_rows(list(enumerate(rows, 1)), spec, path)
         return rows
     return [row for _, row in (numbered_csv(path) if suffix == ".csv" else numbered_jsonl(path))]
-
-
-def prompt_of(row: dict, spec: DataSpec) -> str:
-    if spec.prompt_template is None:
-        return str(row[spec.input_field])
-    return spec.prompt_template.format(**row)
 
 
 def prompts_and_targets(source: str, spec: DataSpec, limit: int | None = None) -> tuple[list[str], list[str]]:

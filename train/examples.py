@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import csv
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 from train.config import DataSpec, placeholders
@@ -21,6 +22,14 @@ class ExampleError(ValueError):
     def __init__(self, path: Path | str, message: str, line: int | None = None):
         self.path, self.message, self.line = str(path), message, line
         super().__init__(f"{path}:{line}: {message}" if line else f"{path}: {message}")
+
+
+@dataclass(frozen=True)
+class TextSize:
+    """How much text a data file holds: what the launcher's time estimates start from (slurm/estimate.py)."""
+
+    examples: int
+    chars: int  # prompt (template filled in) + target, summed over the examples
 
 
 def needed_fields(spec: DataSpec) -> list[str]:
@@ -54,6 +63,17 @@ def numbered_csv(path: Path) -> list[tuple[int, dict]]:
         return [(number, row) for number, row in enumerate(csv.DictReader(fh), 2)]  # line 1 is the header
 
 
+def prompt_of(row: dict, spec: DataSpec) -> str:
+    if spec.prompt_template is None:
+        return str(row[spec.input_field])
+    return spec.prompt_template.format(**row)
+
+
+def text_size(rows: list[dict], spec: DataSpec) -> TextSize:
+    chars = sum(len(prompt_of(row, spec)) + len(str(row[spec.target_field])) for row in rows)
+    return TextSize(len(rows), chars)
+
+
 def check_rows(rows: list[tuple[int, dict]], spec: DataSpec, path: Path) -> None:
     """Every example has every field the prompt template and the target need."""
     if not rows:
@@ -67,8 +87,9 @@ def check_rows(rows: list[tuple[int, dict]], spec: DataSpec, path: Path) -> None
             )
 
 
-def check_file(path: Path, spec: DataSpec) -> None:
-    """Raise ExampleError for the first problem of a local JSONL/CSV file (Parquet: its columns)."""
+def check_file(path: Path, spec: DataSpec) -> TextSize:
+    """Raise ExampleError for the first problem of a local JSONL/CSV/Parquet file; else its size, measured
+    in the same read (the launcher reads each data file once per command)."""
     suffix = path.suffix.lower()
     if suffix not in TABLE_SUFFIXES:
         raise ExampleError(path, f"unknown file type '{suffix}' (use .jsonl, .csv or .parquet)")
@@ -79,5 +100,8 @@ def check_file(path: Path, spec: DataSpec) -> None:
         missing = [f for f in needed_fields(spec) if f not in columns]
         if missing:
             raise ExampleError(path, f"has no column {missing} (it has {sorted(columns)})")
-        return
-    check_rows(numbered_csv(path) if suffix == ".csv" else numbered_jsonl(path), spec, path)
+        rows = list(enumerate(pq.read_table(path, columns=needed_fields(spec)).to_pylist(), 1))
+    else:
+        rows = numbered_csv(path) if suffix == ".csv" else numbered_jsonl(path)
+    check_rows(rows, spec, path)
+    return text_size([row for _, row in rows], spec)

@@ -53,6 +53,7 @@ import math
 import os
 import shutil
 import threading
+import time
 from pathlib import Path
 from typing import Literal
 
@@ -69,12 +70,13 @@ from transformers import (
 from transformers.trainer_pt_utils import LengthGroupedSampler
 
 from train import data as data_lib
-from train import distributed
+from train import distributed, speeds
 from train.callbacks import (
     CommitCheckpoints,
     RunDirectoryLog,
     RuntimeClock,
     SaveEvery,
+    StageTimer,
     StopWhenAsked,
 )
 from train.checkpoints import discard_incomplete, latest_valid_checkpoint, step_of
@@ -320,6 +322,8 @@ class StageRecipe:
         if early and self.evaluating():
             callbacks.append(EarlyStoppingCallback(early.patience, early.threshold))
         callbacks += tracking_callbacks(self.job, step_of(self.resume_from) if self.resume_from else None)
+        self.timer = StageTimer()  # last: a save's time includes committing the checkpoint
+        callbacks.append(self.timer)
         trainer_class = Seq2SeqStageTrainer if self.job.model.kind == "seq2seq" else CausalTrainer
         return trainer_class(
             model=self.model,
@@ -342,12 +346,13 @@ class StageRecipe:
     # ---- save -----------------------------------------------------------------------------------
     def save(self) -> None:
         """adapter/ (the best model when eval ran: load_best_model_at_end) with its tokenizer, swapped in
-        whole so a reader never sees half an adapter; then summary.json. Rank 0 writes; every rank joins
-        the summary's gather of devices."""
+        whole so a reader never sees half an adapter; then summary.json and a row in the speed book.
+        Rank 0 writes; every rank joins the summary's gather of devices."""
         devices = distributed.gather(self.placement.device)
         if distributed.is_main():
             self.write_adapter()
             self.write_summary(devices)
+            self.write_speed()
         distributed.barrier()  # no rank reports "completed" before the adapter is there
 
     def write_adapter(self) -> None:
@@ -408,3 +413,40 @@ class StageRecipe:
             "num_input_tokens_seen": state.num_input_tokens_seen,
         }
         write_json_atomic(self.run_dir / "summary.json", summary, indent=1)
+
+    def write_speed(self) -> None:
+        """This stage's row in the speed book (train/speeds.py), from which the launcher estimates the next
+        jobs on this model. Nothing when fewer than two steps ran in this process (no speed to measure)."""
+        book, timer, train = speeds.book_of(self.job), self.timer, self.job.train
+        if book is None or timer.steps_timed == 0 or timer.stepping_s <= 0:
+            return
+        examples = timer.steps_timed * train.batch_size * train.grad_accum * self.placement.world_size
+        per_example = self.tokens_per_example()
+        record = speeds.SpeedRecord(
+            model=self.job.model.name_or_path,
+            method=self.job.adapter.method,
+            precision=self.placement.precision,
+            device_name=self.placement.device_name,
+            world_size=self.placement.world_size,
+            batch_size=train.batch_size,
+            grad_accum=train.grad_accum,
+            max_length=self.lengths.max_length,
+            tokens_per_s=round(examples * per_example / timer.stepping_s, 1),
+            startup_s=round(timer.startup_s, 2),
+            eval_s=round(sum(timer.eval_s) / len(timer.eval_s), 3) if timer.eval_s else None,
+            eval_examples=len(self.eval_set) if self.eval_set is not None else None,
+            save_s=round(sum(timer.save_s) / len(timer.save_s), 3) if timer.save_s else None,
+            data=self.job.data.train,
+            examples=len(self.train_set),
+            tokens_per_example=round(per_example, 2),
+            time=round(time.time(), 3),
+        )
+        speeds.append(book, record)
+
+    def tokens_per_example(self) -> float:
+        """Prompt + target tokens of an average training example as trained (after truncation): a causal
+        example is one sequence; a seq2seq example is its encoder input plus its labels."""
+        lengths = self.train_set["length"]
+        if self.job.model.kind == "seq2seq":
+            lengths = [n + len(labels) for n, labels in zip(lengths, self.train_set["labels"], strict=True)]
+        return sum(lengths) / len(lengths)

@@ -1,0 +1,230 @@
+"""How long each planned job will take, and where that number comes from. Torch-free: --dry-run prints it.
+
+Training: tokens to process ÷ tokens/s + start-up + in-training evals + checkpoint saves.
+  tokens = prompt + target tokens of the training file x epochs, or, with max_steps, steps x examples per
+  step x tokens per example. The tokens come from a `TokenCounter`: by default a local file's characters
+  ÷ CHARS_PER_TOKEN; an exact count (a tokenizer's) can be plugged in instead. An `hf:` dataset is not
+  read on the login node: its size comes from the speed book when a stage trained on it before.
+  tokens/s, start-up and eval/save seconds come from the speed book (RUN_ROOT/speeds.jsonl, written by
+  every finished stage: train/speeds.py) when it has a row for this model, adapter method and precision,
+  the nearest in batch size and max length, newest first ("measured"); else from the model's size on
+  assumed hardware (slurm/guesses.py: "guess"). Early stopping can only make a stage shorter.
+Eval jobs: batches of the scored examples (eval.limit respected) x max_new_tokens decoding steps + start-up
+  ("guess": the speed book does not time generation).
+`--calibrate` (a short measuring run that writes the speed book) is not built; "calibrated" is reserved.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from slurm import guesses
+from slurm.experiments import read_examples
+from train.config import DataSpec, EvalJob, TrainJob, TrainSpec
+from train.examples import TextSize
+from train.speeds import SpeedRecord
+
+# The usual rule of thumb for English under BPE or SentencePiece vocabularies; code and SQL run nearer 3,
+# so their estimates come out a little short until the speed book or an exact count takes over.
+CHARS_PER_TOKEN = 4.0
+# time: auto = estimate x MARGIN + the job's signal delay (it checkpoints that long before the limit)
+# + SLACK_S, rounded up to ROUND_S. The margin covers a guess that is off by a third and a slower node.
+MARGIN = 1.3
+SLACK_S = 300
+ROUND_S = 300
+
+Source = Literal["measured", "calibrated", "guess", "unknown"]
+
+
+@dataclass(frozen=True)
+class DataTokens:
+    examples: int
+    tokens: float  # prompt + target tokens, summed over the examples
+
+
+TokenCounter = Callable[[str, DataSpec], DataTokens | None]
+
+
+def tokens_from_characters(source: str, spec: DataSpec) -> DataTokens | None:
+    """A local file's characters ÷ CHARS_PER_TOKEN, from the read that validation made; None for `hf:`."""
+    if source.startswith("hf:"):
+        return None
+    size = read_examples(Path(source), spec)
+    return DataTokens(size.examples, size.chars / CHARS_PER_TOKEN) if isinstance(size, TextSize) else None
+
+
+@dataclass(frozen=True)
+class Estimate:
+    seconds: float | None  # None: nothing to count (an `hf:` dataset)
+    source: Source
+    basis: str  # how it was reached, for people
+
+    def to_json(self) -> dict:
+        seconds = round(self.seconds) if self.seconds is not None else None
+        return {"seconds": seconds, "source": self.source, "basis": self.basis}
+
+
+@dataclass(frozen=True)
+class Speed:
+    tokens_per_s: float  # the whole job's, all its GPUs together
+    startup_s: float
+    save_s: float
+    eval_s_per_example: float | None  # measured; None: forward passes at EVAL_SPEEDUP x tokens_per_s
+    source: Source
+    basis: str
+
+    def eval_s(self, data: DataTokens) -> float:
+        if self.eval_s_per_example is not None:
+            return self.eval_s_per_example * data.examples
+        return data.tokens / (guesses.EVAL_SPEEDUP * self.tokens_per_s)
+
+
+class Estimator:
+    """The estimates of one plan: the speed book is read once, each data file counted once."""
+
+    def __init__(self, book: list[SpeedRecord], count: TokenCounter = tokens_from_characters):
+        self.book, self.count = book, count
+
+    def __call__(self, spec: TrainJob | EvalJob, gpus: int) -> Estimate:
+        if isinstance(spec, TrainJob):
+            return self.training(spec, gpus)
+        return self.evaluation(spec, gpus)
+
+    def tokens(self, source: str, spec: DataSpec, model: str) -> DataTokens | None:
+        """Counted, or as a stage that trained on this source recorded it (this model's rows first)."""
+        counted = self.count(source, spec)
+        if counted is not None:
+            return counted
+        rows = sorted((r for r in self.book if r.data == source), key=lambda r: (r.model == model, r.time))
+        return (
+            DataTokens(rows[-1].examples, rows[-1].examples * rows[-1].tokens_per_example) if rows else None
+        )
+
+    def training(self, spec: TrainJob, gpus: int) -> Estimate:
+        data = self.tokens(spec.data.train, spec.data, spec.model.name_or_path)
+        if data is None:
+            return Estimate(None, "unknown", f"{spec.data.train}: not a local file, not in the speed book")
+        speed = training_speed(spec, gpus, self.book)
+        steps, tokens = training_work(spec.train, data, max(1, gpus))
+        evals, saves = checkpoints(spec, data, steps, max(1, gpus))
+        eval_data = self.tokens(spec.data.eval, spec.data, spec.model.name_or_path) if evals else None
+        eval_s = evals * speed.eval_s(eval_data) if eval_data else 0.0
+        seconds = speed.startup_s + tokens / speed.tokens_per_s + eval_s + saves * speed.save_s
+        basis = f"{tokens:,.0f} tokens in {steps} steps, {evals} evals, {saves} saves; {speed.basis}"
+        return Estimate(seconds, speed.source, basis)
+
+    def evaluation(self, spec: EvalJob, gpus: int) -> Estimate:
+        data = self.tokens(spec.source, spec.data, spec.model.name_or_path)
+        if data is None:
+            return Estimate(None, "unknown", f"{spec.source}: not a local file, not in the speed book")
+        parameters, where = guesses.model_parameters(spec.model.name_or_path)
+        examples = min(data.examples, spec.eval.limit or data.examples)
+        batches = math.ceil(examples / spec.eval.batch_size)
+        step_s = guesses.decode_step_s(parameters, gpus, spec.eval.num_beams)
+        seconds = guesses.startup_s(parameters) + batches * spec.eval.max_new_tokens * step_s
+        basis = (
+            f"{examples} examples in {batches} batches x {spec.eval.max_new_tokens} new tokens at "
+            f"{step_s:.3f} s/step; {parameters:.3g} parameters ({where}) on an assumed "
+            f"{'A100' if gpus else 'CPU'}"
+        )
+        return Estimate(seconds, "guess", basis)
+
+
+def training_work(train: TrainSpec, data: DataTokens, processes: int) -> tuple[int, float]:
+    """(optimizer steps, tokens) as the trainer counts them: a last, shorter accumulation still steps."""
+    batches = math.ceil(data.examples / (train.batch_size * processes))
+    per_epoch = max(1, math.ceil(batches / train.grad_accum))
+    if train.max_steps:
+        examples = train.max_steps * train.batch_size * train.grad_accum * processes
+        return train.max_steps, examples * data.tokens / data.examples
+    return math.ceil(per_epoch * train.epochs), data.tokens * train.epochs
+
+
+def checkpoints(spec: TrainJob, data: DataTokens, steps: int, processes: int) -> tuple[int, int]:
+    """(in-training evals, checkpoint saves): a save at every eval, and every save_every_steps."""
+    train = spec.train
+    saves = steps // train.save_every_steps
+    if not (spec.data.eval and train.eval_every_epochs):
+        return 0, saves
+    per_epoch = training_work(train.model_copy(update={"max_steps": None, "epochs": 1}), data, processes)[0]
+    evals = steps // max(1, round(per_epoch * train.eval_every_epochs))
+    return evals, saves + evals
+
+
+def training_speed(spec: TrainJob, gpus: int, book: list[SpeedRecord]) -> Speed:
+    """From the nearest speed-book row for this model, method and precision; else a guess by size."""
+    record = nearest_record(spec, book)
+    if record is not None:
+        return measured_speed(record, gpus)
+    parameters, where = guesses.model_parameters(spec.model.name_or_path)
+    precision = spec.train.precision
+    tokens_per_s = guesses.training_tokens_per_s(
+        parameters, gpus, spec.adapter.method, precision, spec.train.gradient_checkpointing
+    )
+    basis = (
+        f"{tokens_per_s:,.0f} tokens/s guessed for {parameters:.3g} parameters ({where}) on "
+        f"{max(1, gpus)} assumed {'A100' if gpus else 'CPU'}"
+    )
+    return Speed(tokens_per_s, guesses.startup_s(parameters), guesses.SAVE_S, None, "guess", basis)
+
+
+def measured_speed(record: SpeedRecord, gpus: int) -> Speed:
+    """The row's speed per process, times this job's processes (data parallel scales about linearly)."""
+    tokens_per_s = record.tokens_per_s / record.world_size * max(1, gpus)
+    per_example = record.eval_s / record.eval_examples if record.eval_s and record.eval_examples else None
+    save_s = record.save_s if record.save_s is not None else guesses.SAVE_S
+    basis = (
+        f"{tokens_per_s:,.0f} tokens/s from the speed book ({record.device_name}, batch {record.batch_size}, "
+        f"max length {record.max_length})"
+    )
+    return Speed(tokens_per_s, record.startup_s, save_s, per_example, "measured", basis)
+
+
+def nearest_record(spec: TrainJob, book: list[SpeedRecord]) -> SpeedRecord | None:
+    """Same model, method and precision ("auto" takes whatever ran); then nearest in batch size and max
+    length (by ratio: 8 is as far from 16 as 16 from 32); then the newest."""
+    precision = spec.train.precision
+    matching = [
+        r
+        for r in book
+        if r.model == spec.model.name_or_path
+        and r.method == spec.adapter.method
+        and (precision == "auto" or r.precision == precision)
+        and r.tokens_per_s > 0
+    ]
+    length = spec.data.max_length if isinstance(spec.data.max_length, int) else None
+
+    def distance(record: SpeedRecord) -> tuple[float, float]:
+        far = abs(math.log(record.batch_size / spec.train.batch_size))
+        if length:
+            far += abs(math.log(record.max_length / length))
+        return far, -record.time
+
+    return min(matching, key=distance, default=None)
+
+
+def auto_time_limit_s(estimate_s: float | None, signal_delay_s: int, max_time_s: int) -> int:
+    """`time: auto`: estimate x MARGIN + signal delay + SLACK_S, rounded up to ROUND_S, at most max_time
+    (the cluster's longest; also what a job without an estimate gets)."""
+    if estimate_s is None:
+        return max_time_s
+    wanted = estimate_s * MARGIN + signal_delay_s + SLACK_S
+    return min(max_time_s, math.ceil(wanted / ROUND_S) * ROUND_S)
+
+
+def format_duration(seconds: float) -> str:
+    """'45s', '12m', '1h12m', '2d3h': as much precision as an estimate deserves."""
+    seconds = round(seconds)
+    if seconds < 60:
+        return f"{seconds}s"
+    minutes = math.ceil(seconds / 60)
+    if minutes < 60:
+        return f"{minutes}m"
+    hours, minutes = divmod(minutes, 60)
+    if hours < 24:
+        return f"{hours}h{minutes:02d}m"
+    return f"{hours // 24}d{hours % 24}h"

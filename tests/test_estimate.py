@@ -1,0 +1,227 @@
+"""Estimates (slurm/estimate.py), the speed book (train/speeds.py) and `resources.time: auto`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from slurm.estimate import DataTokens, Estimator, auto_time_limit_s
+from slurm.experiments import load_experiments
+from slurm.problems import ConfigError
+from slurm.profile import load_profile
+from tests.test_plan import plan_for, sized, write_experiments
+from train.config import EvalJob, TrainJob
+from train.speeds import SpeedRecord, book_of, read_book
+
+MODEL = {"name_or_path": "org/some-model-0.5B", "kind": "causal"}
+
+
+def train_job(**train) -> TrainJob:
+    return TrainJob(
+        experiment="e",
+        stage="s",
+        model=MODEL,
+        adapter={},
+        data={"train": "train.jsonl", "eval": "eval.jsonl"},
+        train=train,
+        run_dir="runs/e/s",
+    )
+
+
+def record(**changes) -> SpeedRecord:
+    values = dict(
+        model=MODEL["name_or_path"],
+        method="lora",
+        precision="bf16",
+        device_name="NVIDIA A100",
+        world_size=1,
+        batch_size=10,
+        grad_accum=1,
+        max_length=256,
+        tokens_per_s=1000.0,
+        startup_s=20.0,
+        eval_s=4.0,
+        eval_examples=50,
+        save_s=2.0,
+        data="train.jsonl",
+        examples=100,
+        tokens_per_example=100.0,
+        time=1.0,
+    )
+    return SpeedRecord(**(values | changes))
+
+
+def hundred_examples(source, spec) -> DataTokens:
+    """The pluggable token count: 100 examples of 100 tokens, whatever the file."""
+    return DataTokens(examples=100, tokens=10_000)
+
+
+def test_a_training_estimate_worked_out_by_hand():
+    job = train_job(epochs=2, batch_size=10, eval_every_epochs=1, save_every_steps=5)
+    estimate = Estimator([record()], hundred_examples)(job, gpus=1)
+    # 10 steps an epoch, 20 in all: 20,000 tokens at 1,000/s = 20 s; start-up 20 s; an eval after each
+    # epoch, 100 examples at 4 s / 50 = 8 s each = 16 s; saves at steps 5, 10, 15, 20 and at the 2 evals,
+    # 6 x 2 s = 12 s.
+    assert estimate.source == "measured"
+    assert estimate.seconds == pytest.approx(20 + 20 + 16 + 12)
+
+
+def test_max_steps_count_the_examples_they_take_on_every_gpu():
+    job = train_job(max_steps=7, batch_size=10, grad_accum=2, eval_every_epochs=None, save_every_steps=100)
+    estimate = Estimator([record(world_size=2, tokens_per_s=2000.0)], hundred_examples)(job, gpus=2)
+    # 7 steps x 10 x 2 accumulated x 2 GPUs = 280 examples x 100 tokens = 28,000 tokens; the book's
+    # 2,000 tokens/s on 2 GPUs is 1,000 per GPU, 2,000 for this 2-GPU job: 14 s + 20 s start-up.
+    assert estimate.seconds == pytest.approx(14 + 20)
+
+
+def test_the_speed_book_beats_the_guess_only_for_the_same_model_method_and_precision():
+    job = train_job(precision="bf16")
+    guessed = Estimator([], hundred_examples)(job, gpus=1)
+    assert guessed.source == "guess" and "0.5B" not in guessed.basis and "5e+08 parameters" in guessed.basis
+    for other in (record(model="org/other"), record(method="qlora"), record(precision="fp32")):
+        assert Estimator([other], hundred_examples)(job, gpus=1).source == "guess"
+    measured = Estimator([record()], hundred_examples)(job, gpus=1)
+    assert measured.source == "measured" and measured.seconds != guessed.seconds
+
+
+def test_the_nearest_batch_wins_then_the_newest():
+    job = train_job(batch_size=16, eval_every_epochs=None, save_every_steps=10_000)
+    near, far = (
+        record(batch_size=16, tokens_per_s=500.0),
+        record(batch_size=64, tokens_per_s=4000.0, time=9.0),
+    )
+    newer = record(batch_size=16, tokens_per_s=250.0, time=5.0)
+    assert Estimator([far, near], hundred_examples)(job, 1).seconds == pytest.approx(20 + 30_000 / 500)
+    assert Estimator([far, near, newer], hundred_examples)(job, 1).seconds == pytest.approx(20 + 30_000 / 250)
+
+
+def test_an_eval_job_scores_only_eval_limit_examples():
+    def spec(limit):
+        return EvalJob(
+            experiment="e",
+            stage="s",
+            model=MODEL,
+            adapter={},
+            data={"train": "t.jsonl", "eval": "e.jsonl"},
+            eval={"limit": limit, "batch_size": 16, "max_new_tokens": 50},
+            adapter_dir="a",
+            out_dir="o",
+        )
+
+    estimate = Estimator([], lambda source, data_spec: DataTokens(1000, 1e5))
+    limited, whole = estimate(spec(32), 1), estimate(spec(None), 1)
+    assert limited.source == "guess"
+    step_s = (whole.seconds - limited.seconds) / ((63 - 2) * 50)  # 63 batches of 16 against 2
+    assert limited.seconds == pytest.approx(whole.seconds - 61 * 50 * step_s)
+    assert "32 examples in 2 batches" in limited.basis
+
+
+def test_auto_limit_is_the_estimate_with_its_margin_rounded_up_and_capped():
+    assert auto_time_limit_s(2000, 120, 86400) == 3300  # 2000 x 1.3 + 120 + 300 = 3020 → 3300
+    assert auto_time_limit_s(2000, 120, 1200) == 1200
+    assert auto_time_limit_s(None, 120, 7200) == 7200  # nothing to estimate from: the longest allowed
+
+
+def auto_folder(tmp_path: Path, cluster: str = "") -> Path:
+    return write_experiments(
+        tmp_path,
+        cluster=cluster,
+        auto=sized(
+            "auto",
+            "{gpus: 1, time: auto, signal_delay_s: 120}",
+            "{metrics: [exact_match], resources: {time: auto}}",
+        ),
+    )
+
+
+def sbatch_time(folder: Path, job_id: str) -> int:
+    from slurm.snapshot import CodeSnapshot
+    from slurm.submit import SlurmBackend
+
+    profile, _ = load_profile(folder)
+    backend = SlurmBackend(profile, folder, CodeSnapshot(folder, None, None))
+    return backend.sbatch_parameters(plan_for(folder=folder).job(job_id), [])["time"]
+
+
+def test_time_auto_resolves_in_the_plan_and_reaches_sbatch(tmp_path):
+    folder = auto_folder(tmp_path)
+    job = plan_for(folder=folder).job("auto/train")
+    wanted = auto_time_limit_s(job.estimate.seconds, 120, 2 * 86400)
+    assert job.estimate.source == "guess" and job.estimate.seconds > 0
+    assert job.resources.time_s == wanted and wanted % 300 == 0 and wanted >= job.estimate.seconds * 1.3 + 420
+    assert sbatch_time(folder, "auto/train") == wanted // 60
+    assert plan_for(folder=folder).job("auto/eval").resources.time != "auto"
+    assert plan_for(folder=folder).job("other/train").resources.time == "04:00:00"  # written times stay
+
+
+def test_time_auto_is_capped_by_cluster_max_time(tmp_path):
+    folder = auto_folder(tmp_path, cluster="max_time: '00:07:00'\n")
+    assert plan_for(folder=folder).job("auto/train").resources.time == "00:07:00"
+    assert sbatch_time(folder, "auto/train") == 7
+
+
+def test_time_auto_on_a_dataset_fetched_on_the_node_is_an_error_with_its_line(tmp_path):
+    folder = write_experiments(tmp_path)
+    (folder / "remote.yaml").write_text(
+        "name: remote\nmodel: {name_or_path: org/m, kind: causal}\n"
+        "data: {train: 'hf:org/data:train', eval: 'hf:org/data:dev'}\nresources:\n  time: auto\n"
+    )
+    profile, _ = load_profile(folder)
+    with pytest.raises(ConfigError) as caught:
+        load_experiments(folder, profile)
+    assert [(p.key, p.line) for p in caught.value.problems] == [("resources.time", 5)]
+    assert "hf:org/data:train" in caught.value.problems[0].message
+
+
+def test_dry_run_json_has_estimates_limits_makespan_and_gpu_hours(tmp_path, capsys, monkeypatch):
+    import launch
+
+    folder = auto_folder(tmp_path)
+    monkeypatch.chdir(folder)
+    assert launch.main(["--all", "--dry-run", "--json", "--config-dir", "."]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    jobs = {job["id"]: job for job in plan["jobs"]}
+    assert set(jobs["auto/train"]["estimate"]) >= {"seconds", "source"}
+    assert jobs["auto/train"]["estimate"]["source"] == "guess"
+    assert jobs["other/train"]["time_limit_min"] == 240
+    # chain/one → chain/two → chain/eval is the longest chain; every job asks for one GPU.
+    chain = sum(jobs[j]["estimate"]["seconds"] for j in ("chain/one", "chain/two", "chain/eval"))
+    assert plan["makespan_s"] == pytest.approx(chain, abs=2)
+    assert plan["gpu_hours"] == pytest.approx(
+        sum(j["estimate"]["seconds"] for j in jobs.values()) / 3600, abs=1e-2
+    )
+
+
+def test_a_finished_stage_appends_a_speed_book_row_the_next_plan_uses(tiny, tmp_path):
+    from tests.train_helpers import make_job, sql_data
+    from train.recipe import run_stage
+
+    run_dir = tmp_path / "runs" / "t" / "s"  # RUN_ROOT/EXP/STAGE, as the plan lays it out
+    # easy.jsonl: 85 examples, 11 steps an epoch; an eval every 3 steps; saves at 2, 3 and 4.
+    data = sql_data("easy", "dev")
+    job = make_job(tiny, run_dir, data=data, max_steps=4, eval_every_epochs=0.25, save_every_steps=2)
+    assert run_stage(job) == "completed"
+    (row,) = read_book(tmp_path / "runs" / "speeds.jsonl")
+    assert (row.model, row.method, row.precision, row.device_name) == (
+        str(tiny["tiny-llama"]),
+        "lora",
+        "fp32",
+        "cpu",
+    )
+    assert (row.world_size, row.batch_size, row.grad_accum, row.examples, row.eval_examples) == (
+        1,
+        8,
+        1,
+        85,
+        48,
+    )
+    assert row.data == data["train"] and 10 < row.tokens_per_example <= row.max_length
+    assert row.tokens_per_s > 0 and row.startup_s > 0 and row.eval_s > 0 and row.save_s > 0
+    assert Estimator([row])(job, gpus=1).source == "measured"
+
+
+def test_a_stage_run_outside_the_plans_layout_writes_no_speed_book(tmp_path):
+    assert book_of(train_job()) == Path("runs/speeds.jsonl")
+    assert book_of(train_job().model_copy(update={"run_dir": str(tmp_path)})) is None
