@@ -132,7 +132,7 @@ def _use_allocated_cpus() -> None:
         os.environ.setdefault("MKL_NUM_THREADS", cpus)
 
 
-def _configure_logging(rank: int) -> None:
+def _configure_logging(rank: int = 0) -> None:
     # Each task has its own log file (`--tail EXP/STAGE --rank K`); the rank in each line tells merged
     # copies apart.
     logging.basicConfig(
