@@ -13,7 +13,7 @@ from pathlib import Path
 
 import yaml
 
-from eval.names import SCORE_KEYS as METRIC_COLUMNS
+from eval.names import REPORT_COLUMNS
 from train.files import write_atomic
 
 COLUMNS = (
@@ -28,7 +28,7 @@ COLUMNS = (
     "cost",
     "best_eval_loss",
     "eval_split",
-    *METRIC_COLUMNS,
+    *REPORT_COLUMNS.values(),
 )
 
 
@@ -86,7 +86,7 @@ def experiment_row(plan, experiment: str, states: dict[str, str]) -> dict:
         "best_eval_loss": min(losses) if losses else None,
     }
     row["eval_split"] = split_marker(results)
-    row.update({m: results.get(m) for m in METRIC_COLUMNS})
+    row.update({column: results.get(key) for key, column in REPORT_COLUMNS.items()})
     return row
 
 

@@ -148,3 +148,26 @@ def test_baselines_are_shown_only_beside_experiments_on_their_task(tmp_path, rep
     baselines.write_text("source: Ang\nbaselines: [{name: T5-p, rouge_l: 0.211}]\n")
     with pytest.raises(BaselinesError, match="set 1 has no `task`"):
         write_report(plan, runs, {}, baselines, {"sql": "spider"})
+
+
+def test_our_bertscore_f1_fills_the_bertscore_column_of_the_published_baselines(tmp_path, repo_root):
+    # results.json says bertscore_f1; baselines.yaml (as published tables) says bertscore. Two columns
+    # would put our number where no baseline can be compared with it.
+    configs = tmp_path / "configs"
+    configs.mkdir()
+    write_cluster_yaml(configs, tmp_path)
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"q": "x", "a": "y"}\n')
+    (configs / "qg.yaml").write_text(EXPERIMENT.format(name="qg", data=data))
+    profile, _ = load_profile(configs)
+    plan = build_plan(load_experiments(configs, profile), profile)
+    runs = tmp_path / "runs"
+    (runs / "qg" / "eval").mkdir(parents=True)
+    (runs / "qg" / "eval" / "results.json").write_text(
+        json.dumps({"n": 3, "bleu": 0.02, "bertscore_f1": 0.7})
+    )
+    write_report(plan, runs, {}, repo_root / "configs" / "baselines.yaml", {"qg": "socratiq-qg"})
+    reader = csv.DictReader((runs / "report.csv").open())
+    rows = {r["experiment"]: r for r in reader}
+    assert "bertscore_f1" not in reader.fieldnames
+    assert float(rows["qg"]["bertscore"]) == 0.7 and float(rows["T5-p"]["bertscore"]) == 0.632
