@@ -46,7 +46,13 @@ def run_eval(job: EvalJob) -> dict:
         )
     write_predictions(out / "predictions.jsonl", prompts, references, predictions)
     results = score(
-        predictions, references, list(job.eval.metrics), db=job.eval.db, sql_timeout_s=job.eval.sql_timeout_s
+        predictions,
+        references,
+        list(job.eval.metrics),
+        db=job.eval.db,
+        sql_timeout_s=job.eval.sql_timeout_s,
+        bertscore_model=job.eval.bertscore_model,
+        bertscore_rescale=job.eval.bertscore_rescale,
     )
     results |= {
         "split": job.eval.split,

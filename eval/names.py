@@ -8,18 +8,24 @@ from __future__ import annotations
 
 TEXT_METRICS = ("rouge", "rouge_l", "bleu", "exact_match")
 SQL_METRICS = ("sql_exec",)
-METRICS = (*TEXT_METRICS, *SQL_METRICS)  # what `eval.metrics` and `--metrics` accept
+MODEL_METRICS = ("bertscore",)  # scored by a model of their own (eval.bertscore_model)
+METRICS = (*TEXT_METRICS, *SQL_METRICS, *MODEL_METRICS)  # what `eval.metrics` and `--metrics` accept
 
-# The scores results.json holds, in the order they are written and shown (fractions in [0, 1]).
+# The scores results.json holds, in the order they are written and shown: fractions in [0, 1] (a rescaled
+# bertscore_f1 can fall below 0: eval/bertscore.py).
 SCORE_KEYS = (
     "exact_match",
     "rouge_1",
     "rouge_2",
     "rouge_l",
     "bleu",
+    "bertscore_f1",
     "sql_exec_accuracy",
     "sql_record_f1",
     "sql_error_rate",
 )
+# The report's column for each score: published tables call BERTScore F1 just "bertscore"
+# (configs/baselines.yaml), and our rows must land in the same column as theirs.
+REPORT_COLUMNS = {key: {"bertscore_f1": "bertscore"}.get(key, key) for key in SCORE_KEYS}
 # Splits an eval job may score: the eval data, or (opted into knowingly) the training data.
 SPLITS = ("eval", "train")

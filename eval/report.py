@@ -13,7 +13,7 @@ from pathlib import Path
 
 import yaml
 
-from eval.names import SCORE_KEYS as METRIC_COLUMNS
+from eval.names import REPORT_COLUMNS
 from train.files import write_atomic
 
 COLUMNS = (
@@ -25,10 +25,12 @@ COLUMNS = (
     "trainable_%",
     "train_min",
     "gpu_hours",
+    "gpu_util_%",
+    "tokens_per_s",
     "cost",
     "best_eval_loss",
     "eval_split",
-    *METRIC_COLUMNS,
+    *REPORT_COLUMNS.values(),
 )
 
 
@@ -83,11 +85,35 @@ def experiment_row(plan, experiment: str, states: dict[str, str]) -> dict:
         )
         if runtime_s
         else None,
+        "gpu_util_%": mean_gpu_util(train_jobs),
+        "tokens_per_s": tokens_per_s(summaries),
         "best_eval_loss": min(losses) if losses else None,
     }
     row["eval_split"] = split_marker(results)
-    row.update({m: results.get(m) for m in METRIC_COLUMNS})
+    row.update({column: results.get(key) for key, column in REPORT_COLUMNS.items()})
     return row
+
+
+def mean_gpu_util(train_jobs) -> float | None:
+    """Mean GPU utilisation (%) over the metrics rows of every stage, each row being the mean of the samples
+    since the row before (rows come every logging_steps, so about evenly in time); None when no row has
+    one: no GPU, or no NVML on the node."""
+    values = [
+        row["gpu_util_percent"]
+        for job in train_jobs
+        for row in read_metrics(Path(job.run_dir) / "metrics.jsonl")
+        if row.get("gpu_util_percent") is not None
+    ]
+    return round(sum(values) / len(values), 1) if values else None
+
+
+def tokens_per_s(summaries: list[dict]) -> float | None:
+    """Non-pad input tokens per second of training, over all stages and ranks: the Trainer counts only
+    non-padding tokens (include_num_input_tokens_seen), so padding waste lowers the figure instead of
+    hiding in it. Training time includes in-training evals and checkpoint saves, as GPU-hours do."""
+    tokens = sum(s.get("num_input_tokens_seen") or 0 for s in summaries)
+    runtime_s = sum(s.get("train_runtime_s") or 0 for s in summaries)
+    return round(tokens / runtime_s, 1) if tokens and runtime_s else None
 
 
 def split_marker(results: dict) -> str | None:

@@ -18,6 +18,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from eval.bertscore import BertScoreError
 from eval.metrics import text_metrics
 from eval.names import METRICS, SCORE_KEYS, TEXT_METRICS
 from eval.sql import NotADatabaseError, ReadOnlyDB, sql_metrics
@@ -40,25 +41,34 @@ def score(
     db: str | None = None,
     sql_timeout_s: float = 2.0,
     ids: list | None = None,
+    bertscore_model: str | None = None,
+    bertscore_rescale: bool = False,
 ) -> dict:
     """Every requested metric (fractions in [0, 1]) and n. sql_exec runs both query lists against db; an
     example whose reference query fails is left out of the sql metrics and listed (by `ids`, default its
-    position) in sql_gold_errors, with a logged warning: one data bug does not void a whole eval."""
+    position) in sql_gold_errors, with a logged warning: one data bug does not void a whole eval.
+    bertscore scores with bertscore_model (eval/bertscore.py)."""
     unknown = [name for name in metrics if name not in METRICS]
     if unknown:
         raise ValueError(f"unknown metric(s) {', '.join(unknown)}; valid: {', '.join(METRICS)}")
     if "sql_exec" in metrics and not db:
         raise ValueError("metric sql_exec needs db, the SQLite file to run the queries against")
+    if "bertscore" in metrics and not bertscore_model:
+        raise ValueError("metric bertscore needs bertscore_model, a local folder or hub id")
     results: dict[str, float | int] = {"n": len(refs)}
     text = [name for name in metrics if name in TEXT_METRICS]
     if text:
         results.update(text_metrics(preds, refs, text))
     if "sql_exec" in metrics:
         results.update(sql_metrics(preds, refs, db, sql_timeout_s, ids=ids))
+    if "bertscore" in metrics:
+        from eval.bertscore import bertscore_f1  # torch: only when asked for
+
+        results["bertscore_f1"] = bertscore_f1(preds, refs, bertscore_model, rescale=bertscore_rescale)
     return {key: results[key] for key in RESULT_KEYS if key in results}
 
 
-def parse_metrics(text: str, db: str | None) -> list[str]:
+def parse_metrics(text: str, db: str | None, bertscore_model: str | None = None) -> list[str]:
     metrics = [name.strip() for name in text.split(",") if name.strip()]
     if not metrics:
         raise ScoreError("--metrics", "no metric named", f"choose from {', '.join(METRICS)}")
@@ -69,6 +79,9 @@ def parse_metrics(text: str, db: str | None) -> list[str]:
             raise ScoreError("--metrics", f"unknown metric '{name}'", f"valid: {', '.join(METRICS)}{guess}")
     if "sql_exec" in metrics and not db:
         raise ScoreError("--metrics", "sql_exec needs --db", "the SQLite file the queries run against")
+    if "bertscore" in metrics and not bertscore_model:
+        hint = "a local model folder or a hub id, e.g. roberta-large"
+        raise ScoreError("--metrics", "bertscore needs --bertscore-model", hint)
     if db:
         check_db(db)
     return metrics
@@ -146,14 +159,26 @@ def pair_by_id(
 
 
 def score_files(args: argparse.Namespace) -> dict[str, float | int]:
-    metrics = parse_metrics(args.metrics, args.db)
+    metrics = parse_metrics(args.metrics, args.db, args.bertscore_model)
     ids, preds, refs = pair_by_id(
         read_jsonl(args.predictions, "prediction"),
         read_jsonl(args.references, "reference"),
         args.predictions,
         args.references,
     )
-    results = score(preds, refs, metrics, args.db, args.sql_timeout_s, ids=ids)
+    try:
+        results = score(
+            preds,
+            refs,
+            metrics,
+            args.db,
+            args.sql_timeout_s,
+            ids=ids,
+            bertscore_model=args.bertscore_model,
+            bertscore_rescale=args.bertscore_rescale,
+        )
+    except BertScoreError as exc:
+        raise ScoreError("--bertscore-model", str(exc)) from None
     if args.out:
         write_json(args.out, results)
     return results
@@ -192,6 +217,12 @@ def add_parser(subparsers) -> None:
         "--metrics", default="rouge,bleu,exact_match", help=f"comma-separated, among {', '.join(METRICS)}"
     )
     parser.add_argument("--db", help="SQLite file for sql_exec (opened read-only)")
+    parser.add_argument("--bertscore-model", help="for bertscore: a local model folder or a hub id")
+    parser.add_argument(
+        "--bertscore-rescale",
+        action="store_true",
+        help="rescale bertscore with bert-score's baseline (hub ids it has one for, e.g. roberta-large)",
+    )
     parser.add_argument("--out", type=Path, help="write the results here as JSON")
     parser.add_argument("--sql-timeout-s", type=positive_seconds, default=2.0, help="per query (default 2)")
     parser.set_defaults(run=run)

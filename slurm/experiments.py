@@ -250,16 +250,19 @@ def check_files(experiment: Experiment, stages: list[Stage], chain: list[YamlFil
                 problems.append(Problem(file, ".".join(map(str, key)), f"file not found: {value}", line))
             elif spec is not None:
                 problems += check_examples(Path(value), spec, ".".join(map(str, key)))
-    name = experiment.model.name_or_path
-    if _looks_local(name) and not Path(name).is_dir():
-        file, line = where(chain, ("model", "name_or_path"))
-        hint = (
-            " (the demo's tiny models are built by `python -m train.tiny models`)" if "tiny" in name else ""
-        )
-        problems.append(
-            Problem(file, "model.name_or_path", f"local model folder not found: {name}{hint}", line)
-        )
+    problems += missing_model_folder(("model", "name_or_path"), experiment.model.name_or_path, chain)
+    if "bertscore" in experiment.eval.metrics:
+        problems += missing_model_folder(("eval", "bertscore_model"), experiment.eval.bertscore_model, chain)
     return problems
+
+
+def missing_model_folder(key: tuple, name: str, chain: list[YamlFile]) -> list[Problem]:
+    """A name that looks like a local path must be a folder; hub ids are checked on the node."""
+    if not _looks_local(name) or Path(name).is_dir():
+        return []
+    file, line = where(chain, key)
+    hint = " (the demo's tiny models are built by `python -m train.tiny models`)" if "tiny" in name else ""
+    return [Problem(file, ".".join(key), f"local model folder not found: {name}{hint}", line)]
 
 
 _read: dict[tuple, TextSize | ExampleError | OSError | UnicodeDecodeError] = {}

@@ -103,13 +103,14 @@ def edges_text(plan: Plan) -> str:
 
 def status_table(rows: list[JobStatus]) -> Table:
     table = Table(title="Status", title_justify="left")
-    for column in ("job", "slurm id", "state", "reason", "elapsed", "step", "loss", "eta"):
+    for column in ("job", "slurm id", "state", "reason", "elapsed", "step", "loss", "eta", "gpu", "gpu mem"):
         table.add_column(column)
     for row in rows:
         style = STATE_STYLE.get(row.state, "")
         step = f"{row.step}/{row.total_steps}" if row.step is not None and row.total_steps else ""
         loss = f"{row.last_loss:.4f}" if isinstance(row.last_loss, (int, float)) else ""
-        eta = format_eta(row.eta_s) if row.state is State.RUNNING else ""
+        running = row.state is State.RUNNING
+        eta = format_eta(row.eta_s) if running else ""
         table.add_row(
             row.job.id,
             row.scheduler_id,
@@ -119,8 +120,21 @@ def status_table(rows: list[JobStatus]) -> Table:
             step,
             loss,
             eta,
+            *(gpu_texts(row) if running else ("", "")),
         )
     return table
+
+
+def gpu_texts(row: JobStatus) -> tuple[str, str]:
+    """`87%` and `41.2/85.5 GB` from a running job's latest GPU samples; blank without them (no GPU, no
+    NVML, or before the first sample)."""
+    util = f"{row.gpu_util_percent:.0f}%" if row.gpu_util_percent is not None else ""
+    memory = ""
+    if row.gpu_mem_gb is not None:
+        memory = (
+            f"{row.gpu_mem_gb:.1f}" + (f"/{row.gpu_mem_total_gb:.1f}" if row.gpu_mem_total_gb else "") + " GB"
+        )
+    return util, memory
 
 
 def problem_lines(rows: list[JobStatus], tail_lines: int = 5) -> list[str]:

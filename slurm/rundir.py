@@ -2,7 +2,7 @@
 
 config.yaml    the resolved spec the job runs (written at submission)
 job.json       every scheduler job id this folder ever had, oldest first, with the code it ran
-progress.json  step / total / loss / ETA, rewritten by the trainer while it runs
+progress.json  step / total / loss / ETA / GPU use, rewritten by the trainer while it runs
 DONE           the config hash, written last: a stage with a matching DONE never runs again
 """
 

@@ -32,6 +32,9 @@ class JobStatus:
     total_steps: int | None = None
     last_loss: float | None = None
     eta_s: float | None = None
+    gpu_util_percent: float | None = None  # progress.json: the trainer's latest NVML samples
+    gpu_mem_gb: float | None = None
+    gpu_mem_total_gb: float | None = None
     log_path: str = ""
     backend: str = ""  # "slurm" or "local": what scheduler_id is (a SLURM job id or a local pid)
     stuck: bool = False  # queued in SLURM but waiting on a dependency that can never be satisfied
@@ -110,15 +113,22 @@ def plan_status(plan: Plan, log_root: str) -> list[JobStatus]:
     return list(statuses.values())
 
 
+# What --status takes from progress.json (the trainer writes it; absent keys are None, e.g. no GPU).
+PROGRESS_FIELDS = (
+    "step",
+    "total_steps",
+    "last_loss",
+    "eta_s",
+    "gpu_util_percent",
+    "gpu_mem_gb",
+    "gpu_mem_total_gb",
+)
+
+
 def job_status(job, record, scheduler, earlier: dict[str, JobStatus], log_root: str) -> JobStatus:
     run_dir = Path(job.run_dir)
     progress = read_json(run_dir / "progress.json", {}) or {}
-    fields = {
-        "step": progress.get("step"),
-        "total_steps": progress.get("total_steps"),
-        "last_loss": progress.get("last_loss"),
-        "eta_s": progress.get("eta_s"),
-    }
+    fields = {key: progress.get(key) for key in PROGRESS_FIELDS}
     scheduler_id = record["job_id"] if record else ""
     submitted = _submitit_job(log_root, job.id, record) if record else None
     log_path = str(submitted.paths.stdout) if submitted else ""

@@ -174,7 +174,10 @@ def test_score_function():
 
 
 def test_scoring_modules_do_not_import_torch(repo_root):
-    code = "import sys, eval.__main__, eval.score, eval.sql, eval.metrics; print('torch' in sys.modules)"
+    code = (
+        "import sys, eval.__main__, eval.score, eval.sql, eval.metrics, eval.bertscore; "
+        "print('torch' in sys.modules)"
+    )
     done = subprocess.run(
         [sys.executable, "-c", code], cwd=repo_root, capture_output=True, text=True, check=True
     )

@@ -148,3 +148,61 @@ def test_baselines_are_shown_only_beside_experiments_on_their_task(tmp_path, rep
     baselines.write_text("source: Ang\nbaselines: [{name: T5-p, rouge_l: 0.211}]\n")
     with pytest.raises(BaselinesError, match="set 1 has no `task`"):
         write_report(plan, runs, {}, baselines, {"sql": "spider"})
+
+
+def test_our_bertscore_f1_fills_the_bertscore_column_of_the_published_baselines(tmp_path, repo_root):
+    # results.json says bertscore_f1; baselines.yaml (as published tables) says bertscore. Two columns
+    # would put our number where no baseline can be compared with it.
+    configs = tmp_path / "configs"
+    configs.mkdir()
+    write_cluster_yaml(configs, tmp_path)
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"q": "x", "a": "y"}\n')
+    (configs / "qg.yaml").write_text(EXPERIMENT.format(name="qg", data=data))
+    profile, _ = load_profile(configs)
+    plan = build_plan(load_experiments(configs, profile), profile)
+    runs = tmp_path / "runs"
+    (runs / "qg" / "eval").mkdir(parents=True)
+    (runs / "qg" / "eval" / "results.json").write_text(
+        json.dumps({"n": 3, "bleu": 0.02, "bertscore_f1": 0.7})
+    )
+    write_report(plan, runs, {}, repo_root / "configs" / "baselines.yaml", {"qg": "socratiq-qg"})
+    reader = csv.DictReader((runs / "report.csv").open())
+    rows = {r["experiment"]: r for r in reader}
+    assert "bertscore_f1" not in reader.fieldnames
+    assert float(rows["qg"]["bertscore"]) == 0.7 and float(rows["T5-p"]["bertscore"]) == 0.632
+
+
+def test_mean_gpu_utilisation_and_non_pad_tokens_per_second_per_experiment(tmp_path):
+    configs = tmp_path / "configs"
+    configs.mkdir()
+    write_cluster_yaml(configs, tmp_path)
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"q": "x", "a": "y"}\n')
+    for name in ("gpu", "cpu"):
+        (configs / f"{name}.yaml").write_text(EXPERIMENT.format(name=name, data=data))
+    profile, _ = load_profile(configs)
+    plan = build_plan(load_experiments(configs, profile), profile)
+    runs = tmp_path / "runs"
+    # gpu: stage one's rows 80 and 90 %, stage two's 70 % and a row before the first sample (no field);
+    # 36,000 + 54,000 non-pad tokens in 1,800 + 1,800 s. cpu: the same without any GPU field.
+    stages = {"one": ([80, 90], 36_000), "two": ([70, None], 54_000)}
+    for name in ("gpu", "cpu"):
+        for stage, (utils, tokens) in stages.items():
+            write_stage(runs / name / stage, [2.0] * len(utils), 1800, 1.5)
+            summary_path = runs / name / stage / "summary.json"
+            summary = json.loads(summary_path.read_text()) | {"num_input_tokens_seen": tokens}
+            summary_path.write_text(json.dumps(summary))
+            if name == "gpu":
+                rows = [
+                    {"step": i, "loss": 2.0} | ({"gpu_util_percent": u} if u else {})
+                    for i, u in enumerate(utils)
+                ]
+                (runs / name / stage / "metrics.jsonl").write_text(
+                    "".join(json.dumps(r) + "\n" for r in rows)
+                )
+    write_report(plan, runs)
+    rows = {r["experiment"]: r for r in csv.DictReader((runs / "report.csv").open())}
+    assert float(rows["gpu"]["gpu_util_%"]) == 80.0  # (80 + 90 + 70) / 3: a row without samples is no 0 %
+    assert float(rows["gpu"]["tokens_per_s"]) == float(rows["cpu"]["tokens_per_s"]) == 25.0
+    assert rows["cpu"]["gpu_util_%"] == ""  # no GPU: empty, not 0

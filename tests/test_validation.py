@@ -402,3 +402,13 @@ def test_the_default_split_leaves_the_eval_hash_alone():
     # An eval that finished before `split` existed keeps its hash (it hashes the dumped spec): not rerun.
     assert "split" not in EvalSpec().model_dump()
     assert EvalSpec(split="train").model_dump()["split"] == "train"  # scoring on train is a new config
+
+
+def test_bertscore_needs_its_model_named_with_file_and_line(config_dir, capsys):
+    edit(config_dir / "a.yaml", "[exact_match]}", "[bertscore]}")
+    code, err = run_cli(config_dir, capsys, "--dry-run")
+    assert code == 2 and "a.yaml:6: eval: metric bertscore needs eval.bertscore_model" in err
+    assert "roberta-large" in err  # the hint names a model that works
+    edit(config_dir / "a.yaml", "[bertscore]}", "[bertscore], bertscore_model: ./no-such-bert}")
+    code, err = run_cli(config_dir, capsys, "--dry-run")
+    assert code == 2 and "a.yaml:6: eval.bertscore_model: local model folder not found: ./no-such-bert" in err

@@ -14,14 +14,18 @@ from transformers import TrainerCallback
 from train import distributed
 from train.checkpoints import commit, rotate
 from train.files import write_json_atomic
+from train.gpu_use import GpuSampler, summarize
 
 
 class RunDirectoryLog(TrainerCallback):
     """`metrics.jsonl` (one row per log step, eval rows too) and `progress.json` (what --status shows).
-    Written by rank 0 only; the loss it logs is already the mean over the ranks (the Trainer gathers it)."""
+    Written by rank 0 only; the loss it logs is already the mean over the ranks (the Trainer gathers it).
+    With a GPU sampler, each row carries the GPU use since the previous row, and progress.json the latest."""
 
-    def __init__(self, run_dir: Path):
+    def __init__(self, run_dir: Path, gpu_sampler: GpuSampler | None = None):
         self.run_dir = run_dir
+        self.gpu_sampler = gpu_sampler
+        self.gpu_use: dict[str, float] = {}  # the latest summary: progress.json keeps it between samples
         self.last_time: float | None = None
         self.last_tokens = 0
         self.last_step = 0
@@ -56,7 +60,10 @@ class RunDirectoryLog(TrainerCallback):
                 state.global_step,
             )
         row |= {k: v for k, v in logs.items() if k.startswith("eval_")}
+        gpu_use = summarize(self.gpu_sampler.drain()) if self.gpu_sampler else {}
+        self.gpu_use = gpu_use or self.gpu_use
         if len(row) > 3:
+            row |= gpu_use
             with open(self.run_dir / "metrics.jsonl", "a", encoding="utf-8") as fh:
                 fh.write(json.dumps(row) + "\n")
         self.write_progress(state, logs.get("loss"))
@@ -76,6 +83,7 @@ class RunDirectoryLog(TrainerCallback):
                 "last_loss": loss if loss is not None else previous.get("last_loss"),
                 "eta_s": round(rate * (state.max_steps - state.global_step), 1) if rate else None,
                 "updated_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                **self.gpu_use,
             },
         )
 

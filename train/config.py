@@ -288,6 +288,18 @@ class EvalSpec(Section):
         description="SQLite file the sql_exec metric runs queries against (read-only)",
     )
     sql_timeout_s: Annotated[float, Field(gt=0)] = 5.0
+    # Left out of the spec (and so of its hash) at their defaults, as `split` below: evals finished before
+    # these keys existed are not run again.
+    bertscore_model: str | None = Field(
+        None,
+        description="the bertscore metric's model: a local folder or a hub id (fetched on the node)",
+        exclude_if=lambda model: model is None,
+    )
+    bertscore_rescale: bool = Field(
+        False,
+        description="rescale bertscore with bert-score's baseline for the model (hub ids it ships one for)",
+        exclude_if=lambda rescale: rescale is False,
+    )
     after_each_stage: bool = False
     split: Literal[SPLITS] = Field(
         "eval",
@@ -303,9 +315,14 @@ class EvalSpec(Section):
     )
 
     @model_validator(mode="after")
-    def _sql_needs_db(self):
+    def _metrics_have_their_inputs(self):
         if "sql_exec" in self.metrics and not self.db:
             raise ValueError("metric sql_exec needs eval.db (the SQLite file to run queries against)")
+        if "bertscore" in self.metrics and not self.bertscore_model:
+            raise ValueError(
+                "metric bertscore needs eval.bertscore_model (a local model folder, or a hub id such as "
+                "roberta-large, the model bert-score uses for English)"
+            )
         return self
 
 

@@ -162,6 +162,14 @@ def on_cpu(hardware: Hardware, precision: Precision, world_size: int) -> Placeme
     )
 
 
+def gpu_uuid(placement: Placement) -> str | None:
+    """This process's GPU as NVML names it (`GPU-<uuid>`), or None on a CPU. The CUDA index is not NVML's:
+    CUDA_VISIBLE_DEVICES renumbers the GPUs a process sees, and NVML always sees all of the node's."""
+    if not placement.cuda:
+        return None
+    return f"GPU-{torch.cuda.get_device_properties(placement.device).uuid}"
+
+
 def ranks(env: Mapping[str, str] = os.environ) -> dict[str, int]:
     """This process's LOCAL_RANK and WORLD_SIZE (set by torchrun and by the DDP job wrapper; else 0 and 1)."""
     return {"local_rank": int(env.get("LOCAL_RANK", 0)), "world_size": int(env.get("WORLD_SIZE", 1))}

@@ -30,6 +30,9 @@ Feature → config key:
                                                                    task per GPU and exports RANK,
                                                                    LOCAL_RANK, WORLD_SIZE, MASTER_ADDR,
                                                                    MASTER_PORT)
+- GPU utilisation and memory every few seconds (NVML, rank 0 for
+  all ranks' GPUs) into metrics.jsonl and progress.json; nothing
+  without a GPU or without NVML (train/gpu_use.py)                → (always)
 - fused AdamW                                                     → (always)
 - activation (gradient) checkpointing, only when asked            → train.gradient_checkpointing
 - loss-only eval every N epochs, no generation, on the Trainer's
@@ -82,7 +85,9 @@ from train.callbacks import (
 from train.checkpoints import discard_incomplete, latest_valid_checkpoint, step_of
 from train.config import TrainJob
 from train.device import current as current_placement
+from train.device import gpu_uuid
 from train.files import write_atomic, write_json_atomic
+from train.gpu_use import GpuSampler
 from train.model import (
     adapter_differences,
     add_tokens,
@@ -205,6 +210,8 @@ class StageRecipe:
         self.eval_set = None
         if self.job.data.eval:  # sorted: similar lengths pad little, and a loss-only eval has no order
             self.eval_set = self.load_split(self.job.data.eval, "eval")[0].sort("length")
+        # Every rank's GPU, so that rank 0 can watch them all (one node: NVML sees each of them).
+        self.gpu_uuids = [uuid for uuid in distributed.gather(gpu_uuid(self.placement)) if uuid]
         self.trainer = self.build_trainer()
 
     def load_model(self):
@@ -314,8 +321,14 @@ class StageRecipe:
         args = self.training_arguments()
         self.stopper = StopWhenAsked(self.stop)
         self.clock = RuntimeClock(self.resume_from)
+        self.gpu_sampler = GpuSampler.for_gpus(self.gpu_uuids) if distributed.is_main() else None
         # Order matters: the clock writes into a checkpoint before CommitCheckpoints seals it.
-        callbacks = [RunDirectoryLog(self.run_dir), self.clock, CommitCheckpoints(), self.stopper]
+        callbacks = [
+            RunDirectoryLog(self.run_dir, self.gpu_sampler),
+            self.clock,
+            CommitCheckpoints(),
+            self.stopper,
+        ]
         if self.evaluating() and self.job.train.save_every_steps != args.save_steps:
             callbacks.append(SaveEvery(self.job.train.save_every_steps))
         early = self.job.train.early_stopping
@@ -337,9 +350,15 @@ class StageRecipe:
 
     # ---- train ----------------------------------------------------------------------------------
     def train(self) -> Literal["completed", "interrupted"]:
-        result = self.trainer.train(
-            resume_from_checkpoint=str(self.resume_from) if self.resume_from else None
-        )
+        if self.gpu_sampler:
+            self.gpu_sampler.start()
+        try:
+            result = self.trainer.train(
+                resume_from_checkpoint=str(self.resume_from) if self.resume_from else None
+            )
+        finally:
+            if self.gpu_sampler:
+                self.gpu_sampler.stop()
         self.train_metrics = result.metrics
         return "interrupted" if self.stopper.stopped_early else "completed"
 

@@ -1,0 +1,121 @@
+"""GPU use: the aggregation on recorded samples, the sampler thread with a fake reader, the callback's
+files, and the path without a GPU for real (this machine has neither a GPU nor NVML's library).
+
+The readings below are made up in NVML's shape (utilisation %, used/total bytes), not recorded from a GPU:
+no GPU was at hand. What they test is the arithmetic and the plumbing, which does not depend on the card.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from tests.train_helpers import make_job, read_jsonl
+from train.callbacks import RunDirectoryLog
+from train.gpu_use import GpuSampler, Reading, summarize
+from train.recipe import run_stage
+
+GIB = 2**30
+H100 = 85_520_809_984  # bytes NVML reports as an H100's total
+# Two GPUs of a DDP job over three samples: GPU 1 holds more memory and peaks in the second sample.
+SAMPLES = [
+    (Reading(90, 30 * GIB, H100), Reading(80, 40 * GIB, H100)),
+    (Reading(100, 31 * GIB, H100), Reading(70, 60 * GIB, H100)),
+    (Reading(50, 30 * GIB, H100), Reading(90, 41 * GIB, H100)),
+]
+
+
+def test_mean_utilisation_and_the_fullest_gpus_peak_memory():
+    # Averaging memory over samples would hide the 60 GiB peak that is what runs out; summing over GPUs
+    # would report 91 GiB on 80 GB cards.
+    assert summarize(SAMPLES) == {
+        "gpu_util_percent": 80.0,  # (90 + 80 + 100 + 70 + 50 + 90) / 6
+        "gpu_mem_gb": 64.42,  # 60 GiB in GB
+        "gpu_mem_total_gb": 85.52,
+    }
+
+
+def test_no_samples_give_no_fields_not_an_idle_gpu():
+    assert summarize([]) == {} and summarize([(), ()]) == {}
+
+
+def wait_for(condition, timeout_s: float = 5.0) -> None:
+    deadline = time.time() + timeout_s
+    while not condition() and time.time() < deadline:
+        time.sleep(0.01)
+    assert condition()
+
+
+def test_sampler_collects_until_drained_and_a_failing_read_ends_only_the_sampling(caplog):
+    readings = iter([SAMPLES[0], SAMPLES[1]])
+
+    def read():
+        sample = next(readings, None)
+        if sample is None:
+            raise RuntimeError("NVML_ERROR_GPU_IS_LOST")
+        return sample
+
+    sampler = GpuSampler(read, interval_s=0.01)
+    with caplog.at_level(logging.WARNING, logger="train.gpu_use"):
+        sampler.start()
+        wait_for(lambda: not sampler.thread.is_alive())
+    assert sampler.drain() == SAMPLES[:2] and sampler.drain() == []
+    assert "GPU sampling stopped: NVML_ERROR_GPU_IS_LOST" in caplog.text
+    sampler.stop()  # after the thread ended on its own: still fine
+
+
+def test_without_nvml_or_gpu_there_is_no_sampler():
+    assert GpuSampler.for_gpus([]) is None  # a CPU run: NVML is not even started
+    # No NVML library here; on a GPU node this UUID is no GPU's: either way nothing to watch.
+    assert GpuSampler.for_gpus(["GPU-00000000-0000-0000-0000-000000000000"]) is None
+
+
+class FakeSampler:
+    def __init__(self, batches):
+        self.batches = list(batches)
+
+    def drain(self):
+        return self.batches.pop(0)
+
+
+def log_step(callback: RunDirectoryLog, step: int, logs: dict) -> None:
+    args = SimpleNamespace(train_batch_size=8, gradient_accumulation_steps=1, world_size=1)
+    state = SimpleNamespace(global_step=step, epoch=step / 10, num_input_tokens_seen=100 * step, max_steps=10)
+    state.is_world_process_zero = True
+    callback.on_log(args, state, None, logs=logs)
+
+
+def test_rows_carry_the_gpu_use_since_the_last_row_and_progress_keeps_the_latest(tmp_path):
+    callback = RunDirectoryLog(tmp_path, FakeSampler([SAMPLES[:2], [], SAMPLES[2:]]))
+    state = SimpleNamespace(global_step=0, num_input_tokens_seen=0)
+    callback.on_train_begin(None, state, None)
+    log_step(callback, 1, {"loss": 2.0})
+    progress_1 = json.loads((tmp_path / "progress.json").read_text())
+    log_step(callback, 2, {"loss": 1.9})  # no sample since step 1 (steps faster than the interval)
+    progress_2 = json.loads((tmp_path / "progress.json").read_text())
+    log_step(callback, 3, {"loss": 1.8})
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    assert rows[0]["gpu_util_percent"] == 85.0 and rows[0]["gpu_mem_gb"] == 64.42
+    assert "gpu_util_percent" not in rows[1]
+    assert rows[2]["gpu_util_percent"] == 70.0 and rows[2]["gpu_mem_gb"] == 44.02
+    assert progress_1["gpu_util_percent"] == progress_2["gpu_util_percent"] == 85.0
+
+
+def test_a_run_without_gpu_writes_no_gpu_fields_and_completes(tiny, tmp_path):
+    job = make_job(tiny, tmp_path)
+    assert run_stage(job) == "completed"
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    progress = json.loads((tmp_path / "progress.json").read_text())
+    assert rows and not [key for row in rows for key in row if key.startswith("gpu_")]
+    assert not [key for key in progress if key.startswith("gpu_")]
+
+
+@pytest.fixture(autouse=True)
+def no_leftover_sampler_threads():
+    yield
+    assert not [t for t in threading.enumerate() if t.name == "gpu-sampler" and t.is_alive()]
