@@ -22,6 +22,23 @@ resources: {{mem_gb: 4, cpus: 1}}
 """
 
 
+def plan_of(tmp_path: Path, *names: str, **resources: str):
+    """The plan of EXPERIMENTs named `names` (and of `name=RESOURCES`, with those resources), over one
+    tiny data file, with runs and logs under tmp_path."""
+    configs = tmp_path / "configs"
+    configs.mkdir()
+    write_cluster_yaml(configs, tmp_path)
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"q": "x", "a": "y"}\n')
+    for name, own in [(name, None) for name in names] + list(resources.items()):
+        text = EXPERIMENT.format(name=name, data=data)
+        if own:
+            text = text.replace("resources: {mem_gb: 4, cpus: 1}", f"resources: {own}")
+        (configs / f"{name}.yaml").write_text(text)
+    profile, _ = load_profile(configs)
+    return build_plan(load_experiments(configs, profile), profile)
+
+
 def write_stage(run_dir: Path, losses: list[float], runtime_s: float, eval_loss: float) -> None:
     run_dir.mkdir(parents=True)
     rows = [{"step": 5 * (i + 1), "loss": loss} for i, loss in enumerate(losses)]
@@ -32,15 +49,7 @@ def write_stage(run_dir: Path, losses: list[float], runtime_s: float, eval_loss:
 
 
 def test_report_rows_plots_and_a_failed_experiment(tmp_path, repo_root):
-    configs = tmp_path / "configs"
-    configs.mkdir()
-    write_cluster_yaml(configs, tmp_path)
-    data = tmp_path / "d.jsonl"
-    data.write_text('{"q": "x", "a": "y"}\n')
-    for name in ("good", "broken"):
-        (configs / f"{name}.yaml").write_text(EXPERIMENT.format(name=name, data=data))
-    profile, _ = load_profile(configs)
-    plan = build_plan(load_experiments(configs, profile), profile)
+    plan = plan_of(tmp_path, "good", "broken")
     runs = tmp_path / "runs"
     write_stage(runs / "good" / "one", [3.0, 2.5, 2.0], 60, 2.2)
     write_stage(runs / "good" / "two", [1.9, 1.5], 120, 1.6)
@@ -75,19 +84,11 @@ def test_report_rows_plots_and_a_failed_experiment(tmp_path, repo_root):
 
 def test_report_shows_which_split_was_scored(tmp_path):
     # Today the report has no such column: scores on the training data read like eval scores.
-    configs = tmp_path / "configs"
-    configs.mkdir()
-    write_cluster_yaml(configs, tmp_path)
-    data = tmp_path / "d.jsonl"
-    data.write_text('{"q": "x", "a": "y"}\n')
-    for name in ("held-out", "on-train"):
-        (configs / f"{name}.yaml").write_text(EXPERIMENT.format(name=name, data=data))
-    profile, _ = load_profile(configs)
-    plan = build_plan(load_experiments(configs, profile), profile)
+    plan = plan_of(tmp_path, "held-out", "on-train")
     runs = tmp_path / "runs"
     for name, split in (("held-out", "eval"), ("on-train", "train")):
         (runs / name / "eval").mkdir(parents=True)
-        results = {"n": 1, "exact_match": 1.0, "split": split, "source": str(data)}
+        results = {"n": 1, "exact_match": 1.0, "split": split, "source": str(tmp_path / "d.jsonl")}
         (runs / name / "eval" / "results.json").write_text(json.dumps(results))
 
     write_report(plan, runs)
@@ -99,16 +100,7 @@ def test_report_shows_which_split_was_scored(tmp_path):
 
 
 def test_a_cpu_run_costs_no_gpu_hours_and_a_four_gpu_run_four_times_its_runtime(tmp_path, repo_root):
-    configs = tmp_path / "configs"
-    configs.mkdir()
-    write_cluster_yaml(configs, tmp_path)
-    data = tmp_path / "d.jsonl"
-    data.write_text('{"q": "x", "a": "y"}\n')
-    for name, gpus in (("cpu", 0), ("four", 4)):
-        text = EXPERIMENT.format(name=name, data=data).replace("{mem_gb: 4,", f"{{gpus: {gpus}, mem_gb: 4,")
-        (configs / f"{name}.yaml").write_text(text)
-    profile, _ = load_profile(configs)
-    plan = build_plan(load_experiments(configs, profile), profile)
+    plan = plan_of(tmp_path, cpu="{gpus: 0, mem_gb: 4, cpus: 1}", four="{gpus: 4, mem_gb: 4, cpus: 1}")
     runs = tmp_path / "runs"
     for name in ("cpu", "four"):
         write_stage(runs / name / "one", [3.0], 1800, 2.2)
@@ -125,14 +117,7 @@ def test_baselines_are_shown_only_beside_experiments_on_their_task(tmp_path, rep
 
     from eval.report import BaselinesError
 
-    configs = tmp_path / "configs"
-    configs.mkdir()
-    write_cluster_yaml(configs, tmp_path)
-    data = tmp_path / "d.jsonl"
-    data.write_text('{"q": "x", "a": "y"}\n')
-    (configs / "sql.yaml").write_text(EXPERIMENT.format(name="sql", data=data))
-    profile, _ = load_profile(configs)
-    plan = build_plan(load_experiments(configs, profile), profile)
+    plan = plan_of(tmp_path, "sql")
     runs = tmp_path / "runs"
     baselines = tmp_path / "baselines.yaml"
     baselines.write_text(
@@ -153,14 +138,7 @@ def test_baselines_are_shown_only_beside_experiments_on_their_task(tmp_path, rep
 def test_our_bertscore_f1_fills_the_bertscore_column_of_the_published_baselines(tmp_path, repo_root):
     # results.json says bertscore_f1; baselines.yaml (as published tables) says bertscore. Two columns
     # would put our number where no baseline can be compared with it.
-    configs = tmp_path / "configs"
-    configs.mkdir()
-    write_cluster_yaml(configs, tmp_path)
-    data = tmp_path / "d.jsonl"
-    data.write_text('{"q": "x", "a": "y"}\n')
-    (configs / "qg.yaml").write_text(EXPERIMENT.format(name="qg", data=data))
-    profile, _ = load_profile(configs)
-    plan = build_plan(load_experiments(configs, profile), profile)
+    plan = plan_of(tmp_path, "qg")
     runs = tmp_path / "runs"
     (runs / "qg" / "eval").mkdir(parents=True)
     (runs / "qg" / "eval" / "results.json").write_text(
@@ -174,15 +152,7 @@ def test_our_bertscore_f1_fills_the_bertscore_column_of_the_published_baselines(
 
 
 def test_mean_gpu_utilisation_and_non_pad_tokens_per_second_per_experiment(tmp_path):
-    configs = tmp_path / "configs"
-    configs.mkdir()
-    write_cluster_yaml(configs, tmp_path)
-    data = tmp_path / "d.jsonl"
-    data.write_text('{"q": "x", "a": "y"}\n')
-    for name in ("gpu", "cpu"):
-        (configs / f"{name}.yaml").write_text(EXPERIMENT.format(name=name, data=data))
-    profile, _ = load_profile(configs)
-    plan = build_plan(load_experiments(configs, profile), profile)
+    plan = plan_of(tmp_path, "gpu", "cpu")
     runs = tmp_path / "runs"
     # gpu: stage one's rows 80 and 90 %, stage two's 70 % and a row before the first sample (no field);
     # 36,000 + 54,000 non-pad tokens in 1,800 + 1,800 s. cpu: the same without any GPU field.
