@@ -62,9 +62,12 @@ def token_cache(tmp_path_factory) -> Path:
         os.environ["LORA_CACHE_DIR"] = previous
 
 
-def squeue_ids() -> set[str]:
-    done = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True, check=True)
-    return set(done.stdout.split())
+def squeue_ids(under: Path | None = None) -> set[str]:
+    """Ids in the queue; with `under`, only jobs whose submission script lies below it (submitit writes
+    it into the job's log folder), so jobs other tests left finishing cannot change a test's count."""
+    done = subprocess.run(["squeue", "-h", "-o", "%i|%o"], capture_output=True, text=True, check=True)
+    rows = (line.split("|", 1) for line in done.stdout.splitlines() if "|" in line)
+    return {job_id for job_id, command in rows if under is None or command.startswith(f"{under}/")}
 
 
 def write_cluster_yaml(folder: Path, tmp: Path, **extra) -> None:

@@ -28,7 +28,7 @@ def test_bad_input_is_refused_clearly(case, tmp_path, capsys, monkeypatch, slurm
     existing.mkdir(parents=True)
     (existing / "DONE").write_text("0123456789abcdef\n")
     (existing / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
-    before_runs, before_queue = snapshot(work / "runs"), squeue_ids()
+    before_runs, before_queue = snapshot(work / "runs"), squeue_ids(tmp_path)
     monkeypatch.chdir(work / "configs")  # data paths in the corpus are relative to its folder
 
     code = launch.main(["--all", "--config-dir", ".", "--backend", "slurm"])
@@ -38,5 +38,5 @@ def test_bad_input_is_refused_clearly(case, tmp_path, capsys, monkeypatch, slurm
     for fragment in (CORPUS / case / "expect.txt").read_text().splitlines():
         assert fragment in err, f"{fragment!r} missing from:\n{err}"
     assert err.count("error:") == 1, err  # one clear message, not a cascade
-    assert squeue_ids() == before_queue
+    assert squeue_ids(tmp_path) == before_queue
     assert snapshot(work / "runs") == before_runs

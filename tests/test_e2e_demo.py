@@ -80,16 +80,16 @@ def test_demo_on_the_dev_cluster(repo_root, tmp_path, slurm_cluster, tiny, capsy
     assert f"afterok:{easy}" in scontrol_dependency(job_id(tmp_path, "sql-llama-qlora-curriculum/harder"))
 
     # A second launch while jobs are queued submits nothing new, then waits for all of them.
-    queued = squeue_ids()
+    queued = squeue_ids(tmp_path)
     assert launch.main(["--all", "--config-dir", str(config_dir), "--backend", "slurm", "--wait"]) == 0
     assert "Nothing to submit" in capsys.readouterr().out
     check_outputs(tmp_path)
 
     # Everything done: a third launch submits nothing either, and queues nothing.
     records = {p: (tmp_path / "runs" / p / "job.json").read_text() for p in DEMO_JOBS}
-    before = squeue_ids()
+    before = squeue_ids(tmp_path)
     assert launch.main(["--all", "--config-dir", str(config_dir), "--backend", "slurm"]) == 0
-    assert squeue_ids() == before
+    assert squeue_ids(tmp_path) == before
     assert records == {p: (tmp_path / "runs" / p / "job.json").read_text() for p in DEMO_JOBS}
     assert queued  # the first launch really queued jobs
 

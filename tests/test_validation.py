@@ -137,14 +137,14 @@ CASES = {
 def test_mistake_is_named_and_nothing_is_queued(case, config_dir, capsys, slurm_cluster):
     file, old, new, expected = CASES[case]
     edit(config_dir / file, old, new)
-    before = squeue_ids()
+    before = squeue_ids(config_dir.parent)
     code, err = run_cli(config_dir, capsys)
     assert code == 2
     assert "Traceback" not in err
     for fragment in expected:
         assert fragment in err, f"{fragment!r} missing from:\n{err}"
     assert "nothing was submitted" in err
-    assert squeue_ids() == before
+    assert squeue_ids(config_dir.parent) == before
     assert not (config_dir.parent / "runs").exists()
 
 
@@ -279,13 +279,13 @@ INJECTIONS = {
 def test_values_that_reach_sbatch_lines_are_checked(case, config_dir, capsys, slurm_cluster):
     file, old, new, expected = INJECTIONS[case]
     edit(config_dir / file, old, new)
-    before = squeue_ids()
+    before = squeue_ids(config_dir.parent)
     code, err = run_cli(config_dir, capsys)
     assert code == 2, err
     assert "Traceback" not in err
     for fragment in expected:
         assert fragment in err, f"{fragment!r} missing from:\n{err}"
-    assert squeue_ids() == before
+    assert squeue_ids(config_dir.parent) == before
 
 
 def test_slurm_name_lists_and_feature_expressions_are_accepted(config_dir, capsys):
@@ -333,13 +333,13 @@ def without_eval_data(config_dir: Path, evaluation: str, stages: str = "") -> No
 def test_scoring_without_eval_data_is_refused(config_dir, capsys, slurm_cluster):
     # Today's eval job would score on the training data and report it as eval scores.
     without_eval_data(config_dir, "{metrics: [exact_match]}")
-    before = squeue_ids()
+    before = squeue_ids(config_dir.parent)
     code, err = run_cli(config_dir, capsys)
     assert code == 2, err
     assert "a.yaml:4: data.eval: the eval job scores stage(s) ['train'], which have no data.eval" in err
     assert "add data.eval, or set `eval.split: train`" in err
     assert "b.yaml" not in err and err.count("error:") == 1
-    assert squeue_ids() == before
+    assert squeue_ids(config_dir.parent) == before
 
 
 def test_each_evaluated_stage_needs_eval_data(config_dir, capsys):
