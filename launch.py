@@ -3,6 +3,7 @@
 python launch.py --all                       # every experiment in configs/experiments
 python launch.py --all --config-dir configs/demo --wait
 python launch.py --exp NAME --dry-run train.learning_rate=1e-4
+python launch.py --all --pack 4 --budget 6:00:00 # one 4-GPU allocation, if the estimates fit
 python launch.py --all --preflight [--json]  # trainable %, token lengths, GPU memory; run before every submit
 python launch.py --status | --tail EXP[/STAGE] [--rank K] | --cancel [EXP ...] | --report | --sync
 """
@@ -50,6 +51,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--json", action="store_true", help="with --dry-run or --preflight: as JSON")
     parser.add_argument("--no-preflight", action="store_true", help="submit without the preflight checks")
     parser.add_argument("--wait", action="store_true", help="block with a live table until every job ended")
+    parser.add_argument(
+        "--pack",
+        type=int,
+        metavar="G",
+        help="run the jobs as units of one allocation with G GPUs (one lane each); see --budget",
+    )
+    parser.add_argument(
+        "--budget",
+        metavar="HH:MM:SS",
+        help="with --pack: the allocation's time limit; a plan whose estimates do not fit is refused",
+    )
     parser.add_argument("--force", action="store_true", help="rerun finished stages whose config changed")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="e.g. train.learning_rate=1e-4")
     return parser.parse_args(argv)

@@ -13,14 +13,25 @@ from rich.console import Console
 from rich.live import Live
 
 from slurm.experiments import load_experiments, load_watchable_experiments, parse_overrides
-from slurm.launcher import LaunchError, decide, hold_all_but, run_locally, submit_to_slurm, with_dependents
+from slurm.launcher import (
+    LaunchError,
+    decide,
+    hold_all_but,
+    run_locally,
+    submit_pack,
+    submit_to_slurm,
+    with_dependents,
+)
+from slurm.pack import Packing, pack_plan, pack_resources
 from slurm.plan import Plan, build_plan
 from slurm.problems import ConfigError, Problem
 from slurm.profile import load_profile
-from slurm.render import edges_text, plan_table, problem_lines, status_table, totals_text
+from slurm.render import edges_text, packing_text, plan_table, problem_lines, status_table, totals_text
+from slurm.rundir import done_hash
 from slurm.states import State
 from slurm.status import plan_status
 from slurm.yamlfile import find_inherited
+from train.config import TIME_FORMAT
 
 # Tables stay readable when piped to a file or a CI log (rich would fold them to 80 columns).
 out = Console(width=max(160, Console().width))
@@ -60,15 +71,18 @@ def dispatch(args) -> int:
         )
     experiments = load_experiments(args.config_dir, profile, parse_overrides(args.overrides), args.exp)
     plan = build_plan(experiments, profile)
+    pack = requested_pack(args, profile)
+    # Checked on what is still to run before the (slower) preflight: an impossible budget fails at once.
+    packing = pack_plan(still_to_run(plan), *pack, profile) if pack else None
     if args.dry_run:
-        return show_plan(plan, args.json)
+        return show_plan(plan, args.json, packing)
     if args.preflight or not args.no_preflight:
         checked = preflight(
             plan, experiments, profile, show=args.preflight, as_json=args.json and args.preflight
         )
         if args.preflight:
             return checked
-    code = submit(plan, profile, args)
+    code = submit(plan, profile, args, pack)
     if code == 0 and (args.wait or backend_of(args) == "local"):
         # The run ended here, every job completed: the comparison the user ran it for.
         written = report(plan, experiments, profile, args.config_dir)
@@ -197,17 +211,43 @@ def show_status(plan: Plan, profile) -> int:
     return 0
 
 
-def show_plan(plan: Plan, as_json: bool) -> int:
+def show_plan(plan: Plan, as_json: bool, packing: Packing | None = None) -> int:
     if as_json:
-        print(json.dumps(plan.to_json(), indent=1))
+        print(json.dumps({**plan.to_json(), **({"packing": packing.to_json()} if packing else {})}, indent=1))
     else:
         out.print(plan_table(plan))
         out.print(totals_text(plan), highlight=False, soft_wrap=True)
+        if packing:
+            out.print(packing_text(packing), highlight=False, soft_wrap=True)
         out.print(edges_text(plan), highlight=False)
     return 0
 
 
-def submit(plan: Plan, profile, args) -> int:
+def requested_pack(args, profile) -> tuple[int, str] | None:
+    """(GPUs, budget) of a packed allocation: --pack/--budget, else cluster.yaml's pack/budget."""
+    if args.budget and not (args.pack or profile.pack):
+        raise ConfigError(
+            [
+                Problem(
+                    "command line", "--budget", "is the time of a packed allocation: add --pack G (its GPUs)"
+                )
+            ]
+        )
+    if args.budget and not TIME_FORMAT.match(args.budget):
+        message = f"{args.budget!r} must look like HH:MM:SS or D-HH:MM:SS (e.g. 6:00:00)"
+        raise ConfigError([Problem("command line", "--budget", message)])
+    gpus = args.pack or profile.pack
+    if not gpus:
+        return None
+    return gpus, args.budget or profile.budget or profile.max_time
+
+
+def still_to_run(plan: Plan) -> list:
+    """The plan's jobs without a matching DONE: what a pack would run (no scheduler call: dry runs too)."""
+    return [job for job in plan.jobs if done_hash(Path(job.run_dir)) != job.config_hash]
+
+
+def submit(plan: Plan, profile, args, pack: tuple[int, str] | None = None) -> int:
     """Decide and submit under the run root's launch lock (a second launch waits, then finds the jobs
     queued); a local run keeps it until its jobs end. --wait follows SLURM jobs after letting it go."""
     from slurm.lock import launch_lock
@@ -231,8 +271,21 @@ def submit(plan: Plan, profile, args) -> int:
         if not todo:
             out.print(plan_table(plan, skipped))
             out.print("Nothing to submit: every job is done or already queued.")
+        elif pack and backend_name == "local":
+            raise ConfigError(
+                [
+                    Problem(
+                        "command line",
+                        "--pack",
+                        "packs a SLURM allocation, and there is no SLURM here: locally, jobs already share this "
+                        "machine (`local_parallel_jobs` in cluster.yaml sets how many run at once)",
+                    )
+                ]
+            )
         elif backend_name == "local":
             return run_here(plan, profile, decisions, take_snapshot(Path(profile.log_dir)))
+        elif pack:
+            queue_pack(plan, profile, decisions, skipped, pack, take_snapshot(Path(profile.log_dir)))
         else:
             queue(plan, profile, decisions, skipped, take_snapshot(Path(profile.log_dir)))
     return wait(plan, profile) if args.wait and backend_name == "slurm" else 0
@@ -245,6 +298,23 @@ def queue(plan: Plan, profile, decisions, skipped: dict[str, str], code) -> None
     states = {d.job.id: f"submitted {ids[d.job.id]}" for d in decisions if d.action == "submit"}
     out.print(plan_table(plan, {**skipped, **states}))
     out.print(f"Submitted {len(states)} job(s). Watch: squeue --me, python launch.py --status, --tail EXP")
+
+
+def queue_pack(plan: Plan, profile, decisions, skipped: dict[str, str], pack, code) -> None:
+    from slurm.submit import SlurmBackend
+
+    todo = [d.job for d in decisions if d.action == "submit"]
+    packing = pack_plan(todo, *pack, profile)  # what is not queued elsewhere already
+    resources = pack_resources(todo, packing, profile)
+    ids = submit_pack(decisions, SlurmBackend(profile, Path.cwd(), code), resources)
+    states = {job.id: f"packed in {ids[job.id]}" for job in todo}
+    out.print(plan_table(plan, {**skipped, **states}))
+    out.print(packing_text(packing), highlight=False, soft_wrap=True)
+    out.print(
+        f"Submitted {len(todo)} job(s) as one allocation ({ids[todo[0].id]}: {resources.gpus} GPU(s), "
+        f"{resources.time}). Watch: python launch.py --status, --tail EXP",
+        highlight=False,
+    )
 
 
 def run_here(plan: Plan, profile, decisions, code) -> int:

@@ -11,11 +11,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from slurm.pack import unit_of
 from slurm.plan import Plan, PlannedJob
 from slurm.problems import ConfigError, Problem
 from slurm.rundir import changed_keys, current_job, done_hash, read_spec, record_job, write_spec
 from slurm.states import State
 from slurm.status import query_slurm
+from train.config import Resources
 
 Action = Literal["submit", "done", "queued", "held"]
 
@@ -128,6 +130,28 @@ def submit_to_slurm(decisions: list[Decision], backend) -> dict[str, str]:
         code = backend.code.provenance()
         write_spec(Path(job.run_dir), job.spec.model_dump(), code)
         record_job(Path(job.run_dir), ids[job.id], "slurm", code)
+    return ids
+
+
+def submit_pack(decisions: list[Decision], backend, resources: Resources) -> dict[str, str]:
+    """Queue every job that needs it as a unit of one packed allocation (one sbatch: it is queued whole or
+    not at all); returns plan id → SLURM id, the allocation's for every unit."""
+    ids = {d.job.id: d.scheduler_id for d in decisions if d.action == "queued"}
+    todo = [d.job for d in decisions if d.action == "submit"]
+    # Inside the allocation units wait for units; parents queued as separate jobs hold the whole allocation.
+    outside = sorted({parent for job in todo for parent in parents_of(job, ids)})
+    for job in todo:
+        archive_stale(job)
+    units = [unit_of(job, backend.profile.log_dir) for job in todo]
+    try:
+        pack_id = backend.submit_pack(units, resources, outside)
+    except Exception as exc:
+        raise LaunchError(f"submitting the pack of {len(todo)} job(s) failed: {str(exc).strip()}") from None
+    code = backend.code.provenance()
+    for job in todo:
+        write_spec(Path(job.run_dir), job.spec.model_dump(), code)
+        record_job(Path(job.run_dir), pack_id, "slurm", code, pack=True)
+        ids[job.id] = pack_id
     return ids
 
 

@@ -5,9 +5,11 @@ from __future__ import annotations
 from rich.table import Table
 
 from slurm.estimate import format_duration
+from slurm.pack import Packing
 from slurm.plan import Plan, PlannedJob
 from slurm.states import State
 from slurm.status import JobStatus, format_eta
+from train.config import slurm_time
 
 STATE_STYLE = {
     State.COMPLETED: "green",
@@ -56,6 +58,21 @@ def totals_text(plan: Plan) -> str:
         lines.append(
             f"  not estimated (data fetched on the node, not in the speed book): {', '.join(unknown)}"
         )
+    return "\n".join(lines)
+
+
+def packing_text(packing: Packing) -> str:
+    """The simulated lanes: which units each GPU runs in order, and whether the makespan fits the budget."""
+    lines = [
+        f"Pack: one allocation of {packing.gpus} GPU(s) for {slurm_time(packing.budget_s)}; simulated makespan "
+        f"~{format_duration(packing.makespan_s)}, lanes busy {packing.utilisation:.0%} "
+        "(a free lane takes the ready job with the longest estimate)"
+    ]
+    for lane, units in enumerate(packing.lanes):
+        steps = [
+            f"{u} [{slurm_time(round(packing.starts[u]))}-{slurm_time(round(packing.ends[u]))}]" for u in units
+        ]
+        lines.append(f"  lane {lane}: " + (" -> ".join(steps) or "(idle)"))
     return "\n".join(lines)
 
 

@@ -3,6 +3,7 @@
 config.yaml    the resolved spec the job runs (written at submission)
 job.json       every scheduler job id this folder ever had, oldest first, with the code it ran
 progress.json  step / total / loss / ETA / GPU use, rewritten by the trainer while it runs
+lane.json      for a unit of a packed allocation: its lane, GPU and how it ended (slurm/lanes.py)
 DONE           the config hash, written last: a stage with a matching DONE never runs again
 """
 
@@ -32,12 +33,14 @@ def read_spec(run_dir: Path) -> dict | None:
         return None
 
 
-def record_job(run_dir: Path, job_id: str, backend: str, code: dict | None = None) -> None:
+def record_job(
+    run_dir: Path, job_id: str, backend: str, code: dict | None = None, pack: bool = False
+) -> None:
+    """`pack`: the job id is a packed allocation's, which runs this job as one of its units (lane.json)."""
     jobs = job_records(run_dir)
     now = time.strftime("%Y-%m-%dT%H:%M:%S")
-    jobs.append(
-        {"job_id": job_id, "backend": backend, "submitted_at": now, **({"code": code} if code else {})}
-    )
+    record = {"job_id": job_id, "backend": backend, "submitted_at": now}
+    jobs.append({**record, **({"pack": True} if pack else {}), **({"code": code} if code else {})})
     write_atomic(run_dir / "job.json", json.dumps({"jobs": jobs}, indent=1))
 
 

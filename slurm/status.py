@@ -154,6 +154,8 @@ def job_status(job, record, scheduler, earlier: dict[str, JobStatus], log_root: 
         info = local_info(submitted, record)
     else:
         info = scheduler.get(scheduler_id, SchedulerInfo(State.UNKNOWN, "not known to squeue or sacct"))
+        if record.get("pack"):
+            info = packed_unit_info(run_dir, scheduler_id, info)
     state, reason = info.state, info.reason
     stuck = state.live and "DependencyNeverSatisfied" in reason
     if stuck or (failed_parent and state in (State.CANCELLED, State.UNKNOWN)):
@@ -161,6 +163,30 @@ def job_status(job, record, scheduler, earlier: dict[str, JobStatus], log_root: 
         state = State.BLOCKED
         reason = f"parent {parent} {earlier[parent].state.value}" if failed_parent else "a parent failed"
     return JobStatus(job, state, reason=reason, elapsed=info.elapsed, stuck=stuck, **common)
+
+
+def packed_unit_info(run_dir: Path, pack_id: str, pack: SchedulerInfo) -> SchedulerInfo:
+    """A unit of a packed allocation: what its lane wrote (lane.json), within the allocation's state."""
+    lane = read_json(run_dir / "lane.json", {}) or {}
+    if str(lane.get("pack_job")) != pack_id:
+        lane = {}  # written by an earlier allocation
+    where = f"packed job {pack_id}"
+    if lane.get("lane") is not None:
+        where = f"lane {lane['lane']} (GPU {lane['gpu']}) of {where}"
+    ended = lane.get("state")
+    if ended == "failed":
+        return SchedulerInfo(State.FAILED, f"{lane.get('reason', '')} ({where})")
+    if ended == "blocked":
+        return SchedulerInfo(State.BLOCKED, lane.get("reason", "a parent failed"))
+    if pack.state is State.RUNNING:
+        if ended == "running":
+            return SchedulerInfo(State.RUNNING, where)
+        return SchedulerInfo(State.PENDING, f"waiting for a lane of packed job {pack_id}")
+    if pack.state.live:
+        return SchedulerInfo(State.PENDING, f"{pack.reason or 'queued'} ({where})")
+    if pack.state is State.COMPLETED:
+        return SchedulerInfo(State.FAILED, f"{where} ended without running it")
+    return SchedulerInfo(pack.state, f"{pack.reason or pack.state.value} ({where})", exit_code=pack.exit_code)
 
 
 def _submitit_job(log_root: str, plan_id: str, record: dict):

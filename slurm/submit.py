@@ -19,11 +19,13 @@ from pathlib import Path
 import submitit
 
 from slurm.jobs import EvalStage, TrainStage
+from slurm.lanes import PackJob
 from slurm.plan import PlannedJob
 from slurm.profile import ClusterProfile
 from slurm.scheduler import cancel, local_failure
 from slurm.snapshot import CodeSnapshot
 from slurm.states import State
+from train.config import Resources
 
 
 def pick_backend(name: str) -> str:
@@ -75,46 +77,70 @@ class SlurmBackend:
     def log_folder(self, job: PlannedJob) -> Path:
         return Path(self.profile.log_dir) / job.id
 
+    def submit_pack(self, units: list[dict], resources: Resources, parents: list[tuple[str, str]]) -> str:
+        """Queue one allocation that runs `units` on `resources.gpus` lanes (slurm/lanes.py)."""
+        executor = submitit.SlurmExecutor(
+            folder=self.pack_log_folder(), max_num_timeout=resources.max_requeues
+        )
+        executor.update_parameters(
+            **sbatch_parameters("lora-pack", resources, 1, parents, self.profile, self.code.folder)
+        )
+        return executor.submit(PackJob(), units, resources.gpus, str(self.workdir)).job_id
+
+    def pack_log_folder(self) -> Path:
+        """The allocation's own log (which lane ran what, when); each unit logs where a job would."""
+        return Path(self.profile.log_dir) / "packs"
+
     def sbatch_parameters(self, job: PlannedJob, parents: list[tuple[str, str]]) -> dict:
-        res = job.resources
-        params = {
-            "job_name": job.id,
-            "time": res.timeout_min,
-            "nodes": 1,
-            # One task per GPU (DDP); `cpus` is the job's, split over its tasks.
-            "ntasks_per_node": job.tasks,
-            "cpus_per_task": max(1, res.cpus // job.tasks),
-            "mem": f"{int(res.mem_gb * 1024)}M",
-            "signal_delay_s": res.signal_delay_s,
-            "stderr_to_stdout": True,  # one log per job: what --tail follows
-            "additional_parameters": {"open-mode": "append"},  # a requeued run adds to the log, not erase it
-            "setup": list(self.profile.setup),  # run in the user's directory, as they expect
-            # Python starts in the code snapshot, so it imports that code (sys.path[0]); the job then
-            # moves to the user's directory (workdir) before it reads any data path.
-            "srun_args": [f"--chdir={self.code.folder}"],
-        }
-        if job.tasks > 1:
-            # A rank that fails ends the job at once; the others would wait in their next all-reduce
-            # until the process group's timeout (10-30 minutes of idle GPUs).
-            params["srun_args"].append("--kill-on-bad-exit=1")
-        if res.gpus:
-            # The job's GPUs, each visible to every task (no per-task binding): rank k trains on
-            # cuda:LOCAL_RANK of the GPUs CUDA shows it (train/device.py), the same order on every task.
-            params["gpus_per_node"] = res.gpus
-        for key in ("partition", "account", "qos", "constraint"):
-            if getattr(res, key):
-                params[key] = getattr(res, key)
-        if res.mail:
-            params["mail_type"] = ",".join(res.mail)
-            if self.profile.mail_user:
-                params["mail_user"] = self.profile.mail_user
-        if parents:
-            params["dependency"] = ",".join(f"{kind}:{job_id}" for job_id, kind in parents)
-        return params
+        return sbatch_parameters(job.id, job.resources, job.tasks, parents, self.profile, self.code.folder)
 
     def cancel(self, job_ids: list[str]) -> None:
         # Cancelling needs only the id; submitit's job wants a folder, which it does not read for this.
         cancel([submitit.SlurmJob(self.profile.log_dir, job_id) for job_id in job_ids])
+
+
+def sbatch_parameters(
+    name: str,
+    res: Resources,
+    tasks: int,
+    parents: list[tuple[str, str]],
+    profile: ClusterProfile,
+    code_folder: Path,
+) -> dict:
+    params = {
+        "job_name": name,
+        "time": res.timeout_min,
+        "nodes": 1,
+        # One task per GPU (DDP); `cpus` is the job's, split over its tasks.
+        "ntasks_per_node": tasks,
+        "cpus_per_task": max(1, res.cpus // tasks),
+        "mem": f"{int(res.mem_gb * 1024)}M",
+        "signal_delay_s": res.signal_delay_s,
+        "stderr_to_stdout": True,  # one log per job: what --tail follows
+        "additional_parameters": {"open-mode": "append"},  # a requeued run adds to the log, not erase it
+        "setup": list(profile.setup),  # run in the user's directory, as they expect
+        # Python starts in the code snapshot, so it imports that code (sys.path[0]); the job then
+        # moves to the user's directory (workdir) before it reads any data path.
+        "srun_args": [f"--chdir={code_folder}"],
+    }
+    if tasks > 1:
+        # A rank that fails ends the job at once; the others would wait in their next all-reduce
+        # until the process group's timeout (10-30 minutes of idle GPUs).
+        params["srun_args"].append("--kill-on-bad-exit=1")
+    if res.gpus:
+        # The job's GPUs, each visible to every task (no per-task binding): rank k trains on
+        # cuda:LOCAL_RANK of the GPUs CUDA shows it (train/device.py), the same order on every task.
+        params["gpus_per_node"] = res.gpus
+    for key in ("partition", "account", "qos", "constraint"):
+        if getattr(res, key):
+            params[key] = getattr(res, key)
+    if res.mail:
+        params["mail_type"] = ",".join(res.mail)
+        if profile.mail_user:
+            params["mail_user"] = profile.mail_user
+    if parents:
+        params["dependency"] = ",".join(f"{kind}:{job_id}" for job_id, kind in parents)
+    return params
 
 
 class LocalBackend:

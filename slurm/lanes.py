@@ -1,0 +1,214 @@
+"""What a packed allocation runs on its node: G lanes, one GPU each, working through the plan's units.
+
+One process (the allocation's only task) keeps the units' dependencies in memory and starts each unit as
+a child process that sees only its lane's GPU (CUDA_VISIBLE_DEVICES) and runs exactly what a separate
+job would (slurm/unit.py → TrainStage / EvalStage), with its log where a separate job's would be. Every
+unit keeps its own run directory and DONE; `lane.json` beside them says which lane ran it and how it
+ended, for --status. Why one process and not one SLURM task per lane: lanes claim units dynamically and
+must agree on who runs what; one scheduler in one process needs no locks or shared files to agree.
+
+A free lane claims the ready unit with the longest estimate (slurm/pack.py simulates the same rule). A
+unit that fails blocks the units that need its adapter (afterok); the other lanes go on. On SLURM's USR2
+(time limit, preemption) or SIGTERM every running unit is told to checkpoint; once all have ended, the
+allocation requeues itself; on restart, units with a DONE are skipped and interrupted ones resume.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import submitit
+from submitit.core.utils import JobPaths
+
+from slurm.jobs import StopRequest, _configure_logging
+from slurm.redact import redact_job_output
+from slurm.rundir import done_hash
+from train.files import write_atomic
+
+log = logging.getLogger("slurm.lanes")
+POLL_S = 1.0  # how often the lanes look at their children: a unit runs minutes, a second is nothing
+
+
+def lane_devices(lanes: int) -> list[str]:
+    """The GPU each lane binds its units to: the allocation's own (SLURM sets CUDA_VISIBLE_DEVICES to the
+    GPUs it gave, e.g. "2,3,5,6"), else 0..lanes-1 (a machine without SLURM's GPU binding)."""
+    given = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    if len(given) >= lanes:
+        return given[:lanes]
+    return [str(k) for k in range(lanes)]
+
+
+class PackJob(submitit.helpers.Checkpointable):
+    """The body of a packed allocation. Requeued by submitit's Checkpointable like a training stage."""
+
+    def __call__(self, units: list[dict], lanes: int, workdir: str) -> dict[str, str]:
+        code_folder = os.getcwd()  # the launch's code snapshot: the units import the same code
+        os.chdir(workdir)
+        redact_job_output()
+        _configure_logging()
+        stop = StopRequest()
+        requeue = stop.listen()
+        job_id = submitit.JobEnvironment().job_id
+        outcome = Lanes(units, lane_devices(lanes), job_id, code_folder, workdir).run(stop)
+        if "interrupted" in outcome.values():
+            if stop.signal in (signal.SIGUSR2, None) and requeue is not None:
+                requeue(signal.SIGUSR2, None)  # submitit: checkpoint() → scontrol requeue → exit
+            raise RuntimeError(
+                f"the pack stopped by {stop.signal.name if stop.signal else 'USR2'}; units saved"
+            )
+        failed = sorted(k for k, v in outcome.items() if v in ("failed", "blocked"))
+        if failed:
+            raise RuntimeError(f"{len(failed)} unit(s) did not complete: {', '.join(failed)}")
+        return outcome
+
+
+class Lanes:
+    def __init__(self, units: list[dict], devices: list[str], job_id: str, code_folder: str, workdir: str):
+        self.units = {u["id"]: u for u in units}
+        self.devices, self.job_id = devices, job_id
+        self.code_folder, self.workdir = code_folder, workdir
+        self.state: dict[str, str] = {}  # unit id → done | failed | blocked | interrupted
+        self.running: dict[str, tuple[subprocess.Popen, int]] = {}
+
+    def run(self, stop: StopRequest) -> dict[str, str]:
+        for unit in self.units.values():
+            if done_hash(Path(unit["run_dir"])) == unit["config_hash"]:
+                self.state[unit["id"]] = "done"  # finished before a requeue: never run twice
+        log.info(
+            "%d unit(s) on %d lane(s) (GPUs %s)", len(self.units), len(self.devices), ",".join(self.devices)
+        )
+        while True:
+            if stop.event.is_set():
+                return self.stop_all(stop)
+            self.block_orphans()
+            self.start_ready()
+            if not self.running:
+                return {uid: self.state.get(uid, "blocked") for uid in self.units}
+            self.reap()
+            stop.event.wait(POLL_S)
+
+    def ready(self) -> list[dict]:
+        def parent_ended(job_id: str, kind: str) -> bool:
+            if job_id not in self.units:
+                return True  # done before the pack, or outside it (SLURM held the pack for it)
+            ended = self.state.get(job_id)
+            return ended == "done" or (kind == "afterany" and ended in ("failed", "blocked"))
+
+        waiting = [u for uid, u in self.units.items() if uid not in self.state and uid not in self.running]
+        ready = [u for u in waiting if all(parent_ended(j, k) for j, k in u["depends_on"])]
+        return sorted(ready, key=lambda u: u["seconds"], reverse=True)
+
+    def block_orphans(self) -> None:
+        """A unit whose adapter parent failed or was blocked can never run (afterok), as SLURM would say."""
+        changed = True
+        while changed:
+            changed = False
+            for uid, unit in self.units.items():
+                if uid in self.state or uid in self.running:
+                    continue
+                bad = [
+                    j
+                    for j, k in unit["depends_on"]
+                    if k == "afterok" and self.state.get(j) in ("failed", "blocked")
+                ]
+                if bad:
+                    self.state[uid] = "blocked"
+                    self.write_lane(unit, None, "blocked", f"parent {bad[0]} {self.state[bad[0]]}")
+                    log.warning("%s blocked: parent %s %s", uid, bad[0], self.state[bad[0]])
+                    changed = True
+
+    def start_ready(self) -> None:
+        busy = {lane for _, lane in self.running.values()}
+        free = [lane for lane in range(len(self.devices)) if lane not in busy]
+        for unit, lane in zip(self.ready(), free, strict=False):  # as many as there are free lanes
+            self.running[unit["id"]] = (self.start(unit, lane), lane)
+            self.write_lane(unit, lane, "running")
+            log.info("lane %d (GPU %s): started %s", lane, self.devices[lane], unit["id"])
+
+    def start(self, unit: dict, lane: int) -> subprocess.Popen:
+        folder = Path(unit["log_folder"])
+        folder.mkdir(parents=True, exist_ok=True)
+        order = folder / f"{self.job_id}_unit.json"  # what the unit runs; read by slurm/unit.py
+        write_atomic(order, json.dumps({**unit, "workdir": self.workdir}))
+        env = {
+            **os.environ,
+            "CUDA_VISIBLE_DEVICES": self.devices[lane],
+            "OMP_NUM_THREADS": str(self.cpus_per_lane()),
+            "MKL_NUM_THREADS": str(self.cpus_per_lane()),
+            "LORA_PACK_LANE": str(lane),
+        }
+        # Where a separate job's log would be (`--tail`, --status and the report find it unchanged).
+        logfile = open(JobPaths(folder, self.job_id, task_id=0).stdout, "ab")  # noqa: SIM115 (the child's)
+        try:
+            return subprocess.Popen(
+                [sys.executable, "-m", "slurm.unit", str(order)],
+                cwd=self.code_folder,
+                env=env,
+                stdout=logfile,
+                stderr=subprocess.STDOUT,
+            )
+        finally:
+            logfile.close()  # the child holds its own copy
+
+    def cpus_per_lane(self) -> int:
+        cpus = int(
+            os.environ.get("SLURM_CPUS_PER_TASK")
+            or os.environ.get("SLURM_CPUS_ON_NODE")
+            or os.cpu_count()
+            or 1
+        )
+        return max(1, cpus // len(self.devices))
+
+    def reap(self) -> None:
+        for uid, (child, lane) in list(self.running.items()):
+            code = child.poll()
+            if code is None:
+                continue
+            del self.running[uid]
+            unit = self.units[uid]
+            if done_hash(Path(unit["run_dir"])) == unit["config_hash"]:
+                self.state[uid] = "done"
+                self.write_lane(unit, lane, "done")
+                log.info("lane %d: %s done", lane, uid)
+            else:
+                self.state[uid] = "failed"
+                self.write_lane(unit, lane, "failed", f"exit code {code}, see its log")
+                log.error("lane %d: %s failed (exit code %s)", lane, uid, code)
+
+    def stop_all(self, stop: StopRequest) -> dict[str, str]:
+        """Tell every running unit to checkpoint (the signal this process got), and wait for all of them."""
+        sent = stop.signal or signal.SIGUSR2
+        log.warning("%s: %d running unit(s) checkpoint and stop", sent.name, len(self.running))
+        for child, _ in self.running.values():
+            child.send_signal(sent)
+        for uid, (child, lane) in list(self.running.items()):
+            child.wait()
+            unit = self.units[uid]
+            if done_hash(Path(unit["run_dir"])) == unit["config_hash"]:
+                self.state[uid] = "done"
+                self.write_lane(unit, lane, "done")
+            else:
+                self.state[uid] = "interrupted"
+                self.write_lane(unit, lane, "interrupted", f"stopped by {sent.name}; resumes on requeue")
+        self.running.clear()
+        return {uid: self.state.get(uid, "interrupted") for uid in self.units}
+
+    def write_lane(self, unit: dict, lane: int | None, state: str, reason: str = "") -> None:
+        record = {
+            "pack_job": self.job_id,
+            "lane": lane,
+            "gpu": self.devices[lane] if lane is not None else None,
+            "state": state,
+            "reason": reason,
+            "at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        }
+        run_dir = Path(unit["run_dir"])
+        run_dir.mkdir(parents=True, exist_ok=True)
+        write_atomic(run_dir / "lane.json", json.dumps(record))

@@ -1,0 +1,176 @@
+"""Packing: a plan's jobs run as units on G lanes (one GPU each) inside one SLURM allocation. Pure data.
+
+`--pack G --budget HH:MM:SS` asks for one job with G GPUs on one node and the budget as its time limit;
+inside it, a lane that frees claims the next ready unit, longest estimate first (slurm/lanes.py). Here the
+same rule is simulated with the plan's estimates, before anything is queued: the lanes it gives are what
+`--dry-run` prints, and a makespan over the budget is refused with the GPU count that would fit.
+
+A unit's duration is its estimate; a unit without one counts as its whole time limit (pessimistic: the
+packing then fits for sure or is refused). Units needing several GPUs (DDP) are refused: a lane is one GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pydantic import ValidationError
+
+from slurm.plan import PlannedJob
+from slurm.problems import ConfigError, Problem
+from slurm.profile import ClusterProfile
+from train.config import Resources, slurm_seconds, slurm_time
+
+
+@dataclass(frozen=True)
+class Packing:
+    gpus: int
+    budget_s: int
+    lanes: tuple[tuple[str, ...], ...]  # job ids per lane, in the order the lane runs them
+    starts: dict[str, float]  # simulated start and end of each unit, seconds from the allocation's start
+    ends: dict[str, float]
+
+    @property
+    def makespan_s(self) -> float:
+        return max(self.ends.values(), default=0.0)
+
+    @property
+    def utilisation(self) -> float:
+        """Busy lane-seconds ÷ (lanes × makespan)."""
+        busy = sum(self.ends[j] - self.starts[j] for j in self.ends)
+        return busy / (self.gpus * self.makespan_s) if self.makespan_s else 0.0
+
+    def to_json(self) -> dict:
+        return {
+            "gpus": self.gpus,
+            "budget_s": self.budget_s,
+            "makespan_s": round(self.makespan_s),
+            "utilisation": round(self.utilisation, 3),
+            "lanes": [list(lane) for lane in self.lanes],
+        }
+
+
+def unit_seconds(job: PlannedJob) -> float:
+    return job.estimate.seconds if job.estimate.seconds is not None else float(job.resources.time_s)
+
+
+def simulate(jobs: list[PlannedJob], gpus: int) -> Packing:
+    """Run the lanes' rule on the estimates: whenever a lane is free, it takes the ready unit with the
+    longest estimate (lowest lane number first); a unit is ready when its parents in `jobs` have ended.
+    Parents outside `jobs` are done or run elsewhere before the allocation starts."""
+    ids = {j.id for j in jobs}
+    waiting = list(jobs)
+    free = list(range(gpus))
+    running: list[tuple[float, int, str]] = []  # (end, lane, job id)
+    starts: dict[str, float] = {}
+    ends: dict[str, float] = {}
+    lanes: list[list[str]] = [[] for _ in range(gpus)]
+    now = 0.0
+    while waiting or running:
+        ready = [j for j in waiting if all(d.job_id in ends or d.job_id not in ids for d in j.depends_on)]
+        for job in sorted(ready, key=unit_seconds, reverse=True)[: len(free)]:
+            lane = free.pop(0)
+            waiting.remove(job)
+            starts[job.id] = now
+            running.append((now + unit_seconds(job), lane, job.id))
+            lanes[lane].append(job.id)
+        running.sort()
+        now = running[0][0]
+        while running and running[0][0] == now:  # every unit ending at this instant frees its lane
+            end, lane, job_id = running.pop(0)
+            ends[job_id] = end
+            free.append(lane)
+        free.sort()
+    return Packing(gpus, 0, tuple(tuple(lane) for lane in lanes), starts, ends)
+
+
+def pack_plan(jobs: list[PlannedJob], gpus: int, budget: str, profile: ClusterProfile) -> Packing:
+    """The packing of `jobs` (the plan's jobs still to run) on `gpus` lanes; ConfigError if a unit cannot
+    take a lane or the simulated makespan exceeds the budget."""
+    problems = []
+    if not 1 <= gpus <= profile.max_gpus_per_node:
+        problems.append(
+            f"--pack {gpus}: a pack is one node, and nodes here have 1 to {profile.max_gpus_per_node} GPUs"
+        )
+    for job in jobs:
+        if job.resources.gpus > 1:
+            problems.append(
+                f"{job.id} trains on {job.resources.gpus} GPUs (DDP), and a lane is one GPU: run it unpacked "
+                f"(launch it with --exp {job.experiment} before or after the pack), or set resources.gpus: 1"
+            )
+    if problems:
+        raise ConfigError([Problem("command line", "--pack", p) for p in problems])
+    budget_s = slurm_seconds(budget)
+    packing = simulate(jobs, gpus)
+    packing = Packing(gpus, budget_s, packing.lanes, packing.starts, packing.ends)
+    if packing.makespan_s > budget_s:
+        raise ConfigError([Problem("command line", "--budget", over_budget(jobs, packing, profile))])
+    return packing
+
+
+def over_budget(jobs: list[PlannedJob], packing: Packing, profile: ClusterProfile) -> str:
+    makespan, budget = packing.makespan_s, packing.budget_s
+    message = (
+        f"the {len(jobs)} job(s) need about {slurm_time(round(makespan))} on {packing.gpus} GPU(s), "
+        f"{slurm_time(round(makespan - budget))} over the budget {slurm_time(budget)}"
+    )
+    for gpus in range(packing.gpus + 1, profile.max_gpus_per_node + 1):
+        if simulate(jobs, gpus).makespan_s <= budget:
+            return f"{message}; they would fit on {gpus} GPUs (--pack {gpus})"
+    alone = simulate(jobs, max(1, len(jobs))).makespan_s  # as many lanes as units: the longest chain alone
+    return (
+        f"{message}; no pack of up to {profile.max_gpus_per_node} GPUs fits, as its longest chain alone "
+        f"takes {slurm_time(round(alone))}: raise --budget, or pack fewer experiments (--exp)"
+    )
+
+
+def pack_resources(jobs: list[PlannedJob], packing: Packing, profile: ClusterProfile) -> Resources:
+    """One node with G GPUs for the budget; per lane the CPUs and memory of the hungriest unit (capped at
+    the node's), and the partition, account, qos and constraint the units share."""
+    shared = {}
+    for key in ("partition", "account", "qos", "constraint"):
+        values = {getattr(j.resources, key) for j in jobs}
+        if len(values) > 1:
+            raise ConfigError(
+                [
+                    Problem(
+                        "command line",
+                        "--pack",
+                        f"the jobs ask for different resources.{key} ({', '.join(sorted(map(str, values)))}), "
+                        "and a pack is one allocation: pack those of one at a time (--exp)",
+                    )
+                ]
+            )
+        shared[key] = values.pop() if values else None
+    lanes = packing.gpus
+    try:
+        return pack_allocation(jobs, lanes, packing.budget_s, profile, shared)
+    except ValidationError as exc:
+        message = exc.errors()[0]["msg"].removeprefix("Value error, ")
+        raise ConfigError([Problem("command line", "--budget", message)]) from None
+
+
+def pack_allocation(jobs: list[PlannedJob], lanes: int, budget_s: int, profile, shared: dict) -> Resources:
+    return Resources(
+        gpus=lanes,
+        time=slurm_time(budget_s),
+        cpus=min(profile.max_cpus_per_node, lanes * max(j.resources.cpus for j in jobs)),
+        mem_gb=min(profile.max_mem_gb_per_node, lanes * max(j.resources.mem_gb for j in jobs)),
+        signal_delay_s=max(j.resources.signal_delay_s for j in jobs),
+        max_requeues=max(j.resources.max_requeues for j in jobs),
+        mail=sorted({m for j in jobs for m in j.resources.mail}),
+        **shared,
+    )
+
+
+def unit_of(job: PlannedJob, log_root: str) -> dict:
+    """What the allocation needs to run one unit (plain data: submitit pickles it)."""
+    return {
+        "id": job.id,
+        "kind": job.kind,
+        "spec": job.spec.model_dump(),
+        "config_hash": job.config_hash,
+        "run_dir": job.run_dir,
+        "log_folder": f"{log_root}/{job.id}",
+        "seconds": unit_seconds(job),
+        "depends_on": [[d.job_id, d.kind] for d in job.depends_on],
+    }

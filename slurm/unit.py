@@ -1,0 +1,25 @@
+"""One unit of a packed allocation, in its own process on its lane's GPU (slurm/lanes.py starts it):
+`python -m slurm.unit ORDER.json` runs the same TrainStage or EvalStage a separate job would.
+
+A stop (USR2 or TERM, from SLURM or forwarded by the lanes) checkpoints as in a separate job; the unit
+then exits non-zero without a DONE and the allocation requeues: submitit's requeue handler belongs to the
+allocation's process, not to this one, so TrainStage finds none here and leaves requeueing to the lanes.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from slurm.jobs import EvalStage, TrainStage
+
+
+def main(order_file: str) -> None:
+    unit = json.loads(Path(order_file).read_text(encoding="utf-8"))
+    stage = TrainStage() if unit["kind"] == "train" else EvalStage()
+    stage(unit["spec"], unit["config_hash"], unit["workdir"])
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,156 @@
+"""Packing (slurm/pack.py) as data: the lanes' rule simulated on estimates, the budget check, the refusals,
+the allocation a pack asks for. No cluster: the dev-cluster runs are in tests/test_cluster_pack.py."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import launch
+from slurm.estimate import Estimate
+from slurm.experiments import load_experiments, parse_overrides
+from slurm.pack import pack_plan, pack_resources, simulate
+from slurm.plan import build_plan
+from slurm.problems import ConfigError
+from slurm.profile import load_profile
+from tests.test_plan import sized
+
+SECONDS = {"a/one": 10, "a/two": 10, "b/train": 15, "c/train": 5}
+
+
+def fixed(spec, gpus) -> Estimate:
+    return Estimate(SECONDS[f"{spec.experiment}/{spec.stage}"], "measured", "fixed by the test")
+
+
+def folder_with(tmp_path: Path, **files: str) -> Path:
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"input": "q", "target": "a"}\n')
+    (tmp_path / "cluster.yaml").write_text(
+        f"run_dir: {tmp_path / 'runs'}\nmax_gpus_per_node: 4\nmax_cpus_per_node: 6\nmax_mem_gb_per_node: 20\n"
+    )
+    for name, text in files.items():
+        (tmp_path / f"{name}.yaml").write_text(text.replace("DATA", str(data)))
+    return tmp_path
+
+
+CHAIN = """\
+name: a
+model: {name_or_path: org/some-model, kind: causal}
+data: {train: DATA}
+eval: {metrics: []}
+resources: {gpus: 1, cpus: 2, mem_gb: 8, time: "01:00:00"}
+stages: [{name: one}, {name: two}]
+"""
+
+
+def abc_plan(tmp_path: Path, b_resources: str = '{gpus: 1, cpus: 4, mem_gb: 12, time: "01:00:00"}'):
+    folder = folder_with(
+        tmp_path,
+        a=CHAIN,
+        b=sized("b", b_resources, "{metrics: []}"),
+        c=sized("c", '{gpus: 1, cpus: 1, mem_gb: 4, time: "01:00:00"}', "{metrics: []}"),
+    )
+    profile, _ = load_profile(folder)
+    plan = build_plan(load_experiments(folder, profile, parse_overrides([]), None), profile, fixed)
+    return plan, profile
+
+
+def test_free_lanes_take_the_longest_ready_job_and_chains_wait_for_their_parents(tmp_path):
+    plan, _ = abc_plan(tmp_path)
+    packing = simulate(list(plan.jobs), 2)
+    # t=0: b (15 s) and a/one (10 s) are the longest ready; c waits. t=10: a/two (now ready, 10 s) beats
+    # c (5 s) for lane 1. t=15: c on lane 0. t=20: a/two ends.
+    assert packing.lanes == (("b/train", "c/train"), ("a/one", "a/two"))
+    assert packing.starts == {"b/train": 0, "a/one": 0, "a/two": 10, "c/train": 15}
+    assert packing.makespan_s == 20
+    assert packing.utilisation == pytest.approx(40 / (2 * 20))
+    one_lane = simulate(list(plan.jobs), 1)
+    assert one_lane.makespan_s == 40 and one_lane.lanes == (("b/train", "a/one", "a/two", "c/train"),)
+
+
+def test_a_budget_the_estimates_exceed_is_refused_with_the_gpus_that_would_fit(tmp_path):
+    plan, profile = abc_plan(tmp_path)
+    with pytest.raises(ConfigError) as refused:
+        pack_plan(list(plan.jobs), 1, "00:00:30", profile)  # 40 s of work on one lane
+    message = str(refused.value.problems[0])
+    assert "--budget" in message
+    assert "need about 00:00:40 on 1 GPU(s), 00:00:10 over the budget 00:00:30" in message
+    assert "they would fit on 2 GPUs (--pack 2)" in message
+    with pytest.raises(ConfigError) as never:
+        pack_plan(list(plan.jobs), 1, "00:00:19", profile)  # the a chain alone takes 20 s
+    assert "no pack of up to 4 GPUs fits, as its longest chain alone takes 00:00:20" in str(
+        never.value.problems[0]
+    )
+    assert pack_plan(list(plan.jobs), 2, "00:00:20", profile).makespan_s == 20
+
+
+def test_a_pack_asks_for_one_node_with_each_lane_sized_for_its_hungriest_job(tmp_path):
+    plan, profile = abc_plan(tmp_path)
+    packing = pack_plan(list(plan.jobs), 2, "06:00:00", profile)
+    resources = pack_resources(list(plan.jobs), packing, profile)
+    assert resources.gpus == 2 and resources.time == "06:00:00"
+    assert resources.cpus == 6  # 2 lanes x b's 4 CPUs, capped at the node's 6
+    assert resources.mem_gb == 20  # 2 x b's 12 GB, capped at the node's 20
+    assert resources.tasks == 2  # Resources' own count; the pack's sbatch asks for one task (submit_pack)
+
+
+def test_a_multi_gpu_job_cannot_take_a_lane(tmp_path):
+    plan, profile = abc_plan(tmp_path, b_resources='{gpus: 2, cpus: 4, mem_gb: 8, time: "01:00:00"}')
+    with pytest.raises(ConfigError) as refused:
+        pack_plan(list(plan.jobs), 4, "06:00:00", profile)
+    message = str(refused.value.problems[0])
+    assert "b/train trains on 2 GPUs (DDP), and a lane is one GPU" in message
+    assert "--exp b" in message
+
+
+def run_cli(folder: Path, capsys, *extra: str) -> tuple[int, str, str]:
+    code = launch.main(["--all", "--config-dir", str(folder), "--backend", "slurm", *extra])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_the_dry_run_prints_the_lanes_and_its_json_carries_them(tmp_path, capsys):
+    folder = folder_with(
+        tmp_path,
+        b=sized("b", '{gpus: 1, cpus: 1, mem_gb: 2, time: "00:30:00"}', "{metrics: []}"),
+        c=sized("c", '{gpus: 1, cpus: 1, mem_gb: 2, time: "00:30:00"}', "{metrics: []}"),
+    )
+    code, out, _ = run_cli(folder, capsys, "--dry-run", "--json", "--pack", "2", "--budget", "2:00:00")
+    assert code == 0
+    packing = json.loads(out)["packing"]
+    assert packing["gpus"] == 2 and packing["budget_s"] == 7200
+    assert sorted(map(tuple, packing["lanes"])) == [("b/train",), ("c/train",)]
+    code, out, _ = run_cli(folder, capsys, "--dry-run", "--pack", "2", "--budget", "2:00:00")
+    assert code == 0 and "Pack: one allocation of 2 GPU(s) for 02:00:00" in out
+    assert "lane 0: " in out and "lane 1: " in out
+
+
+@pytest.mark.parametrize(
+    ("extra", "expected"),
+    [
+        (["--budget", "1:00:00"], "--budget: is the time of a packed allocation: add --pack G"),
+        (["--pack", "2", "--budget", "6h"], "--budget: '6h' must look like HH:MM:SS"),
+        (["--pack", "9"], "--pack 9: a pack is one node, and nodes here have 1 to 4 GPUs"),
+    ],
+)
+def test_pack_mistakes_on_the_command_line_are_named(tmp_path, capsys, extra, expected):
+    folder = folder_with(
+        tmp_path, c=sized("c", '{gpus: 1, cpus: 1, mem_gb: 2, time: "00:30:00"}', "{metrics: []}")
+    )
+    code, _, err = run_cli(folder, capsys, "--dry-run", *extra)
+    assert code == 2
+    assert expected in err and "Traceback" not in err
+
+
+def test_cluster_yaml_can_set_the_pack_and_an_unquoted_budget(tmp_path, capsys):
+    folder = folder_with(
+        tmp_path, c=sized("c", '{gpus: 1, cpus: 1, mem_gb: 2, time: "00:30:00"}', "{metrics: []}")
+    )
+    with (folder / "cluster.yaml").open("a") as fh:
+        fh.write("pack: 3\nbudget: 5:00:00\n")  # YAML reads 5:00:00 as 18000 (base 60)
+    code, out, _ = run_cli(folder, capsys, "--dry-run", "--json")
+    assert code == 0
+    packing = json.loads(out)["packing"]
+    assert packing["gpus"] == 3 and packing["budget_s"] == 5 * 3600
