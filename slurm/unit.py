@@ -9,6 +9,7 @@ allocation's process, not to this one, so TrainStage finds none here and leaves 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -17,6 +18,8 @@ from slurm.jobs import EvalStage, TrainStage
 
 def main(order_file: str) -> None:
     unit = json.loads(Path(order_file).read_text(encoding="utf-8"))
+    lane, gpu = os.environ.get("LORA_PACK_LANE"), os.environ.get("CUDA_VISIBLE_DEVICES")
+    print(f"{unit['id']}: unit of packed job on lane {lane}, CUDA_VISIBLE_DEVICES={gpu}", flush=True)
     stage = TrainStage() if unit["kind"] == "train" else EvalStage()
     stage(unit["spec"], unit["config_hash"], unit["workdir"])
 

@@ -1,0 +1,194 @@
+"""Packed allocations on the dev cluster, for real: one SLURM job whose lanes run a seed-like scenario
+(two single-stage experiments, a 3-stage and a 2-stage curriculum, one `after:` another), a requeue of
+that job mid-run, a unit that fails, and a budget that cannot hold the plan.
+
+Waiting is always for a condition (a file, a state), never a fixed sleep.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+from pathlib import Path
+
+from safetensors.torch import load_file
+from submitit.core.utils import JobPaths
+
+import launch
+from slurm.experiments import load_experiments, parse_overrides
+from slurm.plan import build_plan
+from slurm.profile import load_profile
+from tests.conftest import squeue_ids, write_cluster_yaml
+from tests.test_cluster_faults import assert_every_step_logged_once, assert_same_adapter, slurm_id, wait_until
+from train.checkpoints import latest_valid_checkpoint
+
+BASE = """\
+model: {{name_or_path: {root}/models/tiny-llama, kind: causal}}
+adapter: {{rank: 8, alpha: 16, dropout: 0.0, max_trainable_percent: 30}}
+data:
+  train: {root}/data/demo/sql/easy.jsonl
+  eval: {root}/data/demo/sql/dev.jsonl
+  input_field: question
+  target_field: sql
+  prompt_template: "{{schema}} | {{question}} | SQL: "
+train: {{epochs: 1, learning_rate: 3.0e-3, batch_size: 8, save_every_steps: 8, logging_steps: 4,
+        eval_every_epochs: null}}
+eval: {{metrics: []}}
+resources: {{gpus: 1, cpus: 1, mem_gb: 2, time: "00:20:00", signal_delay_s: 60}}
+"""
+SQL = "{root}/data/demo/sql"
+SCENARIO = {
+    "single-a": "eval: {{metrics: [exact_match], limit: 8, max_new_tokens: 16}}\n",
+    "single-b": "",
+    "three": (
+        "stages:\n"
+        "  - {{name: easy}}\n"
+        f"  - {{{{name: medium, data: {{{{train: {SQL}/medium.jsonl}}}}}}}}\n"
+        # long enough to be caught mid-run by the requeue below
+        f"  - {{{{name: long, data: {{{{train: {SQL}/train.jsonl}}}}, train: {{{{epochs: 12}}}}}}}}\n"
+    ),
+    "two": f"stages:\n  - {{{{name: easy}}}}\n  - {{{{name: hard, data: {{{{train: {SQL}/hard.jsonl}}}}}}}}\n",
+    "later": "after: [single-a]\n",
+}
+
+
+def scenario(repo_root: Path, tmp: Path, experiments: dict[str, str]) -> Path:
+    folder = tmp / "configs"
+    folder.mkdir(parents=True)
+    write_cluster_yaml(folder, tmp)
+    (folder / "_base.yaml").write_text(BASE.format(root=repo_root))
+    for name, text in experiments.items():
+        body = text.format(root=repo_root)
+        (folder / f"{name}.yaml").write_text(f"name: {name}\ninherits: _base.yaml\n{body}")
+    return folder
+
+
+def launch_slurm(folder: Path, *extra: str) -> int:
+    return launch.main(["--all", "--config-dir", str(folder), "--backend", "slurm", "--no-preflight", *extra])
+
+
+def train_units(folder: Path) -> list[str]:
+    profile, _ = load_profile(folder)
+    plan = build_plan(load_experiments(folder, profile, parse_overrides([]), None), profile)
+    return [job.id for job in plan.jobs]
+
+
+def pack_log(tmp: Path, pack_id: str) -> str:
+    return JobPaths(tmp / "logs" / "packs", pack_id).stdout.read_text()
+
+
+def test_a_packed_run_survives_a_requeue_and_equals_the_unpacked_run(
+    repo_root, tmp_path, slurm_cluster, tiny
+):
+    plain = scenario(repo_root, tmp_path / "plain", SCENARIO)
+    packed = scenario(repo_root, tmp_path / "packed", SCENARIO)
+    jobs = train_units(packed)
+    assert len(jobs) == 9  # 8 training stages and single-a's eval
+    # Both at once on the 4 fake GPUs: the 2-lane pack on two, the unpacked jobs on the others.
+    assert launch_slurm(packed, "--pack", "2", "--budget", "00:40:00") == 0
+    assert launch_slurm(plain) == 0
+    runs = tmp_path / "packed" / "runs"
+    pack_id = slurm_id(tmp_path / "packed", jobs[0])
+    assert {slurm_id(tmp_path / "packed", job) for job in jobs} == {pack_id}  # one allocation for all
+
+    long = runs / "three" / "long"
+    wait_until(lambda: latest_valid_checkpoint(long / "checkpoints"), "three/long's first checkpoint", 480)
+    finished = {job for job in jobs if (runs / job / "DONE").exists()}
+    subprocess.run(["scontrol", "requeue", pack_id], check=True)
+    assert launch_slurm(packed, "--pack", "2", "--budget", "00:40:00", "--wait") == 0  # nothing new queued
+    assert launch_slurm(plain, "--wait") == 0
+
+    log = pack_log(tmp_path / "packed", pack_id)
+    assert finished >= {"three/easy", "three/medium"}  # the long stage ran after them
+    for job in finished:
+        assert log.count(f": started {job}\n") == 1, job  # never run twice
+    assert log.count(": started three/long\n") == 2  # interrupted once, resumed once
+    summary = json.loads((long / "summary.json").read_text())
+    assert summary["resumed_from"] is not None
+    assert_every_step_logged_once(long, summary["global_step"])
+
+    # Each unit saw one GPU, its lane's; the two lanes had different ones.
+    lane_gpu = {}
+    for job in jobs:
+        lane = json.loads((runs / job / "lane.json").read_text())
+        unit_log = JobPaths(tmp_path / "packed" / "logs" / job, pack_id).stdout.read_text()
+        seen = set(re.findall(r"unit of packed job on lane (\d+), CUDA_VISIBLE_DEVICES=(\S+)", unit_log))
+        assert seen == {(str(lane["lane"]), lane["gpu"])}, (job, seen)
+        lane_gpu.setdefault(lane["lane"], set()).add(lane["gpu"])
+    assert sorted(lane_gpu) == [0, 1]
+    assert all(len(gpus) == 1 for gpus in lane_gpu.values()) and lane_gpu[0] != lane_gpu[1]
+
+    # The same results as the separate jobs: every adapter, and the eval's scores.
+    for job in jobs:
+        if job.endswith("/eval"):
+            continue
+        assert_same_adapter(
+            load_file(str(tmp_path / "plain" / "runs" / job / "adapter" / "adapter_model.safetensors")),
+            runs / job,
+        )
+    scores = [
+        json.loads((r / "single-a" / "eval" / "results.json").read_text())
+        for r in (runs, tmp_path / "plain" / "runs")
+    ]
+    assert scores[0]["exact_match"] == scores[1]["exact_match"] and scores[0]["n"] == scores[1]["n"] == 8
+
+
+def test_a_failing_unit_blocks_only_the_units_that_need_its_adapter(
+    repo_root, tmp_path, slurm_cluster, tiny, capsys
+):
+    doomed = tmp_path / "doomed.jsonl"
+    doomed.write_text((repo_root / "data" / "demo" / "sql" / "easy.jsonl").read_text())
+    folder = scenario(
+        repo_root,
+        tmp_path,
+        {
+            "ok": "",
+            # starts after `ok` ended (after: orders), by when its data file is gone (deleted below)
+            "bad": f"after: [ok]\nstages:\n  - {{{{name: first, data: {{{{train: {doomed}}}}}}}}}\n  - {{{{name: second}}}}\n",
+            "other": "after: [bad]\n",  # ordering only: it runs although bad failed
+        },
+    )
+    assert launch_slurm(folder, "--pack", "2", "--budget", "00:30:00") == 0
+    doomed.unlink()  # a fault the launcher could not see: the file vanished after validation
+    capsys.readouterr()
+    assert launch_slurm(folder, "--pack", "2", "--budget", "00:30:00", "--wait") == 1
+    states = {job: (tmp_path / "runs" / job / "DONE").exists() for job in ("ok/train", "other/train")}
+    assert states == {"ok/train": True, "other/train": True}
+    for job in ("bad/first", "bad/second"):
+        assert not (tmp_path / "runs" / job / "DONE").exists()
+    assert json.loads((tmp_path / "runs" / "bad" / "first" / "lane.json").read_text())["state"] == "failed"
+    assert json.loads((tmp_path / "runs" / "bad" / "second" / "lane.json").read_text()) | {"at": ""} == {
+        "pack_job": slurm_id(tmp_path, "ok/train"),
+        "lane": None,
+        "gpu": None,
+        "state": "blocked",
+        "reason": "parent bad/first failed",
+        "at": "",
+    }
+    assert launch.main(["--status", "--config-dir", str(folder)]) == 0
+    status = capsys.readouterr().out
+    assert re.search(
+        r"bad/first .*FAILED.*exit code 1, see its log \(lane \d \(GPU \d\) of packed job", status
+    ), status
+    assert re.search(r"bad/second .*BLOCKED.*parent bad/first failed", status), status
+    assert re.search(r"other/train .*COMPLETED", status), status
+
+
+def test_an_impossible_budget_is_refused_before_anything_is_queued(
+    repo_root, tmp_path, slurm_cluster, tiny, capsys
+):
+    folder = scenario(repo_root, tmp_path, {name: "" for name in ("p", "q", "r", "s")})
+    assert launch.main(["--all", "--config-dir", str(folder), "--dry-run", "--json"]) == 0
+    estimates = {j["estimate"]["seconds"] for j in json.loads(capsys.readouterr().out)["jobs"]}
+    assert len(estimates) == 1  # four copies of one job: one estimate each, e
+    (each,) = estimates
+    budget = round(2.5 * each)  # four jobs: 4e on one GPU, 2e on two
+    clock = f"{budget // 3600:02d}:{budget % 3600 // 60:02d}:{budget % 60:02d}"
+    before = squeue_ids(tmp_path)
+    assert launch_slurm(folder, "--pack", "1", "--budget", clock) == 2
+    err = capsys.readouterr().err
+    assert "--budget: the 4 job(s) need about" in err and "they would fit on 2 GPUs (--pack 2)" in err
+    assert "nothing was submitted" in err and "Traceback" not in err
+    assert squeue_ids(tmp_path) == before
+    assert not (tmp_path / "runs").exists() or not list((tmp_path / "runs").rglob("job.json"))
