@@ -76,6 +76,7 @@ class Lanes:
         self.code_folder, self.workdir = code_folder, workdir
         self.state: dict[str, str] = {}  # unit id → done | failed | blocked | interrupted
         self.running: dict[str, tuple[subprocess.Popen, int]] = {}
+        self.started: dict[str, float] = {}  # unit id → time.time() at its start, in this allocation
 
     def run(self, stop: StopRequest) -> dict[str, str]:
         for unit in self.units.values():
@@ -129,6 +130,7 @@ class Lanes:
         free = [lane for lane in range(len(self.devices)) if lane not in busy]
         for unit, lane in zip(self.ready(), free, strict=False):  # as many as there are free lanes
             self.running[unit["id"]] = (self.start(unit, lane), lane)
+            self.started[unit["id"]] = time.time()
             self.write_lane(unit, lane, "running")
             log.info("lane %d (GPU %s): started %s", lane, self.devices[lane], unit["id"])
 
@@ -201,6 +203,7 @@ class Lanes:
         return {uid: self.state.get(uid, "interrupted") for uid in self.units}
 
     def write_lane(self, unit: dict, lane: int | None, state: str, reason: str = "") -> None:
+        started = self.started.get(unit["id"])
         record = {
             "pack_job": self.job_id,
             "lane": lane,
@@ -208,6 +211,9 @@ class Lanes:
             "state": state,
             "reason": reason,
             "at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            # epoch seconds of this allocation's run of the unit: lane use and estimate error (bench/)
+            "started_s": started,
+            "ended_s": time.time() if started is not None and state != "running" else None,
         }
         run_dir = Path(unit["run_dir"])
         run_dir.mkdir(parents=True, exist_ok=True)

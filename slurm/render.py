@@ -70,7 +70,8 @@ def packing_text(packing: Packing) -> str:
     ]
     for lane, units in enumerate(packing.lanes):
         steps = [
-            f"{u} [{slurm_time(round(packing.starts[u]))}-{slurm_time(round(packing.ends[u]))}]" for u in units
+            f"{u} [{slurm_time(round(packing.starts[u]))}-{slurm_time(round(packing.ends[u]))}]"
+            for u in units
         ]
         lines.append(f"  lane {lane}: " + (" -> ".join(steps) or "(idle)"))
     return "\n".join(lines)

@@ -16,52 +16,13 @@ from safetensors.torch import load_file
 from submitit.core.utils import JobPaths
 
 import launch
+from bench.packing import SCENARIO, scenario
 from slurm.experiments import load_experiments, parse_overrides
 from slurm.plan import build_plan
 from slurm.profile import load_profile
-from tests.conftest import squeue_ids, write_cluster_yaml
+from tests.conftest import squeue_ids
 from tests.test_cluster_faults import assert_every_step_logged_once, assert_same_adapter, slurm_id, wait_until
 from train.checkpoints import latest_valid_checkpoint
-
-BASE = """\
-model: {{name_or_path: {root}/models/tiny-llama, kind: causal}}
-adapter: {{rank: 8, alpha: 16, dropout: 0.0, max_trainable_percent: 30}}
-data:
-  train: {root}/data/demo/sql/easy.jsonl
-  eval: {root}/data/demo/sql/dev.jsonl
-  input_field: question
-  target_field: sql
-  prompt_template: "{{schema}} | {{question}} | SQL: "
-train: {{epochs: 1, learning_rate: 3.0e-3, batch_size: 8, save_every_steps: 8, logging_steps: 4,
-        eval_every_epochs: null}}
-eval: {{metrics: []}}
-resources: {{gpus: 1, cpus: 1, mem_gb: 2, time: "00:20:00", signal_delay_s: 60}}
-"""
-SQL = "{root}/data/demo/sql"
-SCENARIO = {
-    "single-a": "eval: {{metrics: [exact_match], limit: 8, max_new_tokens: 16}}\n",
-    "single-b": "",
-    "three": (
-        "stages:\n"
-        "  - {{name: easy}}\n"
-        f"  - {{{{name: medium, data: {{{{train: {SQL}/medium.jsonl}}}}}}}}\n"
-        # long enough to be caught mid-run by the requeue below
-        f"  - {{{{name: long, data: {{{{train: {SQL}/train.jsonl}}}}, train: {{{{epochs: 12}}}}}}}}\n"
-    ),
-    "two": f"stages:\n  - {{{{name: easy}}}}\n  - {{{{name: hard, data: {{{{train: {SQL}/hard.jsonl}}}}}}}}\n",
-    "later": "after: [single-a]\n",
-}
-
-
-def scenario(repo_root: Path, tmp: Path, experiments: dict[str, str]) -> Path:
-    folder = tmp / "configs"
-    folder.mkdir(parents=True)
-    write_cluster_yaml(folder, tmp)
-    (folder / "_base.yaml").write_text(BASE.format(root=repo_root))
-    for name, text in experiments.items():
-        body = text.format(root=repo_root)
-        (folder / f"{name}.yaml").write_text(f"name: {name}\ninherits: _base.yaml\n{body}")
-    return folder
 
 
 def launch_slurm(folder: Path, *extra: str) -> int:
@@ -159,6 +120,8 @@ def test_a_failing_unit_blocks_only_the_units_that_need_its_adapter(
         assert not (tmp_path / "runs" / job / "DONE").exists()
     assert json.loads((tmp_path / "runs" / "bad" / "first" / "lane.json").read_text())["state"] == "failed"
     assert json.loads((tmp_path / "runs" / "bad" / "second" / "lane.json").read_text()) | {"at": ""} == {
+        "started_s": None,
+        "ended_s": None,
         "pack_job": slurm_id(tmp_path, "ok/train"),
         "lane": None,
         "gpu": None,
