@@ -45,6 +45,16 @@ def lane_devices(lanes: int) -> list[str]:
     return [str(k) for k in range(lanes)]
 
 
+def lane_cpus(allowed: list[int], lanes: int) -> list[list[int]]:
+    """Each lane's own cores, split evenly from the allocation's (a unit then sizes its threads and data
+    workers to its lane, not to the whole allocation, and lanes never compete for a core); with fewer
+    cores than lanes, lanes share them round-robin."""
+    if len(allowed) < lanes:
+        return [[allowed[k % len(allowed)]] for k in range(lanes)]
+    share = len(allowed) // lanes
+    return [allowed[k * share : (k + 1) * share] for k in range(lanes)]
+
+
 class PackJob(submitit.helpers.Checkpointable):
     """The body of a packed allocation. Requeued by submitit's Checkpointable like a training stage."""
 
@@ -77,6 +87,10 @@ class Lanes:
         self.state: dict[str, str] = {}  # unit id → done | failed | blocked | interrupted
         self.running: dict[str, tuple[subprocess.Popen, int]] = {}
         self.started: dict[str, float] = {}  # unit id → time.time() at its start, in this allocation
+        self.cpus = lane_cpus(sorted(os.sched_getaffinity(0)), len(devices))
+        # Math threads per unit: its lane's share of what SLURM granted (SLURM may not pin the job's cores).
+        granted = int(os.environ.get("SLURM_CPUS_PER_TASK") or len(os.sched_getaffinity(0)))
+        self.threads = max(1, min(len(self.cpus[0]), granted // len(devices)))
 
     def run(self, stop: StopRequest) -> dict[str, str]:
         for unit in self.units.values():
@@ -142,9 +156,10 @@ class Lanes:
         env = {
             **os.environ,
             "CUDA_VISIBLE_DEVICES": self.devices[lane],
-            "OMP_NUM_THREADS": str(self.cpus_per_lane()),
-            "MKL_NUM_THREADS": str(self.cpus_per_lane()),
+            "OMP_NUM_THREADS": str(self.threads),
+            "MKL_NUM_THREADS": str(self.threads),
             "LORA_PACK_LANE": str(lane),
+            "LORA_PACK_CPUS": ",".join(map(str, self.cpus[lane])),
         }
         # Where a separate job's log would be (`--tail`, --status and the report find it unchanged).
         logfile = open(JobPaths(folder, self.job_id, task_id=0).stdout, "ab")  # noqa: SIM115 (the child's)
@@ -158,15 +173,6 @@ class Lanes:
             )
         finally:
             logfile.close()  # the child holds its own copy
-
-    def cpus_per_lane(self) -> int:
-        cpus = int(
-            os.environ.get("SLURM_CPUS_PER_TASK")
-            or os.environ.get("SLURM_CPUS_ON_NODE")
-            or os.cpu_count()
-            or 1
-        )
-        return max(1, cpus // len(self.devices))
 
     def reap(self) -> None:
         for uid, (child, lane) in list(self.running.items()):

@@ -18,6 +18,8 @@ from slurm.jobs import EvalStage, TrainStage
 
 def main(order_file: str) -> None:
     unit = json.loads(Path(order_file).read_text(encoding="utf-8"))
+    if cpus := os.environ.get("LORA_PACK_CPUS"):
+        os.sched_setaffinity(0, {int(c) for c in cpus.split(",")})  # this lane's cores (slurm/lanes.py)
     lane, gpu = os.environ.get("LORA_PACK_LANE"), os.environ.get("CUDA_VISIBLE_DEVICES")
     print(f"{unit['id']}: unit of packed job on lane {lane}, CUDA_VISIBLE_DEVICES={gpu}", flush=True)
     stage = TrainStage() if unit["kind"] == "train" else EvalStage()

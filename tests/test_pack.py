@@ -154,3 +154,15 @@ def test_cluster_yaml_can_set_the_pack_and_an_unquoted_budget(tmp_path, capsys):
     assert code == 0
     packing = json.loads(out)["packing"]
     assert packing["gpus"] == 3 and packing["budget_s"] == 5 * 3600
+
+
+def test_each_lane_gets_its_own_gpu_and_cores(monkeypatch):
+    from slurm.lanes import lane_cpus, lane_devices
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3,5,6")  # what SLURM gave the allocation on a shared node
+    assert lane_devices(4) == ["2", "3", "5", "6"]
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert lane_devices(2) == ["0", "1"]  # no binding from SLURM: the first GPUs
+    assert lane_cpus(list(range(8)), 4) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert lane_cpus([0, 1, 2], 2) == [[0], [1]]
+    assert lane_cpus([4, 5], 4) == [[4], [5], [4], [5]]  # fewer cores than lanes: shared round-robin
