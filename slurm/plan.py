@@ -75,13 +75,16 @@ class Plan:
     def edges(self) -> list[tuple[str, str, str]]:
         return [(dep.job_id, job.id, dep.kind) for job in self.jobs for dep in job.depends_on]
 
-    def critical_path(self) -> tuple[float, list[str]]:
+    def critical_path(self, experiment: str | None = None) -> tuple[float, list[str]]:
         """(makespan in seconds, the chain of jobs that sets it), if every job starts as soon as its
-        parents end (no queue wait, enough GPUs). A job without an estimate counts as 0 s."""
+        parents end (no queue wait, enough GPUs). A job without an estimate counts as 0 s. With
+        `experiment`, that experiment's own jobs alone (what waiting on other experiments adds is left out)."""
         end: dict[str, float] = {}
         before: dict[str, str | None] = {}
-        for job in self.jobs:  # parents come first
-            parent = max(job.depends_on, key=lambda d: end[d.job_id], default=None)
+        jobs = [j for j in self.jobs if experiment in (None, j.experiment)]
+        for job in jobs:  # parents come first
+            parents = [d for d in job.depends_on if d.job_id in end]
+            parent = max(parents, key=lambda d: end[d.job_id], default=None)
             start = end[parent.job_id] if parent else 0.0
             end[job.id], before[job.id] = start + (job.estimate.seconds or 0.0), parent and parent.job_id
         last = max(end, key=end.get, default=None)
@@ -90,6 +93,14 @@ class Plan:
             path.append(last)
             last = before[last]
         return (end[path[0]] if path else 0.0), path[::-1]
+
+    def experiments(self) -> list[str]:
+        return list(dict.fromkeys(j.experiment for j in self.jobs))
+
+    def experiment_path(self, name: str) -> dict:
+        seconds, path = self.critical_path(name)
+        unknown = any(j.estimate.seconds is None for j in self.jobs if j.experiment == name)
+        return {"critical_path_s": None if unknown else round(seconds), "critical_path": path}
 
     def gpu_hours(self) -> float:
         return sum((j.estimate.seconds or 0.0) * j.resources.gpus for j in self.jobs) / 3600
@@ -104,6 +115,7 @@ class Plan:
             "log_root": self.log_root,
             "makespan_s": None if unknown else round(self.critical_path()[0]),
             "gpu_hours": None if unknown else round(self.gpu_hours(), 3),
+            "experiments": {name: self.experiment_path(name) for name in self.experiments()},
             "jobs": [
                 {
                     "id": j.id,

@@ -52,12 +52,15 @@ def totals_text(plan: Plan) -> str:
     at_least = "at least " if unknown else ""
     lines = [
         f"Makespan {at_least}~{format_duration(makespan)} (critical path: {' -> '.join(path) or '-'}), "
-        f"{at_least}{plan.gpu_hours():.1f} GPU-hours; no queue waits counted"
+        f"{at_least}{plan.gpu_hours():.1f} GPU-hours; no queue waits counted. Each experiment's own chain:"
     ]
     if unknown:
         lines.append(
             f"  not estimated (data fetched on the node, not in the speed book): {', '.join(unknown)}"
         )
+    for name in plan.experiments():
+        seconds, path = plan.critical_path(name)
+        lines.append(f"  {name}: ~{format_duration(seconds)} ({' -> '.join(path)})")
     return "\n".join(lines)
 
 

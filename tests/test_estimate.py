@@ -192,6 +192,12 @@ def test_dry_run_json_has_estimates_limits_makespan_and_gpu_hours(tmp_path, caps
     assert plan["gpu_hours"] == pytest.approx(
         sum(j["estimate"]["seconds"] for j in jobs.values()) / 3600, abs=1e-2
     )
+    # Each experiment's own chain, apart from what it waits for in others.
+    assert plan["experiments"]["chain"]["critical_path"] == ["chain/one", "chain/two", "chain/eval"]
+    assert plan["experiments"]["chain"]["critical_path_s"] == pytest.approx(chain, abs=2)
+    assert plan["experiments"]["other"]["critical_path_s"] == pytest.approx(
+        sum(j["estimate"]["seconds"] for j in jobs.values() if j["experiment"] == "other"), abs=2
+    )
 
 
 def test_a_finished_stage_appends_a_speed_book_row_the_next_plan_uses(tiny, tmp_path):
