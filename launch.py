@@ -4,6 +4,7 @@ python launch.py --all                       # every experiment in configs/exper
 python launch.py --all --config-dir configs/demo --wait
 python launch.py --exp NAME --dry-run train.learning_rate=1e-4
 python launch.py --all --pack 4 --budget 6:00:00 # one 4-GPU allocation, if the estimates fit
+python launch.py --exp NAME --calibrate       # time a few dozen steps on the real GPUs for the estimates
 python launch.py --all --preflight [--json]  # trainable %, token lengths, GPU memory; run before every submit
 python launch.py --status | --tail EXP[/STAGE] [--rank K] | --cancel [EXP ...] | --report | --sync
 """
@@ -31,6 +32,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         action="store_true",
         help="trainable %%, token lengths and GPU memory per training job, from configs (no weights, no GPU)",
     )
+    action.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="run a few dozen steps of each selected experiment's first stage to fill the speed book",
+    )
     action.add_argument("--status", action="store_true", help="one table: state, reason, step, loss, ETA")
     action.add_argument("--tail", metavar="EXP[/STAGE]", help="follow the log of that job")
     action.add_argument(
@@ -45,6 +51,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     parser.add_argument(
         "--rank", type=int, default=0, metavar="K", help="with --tail: the log of task K of a multi-GPU job"
+    )
+    parser.add_argument(
+        "--calibrate-steps", type=int, default=30, metavar="N", help="with --calibrate: steps to time"
     )
     parser.add_argument("--config-dir", type=Path, default=Path("configs/experiments"))
     parser.add_argument("--backend", choices=["auto", "slurm", "local"], default="auto")

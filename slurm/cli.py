@@ -23,7 +23,7 @@ from slurm.launcher import (
     with_dependents,
 )
 from slurm.pack import Packing, pack_plan, pack_resources
-from slurm.plan import Plan, build_plan
+from slurm.plan import Plan, build_plan, calibration_plan
 from slurm.problems import ConfigError, Problem
 from slurm.profile import load_profile
 from slurm.render import edges_text, packing_text, plan_table, problem_lines, status_table, totals_text
@@ -65,12 +65,18 @@ def dispatch(args) -> int:
         return sync_wandb(Path(profile.run_dir))
     if args.status or args.tail or args.cancel or args.report:
         return watch(args, profile)
-    if not (args.dry_run or args.retry_failed or args.all or args.exp):
+    if not (args.dry_run or args.retry_failed or args.all or args.exp) or (
+        args.calibrate and not (args.all or args.exp)
+    ):
         raise ConfigError(
             [Problem("command line", "", "say which experiments: --all or --exp NAME [NAME ...]")]
         )
     experiments = load_experiments(args.config_dir, profile, parse_overrides(args.overrides), args.exp)
     plan = build_plan(experiments, profile)
+    if args.calibrate:
+        if args.calibrate_steps < 1:
+            raise ConfigError([Problem("command line", "--calibrate-steps", "must be at least 1")])
+        plan = calibration_plan(plan, args.calibrate_steps)
     pack = requested_pack(args, profile)
     # Checked on what is still to run before the (slower) preflight: an impossible budget fails at once.
     packing = pack_plan(still_to_run(plan), *pack, profile) if pack else None
@@ -83,7 +89,13 @@ def dispatch(args) -> int:
         if args.preflight:
             return checked
     code = submit(plan, profile, args, pack)
-    if code == 0 and (args.wait or backend_of(args) == "local"):
+    if args.calibrate:
+        out.print(
+            f"Calibration runs write their speed to {profile.run_dir}/speeds.jsonl as they end; then "
+            "--dry-run estimates these experiments from it (source: calibrated).",
+            highlight=False,
+        )
+    elif code == 0 and (args.wait or backend_of(args) == "local"):
         # The run ended here, every job completed: the comparison the user ran it for.
         written = report(plan, experiments, profile, args.config_dir)
         out.print(f"All {len(plan.jobs)} job(s) completed. Report: {written[0]}", highlight=False)

@@ -11,7 +11,8 @@ Training: tokens to process ÷ tokens/s + start-up + in-training evals + checkpo
   assumed hardware (slurm/guesses.py: "guess"). Early stopping can only make a stage shorter.
 Eval jobs: batches of the scored examples (eval.limit respected) x max_new_tokens decoding steps + start-up
   ("guess": the speed book does not time generation).
-`--calibrate` (a short measuring run that writes the speed book) is not built; "calibrated" is reserved.
+A row written by `launch.py --calibrate` (a few dozen steps of an experiment's first stage on the real
+  hardware: slurm/plan.py calibration_plan) is used the same way and says "calibrated".
 """
 
 from __future__ import annotations
@@ -181,7 +182,8 @@ def measured_speed(record: SpeedRecord, gpus: int) -> Speed:
         f"{tokens_per_s:,.0f} tokens/s from the speed book ({record.device_name}, batch {record.batch_size}, "
         f"max length {record.max_length})"
     )
-    return Speed(tokens_per_s, record.startup_s, save_s, per_example, "measured", basis)
+    source = "calibrated" if record.calibration else "measured"
+    return Speed(tokens_per_s, record.startup_s, save_s, per_example, source, basis)
 
 
 def nearest_record(spec: TrainJob, book: list[SpeedRecord]) -> SpeedRecord | None:

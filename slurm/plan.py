@@ -155,6 +155,34 @@ def build_plan(
     return Plan(tuple(jobs.values()), profile.run_dir, profile.log_dir)
 
 
+def calibration_plan(plan: Plan, steps: int, estimator: Estimator | None = None) -> Plan:
+    """For each experiment, its first training stage cut to `steps` steps, without evals or tracking, in
+    RUN_ROOT/EXP/STAGE-calibrate (the speed book's layout): its speed-book row is marked `calibration`.
+    Time limit: the stage's, at most an hour."""
+    estimator = estimator or Estimator(speeds.read_book(Path(plan.run_root) / speeds.FILE))
+    jobs = []
+    for name in plan.experiments():
+        first = next(j for j in plan.jobs if j.experiment == name and j.kind == "train")
+        stage = f"{first.stage}-calibrate"
+        train = first.spec.train.model_copy(
+            update={"max_steps": steps, "eval_every_epochs": None, "early_stopping": None}
+        )
+        spec = first.spec.model_copy(
+            update={
+                "stage": stage,
+                "train": train,
+                "init_adapter": None,
+                "run_dir": f"{plan.run_root}/{name}/{stage}",
+                "tracking": [],
+                "calibration": True,
+            }
+        )
+        resources = first.resources.model_copy(update={"time": slurm_time(min(first.resources.time_s, 3600))})
+        job = make_job(f"{name}/{stage}", "train", spec, resources, [], {})
+        jobs.append(replace(job, estimate=estimator(spec, resources.gpus)))
+    return Plan(tuple(jobs), plan.run_root, plan.log_root)
+
+
 def estimated(job: PlannedJob, estimator: Estimator, profile: ClusterProfile, loaded) -> PlannedJob:
     """The job with its estimate, and `time: auto` replaced by the limit that estimate sets."""
     estimate = estimator(job.spec, job.resources.gpus)

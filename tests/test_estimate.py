@@ -231,3 +231,28 @@ def test_a_finished_stage_appends_a_speed_book_row_the_next_plan_uses(tiny, tmp_
 def test_a_stage_run_outside_the_plans_layout_writes_no_speed_book(tmp_path):
     assert book_of(train_job()) == Path("runs/speeds.jsonl")
     assert book_of(train_job().model_copy(update={"run_dir": str(tmp_path)})) is None
+
+
+def test_calibrate_times_a_few_steps_and_the_estimates_then_say_calibrated(repo_root, tmp_path, tiny, capsys):
+    import launch
+    from bench.packing import scenario
+
+    folder = scenario(repo_root, tmp_path, {"x": "stages: [{{name: one}}, {{name: two}}]\n"})
+    dry_run = ["--all", "--config-dir", str(folder), "--dry-run", "--json"]
+    assert launch.main(dry_run) == 0
+    before = {j["id"]: j["estimate"]["source"] for j in json.loads(capsys.readouterr().out)["jobs"]}
+    assert before == {"x/one": "guess", "x/two": "guess"}
+
+    calibrate = ["--all", "--config-dir", str(folder), "--calibrate", "--calibrate-steps", "6"]
+    assert launch.main([*calibrate, "--backend", "local", "--no-preflight"]) == 0
+    run_dir = tmp_path / "runs" / "x" / "one-calibrate"  # the first stage only, beside the real ones
+    assert json.loads((run_dir / "summary.json").read_text())["global_step"] == 6
+    assert not (tmp_path / "runs" / "x" / "one").exists() and not (run_dir / "tb").exists()
+    (row,) = read_book(tmp_path / "runs" / "speeds.jsonl")
+    assert row.calibration and row.model.endswith("tiny-llama") and row.tokens_per_s > 0
+
+    capsys.readouterr()
+    assert launch.main(dry_run) == 0
+    after = {j["id"]: j["estimate"] for j in json.loads(capsys.readouterr().out)["jobs"]}
+    assert {e["source"] for e in after.values()} == {"calibrated"}
+    assert "from the speed book" in after["x/one"]["basis"]

@@ -397,6 +397,7 @@ class TrainJob(Section):
     init_adapter: str | None = Field(None, description="previous stage's adapter folder to continue from")
     run_dir: str
     tracking: list[Tracker] = Field(default_factory=lambda: ["tensorboard"])
+    calibration: bool = Field(False, description="a --calibrate run: its speed-book row is `calibrated`")
 
     @model_validator(mode="after")
     def _early_stopping_has_eval_data(self):

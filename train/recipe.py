@@ -459,6 +459,7 @@ class StageRecipe:
             examples=len(self.train_set),
             tokens_per_example=round(per_example, 2),
             time=round(time.time(), 3),
+            calibration=self.job.calibration,
         )
         speeds.append(book, record)
 

@@ -37,6 +37,7 @@ class SpeedRecord:
     examples: int  # in data.train, as trained (after examples cut whole were dropped)
     tokens_per_example: float
     time: float  # when it was written (Unix seconds): the newest of equally near rows wins
+    calibration: bool = False  # written by a `launch.py --calibrate` run (a few dozen steps), not a stage
 
 
 def book_of(job: TrainJob) -> Path | None:
