@@ -20,6 +20,8 @@ from bench.packing import SCENARIO, scenario
 from slurm.experiments import load_experiments, parse_overrides
 from slurm.plan import build_plan
 from slurm.profile import load_profile
+from slurm.states import State
+from slurm.status import query_slurm
 from tests.conftest import squeue_ids
 from tests.test_cluster_faults import assert_every_step_logged_once, assert_same_adapter, slurm_id, wait_until
 from train.checkpoints import latest_valid_checkpoint
@@ -111,9 +113,13 @@ def test_a_failing_unit_blocks_only_the_units_that_need_its_adapter(
         },
     )
     assert launch_slurm(folder, "--pack", "2", "--budget", "00:30:00") == 0
+    text = doomed.read_text()
     doomed.unlink()  # a fault the launcher could not see: the file vanished after validation
+    pack_id = slurm_id(tmp_path, "ok/train")
+    wait_until(lambda: pack_id not in squeue_ids(tmp_path), "the packed job to end", 300)
+    assert query_slurm([pack_id])[pack_id].state is State.FAILED  # it says that units failed
+    doomed.write_text(text)  # back, so that --status loads bad.yaml again
     capsys.readouterr()
-    assert launch_slurm(folder, "--pack", "2", "--budget", "00:30:00", "--wait") == 1
     states = {job: (tmp_path / "runs" / job / "DONE").exists() for job in ("ok/train", "other/train")}
     assert states == {"ok/train": True, "other/train": True}
     for job in ("bad/first", "bad/second"):
@@ -122,7 +128,7 @@ def test_a_failing_unit_blocks_only_the_units_that_need_its_adapter(
     assert json.loads((tmp_path / "runs" / "bad" / "second" / "lane.json").read_text()) | {"at": ""} == {
         "started_s": None,
         "ended_s": None,
-        "pack_job": slurm_id(tmp_path, "ok/train"),
+        "pack_job": pack_id,
         "lane": None,
         "gpu": None,
         "state": "blocked",
