@@ -30,7 +30,9 @@ def run_eval(job: EvalJob) -> dict:
     source = job.source  # data.eval, or the training data when eval.split: train says so
     prompts, references = prompts_and_targets(source, job.data, limit=job.eval.limit)
     started = time.time()
-    model, tokenizer = load_for_eval(job, eval_placement(job.adapter_dir))
+    placement = eval_placement(job.adapter_dir)
+    model, tokenizer = load_for_eval(job, placement)
+    loaded = time.time()
     options = {
         "kind": job.model.kind,
         "num_beams": job.eval.num_beams,
@@ -38,7 +40,8 @@ def run_eval(job: EvalJob) -> dict:
         "batch_size": job.eval.batch_size,
     }
     predictions = generate(model, tokenizer, prompts, **options)
-    generation_s = time.time() - started
+    generated = time.time()
+    generation_s = generated - started
     changed = adapter_changes_output(model, tokenizer, prompts[:SAMPLE_FOR_ADAPTER_CHECK], **options)
     if not changed:
         log.warning(
@@ -62,8 +65,33 @@ def run_eval(job: EvalJob) -> dict:
         "generation_s": round(generation_s, 2),
     }
     write_atomic(out / "results.json", json.dumps(results, indent=1))  # the report may read it meanwhile
+    write_speed(job, placement.device_name, len(prompts), loaded, generated)
     log.info("results: %s", {k: v for k, v in results.items() if isinstance(v, float)})
     return results
+
+
+def write_speed(job: EvalJob, device_name: str, examples: int, loaded: float, generated: float) -> None:
+    """This job's row in the speed book: the next plans estimate eval jobs on this model from it."""
+    from train import speeds
+    from train.callbacks import process_started_at
+
+    book = speeds.eval_book_of(job.out_dir, job.experiment)
+    if book is None or examples == 0:
+        return
+    batches = -(-examples // job.eval.batch_size)
+    record = speeds.EvalSpeedRecord(
+        model=job.model.name_or_path,
+        device_name=device_name,
+        num_beams=job.eval.num_beams,
+        batch_size=job.eval.batch_size,
+        max_new_tokens=job.eval.max_new_tokens,
+        batches=batches,
+        startup_s=round(loaded - process_started_at(), 2),
+        decode_step_s=round((generated - loaded) / (batches * job.eval.max_new_tokens), 5),
+        scoring_s=round(time.time() - generated, 2),
+        time=round(time.time(), 3),
+    )
+    speeds.append(book, record)
 
 
 def write_predictions(path: Path, prompts: list[str], references: list[str], predictions: list[str]) -> None:

@@ -10,7 +10,8 @@ Training: tokens to process ÷ tokens/s + start-up + in-training evals + checkpo
   the nearest in batch size and max length, newest first ("measured"); else from the model's size on
   assumed hardware (slurm/guesses.py: "guess"). Early stopping can only make a stage shorter.
 Eval jobs: batches of the scored examples (eval.limit respected) x max_new_tokens decoding steps + start-up
-  ("guess": the speed book does not time generation).
+  + scoring, from the speed book's eval rows (every finished eval job writes one: "measured") when one has
+  this model and beam count, else guessed from the model's size.
 A row written by `launch.py --calibrate` (a few dozen steps of an experiment's first stage on the real
   hardware: slurm/plan.py calibration_plan) is used the same way and says "calibrated".
 """
@@ -27,7 +28,7 @@ from slurm import guesses
 from slurm.experiments import read_examples
 from train.config import DataSpec, EvalJob, TrainJob, TrainSpec
 from train.examples import TextSize
-from train.speeds import SpeedRecord
+from train.speeds import FILE, EvalSpeedRecord, SpeedRecord, read_book, read_eval_book
 
 # The usual rule of thumb for English under BPE or SentencePiece vocabularies; code and SQL run nearer 3,
 # so their estimates come out a little short until the speed book or an exact count takes over.
@@ -87,8 +88,18 @@ class Speed:
 class Estimator:
     """The estimates of one plan: the speed book is read once, each data file counted once."""
 
-    def __init__(self, book: list[SpeedRecord], count: TokenCounter = tokens_from_characters):
-        self.book, self.count = book, count
+    def __init__(
+        self,
+        book: list[SpeedRecord],
+        count: TokenCounter = tokens_from_characters,
+        eval_book: list[EvalSpeedRecord] = (),
+    ):
+        self.book, self.count, self.eval_book = book, count, list(eval_book)
+
+    @classmethod
+    def for_run_root(cls, run_root: str | Path) -> Estimator:
+        book = Path(run_root) / FILE
+        return cls(read_book(book), eval_book=read_eval_book(book))
 
     def __call__(self, spec: TrainJob | EvalJob, gpus: int) -> Estimate:
         if isinstance(spec, TrainJob):
@@ -122,9 +133,19 @@ class Estimator:
         data = self.tokens(spec.source, spec.data, spec.model.name_or_path)
         if data is None:
             return Estimate(None, "unknown", f"{spec.source}: not a local file, not in the speed book")
-        parameters, where = guesses.model_parameters(spec.model.name_or_path)
         examples = min(data.examples, spec.eval.limit or data.examples)
         batches = math.ceil(examples / spec.eval.batch_size)
+        record = nearest_eval_record(spec, self.eval_book)
+        if record is not None:
+            # Per decoding step of a batch, scaled by the batch size (a decoding step's cost grows with it).
+            step_s = record.decode_step_s * spec.eval.batch_size / record.batch_size
+            seconds = record.startup_s + batches * spec.eval.max_new_tokens * step_s + record.scoring_s
+            basis = (
+                f"{examples} examples in {batches} batches x {spec.eval.max_new_tokens} new tokens at "
+                f"{step_s:.3f} s/step from the speed book ({record.device_name}, batch {record.batch_size})"
+            )
+            return Estimate(seconds, "measured", basis)
+        parameters, where = guesses.model_parameters(spec.model.name_or_path)
         step_s = guesses.decode_step_s(parameters, gpus, spec.eval.num_beams)
         seconds = guesses.startup_s(parameters) + batches * spec.eval.max_new_tokens * step_s
         basis = (
@@ -207,6 +228,16 @@ def nearest_record(spec: TrainJob, book: list[SpeedRecord]) -> SpeedRecord | Non
         return far, -record.time
 
     return min(matching, key=distance, default=None)
+
+
+def nearest_eval_record(spec: EvalJob, book: list[EvalSpeedRecord]) -> EvalSpeedRecord | None:
+    """The newest eval row of this model and beam count, nearest in batch size."""
+    matching = [r for r in book if r.model == spec.model.name_or_path and r.num_beams == spec.eval.num_beams]
+    return min(
+        matching,
+        key=lambda r: (abs(math.log(r.batch_size / spec.eval.batch_size)), -r.time),
+        default=None,
+    )
 
 
 def auto_time_limit_s(estimate_s: float | None, signal_delay_s: int, max_time_s: int) -> int:

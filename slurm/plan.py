@@ -12,7 +12,6 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Literal
 
 from pydantic import ValidationError
@@ -21,7 +20,6 @@ from slurm.estimate import Estimate, Estimator, auto_time_limit_s
 from slurm.experiments import LoadedExperiment
 from slurm.problems import ConfigError, Problem
 from slurm.profile import ClusterProfile
-from train import speeds
 from train.config import EvalJob, Resources, TrainJob, slurm_time
 
 DependencyKind = Literal["afterok", "afterany"]
@@ -144,7 +142,7 @@ def build_plan(
 ) -> Plan:
     """Jobs in an order where every dependency comes before its dependents, each with its estimate.
     Estimates read the run root's speed book unless another `estimator` is given."""
-    estimator = estimator or Estimator(speeds.read_book(Path(profile.run_dir) / speeds.FILE))
+    estimator = estimator or Estimator.for_run_root(profile.run_dir)
     jobs: dict[str, PlannedJob] = {}
     last_job: dict[str, str] = {}
     for loaded in order_by_after(experiments):
@@ -159,7 +157,7 @@ def calibration_plan(plan: Plan, steps: int, estimator: Estimator | None = None)
     """For each experiment, its first training stage cut to `steps` steps, without evals or tracking, in
     RUN_ROOT/EXP/STAGE-calibrate (the speed book's layout): its speed-book row is marked `calibration`.
     Time limit: the stage's, at most an hour."""
-    estimator = estimator or Estimator(speeds.read_book(Path(plan.run_root) / speeds.FILE))
+    estimator = estimator or Estimator.for_run_root(plan.run_root)
     jobs = []
     for name in plan.experiments():
         first = next(j for j in plan.jobs if j.experiment == name and j.kind == "train")

@@ -14,6 +14,7 @@ from submitit.core.utils import JobPaths
 
 import launch
 from tests.conftest import squeue_ids, write_cluster_yaml
+from train.speeds import read_eval_book
 
 TOKEN = "hf_NotARealTokenForTheDemoJobs"
 DEMO_JOBS = {
@@ -129,6 +130,10 @@ def test_demo_runs_locally_without_slurm(repo_root, tmp_path, tiny, monkeypatch,
     second_pid = job_id(tmp_path, "chain-second/train")
     second_call = JobPaths(tmp_path / "logs" / "chain-second" / "train", second_pid).submitted_pickle
     assert first_end < second_call.stat().st_mtime_ns
+
+    # Each eval job timed itself into the speed book: the next plan estimates eval jobs from it.
+    eval_rows = read_eval_book(tmp_path / "runs" / "speeds.jsonl")
+    assert len(eval_rows) == 2 and all(r.decode_step_s > 0 and r.startup_s > 0 for r in eval_rows)
 
     # An eval job reruns by hand from its run folder alone, to the same scores (greedy decoding).
     eval_dir = tmp_path / "runs" / "chain-second" / "eval"

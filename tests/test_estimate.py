@@ -13,7 +13,7 @@ from slurm.problems import ConfigError
 from slurm.profile import load_profile
 from tests.test_plan import plan_for, sized, write_experiments
 from train.config import EvalJob, TrainJob
-from train.speeds import SpeedRecord, book_of, read_book
+from train.speeds import EvalSpeedRecord, SpeedRecord, book_of, read_book
 
 MODEL = {"name_or_path": "org/some-model-0.5B", "kind": "causal"}
 
@@ -116,6 +116,38 @@ def test_an_eval_job_scores_only_eval_limit_examples():
     step_s = (whole.seconds - limited.seconds) / ((63 - 2) * 50)  # 63 batches of 16 against 2
     assert limited.seconds == pytest.approx(whole.seconds - 61 * 50 * step_s)
     assert "32 examples in 2 batches" in limited.basis
+
+
+def test_an_eval_job_of_a_model_the_book_has_seen_is_estimated_from_its_eval_row():
+    def spec(batch_size=16, beams=1):
+        return EvalJob(
+            experiment="e",
+            stage="s",
+            model=MODEL,
+            adapter={},
+            data={"train": "t.jsonl", "eval": "e.jsonl"},
+            eval={"limit": 64, "batch_size": batch_size, "max_new_tokens": 50, "num_beams": beams},
+            adapter_dir="a",
+            out_dir="o",
+        )
+
+    row = EvalSpeedRecord(
+        model=MODEL["name_or_path"],
+        device_name="NVIDIA A100",
+        num_beams=1,
+        batch_size=8,
+        max_new_tokens=100,
+        batches=4,
+        startup_s=30.0,
+        decode_step_s=0.02,
+        scoring_s=5.0,
+        time=1.0,
+    )
+    estimate = Estimator([], lambda source, data_spec: DataTokens(1000, 1e5), eval_book=[row])
+    # 64 examples in 4 batches of 16 x 50 steps, each step twice the row's (batch 16 against 8).
+    assert estimate(spec(), 1).seconds == pytest.approx(30 + 4 * 50 * 0.04 + 5)
+    assert estimate(spec(), 1).source == "measured"
+    assert estimate(spec(beams=4), 1).source == "guess"  # beam search is another cost: not this row
 
 
 def test_auto_limit_is_the_estimate_with_its_margin_rounded_up_and_capped():

@@ -1,4 +1,5 @@
-"""The speed book, `RUN_ROOT/speeds.jsonl`: one row per finished training stage, appended by its rank 0.
+"""The speed book, `RUN_ROOT/speeds.jsonl`: one row per finished training stage, appended by its rank 0,
+and one per finished eval job (`"kind": "eval"`).
 
 The launcher's time estimates (slurm/estimate.py) read it before they guess: a model that has trained here
 once is estimated from what it did. Torch-free, so the launcher can read what the trainer writes.
@@ -40,6 +41,23 @@ class SpeedRecord:
     calibration: bool = False  # written by a `launch.py --calibrate` run (a few dozen steps), not a stage
 
 
+@dataclass(frozen=True)
+class EvalSpeedRecord:
+    """An eval job's row (`"kind": "eval"` in the same book): what generating and scoring took."""
+
+    model: str
+    device_name: str
+    num_beams: int
+    batch_size: int
+    max_new_tokens: int
+    batches: int
+    startup_s: float  # process start to the model loaded, adapter included
+    decode_step_s: float  # generation seconds ÷ (batches x max_new_tokens): early stops included
+    scoring_s: float  # metrics after generation (SQL execution, BERTScore...)
+    time: float
+    kind: str = "eval"
+
+
 def book_of(job: TrainJob) -> Path | None:
     """RUN_ROOT/speeds.jsonl for a stage in the plan's layout (RUN_ROOT/EXP/STAGE); a stage run by hand
     in another folder writes no speed book (it would land in some unrelated parent folder)."""
@@ -49,7 +67,13 @@ def book_of(job: TrainJob) -> Path | None:
     return run_dir.parent.parent / FILE
 
 
-def append(book: Path, record: SpeedRecord) -> None:
+def eval_book_of(out_dir: str, experiment: str) -> Path | None:
+    """RUN_ROOT/speeds.jsonl for an eval job in the plan's layout (RUN_ROOT/EXP/eval*), else None."""
+    folder = Path(out_dir)
+    return folder.parent.parent / FILE if folder.parent.name == experiment else None
+
+
+def append(book: Path, record: SpeedRecord | EvalSpeedRecord) -> None:
     """One line in append mode: a row shorter than the filesystem's atomic append never interleaves, and
     a row cut by a kill is skipped by the reader."""
     with open(book, "a", encoding="utf-8") as fh:
@@ -57,17 +81,26 @@ def append(book: Path, record: SpeedRecord) -> None:
 
 
 def read_book(book: Path) -> list[SpeedRecord]:
-    """Every readable row; broken or foreign rows are skipped (a missing book is an empty one)."""
+    """Every readable training row; broken or foreign rows are skipped (a missing book is an empty one)."""
+    return _rows(book, SpeedRecord, lambda row: row.get("kind", "train") == "train")
+
+
+def read_eval_book(book: Path) -> list[EvalSpeedRecord]:
+    return _rows(book, EvalSpeedRecord, lambda row: row.get("kind") == "eval")
+
+
+def _rows(book: Path, record_type, wanted) -> list:
     try:
         lines = book.read_text(encoding="utf-8").splitlines()
     except OSError:
         return []
-    names = {f.name for f in fields(SpeedRecord)}
+    names = {f.name for f in fields(record_type)}
     records = []
     for line in lines:
         try:
             row = json.loads(line)
-            records.append(SpeedRecord(**{k: v for k, v in row.items() if k in names}))
-        except (ValueError, TypeError):
+            if wanted(row):
+                records.append(record_type(**{k: v for k, v in row.items() if k in names}))
+        except (ValueError, TypeError, AttributeError):
             continue
     return records
