@@ -14,6 +14,7 @@ from submitit.core.utils import JobPaths
 
 import launch
 from tests.conftest import squeue_ids, write_cluster_yaml
+from tests.test_tracking import assert_same_curve, logged_losses, tensorboard_losses
 from train.speeds import read_eval_book
 
 TOKEN = "hf_NotARealTokenForTheDemoJobs"
@@ -60,6 +61,10 @@ def check_outputs(tmp: Path) -> None:
         losses = [r["loss"] for r in rows if "loss" in r]
         assert len(losses) >= 2 and losses[-1] < losses[0], (stage, losses)
         assert (runs / stage / "adapter" / "adapter_model.safetensors").is_file()
+        # TensorBoard is on by default: its event files hold the same curve as metrics.jsonl.
+        # A curriculum's later stage continues its experiment's step axis from where the previous ended.
+        offset = json.loads((runs / stage / "summary.json").read_text())["step_offset"]
+        assert_same_curve(tensorboard_losses(runs / stage), logged_losses(runs / stage, offset))
     for experiment in ("sql-t5-lora", "sql-llama-qlora-curriculum", "chain-first", "chain-second"):
         results = json.loads((runs / experiment / "eval" / "results.json").read_text())
         assert 0.0 <= results["rouge_l"] <= 1.0 and 0.0 <= results["sql_error_rate"] <= 1.0
@@ -94,7 +99,9 @@ def test_demo_on_the_dev_cluster(repo_root, tmp_path, slurm_cluster, tiny, capsy
     assert records == {p: (tmp_path / "runs" / p / "job.json").read_text() for p in DEMO_JOBS}
     assert queued  # the first launch really queued jobs
 
+    capsys.readouterr()
     assert launch.main(["--report", "--config-dir", str(config_dir)]) == 0
+    assert f"Curves: tensorboard --logdir {tmp_path / 'runs'}" in capsys.readouterr().out
     report = (tmp_path / "runs" / "report.md").read_text()
     assert report.count("| complete") == 4
     assert "T5-p" not in report  # SocratiQ baselines belong to another task than the demo's text-to-SQL
