@@ -27,7 +27,7 @@ from slurm.plan import Plan, build_plan, calibration_plan
 from slurm.problems import ConfigError, Problem
 from slurm.profile import load_profile
 from slurm.render import edges_text, packing_text, plan_table, problem_lines, status_table, totals_text
-from slurm.rundir import done_hash
+from slurm.rundir import current_job, done_hash
 from slurm.states import State
 from slurm.status import plan_status
 from slurm.yamlfile import find_inherited
@@ -78,10 +78,9 @@ def dispatch(args) -> int:
             raise ConfigError([Problem("command line", "--calibrate-steps", "must be at least 1")])
         plan = calibration_plan(plan, args.calibrate_steps)
     pack = requested_pack(args, profile)
-    # Checked on what is still to run before the (slower) preflight: an impossible budget fails at once.
-    packing = pack_plan(still_to_run(plan), *pack, profile) if pack else None
     if args.dry_run:
-        return show_plan(plan, args.json, packing)
+        # What a pack would run now: every job without its DONE (no scheduler call: dry runs stay fast).
+        return show_plan(plan, args.json, pack_plan(still_to_run(plan), *pack, profile) if pack else None)
     if args.preflight or not args.no_preflight:
         checked = preflight(
             plan, experiments, profile, show=args.preflight, as_json=args.json and args.preflight
@@ -194,7 +193,7 @@ def watch(args, profile) -> int:
 
         return follow(plan, args.tail, profile.log_dir, out, rank=args.rank)
     if args.cancel:
-        return cancel(plan, profile.log_dir)
+        return cancel(plan, profile.log_dir, sharing_packs(args, profile, plan))
     written = report(plan, experiments, profile, args.config_dir)
     out.print("wrote " + ", ".join(str(p) for p in written))
     out.print(f"Curves: tensorboard --logdir {profile.run_dir}", highlight=False)
@@ -248,8 +247,8 @@ def requested_pack(args, profile) -> tuple[int, str] | None:
     if args.budget and not TIME_FORMAT.match(args.budget):
         message = f"{args.budget!r} must look like HH:MM:SS or D-HH:MM:SS (e.g. 6:00:00)"
         raise ConfigError([Problem("command line", "--budget", message)])
-    gpus = args.pack or profile.pack
-    if not gpus:
+    gpus = args.pack if args.pack is not None else profile.pack
+    if not gpus:  # --pack 0: no pack, whatever cluster.yaml says
         return None
     return gpus, args.budget or profile.budget or profile.max_time
 
@@ -283,6 +282,8 @@ def submit(plan: Plan, profile, args, pack: tuple[int, str] | None = None) -> in
         if not todo:
             out.print(plan_table(plan, skipped))
             out.print("Nothing to submit: every job is done or already queued.")
+        elif pack and backend_name == "local" and args.pack is None:
+            return run_here(plan, profile, decisions, take_snapshot(Path(profile.log_dir)))  # cluster.yaml's
         elif pack and backend_name == "local":
             raise ConfigError(
                 [
@@ -371,8 +372,34 @@ def cancel_stuck(rows, log_root: str) -> None:
         )
 
 
-def cancel(plan: Plan, log_root: str) -> int:
+def sharing_packs(args, profile, plan: Plan) -> dict[str, list[str]]:
+    """Packed job id → the live units of other experiments in it: cancelling the pack would stop them."""
+    if not args.exp:
+        return {}
+    everything, _ = load_watchable_experiments(args.config_dir, parse_overrides(args.overrides), None)
+    chosen = {job.id for job in plan.jobs}
+    others: dict[str, list[str]] = {}
+    for row in plan_status(build_plan(everything, profile), profile.log_dir):
+        record = current_job(Path(row.job.run_dir)) or {}
+        if record.get("pack") and row.state.live and row.job.id not in chosen:
+            others.setdefault(row.scheduler_id, []).append(row.job.id)
+    return others
+
+
+def cancel(plan: Plan, log_root: str, sharing: dict[str, list[str]] | None = None) -> int:
     live = [r for r in plan_status(plan, log_root) if r.state.live and r.scheduler_id]
+    shared = sorted({r.scheduler_id for r in live} & set(sharing or {}))
+    if shared:
+        problems = [
+            Problem(
+                "command line",
+                "--cancel",
+                f"packed job {pack} also runs {', '.join(sharing[pack])}: cancelling it stops them too; "
+                "name their experiments as well (--exp ...), or --all",
+            )
+            for pack in shared
+        ]
+        raise ConfigError(problems)
     cancel_rows(live, log_root)
     out.print(f"Cancelled {len(live)} job(s): " + (", ".join(r.job.id for r in live) or "none was queued"))
     return 0

@@ -139,7 +139,8 @@ class Estimator:
         if record is not None:
             # Per decoding step of a batch, scaled by the batch size (a decoding step's cost grows with it).
             step_s = record.decode_step_s * spec.eval.batch_size / record.batch_size
-            seconds = record.startup_s + batches * spec.eval.max_new_tokens * step_s + record.scoring_s
+            scoring_s = record.scoring_s * examples / (record.batches * record.batch_size)  # per example
+            seconds = record.startup_s + batches * spec.eval.max_new_tokens * step_s + scoring_s
             basis = (
                 f"{examples} examples in {batches} batches x {spec.eval.max_new_tokens} new tokens at "
                 f"{step_s:.3f} s/step from the speed book ({record.device_name}, batch {record.batch_size})"

@@ -21,7 +21,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -30,11 +29,14 @@ from submitit.core.utils import JobPaths
 
 from slurm.jobs import StopRequest, _configure_logging
 from slurm.redact import redact_job_output
-from slurm.rundir import done_hash
+from slurm.rundir import done_hash, read_json
 from train.files import write_atomic
 
 log = logging.getLogger("slurm.lanes")
-POLL_S = 1.0  # the longest the lanes go without looking at their children (an ending child wakes them)
+# How often the lanes look at their children: a lane idles at most this long after its unit ends. (A
+# SIGCHLD handler would wake them at once, but setting an Event from a signal handler can deadlock.)
+POLL_S = 0.25
+STOP_GRACE_S = 30  # default time a unit has to checkpoint after the stop before it is killed
 
 
 def lane_devices(lanes: int) -> list[str]:
@@ -44,6 +46,16 @@ def lane_devices(lanes: int) -> list[str]:
     if len(given) >= lanes:
         return given[:lanes]
     return [str(k) for k in range(lanes)]
+
+
+def outside_failed(unit: dict) -> list[str]:
+    """The unit's afterok parents outside the pack (queued separately, which the allocation waited for
+    with afterany) that did not complete: it needs their adapters, so it is blocked."""
+    return [
+        parent["id"]
+        for parent in unit.get("outside", [])
+        if parent["kind"] == "afterok" and done_hash(Path(parent["run_dir"])) != parent["config_hash"]
+    ]
 
 
 def lane_cpus(allowed: list[int], lanes: int) -> list[list[int]]:
@@ -59,7 +71,9 @@ def lane_cpus(allowed: list[int], lanes: int) -> list[list[int]]:
 class PackJob(submitit.helpers.Checkpointable):
     """The body of a packed allocation. Requeued by submitit's Checkpointable like a training stage."""
 
-    def __call__(self, units: list[dict], lanes: int, workdir: str) -> dict[str, str]:
+    def __call__(
+        self, units: list[dict], lanes: int, workdir: str, grace_s: float = STOP_GRACE_S
+    ) -> dict[str, str]:
         code_folder = os.getcwd()  # the launch's code snapshot: the units import the same code
         os.chdir(workdir)
         redact_job_output()
@@ -67,7 +81,7 @@ class PackJob(submitit.helpers.Checkpointable):
         stop = StopRequest()
         requeue = stop.listen()
         job_id = submitit.JobEnvironment().job_id
-        outcome = Lanes(units, lane_devices(lanes), job_id, code_folder, workdir).run(stop)
+        outcome = Lanes(units, lane_devices(lanes), job_id, code_folder, workdir).run(stop, grace_s)
         if "interrupted" in outcome.values():
             if stop.signal in (signal.SIGUSR2, None) and requeue is not None:
                 requeue(signal.SIGUSR2, None)  # submitit: checkpoint() → scontrol requeue → exit
@@ -88,36 +102,49 @@ class Lanes:
         self.state: dict[str, str] = {}  # unit id → done | failed | blocked | interrupted
         self.running: dict[str, tuple[subprocess.Popen, int]] = {}
         self.started: dict[str, float] = {}  # unit id → time.time() at its start, in this allocation
-        self.cpus = lane_cpus(sorted(os.sched_getaffinity(0)), len(devices))
-        # Math threads per unit: its lane's share of what SLURM granted (SLURM may not pin the job's cores).
-        granted = int(os.environ.get("SLURM_CPUS_PER_TASK") or len(os.sched_getaffinity(0)))
-        self.threads = max(1, min(len(self.cpus[0]), granted // len(devices)))
+        # Math threads per unit: its lane's share of the CPUs SLURM granted. Units are pinned to their
+        # lane's cores only when SLURM bound the allocation to exactly those (else they may be anyone's).
+        allowed = sorted(os.sched_getaffinity(0))
+        granted = int(os.environ.get("SLURM_CPUS_PER_TASK") or len(allowed))
+        self.cpus = lane_cpus(allowed, len(devices)) if len(allowed) == granted else []
+        self.threads = max(1, granted // len(devices))
 
-    def run(self, stop: StopRequest) -> dict[str, str]:
-        woken = threading.Event()  # a child ended: its lane takes the next unit now, not at the next poll
-        if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGCHLD, lambda signum, frame: woken.set())
-        for unit in self.units.values():
-            if done_hash(Path(unit["run_dir"])) == unit["config_hash"]:
-                self.state[unit["id"]] = "done"  # finished before a requeue: never run twice
+    def run(self, stop: StopRequest, grace_s: float = STOP_GRACE_S) -> dict[str, str]:
+        self.resume_states()
         log.info(
             "%d unit(s) on %d lane(s) (GPUs %s)", len(self.units), len(self.devices), ",".join(self.devices)
         )
         while True:
+            self.reap(stopping=stop.event.is_set())
             if stop.event.is_set():
-                return self.stop_all(stop)
-            self.reap()
+                return self.stop_all(stop, grace_s)
             self.block_orphans()
             self.start_ready()
             if not self.running:
                 return {uid: self.state.get(uid, "blocked") for uid in self.units}
-            woken.wait(POLL_S)
-            woken.clear()
+            stop.event.wait(POLL_S)
+
+    def resume_states(self) -> None:
+        """On a (re)start: units with a DONE never run twice; units that failed or were blocked in an
+        earlier run of this same allocation stay so (a failure is rarely cured by a requeue; --retry-failed
+        is the way); a record left `running` by a killed allocation says the unit waits again."""
+        for uid, unit in self.units.items():
+            run_dir = Path(unit["run_dir"])
+            if done_hash(run_dir) == unit["config_hash"]:
+                self.state[uid] = "done"
+                continue
+            lane = read_json(run_dir / "lane.json", {}) or {}
+            if str(lane.get("pack_job")) != str(self.job_id):
+                continue
+            if lane.get("state") in ("failed", "blocked"):
+                self.state[uid] = lane["state"]
+            elif lane.get("state") in ("running", "interrupted"):
+                self.write_lane(unit, None, "waiting", "requeued: waits for a lane")
 
     def ready(self) -> list[dict]:
         def parent_ended(job_id: str, kind: str) -> bool:
             if job_id not in self.units:
-                return True  # done before the pack, or outside it (SLURM held the pack for it)
+                return True  # outside the pack: ended before it started (afterok ones: see outside_failed)
             ended = self.state.get(job_id)
             return ended == "done" or (kind == "afterany" and ended in ("failed", "blocked"))
 
@@ -134,14 +161,14 @@ class Lanes:
                 if uid in self.state or uid in self.running:
                     continue
                 bad = [
-                    j
+                    f"{j} {self.state[j]}"
                     for j, k in unit["depends_on"]
                     if k == "afterok" and self.state.get(j) in ("failed", "blocked")
-                ]
+                ] + [f"{j} did not complete" for j in outside_failed(unit)]
                 if bad:
                     self.state[uid] = "blocked"
-                    self.write_lane(unit, None, "blocked", f"parent {bad[0]} {self.state[bad[0]]}")
-                    log.warning("%s blocked: parent %s %s", uid, bad[0], self.state[bad[0]])
+                    self.write_lane(unit, None, "blocked", f"parent {bad[0]}")
+                    log.warning("%s blocked: parent %s", uid, bad[0])
                     changed = True
 
     def start_ready(self) -> None:
@@ -160,12 +187,14 @@ class Lanes:
         write_atomic(order, json.dumps({**unit, "workdir": self.workdir}))
         env = {
             **os.environ,
-            "CUDA_VISIBLE_DEVICES": self.devices[lane],
+            # A CPU job (gpus: 0) in a lane sees no GPU, as it would in its own allocation.
+            "CUDA_VISIBLE_DEVICES": self.devices[lane] if unit.get("gpus", 1) else "",
             "OMP_NUM_THREADS": str(self.threads),
             "MKL_NUM_THREADS": str(self.threads),
             "LORA_PACK_LANE": str(lane),
-            "LORA_PACK_CPUS": ",".join(map(str, self.cpus[lane])),
         }
+        if self.cpus:
+            env["LORA_PACK_CPUS"] = ",".join(map(str, self.cpus[lane]))
         # Where a separate job's log would be (`--tail`, --status and the report find it unchanged).
         logfile = open(JobPaths(folder, self.job_id, task_id=0).stdout, "ab")  # noqa: SIM115 (the child's)
         try:
@@ -179,37 +208,49 @@ class Lanes:
         finally:
             logfile.close()  # the child holds its own copy
 
-    def reap(self) -> None:
+    def reap(self, stopping: bool = False) -> None:
         for uid, (child, lane) in list(self.running.items()):
             code = child.poll()
-            if code is None:
-                continue
-            del self.running[uid]
-            unit = self.units[uid]
-            if done_hash(Path(unit["run_dir"])) == unit["config_hash"]:
-                self.state[uid] = "done"
-                self.write_lane(unit, lane, "done")
-                log.info("lane %d: %s done", lane, uid)
-            else:
-                self.state[uid] = "failed"
-                self.write_lane(unit, lane, "failed", f"exit code {code}, see its log")
-                log.error("lane %d: %s failed (exit code %s)", lane, uid, code)
+            if code is not None:
+                del self.running[uid]
+                self.ended(uid, lane, code, stopping)
 
-    def stop_all(self, stop: StopRequest) -> dict[str, str]:
-        """Tell every running unit to checkpoint (the signal this process got), and wait for all of them."""
+    def ended(self, uid: str, lane: int, code: int, stopping: bool) -> None:
+        unit = self.units[uid]
+        if done_hash(Path(unit["run_dir"])) == unit["config_hash"]:
+            self.state[uid] = "done"
+            self.write_lane(unit, lane, "done")
+            log.info("lane %d: %s done", lane, uid)
+        elif stopping or code in (-signal.SIGUSR2, -signal.SIGTERM):
+            # Stopped, not broken: SLURM's signal reaches every process of the allocation, and a unit
+            # that was still starting (or an eval, which has nothing to save) dies of it.
+            self.state[uid] = "interrupted"
+            self.write_lane(unit, lane, "interrupted", "stopped; resumes when the allocation is requeued")
+            log.warning("lane %d: %s stopped (exit code %s)", lane, uid, code)
+        else:
+            self.state[uid] = "failed"
+            self.write_lane(unit, lane, "failed", f"exit code {code}, see its log")
+            log.error("lane %d: %s failed (exit code %s)", lane, uid, code)
+
+    def stop_all(self, stop: StopRequest, grace_s: float) -> dict[str, str]:
+        """Tell every running unit to checkpoint (the signal this process got) and wait for them; one that
+        has not stopped after `grace_s` is killed (its last checkpoint stays), so the allocation still
+        requeues before SLURM's own kill."""
         sent = stop.signal or signal.SIGUSR2
         log.warning("%s: %d running unit(s) checkpoint and stop", sent.name, len(self.running))
         for child, _ in self.running.values():
             child.send_signal(sent)
+        deadline = time.monotonic() + grace_s
         for uid, (child, lane) in list(self.running.items()):
-            child.wait()
-            unit = self.units[uid]
-            if done_hash(Path(unit["run_dir"])) == unit["config_hash"]:
-                self.state[uid] = "done"
-                self.write_lane(unit, lane, "done")
-            else:
-                self.state[uid] = "interrupted"
-                self.write_lane(unit, lane, "interrupted", f"stopped by {sent.name}; resumes on requeue")
+            try:
+                code = child.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.error(
+                    "lane %d: %s did not stop within %.0f s of %s: killed", lane, uid, grace_s, sent.name
+                )
+                child.kill()
+                code = child.wait()
+            self.ended(uid, lane, code, stopping=True)
         self.running.clear()
         return {uid: self.state.get(uid, "interrupted") for uid in self.units}
 

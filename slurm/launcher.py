@@ -138,13 +138,24 @@ def submit_pack(decisions: list[Decision], backend, resources: Resources) -> dic
     not at all); returns plan id → SLURM id, the allocation's for every unit."""
     ids = {d.job.id: d.scheduler_id for d in decisions if d.action == "queued"}
     todo = [d.job for d in decisions if d.action == "submit"]
-    # Inside the allocation units wait for units; parents queued as separate jobs hold the whole allocation.
-    outside = sorted({parent for job in todo for parent in parents_of(job, ids)})
+    # Inside the allocation units wait for units. Parents queued as jobs of their own hold the whole
+    # allocation until they end (afterany: one failing must not cancel the pack's unrelated units); a unit
+    # that needs such a parent's adapter checks its DONE when its turn comes (slurm/lanes.py).
+    held_by = sorted({(slurm_id, "afterany") for job in todo for slurm_id, _ in parents_of(job, ids)})
+    plan_jobs = {d.job.id: d.job for d in decisions}
+    inside = {job.id for job in todo}
     for job in todo:
         archive_stale(job)
-    units = [unit_of(job, backend.profile.log_dir) for job in todo]
+    units = [
+        unit_of(
+            job,
+            backend.profile.log_dir,
+            [(plan_jobs[d.job_id], d.kind) for d in job.depends_on if d.job_id not in inside],
+        )
+        for job in todo
+    ]
     try:
-        pack_id = backend.submit_pack(units, resources, outside)
+        pack_id = backend.submit_pack(units, resources, held_by)
     except Exception as exc:
         raise LaunchError(f"submitting the pack of {len(todo)} job(s) failed: {str(exc).strip()}") from None
     code = backend.code.provenance()

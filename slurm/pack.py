@@ -6,7 +6,10 @@ same rule is simulated with the plan's estimates, before anything is queued: the
 `--dry-run` prints, and a makespan over the budget is refused with the GPU count that would fit.
 
 A unit's duration is its estimate; a unit without one counts as its whole time limit (pessimistic: the
-packing then fits for sure or is refused). Units needing several GPUs (DDP) are refused: a lane is one GPU.
+packing then fits for sure or is refused). The makespan must end before SLURM's stop signal (the budget
+less the units' signal_delay_s and SLURM's 30 s timer). Units needing several GPUs (DDP) are refused: a
+lane is one GPU. A lane gets the CPUs (capped at the node's) and memory (refused beyond it) of the
+hungriest unit.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from pydantic import ValidationError
 from slurm.plan import PlannedJob
 from slurm.problems import ConfigError, Problem
 from slurm.profile import ClusterProfile
-from train.config import Resources, slurm_seconds, slurm_time
+from train.config import SLURM_TIMER_S, Resources, slurm_seconds, slurm_time
 
 
 @dataclass(frozen=True)
@@ -100,18 +103,31 @@ def pack_plan(jobs: list[PlannedJob], gpus: int, budget: str, profile: ClusterPr
     if problems:
         raise ConfigError([Problem("command line", "--pack", p) for p in problems])
     budget_s = slurm_seconds(budget)
+    if budget_s > profile.max_time_s:
+        message = (
+            f"{budget} is longer than cluster.yaml's max_time {profile.max_time} (the partition's limit)"
+        )
+        raise ConfigError([Problem("command line", "--budget", message)])
     packing = simulate(jobs, gpus)
     packing = Packing(gpus, budget_s, packing.lanes, packing.starts, packing.ends)
-    if packing.makespan_s > budget_s:
+    if packing.makespan_s > usable_s(jobs, budget_s):
         raise ConfigError([Problem("command line", "--budget", over_budget(jobs, packing, profile))])
     return packing
 
 
+def usable_s(jobs: list[PlannedJob], budget_s: int) -> float:
+    """The part of the budget units can work in: SLURM signals the allocation signal_delay_s before its
+    limit (and up to SLURM_TIMER_S earlier), and the units then stop to checkpoint."""
+    delay = max((j.resources.signal_delay_s for j in jobs), default=0)
+    return budget_s - delay - SLURM_TIMER_S
+
+
 def over_budget(jobs: list[PlannedJob], packing: Packing, profile: ClusterProfile) -> str:
-    makespan, budget = packing.makespan_s, packing.budget_s
+    makespan, budget = packing.makespan_s, usable_s(jobs, packing.budget_s)
     message = (
         f"the {len(jobs)} job(s) need about {slurm_time(round(makespan))} on {packing.gpus} GPU(s), "
-        f"{slurm_time(round(makespan - budget))} over the budget {slurm_time(budget)}"
+        f"{slurm_time(round(makespan - budget))} over the {slurm_time(round(budget))} the budget "
+        f"{slurm_time(packing.budget_s)} leaves before SLURM's stop signal"
     )
     for gpus in range(packing.gpus + 1, profile.max_gpus_per_node + 1):
         if simulate(jobs, gpus).makespan_s <= budget:
@@ -142,6 +158,15 @@ def pack_resources(jobs: list[PlannedJob], packing: Packing, profile: ClusterPro
             )
         shared[key] = values.pop() if values else None
     lanes = packing.gpus
+    need_gb = lanes * max(j.resources.mem_gb for j in jobs)
+    if need_gb > profile.max_mem_gb_per_node:
+        hungriest = max(jobs, key=lambda j: j.resources.mem_gb)
+        fits = int(profile.max_mem_gb_per_node // hungriest.resources.mem_gb)
+        message = (
+            f"{lanes} lanes x {hungriest.resources.mem_gb:g} GB ({hungriest.id}'s mem_gb) is more memory than a "
+            f"node has ({profile.max_mem_gb_per_node:g} GB): pack on {fits} GPU(s), or lower resources.mem_gb"
+        )
+        raise ConfigError([Problem("command line", "--pack", message)])
     try:
         return pack_allocation(jobs, lanes, packing.budget_s, profile, shared)
     except ValidationError as exc:
@@ -154,7 +179,7 @@ def pack_allocation(jobs: list[PlannedJob], lanes: int, budget_s: int, profile, 
         gpus=lanes,
         time=slurm_time(budget_s),
         cpus=min(profile.max_cpus_per_node, lanes * max(j.resources.cpus for j in jobs)),
-        mem_gb=min(profile.max_mem_gb_per_node, lanes * max(j.resources.mem_gb for j in jobs)),
+        mem_gb=lanes * max(j.resources.mem_gb for j in jobs),
         signal_delay_s=max(j.resources.signal_delay_s for j in jobs),
         max_requeues=max(j.resources.max_requeues for j in jobs),
         mail=sorted({m for j in jobs for m in j.resources.mail}),
@@ -162,8 +187,9 @@ def pack_allocation(jobs: list[PlannedJob], lanes: int, budget_s: int, profile, 
     )
 
 
-def unit_of(job: PlannedJob, log_root: str) -> dict:
-    """What the allocation needs to run one unit (plain data: submitit pickles it)."""
+def unit_of(job: PlannedJob, log_root: str, outside: list[tuple[PlannedJob, str]] = ()) -> dict:
+    """What the allocation needs to run one unit (plain data: submitit pickles it). `outside`: its parents
+    that are not units of this pack (done, or queued as jobs of their own), with the dependency kind."""
     return {
         "id": job.id,
         "kind": job.kind,
@@ -173,4 +199,9 @@ def unit_of(job: PlannedJob, log_root: str) -> dict:
         "log_folder": f"{log_root}/{job.id}",
         "seconds": unit_seconds(job),
         "depends_on": [[d.job_id, d.kind] for d in job.depends_on],
+        "outside": [
+            {"id": p.id, "kind": kind, "run_dir": p.run_dir, "config_hash": p.config_hash}
+            for p, kind in outside
+        ],
+        "gpus": job.resources.gpus,
     }

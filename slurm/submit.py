@@ -85,7 +85,9 @@ class SlurmBackend:
         executor.update_parameters(
             **sbatch_parameters("lora-pack", resources, 1, parents, self.profile, self.code.folder)
         )
-        return executor.submit(PackJob(), units, resources.gpus, str(self.workdir)).job_id
+        # Units must have checkpointed before the allocation requeues itself, ahead of the time limit.
+        grace_s = max(10, resources.signal_delay_s - 20)
+        return executor.submit(PackJob(), units, resources.gpus, str(self.workdir), grace_s).job_id
 
     def pack_log_folder(self) -> Path:
         """The allocation's own log (which lane ran what, when); each unit logs where a job would."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -17,6 +18,9 @@ from slurm.jobs import EvalStage, TrainStage
 
 
 def main(order_file: str) -> None:
+    # SLURM's USR2 reaches every process of the allocation; until a training stage takes it over (to
+    # checkpoint), it must not kill the unit: the lanes forward it and wait for the unit to stop or end.
+    signal.signal(signal.SIGUSR2, signal.SIG_IGN)
     unit = json.loads(Path(order_file).read_text(encoding="utf-8"))
     if cpus := os.environ.get("LORA_PACK_CPUS"):
         os.sched_setaffinity(0, {int(c) for c in cpus.split(",")})  # this lane's cores (slurm/lanes.py)

@@ -152,7 +152,9 @@ def test_an_impossible_budget_is_refused_before_anything_is_queued(
     estimates = {j["estimate"]["seconds"] for j in json.loads(capsys.readouterr().out)["jobs"]}
     assert len(estimates) == 1  # four copies of one job: one estimate each, e
     (each,) = estimates
-    budget = round(2.5 * each)  # four jobs: 4e on one GPU, 2e on two
+    # Four jobs: 4e on one GPU, 2e on two; the units work until SLURM's stop signal, which comes
+    # signal_delay_s (60) + up to 30 s before the budget ends.
+    budget = round(2.5 * each) + 60 + 30
     clock = f"{budget // 3600:02d}:{budget % 3600 // 60:02d}:{budget % 60:02d}"
     before = squeue_ids(tmp_path)
     assert launch_slurm(folder, "--pack", "1", "--budget", clock) == 2

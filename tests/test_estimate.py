@@ -144,8 +144,9 @@ def test_an_eval_job_of_a_model_the_book_has_seen_is_estimated_from_its_eval_row
         time=1.0,
     )
     estimate = Estimator([], lambda source, data_spec: DataTokens(1000, 1e5), eval_book=[row])
-    # 64 examples in 4 batches of 16 x 50 steps, each step twice the row's (batch 16 against 8).
-    assert estimate(spec(), 1).seconds == pytest.approx(30 + 4 * 50 * 0.04 + 5)
+    # 64 examples in 4 batches of 16 x 50 steps, each step twice the row's (batch 16 against 8); scoring
+    # per example: the row scored 4 x 8 = 32 examples in 5 s.
+    assert estimate(spec(), 1).seconds == pytest.approx(30 + 4 * 50 * 0.04 + 5 * 64 / 32)
     assert estimate(spec(), 1).source == "measured"
     assert estimate(spec(beams=4), 1).source == "guess"  # beam search is another cost: not this row
 

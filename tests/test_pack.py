@@ -17,7 +17,7 @@ from slurm.problems import ConfigError
 from slurm.profile import load_profile
 from tests.test_plan import sized
 
-SECONDS = {"a/one": 10, "a/two": 10, "b/train": 15, "c/train": 5}
+SECONDS = {"a/one": 1000, "a/two": 1000, "b/train": 1500, "c/train": 500}
 
 
 def fixed(spec, gpus) -> Estimate:
@@ -60,40 +60,54 @@ def abc_plan(tmp_path: Path, b_resources: str = '{gpus: 1, cpus: 4, mem_gb: 12, 
 def test_free_lanes_take_the_longest_ready_job_and_chains_wait_for_their_parents(tmp_path):
     plan, _ = abc_plan(tmp_path)
     packing = simulate(list(plan.jobs), 2)
-    # t=0: b (15 s) and a/one (10 s) are the longest ready; c waits. t=10: a/two (now ready, 10 s) beats
-    # c (5 s) for lane 1. t=15: c on lane 0. t=20: a/two ends.
+    # t=0: b (1500 s) and a/one (1000 s) are the longest ready; c waits. t=1000: a/two (now ready, 1000 s)
+    # beats c (500 s) for lane 1. t=1500: c on lane 0. t=2000: a/two ends.
     assert packing.lanes == (("b/train", "c/train"), ("a/one", "a/two"))
-    assert packing.starts == {"b/train": 0, "a/one": 0, "a/two": 10, "c/train": 15}
-    assert packing.makespan_s == 20
-    assert packing.utilisation == pytest.approx(40 / (2 * 20))
+    assert packing.starts == {"b/train": 0, "a/one": 0, "a/two": 1000, "c/train": 1500}
+    assert packing.makespan_s == 2000
+    assert packing.utilisation == pytest.approx(4000 / (2 * 2000))
     one_lane = simulate(list(plan.jobs), 1)
-    assert one_lane.makespan_s == 40 and one_lane.lanes == (("b/train", "a/one", "a/two", "c/train"),)
+    assert one_lane.makespan_s == 4000 and one_lane.lanes == (("b/train", "a/one", "a/two", "c/train"),)
 
 
 def test_a_budget_the_estimates_exceed_is_refused_with_the_gpus_that_would_fit(tmp_path):
     plan, profile = abc_plan(tmp_path)
+    # The units can work until SLURM's stop signal: the budget less signal_delay_s (120) and 30 s.
     with pytest.raises(ConfigError) as refused:
-        pack_plan(list(plan.jobs), 1, "00:00:30", profile)  # 40 s of work on one lane
+        pack_plan(list(plan.jobs), 1, "00:52:30", profile)  # 4000 s of work on one lane, 3000 s usable
     message = str(refused.value.problems[0])
     assert "--budget" in message
-    assert "need about 00:00:40 on 1 GPU(s), 00:00:10 over the budget 00:00:30" in message
+    assert "need about 01:06:40 on 1 GPU(s), 00:16:40 over the 00:50:00 the budget 00:52:30 leaves" in message
     assert "they would fit on 2 GPUs (--pack 2)" in message
     with pytest.raises(ConfigError) as never:
-        pack_plan(list(plan.jobs), 1, "00:00:19", profile)  # the a chain alone takes 20 s
-    assert "no pack of up to 4 GPUs fits, as its longest chain alone takes 00:00:20" in str(
+        pack_plan(list(plan.jobs), 1, "00:34:10", profile)  # 1900 s usable; the a chain alone takes 2000
+    assert "no pack of up to 4 GPUs fits, as its longest chain alone takes 00:33:20" in str(
         never.value.problems[0]
     )
-    assert pack_plan(list(plan.jobs), 2, "00:00:20", profile).makespan_s == 20
+    assert pack_plan(list(plan.jobs), 2, "00:35:50", profile).makespan_s == 2000  # exactly fits
+    with pytest.raises(ConfigError) as too_long:
+        pack_plan(list(plan.jobs), 2, "3-00:00:00", profile)
+    assert "longer than cluster.yaml's max_time 2-00:00:00" in str(too_long.value.problems[0])
 
 
 def test_a_pack_asks_for_one_node_with_each_lane_sized_for_its_hungriest_job(tmp_path):
-    plan, profile = abc_plan(tmp_path)
+    plan, profile = abc_plan(tmp_path, b_resources='{gpus: 1, cpus: 4, mem_gb: 9, time: "01:00:00"}')
     packing = pack_plan(list(plan.jobs), 2, "06:00:00", profile)
     resources = pack_resources(list(plan.jobs), packing, profile)
     assert resources.gpus == 2 and resources.time == "06:00:00"
     assert resources.cpus == 6  # 2 lanes x b's 4 CPUs, capped at the node's 6
-    assert resources.mem_gb == 20  # 2 x b's 12 GB, capped at the node's 20
+    assert resources.mem_gb == 18  # 2 x b's 9 GB
     assert resources.tasks == 2  # Resources' own count; the pack's sbatch asks for one task (submit_pack)
+
+
+def test_lanes_that_need_more_memory_than_a_node_has_are_refused_with_the_lanes_that_fit(tmp_path):
+    plan, profile = abc_plan(tmp_path)  # b asks for 12 GB, the node has 20
+    packing = pack_plan(list(plan.jobs), 2, "06:00:00", profile)
+    with pytest.raises(ConfigError) as refused:
+        pack_resources(list(plan.jobs), packing, profile)
+    message = str(refused.value.problems[0])
+    assert "2 lanes x 12 GB (b/train's mem_gb) is more memory than a node has (20 GB)" in message
+    assert "pack on 1 GPU(s)" in message
 
 
 def test_a_multi_gpu_job_cannot_take_a_lane(tmp_path):
@@ -154,6 +168,8 @@ def test_cluster_yaml_can_set_the_pack_and_an_unquoted_budget(tmp_path, capsys):
     assert code == 0
     packing = json.loads(out)["packing"]
     assert packing["gpus"] == 3 and packing["budget_s"] == 5 * 3600
+    code, out, _ = run_cli(folder, capsys, "--dry-run", "--json", "--pack", "0")  # this launch unpacked
+    assert code == 0 and "packing" not in json.loads(out)
 
 
 def test_each_lane_gets_its_own_gpu_and_cores(monkeypatch):
@@ -166,3 +182,71 @@ def test_each_lane_gets_its_own_gpu_and_cores(monkeypatch):
     assert lane_cpus(list(range(8)), 4) == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert lane_cpus([0, 1, 2], 2) == [[0], [1]]
     assert lane_cpus([4, 5], 4) == [[4], [5], [4], [5]]  # fewer cores than lanes: shared round-robin
+
+
+def lane_units(tmp_path: Path) -> list[dict]:
+    """Units as the allocation gets them: a chain one → two, and lone, whose adapter parent `up` ran as a
+    job of its own outside the pack."""
+
+    def unit(name: str, depends_on=(), outside=()):
+        return {
+            "id": name,
+            "kind": "train",
+            "spec": {},
+            "config_hash": f"hash-{name}",
+            "run_dir": str(tmp_path / "runs" / name),
+            "log_folder": str(tmp_path / "logs" / name),
+            "seconds": 10.0,
+            "depends_on": [list(d) for d in depends_on],
+            "outside": list(outside),
+            "gpus": 1,
+        }
+
+    up = {"id": "up", "kind": "afterok", "run_dir": str(tmp_path / "runs" / "up"), "config_hash": "hash-up"}
+    return [unit("one"), unit("two", [("one", "afterok")]), unit("lone", [("up", "afterok")], [up])]
+
+
+def lane_record(tmp_path: Path, name: str) -> dict:
+    return json.loads((tmp_path / "runs" / name / "lane.json").read_text())
+
+
+def test_how_a_unit_ended_decides_whether_it_resumes_fails_or_blocks(tmp_path):
+    import signal
+
+    from slurm.lanes import Lanes
+    from slurm.rundir import mark_done
+
+    lanes = Lanes(lane_units(tmp_path), ["0", "1"], "77", str(tmp_path), str(tmp_path))
+    lanes.ended("one", 0, -signal.SIGUSR2, stopping=False)  # killed by SLURM's signal while starting
+    assert lanes.state["one"] == "interrupted"
+    lanes.ended("one", 0, 1, stopping=True)  # any end after the stop: resumes on requeue
+    assert lanes.state["one"] == "interrupted"
+    lanes.ended("one", 0, 1, stopping=False)  # a real failure
+    assert lanes.state["one"] == "failed" and lane_record(tmp_path, "one")["reason"].startswith("exit code 1")
+    lanes.block_orphans()  # two needs one's adapter; lone needs up's, which never completed
+    assert lanes.state["two"] == "blocked" and lane_record(tmp_path, "two")["reason"] == "parent one failed"
+    assert lane_record(tmp_path, "lone")["reason"] == "parent up did not complete"
+    mark_done(tmp_path / "runs" / "one", "hash-one")
+    lanes.ended("one", 0, 0, stopping=True)  # it finished before it saw the stop
+    assert lanes.state["one"] == "done"
+
+
+def test_a_requeued_allocation_skips_done_keeps_failed_and_runs_the_rest_again(tmp_path):
+    from slurm.lanes import Lanes
+    from slurm.rundir import mark_done
+
+    units = lane_units(tmp_path)
+    first = Lanes(units, ["0"], "77", str(tmp_path), str(tmp_path))
+    first.ended("one", 0, 1, stopping=False)  # failed in the allocation's first run
+    first.write_lane(units[1], 0, "running")  # two was running when the node was lost
+    (tmp_path / "runs" / "lone").mkdir(parents=True)
+    mark_done(tmp_path / "runs" / "up", "hash-up")
+    mark_done(tmp_path / "runs" / "lone", "hash-lone")
+
+    again = Lanes(units, ["0"], "77", str(tmp_path), str(tmp_path))  # the same job id after the requeue
+    again.resume_states()
+    assert again.state == {"one": "failed", "lone": "done"}
+    assert lane_record(tmp_path, "two")["state"] == "waiting"  # not `running`: it waits for a lane
+    other = Lanes(units, ["0"], "78", str(tmp_path), str(tmp_path))  # another allocation: a fresh try
+    other.resume_states()
+    assert other.state == {"lone": "done"}
