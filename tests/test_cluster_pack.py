@@ -8,6 +8,7 @@ Waiting is always for a condition (a file, a state), never a fixed sleep.
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 from pathlib import Path
@@ -163,3 +164,23 @@ def test_an_impossible_budget_is_refused_before_anything_is_queued(
     assert "nothing was submitted" in err and "Traceback" not in err
     assert squeue_ids(tmp_path) == before
     assert not (tmp_path / "runs").exists() or not list((tmp_path / "runs").rglob("job.json"))
+
+
+def test_cancelling_one_experiment_of_a_pack_refuses_to_stop_the_others(
+    repo_root, tmp_path, slurm_cluster, tiny, capsys, monkeypatch
+):
+    from tests.test_load import holding_sbatch
+
+    folder = scenario(repo_root, tmp_path, {"a": "", "b": ""})
+    holding_sbatch(tmp_path / "hold")  # the pack waits, held, in the real queue while we cancel
+    monkeypatch.setenv("PATH", f"{tmp_path / 'hold'}:{os.environ['PATH']}")
+    assert launch_slurm(folder, "--pack", "2", "--budget", "00:30:00") == 0
+    pack_id = slurm_id(tmp_path, "a/train")
+    capsys.readouterr()
+    assert launch.main(["--cancel", "--exp", "a", "--config-dir", str(folder)]) == 2
+    err = capsys.readouterr().err
+    assert f"packed job {pack_id} also runs b/train: cancelling it stops them too" in err
+    assert pack_id in squeue_ids(tmp_path)  # nothing was cancelled
+    assert launch.main(["--cancel", "--exp", "a", "b", "--config-dir", str(folder)]) == 0
+    assert "Cancelled 2 job(s)" in capsys.readouterr().out
+    wait_until(lambda: pack_id not in squeue_ids(tmp_path), "the pack to leave the queue", 60)
