@@ -6,6 +6,7 @@ evaluator, which never talk to the scheduler themselves.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import signal
@@ -113,11 +114,30 @@ def _export_distributed_environment() -> int:
     environment = submitit.JobEnvironment()
     if environment.num_tasks <= 1:
         return 0
+    os.environ["MASTER_PORT"] = str(rendezvous_port(environment.job_id, ephemeral_ports()))
     exported = submitit.helpers.TorchDistributedEnvironment().export(
         set_cuda_visible_devices=False,
         overwrite=True,  # a RANK inherited from the submitting shell is stale
     )
     return exported.rank
+
+
+def rendezvous_port(job_id: str, ephemeral: tuple[int, int]) -> int:
+    """Rank 0's rendezvous port: the same for every task of a job and for its requeues (drawn from the job
+    id), and outside the node's ephemeral range. submitit draws from 20000-60000, which overlaps Linux's
+    default ephemeral 32768-60999: a port any outgoing connection on the node may hold, and then rank 0
+    fails at once with EADDRINUSE (seen on the dev cluster)."""
+    low, high = ephemeral
+    first, last = (10000, low - 1) if low - 1 - 10000 >= 1000 else (high + 1, 65535)
+    return first + int(hashlib.sha256(job_id.encode()).hexdigest(), 16) % (last - first + 1)
+
+
+def ephemeral_ports() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
 
 
 def _use_allocated_cpus() -> None:

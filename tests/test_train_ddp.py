@@ -127,3 +127,16 @@ def test_a_stop_seen_by_one_rank_stops_both_at_one_checkpoint_and_resumes_exactl
     assert_same_adapter(straight, run_dir)
     steps = [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl") if "loss" in r]
     assert steps == list(range(1, STEPS + 1))
+
+
+def test_the_rendezvous_port_is_the_jobs_own_and_outside_the_ephemeral_range():
+    # submitit's port (20000-60000 from the job id) lies inside Linux's ephemeral range, where any outgoing
+    # connection on the node may already hold it: rank 0 then died with EADDRINUSE on the dev cluster.
+    from slurm.jobs import rendezvous_port
+
+    ports = {job: rendezvous_port(job, (32768, 60999)) for job in map(str, range(1000, 3000))}
+    assert all(10000 <= port < 32768 for port in ports.values())
+    assert len(set(ports.values())) > 1800  # spread: two jobs on a node rarely meet on one port
+    assert rendezvous_port("1708", (32768, 60999)) == ports["1708"]  # every task, every requeue: the same
+    # A node whose ephemeral range starts low: the ports above it.
+    assert all(61000 <= rendezvous_port(job, (1024, 60999)) <= 65535 for job in ("1", "2", "3"))
