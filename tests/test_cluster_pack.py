@@ -72,16 +72,21 @@ def test_a_packed_run_survives_a_requeue_and_equals_the_unpacked_run(
     assert summary["resumed_from"] is not None
     assert_every_step_logged_once(long, summary["global_step"])
 
-    # Each unit saw one GPU, its lane's; the two lanes had different ones.
-    lane_gpu = {}
+    # In each allocation (the requeue starts a new one, whose GPUs SLURM may number differently) the two
+    # lanes had two different GPUs, and each unit saw one GPU: its lane's in the allocation that ran it.
+    allocations = re.split(r"unit\(s\) on 2 lane\(s\) \(GPUs (\S+)\)", log)[1:]
+    assert len(allocations) == 4  # GPUs, starts; GPUs, starts: two allocations
+    for gpus, starts in zip(allocations[::2], allocations[1::2], strict=True):
+        assert len(set(gpus.split(","))) == 2, gpus
+        lanes = set(re.findall(r"lane (\d+) \(GPU (\S+)\): started", starts))
+        assert lanes and lanes <= {(str(i), gpu) for i, gpu in enumerate(gpus.split(","))}, (gpus, lanes)
     for job in jobs:
         lane = json.loads((runs / job / "lane.json").read_text())
         unit_log = JobPaths(tmp_path / "packed" / "logs" / job, pack_id).stdout.read_text()
-        seen = set(re.findall(r"unit of packed job on lane (\d+), CUDA_VISIBLE_DEVICES=(\S+)", unit_log))
-        assert seen == {(str(lane["lane"]), lane["gpu"])}, (job, seen)
-        lane_gpu.setdefault(lane["lane"], set()).add(lane["gpu"])
-    assert sorted(lane_gpu) == [0, 1]
-    assert all(len(gpus) == 1 for gpus in lane_gpu.values()) and lane_gpu[0] != lane_gpu[1]
+        seen = re.findall(r"unit of packed job on lane (\d+), CUDA_VISIBLE_DEVICES=(\S+)", unit_log)
+        assert seen and seen[-1] == (str(lane["lane"]), lane["gpu"]), (job, seen)
+        assert all("," not in gpu for _, gpu in seen)  # one GPU, never the allocation's two
+        assert len(seen) == 1 or job not in finished  # finished before the requeue: started once
 
     # The same results as the separate jobs: every adapter, and the eval's scores.
     for job in jobs:
