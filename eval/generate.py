@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from train import vl
 from train.config import EvalJob
 from train.device import Hardware, Placement, decide, ranks
 from train.model import load_trained
@@ -35,7 +36,9 @@ def eval_placement(adapter_dir: str, hardware: Hardware | None = None) -> Placem
 
 def load_for_eval(job: EvalJob, placement: Placement):
     """(model, tokenizer) of the job's adapter on `placement.device`, in eval mode."""
-    model, tokenizer = load_trained(job.model, job.adapter_dir, quantize=job.adapter, placement=placement)
+    model, tokenizer = load_trained(
+        job.model, job.adapter_dir, quantize=job.adapter, placement=placement, data=job.data
+    )
     log.info("generating on %s (%s) in %s", placement.device, placement.device_name, placement.precision)
     return model.eval(), tokenizer
 
@@ -65,26 +68,38 @@ def generate(
     max_new_tokens: int,
     batch_size: int,
     max_length: int | None = None,
+    images: list[str] | None = None,
 ) -> list[str]:
     """One output per prompt, in the prompts' order, generated on the model's device.
 
     Prompts are batched by length (little padding, so little wasted compute). Causal models pad on the
-    left so every prompt ends where generation starts, and only the new tokens are decoded.
+    left so every prompt ends where generation starts, and only the new tokens are decoded. For image-text
+    `tokenizer` is the processor, `images` the prompts' image files, and prompts go through its chat
+    template as in training (never truncated: that would cut image tokens).
     """
-    tokenizer.padding_side = "left" if kind == "causal" else "right"
+    processor, tokenizer = tokenizer, vl.text_tokenizer(tokenizer)
+    tokenizer.padding_side = "right" if kind == "seq2seq" else "left"
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     outputs: list[str] = [""] * len(prompts)
     strip = framing_ids(model, tokenizer)
     for start in range(0, len(order), batch_size):
         batch = order[start : start + batch_size]
-        encoded = tokenizer(
-            [prompts[i] for i in batch],
-            return_tensors="pt",
-            padding=True,
-            truncation=max_length is not None,
-            max_length=max_length,
-            add_special_tokens=True,  # as in training (train/data.py encodes prompts the same way)
-        ).to(model.device)
+        if kind == "image-text":
+            encoded = vl.generation_inputs(
+                processor,
+                [vl.chat_prompt(processor, prompts[i]) for i in batch],
+                [images[i] for i in batch],
+                model.device,
+            )
+        else:
+            encoded = tokenizer(
+                [prompts[i] for i in batch],
+                return_tensors="pt",
+                padding=True,
+                truncation=max_length is not None,
+                max_length=max_length,
+                add_special_tokens=True,  # as in training (train/data.py encodes prompts the same way)
+            ).to(model.device)
         generated = model.generate(
             **encoded,
             num_beams=num_beams,
@@ -92,7 +107,7 @@ def generate(
             do_sample=False,
             pad_token_id=tokenizer.pad_token_id,
         )
-        if kind == "causal":
+        if kind != "seq2seq":
             generated = generated[:, encoded["input_ids"].shape[1] :]
         for index, text in zip(batch, decode(tokenizer, generated, strip), strict=True):
             outputs[index] = text

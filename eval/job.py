@@ -29,6 +29,7 @@ def run_eval(job: EvalJob) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     source = job.source  # data.eval, or the training data when eval.split: train says so
     prompts, references = prompts_and_targets(source, job.data, limit=job.eval.limit)
+    images = image_paths(source, job) if job.model.kind == "image-text" else None
     started = time.time()
     placement = eval_placement(job.adapter_dir)
     model, tokenizer = load_for_eval(job, placement)
@@ -39,15 +40,18 @@ def run_eval(job: EvalJob) -> dict:
         "max_new_tokens": job.eval.max_new_tokens,
         "batch_size": job.eval.batch_size,
     }
-    predictions = generate(model, tokenizer, prompts, **options)
+    predictions = generate(model, tokenizer, prompts, images=images, **options)
     generated = time.time()
     generation_s = generated - started
-    changed = adapter_changes_output(model, tokenizer, prompts[:SAMPLE_FOR_ADAPTER_CHECK], **options)
+    sample = slice(SAMPLE_FOR_ADAPTER_CHECK)
+    changed = adapter_changes_output(
+        model, tokenizer, prompts[sample], images=images and images[sample], **options
+    )
     if not changed:
         log.warning(
             "the adapter does not change the base model's outputs on %d examples", SAMPLE_FOR_ADAPTER_CHECK
         )
-    write_predictions(out / "predictions.jsonl", prompts, references, predictions)
+    write_predictions(out / "predictions.jsonl", prompts, references, predictions, images)
     results = score(
         predictions,
         references,
@@ -94,15 +98,29 @@ def write_speed(job: EvalJob, device_name: str, examples: int, loaded: float, ge
     speeds.append(book, record)
 
 
-def write_predictions(path: Path, prompts: list[str], references: list[str], predictions: list[str]) -> None:
-    rows = zip(prompts, references, predictions, strict=True)
-    write_atomic(
-        path,
-        "".join(
-            json.dumps({"id": i, "input": prompt, "reference": reference, "prediction": prediction}) + "\n"
-            for i, (prompt, reference, prediction) in enumerate(rows)
-        ),
-    )
+def image_paths(source: str, job: EvalJob) -> list[str]:
+    """The image file of each scored example (image-text), in the order of the prompts."""
+    from train.data import read_rows
+    from train.examples import image_path
+
+    rows = read_rows(source, job.data)[: job.eval.limit]
+    return [str(image_path(row, job.data, source)) for row in rows]
+
+
+def write_predictions(
+    path: Path,
+    prompts: list[str],
+    references: list[str],
+    predictions: list[str],
+    images: list[str] | None = None,
+) -> None:
+    rows = []
+    for i, (prompt, reference, prediction) in enumerate(zip(prompts, references, predictions, strict=True)):
+        row = {"id": i, "input": prompt, "reference": reference, "prediction": prediction}
+        if images:
+            row["image"] = images[i]
+        rows.append(json.dumps(row) + "\n")
+    write_atomic(path, "".join(rows))
 
 
 def add_parser(subparsers) -> None:

@@ -28,6 +28,9 @@ DEMO_JOBS = {
     "chain-first/eval",
     "chain-second/train",
     "chain-second/eval",
+    "shapes-vl-qlora-curriculum/colours",
+    "shapes-vl-qlora-curriculum/shapes",
+    "shapes-vl-qlora-curriculum/eval",
 }
 
 
@@ -56,7 +59,8 @@ def check_outputs(tmp: Path) -> None:
     runs = tmp / "runs"
     for plan_id in DEMO_JOBS:
         assert (runs / plan_id / "DONE").is_file(), plan_id
-    for stage in ("sql-t5-lora/train", "sql-llama-qlora-curriculum/harder", "chain-second/train"):
+    trained = ("sql-t5-lora/train", "sql-llama-qlora-curriculum/harder", "chain-second/train")
+    for stage in (*trained, "shapes-vl-qlora-curriculum/shapes"):
         rows = [json.loads(line) for line in (runs / stage / "metrics.jsonl").read_text().splitlines()]
         losses = [r["loss"] for r in rows if "loss" in r]
         assert len(losses) >= 2 and losses[-1] < losses[0], (stage, losses)
@@ -70,6 +74,15 @@ def check_outputs(tmp: Path) -> None:
         assert 0.0 <= results["rouge_l"] <= 1.0 and 0.0 <= results["sql_error_rate"] <= 1.0
         assert results["n"] > 0
         assert (runs / experiment / "eval" / "predictions.jsonl").is_file()
+    # The vision-language curriculum: stage 2 continued stage 1's adapter (with its processor), and the
+    # eval job generated from the images with it.
+    shapes = json.loads((runs / "shapes-vl-qlora-curriculum" / "shapes" / "summary.json").read_text())
+    assert shapes["init_adapter"].endswith("shapes-vl-qlora-curriculum/colours/adapter")
+    assert (runs / "shapes-vl-qlora-curriculum" / "shapes" / "adapter" / "processor_config.json").is_file()
+    results = json.loads((runs / "shapes-vl-qlora-curriculum" / "eval" / "results.json").read_text())
+    assert results["n"] == 24 and 0.0 <= results["exact_match"] <= 1.0 and results["adapter_changes_output"]
+    predicted = (runs / "shapes-vl-qlora-curriculum" / "eval" / "predictions.jsonl").read_text().splitlines()
+    assert all(json.loads(row)["image"].endswith(".png") for row in predicted)
 
 
 def test_demo_on_the_dev_cluster(repo_root, tmp_path, slurm_cluster, tiny, capsys, monkeypatch):
@@ -103,7 +116,7 @@ def test_demo_on_the_dev_cluster(repo_root, tmp_path, slurm_cluster, tiny, capsy
     assert launch.main(["--report", "--config-dir", str(config_dir)]) == 0
     assert f"Curves: tensorboard --logdir {tmp_path / 'runs'}" in capsys.readouterr().out
     report = (tmp_path / "runs" / "report.md").read_text()
-    assert report.count("| complete") == 4
+    assert report.count("| complete") == 5
     assert "T5-p" not in report  # SocratiQ baselines belong to another task than the demo's text-to-SQL
     assert (tmp_path / "runs" / "loss_curves.png").stat().st_size > 10_000
 

@@ -194,6 +194,11 @@ def test_the_shipped_experiments_preflight_offline_from_fixture_configs(repo_roo
     # Its public size is 76,961,152; transformers 5 ties T5's lm_head to the shared embedding whatever the
     # config says (configuration_t5.py), so the job, and preflight with it, count one 32128×512 less.
     assert results["flan-t5-small-qg/train"]["total_params"] == 76_961_152 - 32128 * 512 + flan
+    # Qwen3-VL-4B, r16 on every Linear of the language model's 36 layers and none of its vision tower:
+    # q (2560→4096), k and v (2560→1024), o (4096→2560), gate and up (2560→9728), down (9728→2560).
+    per_layer = 16 * ((2560 + 4096) + 2 * (2560 + 1024) + (4096 + 2560) + 3 * (2560 + 9728))
+    assert results["qwen3-vl-random/train"]["trainable_params"] == 36 * per_layer == 33_030_144
+    assert results["qwen3-vl-curriculum/hard"]["trainable_by_module"] == {"lora": 33_030_144}
     for result in results.values():  # no tokenizer in the cache: lengths are skipped, saying why
         assert result["max_length"] is None and "not available here" in result["tokens_skipped"]
         assert result["memory_gb"] > 0

@@ -84,17 +84,17 @@ def test_the_tokenizer_round_trips_and_keeps_the_demo_sql_short(built, repo_root
 def test_a_second_build_skips_and_touches_nothing(built, capsys):
     before = {name: digests(folder) for name, folder in built.items()}
     assert build_tiny_models(next(iter(built.values())).parent) == built
-    assert capsys.readouterr().out.count(": skipped") == 2
+    assert capsys.readouterr().out.count(": skipped") == 3
     assert {name: digests(folder) for name, folder in built.items()} == before
 
 
 def test_force_rebuilds_the_same_weights_and_leaves_no_temp_folder(built, tmp_path, capsys):
     out = build_tiny_models(tmp_path, force=True)
-    assert capsys.readouterr().out.count(": built ") == 2
+    assert capsys.readouterr().out.count(": built ") == 3
     for name, folder in out.items():
         for file in ("model.safetensors", "tokenizer.json", "config.json"):
             assert (folder / file).read_bytes() == (built[name] / file).read_bytes(), (name, file)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny-llama", "tiny-t5"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny-llama", "tiny-qwen-vl", "tiny-t5"]
 
 
 def test_a_stale_stamp_is_rebuilt(tmp_path, capsys):
@@ -104,5 +104,28 @@ def test_a_stale_stamp_is_rebuilt(tmp_path, capsys):
     (out["tiny-llama"] / STAMP).unlink()  # a folder without a stamp is not trusted either
     capsys.readouterr()
     build_tiny_models(tmp_path)
-    assert capsys.readouterr().out.count(": built ") == 2
+    assert capsys.readouterr().out.count(": built ") == 2  # tiny-qwen-vl was up to date
     assert json.loads(stamp.read_text())["recipe"] != 0
+
+
+def test_tiny_qwen_vl_reloads_through_the_auto_classes_and_generates_from_an_image(built, repo_root):
+    import torch
+    from PIL import Image
+    from transformers import AutoModelForImageTextToText
+
+    from train.config import ModelSpec
+    from train.vl import chat_prompt, load_processor
+
+    processor = load_processor(str(built["tiny-qwen-vl"]), ModelSpec(name_or_path="x", kind="image-text"))
+    model = AutoModelForImageTextToText.from_pretrained(built["tiny-qwen-vl"])
+    assert type(model).__name__ == "Qwen2_5_VLForConditionalGeneration"
+    assert 150_000 <= model.num_parameters() <= 270_000
+    image = Image.open(repo_root / "data" / "demo" / "shapes" / "images" / "dev-red-circle-0.png")
+    batch = processor(
+        text=[chat_prompt(processor, "What colour is the shape?")], images=[image], return_tensors="pt"
+    )
+    image_pad = processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    assert int((batch["input_ids"] == image_pad).sum()) == 4  # 56 x 56: 4 x 4 patches, merged 2 x 2
+    with torch.no_grad():
+        out = model.generate(**batch, max_new_tokens=3, do_sample=False)
+    assert out.shape[1] == batch["input_ids"].shape[1] + 3

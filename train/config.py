@@ -43,7 +43,9 @@ class ModelSpec(Section):
     """The base model: a hub id (validated here, downloaded only on a compute node) or a local folder."""
 
     name_or_path: str
-    kind: Literal["seq2seq", "causal"]
+    # image-text: a vision-language model (Qwen2.5-VL, Qwen3-VL) through AutoModelForImageTextToText and
+    # AutoProcessor; its examples carry an image (data.image_field) besides their text.
+    kind: Literal["seq2seq", "causal", "image-text"]
     revision: str | None = None
     added_tokens: list[str] = Field(default_factory=list, description="special tokens added before training")
 
@@ -59,6 +61,9 @@ class AdapterSpec(Section):
     max_trainable_percent: Annotated[float, Field(gt=0, le=100)] = 10.0
     quant_type: Literal["nf4", "fp4"] = "nf4"
     double_quant: bool = True
+    # image-text: LoRA goes on the language model's layers only, unless this widens it to the vision tower
+    # (and its merger); the vision tower always stays out of 4-bit.
+    train_vision: bool = Field(False, exclude_if=lambda value: value is False)
 
     @field_validator("target_modules")
     @classmethod
@@ -91,6 +96,18 @@ class DataSpec(Section):
     max_target_length: int | Literal["auto"] = "auto"
     order: Literal["shuffle", "file"] = Field("shuffle", description="'file' keeps a curriculum's order")
     num_workers: Annotated[int, Field(ge=0)] | Literal["auto"] = "auto"
+    # image-text only (left out of the spec, and so of its hash, when unset): the field holding each
+    # example's image path, relative to the data file; and the bounds the processor resizes images into
+    # (pixels, width x height), which decide how many image tokens an example costs.
+    image_field: str | None = Field(None, exclude_if=lambda value: value is None)
+    min_pixels: Annotated[int, Field(ge=1)] | None = Field(None, exclude_if=lambda value: value is None)
+    max_pixels: Annotated[int, Field(ge=1)] | None = Field(None, exclude_if=lambda value: value is None)
+
+    @model_validator(mode="after")
+    def _pixel_bounds_ordered(self):
+        if self.min_pixels and self.max_pixels and self.min_pixels > self.max_pixels:
+            raise ValueError(f"min_pixels {self.min_pixels} is above max_pixels {self.max_pixels}")
+        return self
 
     @field_validator("max_length", "max_target_length")
     @classmethod
@@ -370,6 +387,33 @@ class Experiment(Section):
     @classmethod
     def _safe(cls, value):
         return safe_name(value)
+
+    @model_validator(mode="after")
+    def _images_match_the_model(self):
+        images = self.model.kind == "image-text"
+        if images and not self.data.image_field:
+            raise ValueError(
+                "model.kind image-text needs data.image_field: the field of each example that holds its "
+                "image's path (relative to the data file), e.g. `image_field: image`"
+            )
+        if not images and (self.data.image_field or self.data.min_pixels or self.data.max_pixels):
+            raise ValueError(
+                f"data.image_field, min_pixels and max_pixels are for model.kind image-text; this model is "
+                f"{self.model.kind}: remove them, or set model.kind: image-text"
+            )
+        if images and self.model.added_tokens:
+            raise ValueError(
+                "model.added_tokens is not supported for image-text models yet (their processor and "
+                "vision placeholders would need resizing too); remove it"
+            )
+        remote = [s for s in (self.data.train, self.data.eval) if s and s.startswith("hf:")]
+        if images and remote:
+            raise ValueError(
+                f"image-text data must be local files (JSONL/CSV/Parquet with image paths), not {remote[0]}"
+            )
+        if not images and self.adapter.train_vision:
+            raise ValueError("adapter.train_vision is for model.kind image-text; remove it")
+        return self
 
     @field_validator("stages")
     @classmethod

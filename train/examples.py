@@ -34,7 +34,13 @@ class TextSize:
 
 def needed_fields(spec: DataSpec) -> list[str]:
     inputs = placeholders(spec.prompt_template) if spec.prompt_template else [spec.input_field]
-    return list(dict.fromkeys([*inputs, spec.target_field]))
+    images = [spec.image_field] if spec.image_field else []
+    return list(dict.fromkeys([*inputs, spec.target_field, *images]))
+
+
+def image_path(row: dict, spec: DataSpec, data_file: Path | str) -> Path:
+    """An example's image: its path as written, relative to the data file that names it."""
+    return Path(data_file).parent / str(row[spec.image_field])
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -84,6 +90,12 @@ def check_rows(rows: list[tuple[int, dict]], spec: DataSpec, path: Path) -> None
         if missing:
             raise ExampleError(
                 f"{path}:{number}", f"no field {missing} in this example (it has {sorted(row)})"
+            )
+        if spec.image_field and not image_path(row, spec, path).is_file():
+            raise ExampleError(
+                f"{path}:{number}",
+                f"image file not found: {image_path(row, spec, path)} (data.image_field "
+                f"{spec.image_field!r} = {row[spec.image_field]!r}, a path relative to the data file)",
             )
 
 

@@ -22,6 +22,8 @@ from unittest.mock import patch
 
 import torch
 
+from train.vl import is_vision
+
 GB = 1024**3
 CUDA_RESERVE_GB = 1.0  # CUDA context, cuBLAS workspace and allocator fragmentation
 NF4_BYTES = 0.5 * (1 + 32 / 64 / 4 / 8)  # 4 bits, plus one fp32 absmax per 64 weights (double-quantized)
@@ -157,7 +159,13 @@ def weight_bytes(model, qlora: bool, dtype: torch.dtype) -> float:
     quantized = set()
     if qlora:
         for name, module in model.named_modules():
-            if isinstance(module, torch.nn.Linear) and "lora_" not in name and module is not output:
+            # The vision tower of an image-text model stays out of 4-bit (train/model.py load_base).
+            if (
+                isinstance(module, torch.nn.Linear)
+                and "lora_" not in name
+                and module is not output
+                and not is_vision(name)
+            ):
                 quantized.add(id(module.weight))
     total = 0.0
     for param in dict(model.named_parameters()).values():

@@ -12,9 +12,16 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from peft import LoraConfig, PeftModel, TaskType, get_peft_model, prepare_model_for_kbit_training
-from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer, BitsAndBytesConfig
+from transformers import (
+    AutoModelForCausalLM,
+    AutoModelForImageTextToText,
+    AutoModelForSeq2SeqLM,
+    AutoTokenizer,
+    BitsAndBytesConfig,
+)
 
-from train.config import AdapterSpec, ModelSpec
+from train import vl
+from train.config import AdapterSpec, DataSpec, ModelSpec
 from train.device import Placement
 from train.hub_cache import fetch_hint, require_tokenizer_files
 
@@ -26,10 +33,15 @@ class TrainableTooLarge(RuntimeError):
 
 
 def model_class(kind: str):
-    return AutoModelForSeq2SeqLM if kind == "seq2seq" else AutoModelForCausalLM
+    return {"seq2seq": AutoModelForSeq2SeqLM, "image-text": AutoModelForImageTextToText}.get(
+        kind, AutoModelForCausalLM
+    )
 
 
-def load_tokenizer(source: str, spec: ModelSpec):
+def load_tokenizer(source: str, spec: ModelSpec, data: DataSpec | None = None):
+    """The tokenizer; for image-text the processor (tokenizer + image processor, with data's pixel bounds)."""
+    if spec.kind == "image-text":
+        return vl.load_processor(source, spec, data)
     revision = spec.revision if source == spec.name_or_path else None
     with fetch_hint(source, revision):
         tokenizer = AutoTokenizer.from_pretrained(source, revision=revision)
@@ -57,6 +69,8 @@ def load_base(spec: ModelSpec, adapter: AdapterSpec | None, placement: Placement
             bnb_4bit_quant_type=adapter.quant_type,
             bnb_4bit_use_double_quant=adapter.double_quant,
             bnb_4bit_compute_dtype=placement.compute_dtype,
+            # The vision tower stays in the load dtype: "model.visual", not "visual" (that one quantizes it).
+            llm_int8_skip_modules=vl.NOT_QUANTIZED if spec.kind == "image-text" else None,
         )
     with fetch_hint(spec.name_or_path, spec.revision):
         model = model_class(spec.kind).from_pretrained(spec.name_or_path, **kwargs)
@@ -70,6 +84,7 @@ def max_positions(config) -> int | None:
     configs may still carry an `n_positions` that limits nothing)."""
     if getattr(config, "relative_attention_num_buckets", None) is not None:
         return None
+    config = getattr(config, "text_config", None) or config  # a vision-language model's language model
     for key in ("max_position_embeddings", "n_positions"):
         value = getattr(config, key, None)
         if isinstance(value, int) and value > 0:
@@ -90,10 +105,13 @@ def avoid_cpu_inference_repack(model) -> None:
 
 def add_tokens(model, tokenizer, tokens: list[str]) -> list[int]:
     """Add `tokens` as special tokens and grow the embeddings to the tokenizer; returns the new ids."""
+    tokenizer = vl.text_tokenizer(tokenizer)
     before = len(tokenizer)
     if tokens:
         tokenizer.add_special_tokens({"additional_special_tokens": list(tokens)})
-    if len(tokenizer) != model.get_input_embeddings().weight.shape[0]:
+    # Only ever grow: hub checkpoints often carry spare rows beyond the tokenizer (Qwen: 151,936 rows for
+    # 151,665 tokens), and shrinking them changes the output layer for nothing.
+    if len(tokenizer) > model.get_input_embeddings().weight.shape[0]:
         model.resize_token_embeddings(len(tokenizer))
     return list(range(before, len(tokenizer)))
 
@@ -120,7 +138,9 @@ def new_adapter(model, spec: AdapterSpec, kind: str, added_token_ids: list[int] 
         r=spec.rank,
         lora_alpha=spec.alpha,
         lora_dropout=spec.dropout,
-        target_modules=spec.target_modules,
+        target_modules=vl.lora_targets(model, spec.target_modules, spec.train_vision)
+        if kind == "image-text"
+        else spec.target_modules,
         modules_to_save=spec.modules_to_save or None,
         trainable_token_indices=token_rows(model, added_token_ids or []),
     )
@@ -134,15 +154,17 @@ def load_trained(
     trainable: bool = False,
     *,
     placement: Placement,
+    data: DataSpec | None = None,
 ):
     """(model, tokenizer) from a saved adapter, in the one order that works with added tokens: tokenizer from
     the adapter folder → base → resize to len(tokenizer) → PeftModel.from_pretrained. Used by later stages
     (trainable=True) and by the eval job; `quantize` is the adapter spec a QLoRA adapter was trained with;
-    `placement` the device and dtype to load onto (train.device)."""
-    tokenizer = load_tokenizer(adapter_dir, model_spec)
+    `placement` the device and dtype to load onto (train.device); `data` the pixel bounds (image-text)."""
+    tokenizer = load_tokenizer(adapter_dir, model_spec, data)
     base = load_base(model_spec, quantize, placement)
-    if len(tokenizer) != base.get_input_embeddings().weight.shape[0]:
-        base.resize_token_embeddings(len(tokenizer))
+    vocabulary = len(vl.text_tokenizer(tokenizer))
+    if vocabulary > base.get_input_embeddings().weight.shape[0]:
+        base.resize_token_embeddings(vocabulary)
     if quantize is not None and quantize.method == "qlora" and trainable:
         base = prepare_model_for_kbit_training(base, use_gradient_checkpointing=False)
     model = PeftModel.from_pretrained(base, adapter_dir, is_trainable=trainable)

@@ -20,7 +20,7 @@ import torch
 from transformers import AutoConfig
 
 from train import data as data_lib
-from train import memory
+from train import memory, vl
 from train.config import TrainJob
 from train.hub_cache import first_line
 from train.model import add_tokens, load_tokenizer, max_positions, model_class, new_adapter, trainable_report
@@ -51,17 +51,22 @@ def meta_model(job: TrainJob, dtype: torch.dtype = torch.float32, tokenizer=None
 
 # ---- token lengths ----------------------------------------------------------------------------------
 @lru_cache(maxsize=32)
-def cached_tokenizer(name_or_path: str, revision: str | None, kind: str):
-    from train.config import ModelSpec
+def cached_tokenizer(name_or_path: str, revision: str | None, kind: str, pixels: tuple = (None, None)):
+    """The tokenizer (image-text: the processor, with its pixel bounds) once per process."""
+    from train.config import DataSpec, ModelSpec
 
-    return load_tokenizer(name_or_path, ModelSpec(name_or_path=name_or_path, kind=kind, revision=revision))
+    bounds = DataSpec(train="-", min_pixels=pixels[0], max_pixels=pixels[1])
+    return load_tokenizer(
+        name_or_path, ModelSpec(name_or_path=name_or_path, kind=kind, revision=revision), bounds
+    )
 
 
 def tokenizer_or_reason(job: TrainJob):
     """(tokenizer, None), or (None, why it is skipped): a hub tokenizer not in the cache while offline
     (load_tokenizer refuses a tokenizer without files, which would count a model with almost no vocabulary)."""
     try:  # fetched into the Hugging Face cache where this machine has network and HF_HUB_OFFLINE is unset
-        return cached_tokenizer(job.model.name_or_path, job.model.revision, job.model.kind), None
+        pixels = (job.data.min_pixels, job.data.max_pixels)
+        return cached_tokenizer(job.model.name_or_path, job.model.revision, job.model.kind, pixels), None
     except (OSError, ValueError) as exc:
         return None, f"tokenizer of {job.model.name_or_path} not available here ({first_line(exc)})"
 
@@ -69,9 +74,14 @@ def tokenizer_or_reason(job: TrainJob):
 def token_lengths(job: TrainJob, tokenizer, config) -> dict:
     """max_length as the job will choose it (same cache, same choose_lengths), cuts and tokens per epoch."""
     kind = job.model.kind
-    dataset = data_lib.tokenized(job.data.train, job.data, tokenizer, kind)
-    lengths = data_lib.choose_lengths(dataset, job.data, kind, max_positions(config))
-    kept = data_lib.truncate(dataset, lengths, kind)
+    if kind == "image-text":  # the job's own count: prompt + image tokens + answer; over-long ones dropped
+        dataset = vl.examples(job.data.train, job.data, tokenizer)
+        lengths = vl.choose_length(dataset, job.data, max_positions(config))
+        kept = vl.drop_too_long(dataset, lengths)
+    else:
+        dataset = data_lib.tokenized(job.data.train, job.data, tokenizer, kind)
+        lengths = data_lib.choose_lengths(dataset, job.data, kind, max_positions(config))
+        kept = data_lib.truncate(dataset, lengths, kind)
     return {
         "max_length": lengths.max_length,
         "max_target_length": lengths.max_target_length,
@@ -173,7 +183,7 @@ ESTIMATES: dict[str, memory.MemoryEstimate] = {}
 
 
 def tokenizer_size(tokenizer) -> int | None:
-    return len(tokenizer) if tokenizer is not None else None
+    return len(vl.text_tokenizer(tokenizer)) if tokenizer is not None else None
 
 
 def measure_memory(job: TrainJob, shape: dict, tokenizer) -> memory.MemoryEstimate:

@@ -20,6 +20,12 @@ Feature → config key:
 - prompts from a template, prompt masked out of a causal loss     → data.prompt_template, input_field, target_field
 - smallest max_length that truncates nothing (multiple of 8),
   capped at the model's positions; examples cut are counted      → data.max_length / max_target_length: auto
+- vision-language (Qwen2.5-VL, Qwen3-VL): image + question → answer,
+  chat template, loss on the answer only, LoRA on the language
+  model (vision tower on request, never 4-bit), over-long
+  examples dropped and counted, never cut (train/vl.py)          → model.kind: image-text, data.image_field,
+                                                                   data.min_pixels/max_pixels,
+                                                                   adapter.train_vision
 - length-grouped batches, or file order for curricula             → data.order: shuffle | file
 - device cuda:LOCAL_RANK or cpu; bf16 (fp16 AMP on GPUs without
   bf16), TF32, workers, pinned memory: one table, train/device.py → train.precision, data.num_workers
@@ -73,7 +79,7 @@ from transformers import (
 from transformers.trainer_pt_utils import LengthGroupedSampler
 
 from train import data as data_lib
-from train import distributed, speeds
+from train import distributed, speeds, vl
 from train.callbacks import (
     CommitCheckpoints,
     RunDirectoryLog,
@@ -201,9 +207,12 @@ class StageRecipe:
             if distributed.is_main():
                 self.forget_metrics_after(step_of(self.resume_from))
         set_seed(self.job.train.seed)  # before the adapter exists: LoRA's initial weights are drawn from it
+        # The processor of an image-text model stands where a text model's tokenizer does: it is what the
+        # collator encodes with and what is saved with the adapter.
         self.model, self.tokenizer = self.load_model()
         # Training pads on the right (labels line up with inputs); the saved tokenizer keeps its own side.
-        self.saved_padding_side, self.tokenizer.padding_side = self.tokenizer.padding_side, "right"
+        text = vl.text_tokenizer(self.tokenizer)
+        self.saved_padding_side, text.padding_side = text.padding_side, "right"
         self.params = check_trainable(self.model, self.job.adapter.max_trainable_percent)
         # Data after the tokenizer: its fingerprint is part of the tokenization cache key.
         self.train_set, self.lengths = self.load_split(self.job.data.train, "train")
@@ -218,21 +227,26 @@ class StageRecipe:
         job, placement = self.job, self.placement
         if job.init_adapter:  # a later stage continues the previous stage's adapter, weights and tokens
             model, tokenizer = load_trained(
-                job.model, job.init_adapter, job.adapter, trainable=True, placement=placement
+                job.model, job.init_adapter, job.adapter, trainable=True, placement=placement, data=job.data
             )
             for difference in adapter_differences(model, job.adapter):
                 log.warning("init_adapter %s keeps its own settings: %s", job.init_adapter, difference)
-            missing = [t for t in job.model.added_tokens if t not in tokenizer.get_vocab()]
+            missing = [t for t in job.model.added_tokens if t not in vl.text_tokenizer(tokenizer).get_vocab()]
             if missing:  # embeddings cannot grow under a loaded adapter; the first stage must add them
                 raise ValueError(f"model.added_tokens {missing} are not in {job.init_adapter}'s tokenizer")
             return model, tokenizer
-        tokenizer = load_tokenizer(job.model.name_or_path, job.model)
+        tokenizer = load_tokenizer(job.model.name_or_path, job.model, job.data)
         model = load_base(job.model, job.adapter, placement)
         new_ids = add_tokens(model, tokenizer, job.model.added_tokens)
         return new_adapter(model, job.adapter, job.model.kind, new_ids), tokenizer
 
     def load_split(self, source: str, split: str):
         kind = self.job.model.kind
+        if kind == "image-text":  # images are never cut: over-long examples are dropped, and counted
+            dataset = vl.examples(source, self.job.data, self.tokenizer)
+            lengths = vl.choose_length(dataset, self.job.data, max_positions(self.model.config))
+            log.info("%s data: %d examples; %s", split, len(dataset), lengths.describe())
+            return vl.drop_too_long(dataset, lengths), lengths
         dataset = data_lib.tokenized(source, self.job.data, self.tokenizer, kind)
         lengths = data_lib.choose_lengths(dataset, self.job.data, kind, max_positions(self.model.config))
         log.info("%s data: %d examples; %s", split, len(dataset), lengths.describe())
@@ -338,12 +352,16 @@ class StageRecipe:
         self.timer = StageTimer()  # last: a save's time includes committing the checkpoint
         callbacks.append(self.timer)
         trainer_class = Seq2SeqStageTrainer if self.job.model.kind == "seq2seq" else CausalTrainer
+        if self.job.model.kind == "image-text":
+            collator = vl.Collator(self.tokenizer, self.placement.pad_to_multiple_of)
+        else:
+            collator = Collator(self.tokenizer, self.model, self.placement.pad_to_multiple_of)
         return trainer_class(
             model=self.model,
             args=args,
             train_dataset=self.train_set,
             eval_dataset=self.eval_set,
-            data_collator=Collator(self.tokenizer, self.model, self.placement.pad_to_multiple_of),
+            data_collator=collator,
             processing_class=self.tokenizer,
             callbacks=callbacks,
         )
@@ -379,8 +397,10 @@ class StageRecipe:
         tmp = self.run_dir / f".adapter.{os.getpid()}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         self.trainer.model.save_pretrained(tmp)
-        self.tokenizer.padding_side = self.saved_padding_side
-        self.tokenizer.save_pretrained(tmp)  # added tokens travel with the adapter
+        vl.text_tokenizer(self.tokenizer).padding_side = self.saved_padding_side
+        self.tokenizer.save_pretrained(
+            tmp
+        )  # added tokens (image-text: the processor) travel with the adapter
         if adapter_dir.exists():
             shutil.rmtree(adapter_dir)
         os.replace(tmp, adapter_dir)
@@ -420,6 +440,8 @@ class StageRecipe:
             "truncated_inputs": self.lengths.inputs_truncated,
             "truncated_targets": self.lengths.targets_truncated,
             "truncated_at": self.lengths.truncated_at,
+            # image-text examples are never truncated: those longer than max_length are left out
+            "dropped_too_long": self.lengths.inputs_truncated if self.job.model.kind == "image-text" else 0,
             "padding_fraction": round(padding, 4),
             "device": self.placement.device,
             "device_name": self.placement.device_name,

@@ -3,7 +3,8 @@
     python -m train.tiny [OUT_DIR] [--force]      # default OUT_DIR: models/
 
 builds a byte-level BPE tokenizer trained on the demo data (data/demo/sql), then `OUT_DIR/tiny-t5` (seq2seq)
-and `OUT_DIR/tiny-llama` (causal), each saved with its tokenizer and seeded so the weights are the same
+and `OUT_DIR/tiny-llama` (causal), and `OUT_DIR/tiny-qwen-vl` (image-text, a Qwen2.5-VL with a processor and a
+tokenizer trained on data/demo/shapes), each saved with its tokenizer and seeded so the weights are the same
 every time. A folder whose `tiny.json` stamp matches this recipe and the demo data is left as it is.
 """
 
@@ -17,6 +18,7 @@ import shutil
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 # Bump when anything below changes what gets built (sizes, tokenizer, seeds): stamped folders then rebuild.
@@ -124,6 +126,120 @@ def tiny_llama(vocab_size: int, **sizes):
 BUILDERS: dict[str, tuple[Callable, bool]] = {"tiny-t5": (tiny_t5, True), "tiny-llama": (tiny_llama, False)}
 
 
+# ---- a tiny vision-language model (Qwen2.5-VL shape) with its processor ---------------------------------
+SHAPES = DATA.parent / "shapes"
+VL_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
+               "<|image_pad|>", "<|video_pad|>"]  # fmt: skip
+# The real Qwen2-VL / Qwen2.5-VL chat template (a default system turn; an image as vision_start, image_pad,
+# vision_end), as transformers' own processor tests carry it: the answer-only mask is checked against it.
+VL_CHAT_TEMPLATE = (
+    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}{% for message in messages %}"
+    "{% if loop.first and message['role'] != 'system' %}<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+    "{% endif %}<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}{{ message['content'] }}"
+    "<|im_end|>\n{% else %}{% for content in message['content'] %}{% if content['type'] == 'image' or 'image' in content"
+    " or 'image_url' in content %}{% set image_count.value = image_count.value + 1 %}{% if add_vision_id %}Picture "
+    "{{ image_count.value }}: {% endif %}<|vision_start|><|image_pad|><|vision_end|>{% elif content['type'] == 'video'"
+    " or 'video' in content %}{% set video_count.value = video_count.value + 1 %}{% if add_vision_id %}Video "
+    "{{ video_count.value }}: {% endif %}<|vision_start|><|video_pad|><|vision_end|>{% elif 'text' in content %}"
+    "{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n{% endif %}{% endfor %}{% if add_generation_prompt %}"
+    "<|im_start|>assistant\n{% endif %}"
+)
+
+
+def tiny_vl_processor(texts: list[str]):
+    """A byte-level BPE tokenizer with Qwen's special tokens, trained on the shapes data, and Qwen's PIL
+    image processor sized so a 56 x 56 demo image is 4 image tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast, Qwen2VLImageProcessorPil
+
+    from train.vl import ImageOnlyQwen2_5_VLProcessor
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    corpus = [*texts, "You are a helpful assistant.", "system user assistant"]
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=VL_SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    bpe.train_from_iterator(corpus, trainer)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=bpe,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        padding_side="right",
+        clean_up_tokenization_spaces=False,
+    )
+    images = Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=56 * 56, patch_size=14, merge_size=2)
+    return ImageOnlyQwen2_5_VLProcessor(
+        image_processor=images, tokenizer=tokenizer, chat_template=VL_CHAT_TEMPLATE
+    )
+
+
+def tiny_qwen_vl(tokenizer):
+    """Qwen2.5-VL, 2 text layers of width 64 and a 2-block vision tower of width 32: about 200k parameters.
+    Its vision MLP has gate/up/down_proj like the language model's: what LoRA's targets must tell apart."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    special = {
+        f"{name}_token_id": tokenizer.convert_tokens_to_ids(token)
+        for name, token in [
+            ("image", "<|image_pad|>"),
+            ("video", "<|video_pad|>"),
+            ("vision_start", "<|vision_start|>"),
+            ("vision_end", "<|vision_end|>"),
+        ]
+    }
+    text = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        initializer_range=0.2,  # with 0.02 the frozen random lm_head caps the logits and nothing is learned
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+    )
+    vision = dict(
+        depth=2,
+        hidden_size=32,
+        intermediate_size=64,
+        num_heads=2,
+        patch_size=14,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        window_size=112,
+        fullatt_block_indexes=[1],
+        out_hidden_size=64,  # the text width
+    )
+    config = Qwen2_5_VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=False, **special)
+    return Qwen2_5_VLForConditionalGeneration(config)
+
+
+def build_vl(target: Path, texts: list[str], stamp: dict) -> int:
+    import torch
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()
+
+    processor = tiny_vl_processor(texts)
+    torch.manual_seed(SEED)
+    model = tiny_qwen_vl(processor.tokenizer)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    processor.save_pretrained(tmp)
+    (tmp / STAMP).write_text(json.dumps({**stamp, "params": model.num_parameters()}, indent=1) + "\n")
+    swap_in(tmp, target)
+    return model.num_parameters()
+
+
 def data_digest(texts: list[str]) -> str:
     # The tokenizer is trained on the data, so new demo data must rebuild the models too.
     return hashlib.sha256("\n".join(texts).encode("utf-8")).hexdigest()[:16]
@@ -172,20 +288,25 @@ def swap_in(tmp: Path, target: Path) -> None:
 
 
 def build_tiny_models(out_dir: Path, force: bool = False, data_dir: Path = DATA) -> dict[str, Path]:
-    """Build (or keep, when the stamp matches) OUT_DIR/tiny-t5 and OUT_DIR/tiny-llama; returns name -> folder."""
+    """Build (or keep, when the stamp matches) OUT_DIR/tiny-t5, tiny-llama and tiny-qwen-vl; returns name -> folder."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    from train.demo_shapes import texts as shape_texts
+
     texts = demo_texts(Path(data_dir))
+    vl_texts = shape_texts(Path(data_dir).parent / "shapes")
     built = {}
-    for name in BUILDERS:
+    for name in [*BUILDERS, "tiny-qwen-vl"]:
         target = out_dir / name
-        stamp = {"name": name, "recipe": RECIPE_VERSION, "data": data_digest(texts)}
+        used = vl_texts if name == "tiny-qwen-vl" else texts
+        stamp = {"name": name, "recipe": RECIPE_VERSION, "data": data_digest(used)}
         old = read_stamp(target)
         if not force and old is not None and {k: old.get(k) for k in stamp} == stamp:
             print(f"{name}: skipped, {target} is up to date (recipe {RECIPE_VERSION})")
         else:
             start = time.perf_counter()
-            params = build_one(name, target, texts, stamp)
+            build = build_vl if name == "tiny-qwen-vl" else partial(build_one, name)
+            params = build(target, used, stamp)
             # The first build's time includes importing torch and transformers (seconds; the build is not).
             print(f"{name}: built {target} ({params:,} parameters, {time.perf_counter() - start:.2f} s)")
         built[name] = target

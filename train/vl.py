@@ -1,0 +1,261 @@
+"""Vision-language examples (`model.kind: image-text`): processor, chat prompts, lengths with the image
+tokens counted, the answer-only collator, and which layers LoRA may touch.
+
+An example is an image (data.image_field, a path relative to the data file), a question (the prompt template
+or input field) and an answer (target field). The prompt is the processor's chat template of one user turn,
+image then question, ending with the assistant header; the answer and the end-of-turn token follow. Prompt
+and answer are encoded apart, as train/data.py does for text, so the loss mask falls exactly on the answer:
+the system and user turns, every image token and the padding are -100.
+
+Images are never cut: an example whose text and image tokens exceed max_length is dropped and counted
+(truncating through image tokens makes the processor raise mid-epoch). Lengths are known before any pixel is
+decoded: the image's size comes from its file header, and the processor's bounds (data.min_pixels,
+data.max_pixels) decide its tokens. Pixels are read in the collator, batch by batch; nothing is cached.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+
+import datasets
+from transformers import (
+    AutoProcessor,
+    ProcessorMixin,
+    Qwen2_5_VLConfig,
+    Qwen2_5_VLProcessor,
+    Qwen3VLConfig,
+    Qwen3VLProcessor,
+)
+
+from train.config import DataSpec, ModelSpec
+from train.data import FIXED_LENGTHS, LengthReport, round_up
+from train.examples import image_path, prompt_of
+
+log = logging.getLogger("train.vl")
+
+# Where vision-language models keep their parts, by module name (Qwen2.5-VL, Qwen3-VL: model.language_model,
+# model.visual; LLaVA-style: model.language_model, model.vision_tower / multi_modal_projector).
+LANGUAGE = re.compile(r"(^|\.)language_model\.")
+VISION = re.compile(r"(^|\.)(visual|vision_tower|vision_model|multi_modal_projector)(\.|$)")
+# Kept out of 4-bit: the vision tower (small, and quantizing it costs accuracy) and the output layer.
+NOT_QUANTIZED = ["model.visual", "model.vision_tower", "model.multi_modal_projector", "lm_head"]
+
+
+# ---- the processor ------------------------------------------------------------------------------------
+class ImageOnlyQwen2_5_VLProcessor(Qwen2_5_VLProcessor):
+    """Qwen's stock processors insist on a video processor, which needs torchvision; CPU installs (this
+    project's tests) have none. The tiny demo model's folder names these image-only classes."""
+
+    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+        super().__init__(image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
+
+
+class ImageOnlyQwen3VLProcessor(Qwen3VLProcessor):
+    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+        super().__init__(image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
+
+
+def register_image_only_processors() -> None:
+    """Without this AutoProcessor silently returns the bare tokenizer for a folder naming the classes above.
+    A hub folder names the stock class, which wins over this registration and loads as usual."""
+    AutoProcessor.register(Qwen2_5_VLConfig, ImageOnlyQwen2_5_VLProcessor, exist_ok=True)
+    AutoProcessor.register(Qwen3VLConfig, ImageOnlyQwen3VLProcessor, exist_ok=True)
+
+
+def pixel_bounds(data: DataSpec | None) -> dict:
+    bounds = {"min_pixels": data.min_pixels, "max_pixels": data.max_pixels} if data else {}
+    return {k: v for k, v in bounds.items() if v}
+
+
+def load_processor(source: str, spec: ModelSpec, data: DataSpec | None = None):
+    """The model's processor (tokenizer + image processor + chat template) with the data's pixel bounds;
+    saved with the adapter, so later stages and the eval job resize images the same way."""
+    from train.hub_cache import fetch_hint
+
+    register_image_only_processors()
+    revision = spec.revision if source == spec.name_or_path else None
+    with fetch_hint(source, revision):
+        processor = AutoProcessor.from_pretrained(source, revision=revision, **pixel_bounds(data))
+    if not isinstance(processor, ProcessorMixin):  # AutoProcessor falls back to the bare tokenizer
+        raise ValueError(
+            f"{source} has no image processor (processor_config.json): is it a vision-language model?"
+        )
+    if processor.tokenizer.pad_token is None:
+        processor.tokenizer.pad_token = processor.tokenizer.eos_token
+    return processor
+
+
+def text_tokenizer(tokenizer_or_processor):
+    """The text tokenizer, whether given a tokenizer or a processor holding one."""
+    return getattr(tokenizer_or_processor, "tokenizer", tokenizer_or_processor)
+
+
+def chat_prompt(processor, text: str) -> str:
+    conversation = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}]}]
+    return processor.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+
+
+def image_tokens(processor, path: Path) -> int:
+    """How many image tokens the processor makes of this image, from its size alone (the file header)."""
+    from PIL import Image
+
+    with Image.open(path) as image:
+        width, height = image.size
+    images = processor.image_processor
+    return images.get_number_of_image_patches(height, width, {}) // images.merge_size**2
+
+
+# ---- examples and lengths -----------------------------------------------------------------------------
+def examples(source: str, spec: DataSpec, processor, limit: int | None = None) -> datasets.Dataset:
+    """One row per example: prompt (chat template applied), target, image (absolute path), length (prompt +
+    image + answer + end-of-turn tokens) and target_length (answer + end-of-turn)."""
+    from train.data import read_rows
+
+    tokenizer = processor.tokenizer
+    rows = read_rows(source, spec)[:limit]
+    prompts = [chat_prompt(processor, prompt_of(row, spec)) for row in rows]
+    targets = [str(row[spec.target_field]) for row in rows]
+    images = [str(image_path(row, spec, source).resolve()) for row in rows]
+    # The template holds one image placeholder; the processor expands it to the image's tokens.
+    prompt_lengths = [len(ids) - 1 for ids in tokenizer(prompts, add_special_tokens=False)["input_ids"]]
+    target_lengths = [len(ids) + 1 for ids in tokenizer(targets, add_special_tokens=False)["input_ids"]]
+    image_lengths = [image_tokens(processor, Path(path)) for path in images]
+    lengths = [p + i + t for p, i, t in zip(prompt_lengths, image_lengths, target_lengths, strict=True)]
+    return datasets.Dataset.from_dict(
+        {
+            "prompt": prompts,
+            "target": targets,
+            "image": images,
+            "length": lengths,
+            "target_length": target_lengths,
+        }
+    )
+
+
+def choose_length(dataset: datasets.Dataset, spec: DataSpec, max_positions: int | None) -> LengthReport:
+    """max_length as for text (auto: the smallest multiple of 8 that holds the longest example, capped at
+    the model's positions); `inputs_truncated` counts the examples it drops, since none is cut."""
+    from train.data import pick_length
+
+    lengths = dataset["length"]
+    longest = max(lengths)
+    max_length = pick_length(spec.max_length, longest, max_positions, "max_length")
+    return LengthReport(
+        max_length=max_length,
+        max_target_length=None,
+        longest=longest,
+        longest_target=max(dataset["target_length"]),
+        inputs_truncated=sum(1 for n in lengths if n > max_length),
+        targets_truncated=0,
+        truncated_at={n: sum(1 for x in lengths if x > n) for n in FIXED_LENGTHS},
+    )
+
+
+def drop_too_long(dataset: datasets.Dataset, lengths: LengthReport) -> datasets.Dataset:
+    kept = dataset.select([i for i, n in enumerate(dataset["length"]) if n <= lengths.max_length])
+    if len(kept) == 0:
+        raise ValueError(
+            f"max_length {lengths.max_length} drops every example (the shortest needs "
+            f"{min(dataset['length'])} tokens with its image): raise data.max_length, lower data.max_pixels, "
+            "or use 'auto'"
+        )
+    if len(kept) < len(dataset):
+        log.warning(
+            "%d of %d examples dropped: longer than max_length %d with their image tokens (images are never "
+            "truncated; lower data.max_pixels or raise data.max_length to keep them)",
+            len(dataset) - len(kept),
+            len(dataset),
+            lengths.max_length,
+        )
+    return kept
+
+
+# ---- batches ------------------------------------------------------------------------------------------
+class Collator:
+    """Rows of `examples()` → a padded batch: input_ids, attention_mask, labels (answer only),
+    mm_token_type_ids (1 on image tokens: Qwen3-VL requires it, Qwen2.5-VL silently computes a different
+    loss without it), pixel_values and image_grid_thw. `pad_to_multiple_of` as train/device.py says."""
+
+    def __init__(self, processor, pad_to_multiple_of: int | None = None):
+        self.processor, self.tokenizer = processor, processor.tokenizer
+        self.multiple = pad_to_multiple_of or 1
+
+    def encode(self, row: dict) -> dict:
+        from PIL import Image
+
+        with Image.open(row["image"]) as image:
+            encoded = self.processor(text=[row["prompt"]], images=[image.convert("RGB")], return_tensors="pt")
+        answer = self.tokenizer(row["target"], add_special_tokens=False)["input_ids"] + [
+            self.tokenizer.eos_token_id
+        ]
+        prompt = encoded["input_ids"][0].tolist()
+        types = encoded.get("mm_token_type_ids")
+        types = types[0].tolist() if types is not None else [0] * len(prompt)
+        return {
+            "input_ids": prompt + answer,
+            "labels": [-100] * len(prompt) + answer,
+            "mm_token_type_ids": types + [0] * len(answer),
+            "pixel_values": encoded["pixel_values"],
+            "image_grid_thw": encoded["image_grid_thw"],
+        }
+
+    def __call__(self, rows: list[dict]) -> dict:
+        import torch
+
+        features = [self.encode(row) for row in rows]
+        width = round_up(max(len(f["input_ids"]) for f in features), self.multiple)
+
+        def padded(key: str, value: int):
+            return torch.tensor([f[key] + [value] * (width - len(f[key])) for f in features])
+
+        return {
+            "input_ids": padded("input_ids", self.tokenizer.pad_token_id),
+            "attention_mask": torch.tensor(
+                [[1] * len(f["input_ids"]) + [0] * (width - len(f["input_ids"])) for f in features]
+            ),
+            "labels": padded("labels", -100),
+            "mm_token_type_ids": padded("mm_token_type_ids", 0),
+            "pixel_values": torch.cat([f["pixel_values"] for f in features]),
+            "image_grid_thw": torch.cat([f["image_grid_thw"] for f in features]),
+        }
+
+
+def generation_inputs(processor, prompts: list[str], images: list[str], device):
+    """A left-padded batch of chat prompts with their images, for generate()."""
+    from PIL import Image
+
+    opened = [Image.open(path).convert("RGB") for path in images]
+    encoded = processor(text=prompts, images=opened, padding=True, padding_side="left", return_tensors="pt")
+    return encoded.to(device)
+
+
+# ---- LoRA targets -------------------------------------------------------------------------------------
+def lora_targets(model, target_modules: list[str] | str, train_vision: bool) -> list[str]:
+    """Full names of the Linear layers LoRA adapts: those of the language model whose last name part is
+    in `target_modules` (any, for "all-linear"); with train_vision, the vision tower's and projector's
+    Linear layers too. Named in full, because a bare name list hits the vision tower too (Qwen2.5-VL's
+    vision MLP also has gate/up/down_proj), and so adapter_config.json records exactly what was trained."""
+    import torch
+
+    wanted = None if target_modules == "all-linear" else set(target_modules)
+    names = []
+    for name, module in model.named_modules():
+        if not isinstance(module, torch.nn.Linear) or name.endswith("lm_head"):
+            continue
+        if VISION.search(name):
+            if train_vision:
+                names.append(name)
+        elif LANGUAGE.search(name) and (wanted is None or name.rsplit(".", 1)[-1] in wanted):
+            names.append(name)
+    if not names:
+        raise ValueError(
+            f"adapter.target_modules {target_modules} matches no Linear layer of the language model "
+            "(names like q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, or 'all-linear')"
+        )
+    return names
+
+
+def is_vision(name: str) -> bool:
+    return bool(VISION.search(name))
