@@ -236,3 +236,19 @@ def test_the_shipped_shapes_regenerate_byte_for_byte_and_dev_shares_no_image_wit
     # easy answers a colour (one word), hard a colour and a shape (two): the curriculum's two steps
     assert {len(row["answer"].split()) for row in rows["easy"]} == {1}
     assert {len(row["answer"].split()) for row in rows["hard"]} == {2}
+
+
+def test_pixel_bounds_set_the_image_tokens_and_travel_with_the_saved_processor(tiny, tmp_path):
+    from PIL import Image
+
+    from train.vl import image_tokens, load_processor
+
+    image = tmp_path / "big.png"
+    Image.new("RGB", (112, 112), "white").save(image)
+    model = ModelSpec(name_or_path="x", kind="image-text")
+    default = load_processor(str(tiny["tiny-qwen-vl"]), model)
+    assert image_tokens(default, image) == 4  # the tiny processor's own bound: 56 x 56 pixels
+    wider = load_processor(str(tiny["tiny-qwen-vl"]), model, spec(max_pixels=112 * 112))
+    assert image_tokens(wider, image) == 16
+    wider.save_pretrained(tmp_path / "adapter")  # as the trainer saves it beside the adapter
+    assert image_tokens(load_processor(str(tmp_path / "adapter"), model), image) == 16

@@ -64,11 +64,6 @@ def register_image_only_processors() -> None:
     AutoProcessor.register(Qwen3VLConfig, ImageOnlyQwen3VLProcessor, exist_ok=True)
 
 
-def pixel_bounds(data: DataSpec | None) -> dict:
-    bounds = {"min_pixels": data.min_pixels, "max_pixels": data.max_pixels} if data else {}
-    return {k: v for k, v in bounds.items() if v}
-
-
 def load_processor(source: str, spec: ModelSpec, data: DataSpec | None = None):
     """The model's processor (tokenizer + image processor + chat template) with the data's pixel bounds;
     saved with the adapter, so later stages and the eval job resize images the same way."""
@@ -77,11 +72,20 @@ def load_processor(source: str, spec: ModelSpec, data: DataSpec | None = None):
     register_image_only_processors()
     revision = spec.revision if source == spec.name_or_path else None
     with fetch_hint(source, revision):
-        processor = AutoProcessor.from_pretrained(source, revision=revision, **pixel_bounds(data))
+        processor = AutoProcessor.from_pretrained(source, revision=revision)
     if not isinstance(processor, ProcessorMixin):  # AutoProcessor falls back to the bare tokenizer
         raise ValueError(
             f"{source} has no image processor (processor_config.json): is it a vision-language model?"
         )
+    if data is not None and (data.min_pixels or data.max_pixels):
+        # `size` in pixels (shortest_edge: the least, longest_edge: the most): min_pixels and max_pixels
+        # as loading arguments are deprecated. Loaded again with it; a processor is small.
+        size = processor.image_processor.size
+        bounds = {
+            "shortest_edge": data.min_pixels or size.shortest_edge,
+            "longest_edge": data.max_pixels or size.longest_edge,
+        }
+        processor = AutoProcessor.from_pretrained(source, revision=revision, size=bounds)
     if processor.tokenizer.pad_token is None:
         processor.tokenizer.pad_token = processor.tokenizer.eos_token
     return processor
