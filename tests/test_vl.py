@@ -4,6 +4,7 @@ anything is queued, and the demo curriculum through the launcher on the local ba
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import shutil
 from pathlib import Path
@@ -252,3 +253,37 @@ def test_pixel_bounds_set_the_image_tokens_and_travel_with_the_saved_processor(t
     assert image_tokens(wider, image) == 16
     wider.save_pretrained(tmp_path / "adapter")  # as the trainer saves it beside the adapter
     assert image_tokens(load_processor(str(tmp_path / "adapter"), model), image) == 16
+    # Hub Qwen2.5-VL folders carry the older top-level min_pixels/max_pixels, which the image processor
+    # applies over any `size` it is given: the bounds must win over them too.
+    hub_like = tmp_path / "hub-like"
+    shutil.copytree(tiny["tiny-qwen-vl"], hub_like)
+    config = json.loads((hub_like / "processor_config.json").read_text())
+    config["image_processor"] |= {"min_pixels": 3136, "max_pixels": 3136}
+    (hub_like / "processor_config.json").write_text(json.dumps(config))
+    assert image_tokens(load_processor(str(hub_like), model), image) == 4
+    from_hub = load_processor(str(hub_like), model, spec(max_pixels=112 * 112))
+    assert image_tokens(from_hub, image) == 16
+    from_hub.save_pretrained(tmp_path / "adapter2")
+    assert image_tokens(load_processor(str(tmp_path / "adapter2"), model), image) == 16
+
+
+def test_a_stock_qwen_processor_loads_its_image_part_where_torchvision_is_missing(tiny, tmp_path):
+    # A hub folder names the stock class, whose video half needs torchvision (absent from this CPU install,
+    # as from many cluster environments): the job must still get a working image processor.
+    from PIL import Image
+    from transformers import Qwen2_5_VLProcessor
+
+    from train.vl import ImageOnlyQwen2_5_VLProcessor, image_tokens, load_processor
+
+    stock = tmp_path / "stock"
+    shutil.copytree(tiny["tiny-qwen-vl"], stock)
+    config = json.loads((stock / "processor_config.json").read_text())
+    (stock / "processor_config.json").write_text(
+        json.dumps(config | {"processor_class": "Qwen2_5_VLProcessor"})
+    )
+    processor = load_processor(str(stock), ModelSpec(name_or_path="x", kind="image-text"))
+    has_torchvision = importlib.util.find_spec("torchvision") is not None
+    assert type(processor) is (Qwen2_5_VLProcessor if has_torchvision else ImageOnlyQwen2_5_VLProcessor)
+    image = tmp_path / "shape.png"
+    Image.new("RGB", (56, 56), "red").save(image)
+    assert image_tokens(processor, image) == 4

@@ -15,6 +15,8 @@ data.max_pixels) decide its tokens. Pixels are read in the collator, batch by ba
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import re
 from pathlib import Path
@@ -72,23 +74,53 @@ def load_processor(source: str, spec: ModelSpec, data: DataSpec | None = None):
     register_image_only_processors()
     revision = spec.revision if source == spec.name_or_path else None
     with fetch_hint(source, revision):
-        processor = AutoProcessor.from_pretrained(source, revision=revision)
+        try:
+            processor = AutoProcessor.from_pretrained(source, revision=revision)
+        except (OSError, ValueError, AttributeError) as exc:
+            processor = image_only(source, revision, exc)
     if not isinstance(processor, ProcessorMixin):  # AutoProcessor falls back to the bare tokenizer
         raise ValueError(
             f"{source} has no image processor (processor_config.json): is it a vision-language model?"
         )
     if data is not None and (data.min_pixels or data.max_pixels):
-        # `size` in pixels (shortest_edge: the least, longest_edge: the most): min_pixels and max_pixels
-        # as loading arguments are deprecated. Loaded again with it; a processor is small.
+        # Set on the loaded image processor, not passed to from_pretrained: hub Qwen2.5-VL folders carry
+        # top-level min_pixels/max_pixels that the image processor applies over a `size` argument, and
+        # min_pixels/max_pixels arguments are deprecated. `size` is in pixels (shortest_edge: the least,
+        # longest_edge: the most), and save_pretrained writes it with the adapter.
         size = processor.image_processor.size
-        bounds = {
-            "shortest_edge": data.min_pixels or size.shortest_edge,
-            "longest_edge": data.max_pixels or size.longest_edge,
-        }
-        processor = AutoProcessor.from_pretrained(source, revision=revision, size=bounds)
+        processor.image_processor.size = dataclasses.replace(
+            size,
+            shortest_edge=data.min_pixels or size.shortest_edge,
+            longest_edge=data.max_pixels or size.longest_edge,
+        )
     if processor.tokenizer.pad_token is None:
         processor.tokenizer.pad_token = processor.tokenizer.eos_token
     return processor
+
+
+def image_only(source: str, revision: str | None, failure: Exception):
+    """A stock Qwen processor that failed to load for want of torchvision (its video half), loaded as its
+    image-only subclass: a node without torchvision still trains and evaluates on images. Any other
+    failure is raised as it was."""
+    from transformers.utils import cached_file
+
+    if "video" not in str(failure).lower() and "torchvision" not in str(failure).lower():
+        raise failure
+    named = ""
+    for name in ("processor_config.json", "preprocessor_config.json", "tokenizer_config.json"):
+        path = cached_file(source, name, revision=revision, _raise_exceptions_for_missing_entries=False)
+        if path:
+            named = json.loads(Path(path).read_text(encoding="utf-8")).get("processor_class") or named
+        if named:
+            break
+    subclass = {
+        "Qwen2_5_VLProcessor": ImageOnlyQwen2_5_VLProcessor,
+        "Qwen3VLProcessor": ImageOnlyQwen3VLProcessor,
+    }
+    if named not in subclass:
+        raise failure
+    log.warning("%s: %s; loading its images-only part (%s)", source, failure, subclass[named].__name__)
+    return subclass[named].from_pretrained(source, revision=revision)
 
 
 def text_tokenizer(tokenizer_or_processor):
