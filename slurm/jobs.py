@@ -128,7 +128,9 @@ def rendezvous_port(job_id: str, ephemeral: tuple[int, int]) -> int:
     default ephemeral 32768-60999: a port any outgoing connection on the node may hold, and then rank 0
     fails at once with EADDRINUSE (seen on the dev cluster)."""
     low, high = ephemeral
-    first, last = (10000, low - 1) if low - 1 - 10000 >= 1000 else (high + 1, 65535)
+    first, last = max([(10000, low - 1), (high + 1, 65535)], key=lambda span: span[1] - span[0])
+    if last - first < 1000:  # a node whose ephemeral range covers nearly everything: no port is safe
+        first, last = 20000, 60000
     return first + int(hashlib.sha256(job_id.encode()).hexdigest(), 16) % (last - first + 1)
 
 

@@ -62,6 +62,57 @@ def token_cache(tmp_path_factory) -> Path:
         os.environ["LORA_CACHE_DIR"] = previous
 
 
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    setattr(item, f"report_{report.when}", report)
+    return report
+
+
+@pytest.fixture(autouse=True)
+def cluster_jobs_of_the_test(request, tmp_path):
+    """After a test on the dev cluster: when it failed, print what SLURM and the job logs say (a CI failure
+    that only says "timed out" cannot be diagnosed); then cancel the jobs it left, so one failure does
+    not hold the node's GPUs and starve the tests after it."""
+    yield
+    if "slurm_cluster" not in request.fixturenames:
+        return
+    ids = squeue_ids(under=tmp_path)
+    report = getattr(request.node, "report_call", None)
+    if report is not None and report.failed:
+        print(explain_jobs(tmp_path))
+    if ids:
+        subprocess.run(["scancel", *sorted(ids)], check=False)
+
+
+def explain_jobs(tmp: Path, lines: int = 25) -> str:
+    """sacct's view of the jobs a test submitted and the last lines of each of their logs."""
+    logs = sorted((tmp / "logs").rglob("*_log.*")) if (tmp / "logs").is_dir() else []
+    ids = sorted({log.name.split("_")[0] for log in logs})
+    parts = []
+    if ids:
+        done = subprocess.run(
+            [
+                "sacct",
+                "-X",
+                "-n",
+                "-P",
+                "-o",
+                "JobID,JobName,State,ExitCode,Elapsed,Reason",
+                "-j",
+                ",".join(ids),
+            ],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        parts.append(f"sacct:\n{done.stdout}{done.stderr}")
+    for log in logs:
+        tail = log.read_text(errors="replace").splitlines()[-lines:]
+        parts.append(f"--- {log.relative_to(tmp)} (last {len(tail)} lines)\n" + "\n".join(tail))
+    return "\n".join(parts) or f"no job logs under {tmp / 'logs'}"
+
+
 def squeue_ids(under: Path | None = None) -> set[str]:
     """Ids in the queue; with `under`, only jobs whose submission script lies below it (submitit writes
     it into the job's log folder), so jobs other tests left finishing cannot change a test's count."""

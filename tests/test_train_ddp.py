@@ -140,3 +140,5 @@ def test_the_rendezvous_port_is_the_jobs_own_and_outside_the_ephemeral_range():
     assert rendezvous_port("1708", (32768, 60999)) == ports["1708"]  # every task, every requeue: the same
     # A node whose ephemeral range starts low: the ports above it.
     assert all(61000 <= rendezvous_port(job, (1024, 60999)) <= 65535 for job in ("1", "2", "3"))
+    # A range that covers every port: no safe span is left, so submitit's own span (and never a crash).
+    assert all(20000 <= rendezvous_port(job, (1024, 65535)) <= 60000 for job in ("1", "2", "3"))

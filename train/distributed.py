@@ -14,10 +14,15 @@ it prepares the run directory; accelerate (the Trainer's) then reuses the group 
 
 from __future__ import annotations
 
+import logging
+import os
+
 import torch
 import torch.distributed as dist
 
 from train.device import Placement
+
+log = logging.getLogger(__name__)
 
 
 def join(placement: Placement) -> None:
@@ -26,6 +31,14 @@ def join(placement: Placement) -> None:
         return
     if placement.cuda:
         torch.cuda.set_device(placement.device)  # nccl binds each rank to its own GPU
+    # Said before, not after: a rank that cannot reach rank 0 waits here silently until torch's timeout.
+    log.info(
+        "joining %d ranks at %s:%s (%s)",
+        placement.world_size,
+        os.environ.get("MASTER_ADDR"),
+        os.environ.get("MASTER_PORT"),
+        placement.backend,
+    )
     dist.init_process_group(
         backend=placement.backend,
         init_method="env://",
