@@ -107,8 +107,8 @@ class StopRequest:
 
 def _export_distributed_environment() -> int:
     """A job of several tasks (resources.gpus > 1: one per GPU) is one DDP run: export RANK, LOCAL_RANK,
-    WORLD_SIZE, MASTER_ADDR, MASTER_PORT (port drawn from the job id, so a requeued job meets on the same
-    one) for torch's env:// rendezvous; train/device.py then puts rank K on cuda:LOCAL_RANK.
+    WORLD_SIZE, MASTER_ADDR (loopback: one node), MASTER_PORT (drawn from the job id, so a requeued job
+    meets on the same one) for torch's env:// rendezvous; train/device.py then puts rank K on cuda:LOCAL_RANK.
     CUDA_VISIBLE_DEVICES is left as SLURM set it: it may name GPUs 2,3 of the node, not 0,1. Returns
     this task's rank."""
     environment = submitit.JobEnvironment()
@@ -119,6 +119,10 @@ def _export_distributed_environment() -> int:
         set_cuda_visible_devices=False,
         overwrite=True,  # a RANK inherited from the submitting shell is stale
     )
+    if environment.num_nodes == 1:
+        # Every rank is on this node (validation refuses nodes > 1): meet on loopback, not on whatever
+        # the node's name resolves to (an outside address a closed network or a firewall may drop).
+        os.environ["MASTER_ADDR"] = "127.0.0.1"
     return exported.rank
 
 

@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 from submitit.core.utils import JobPaths
 
 import launch
+from slurm.jobs import ephemeral_ports, rendezvous_port
 from tests.test_cluster_faults import (
     assert_every_step_logged_once,
     assert_same_adapter,
@@ -84,6 +85,11 @@ def test_two_gpus_train_as_two_ranks_and_a_requeue_resumes_both_to_the_same_adap
     # One log per task; --tail shows rank 0's unless asked for another.
     assert "rank 1 of 2 on cpu (gloo)" in task_log(tmp_path, "requeued/train", 1)
     assert "rank 0 of 2 on cpu (gloo)" in task_log(tmp_path, "requeued/train", 0)
+    # Both ranks meet on loopback at the job's own port: not at an address the node's name resolves to.
+    port = rendezvous_port(job_id, ephemeral_ports())
+    assert all(
+        f"joining 2 ranks at 127.0.0.1:{port}" in task_log(tmp_path, "requeued/train", r) for r in (0, 1)
+    )
     capsys.readouterr()
     tail = ["--config-dir", str(folder), "--tail", "requeued/train"]
     assert launch.main([*tail, "--rank", "1"]) == 0

@@ -31,6 +31,10 @@ def join(placement: Placement) -> None:
         return
     if placement.cuda:
         torch.cuda.set_device(placement.device)  # nccl binds each rank to its own GPU
+    if placement.backend == "gloo" and os.environ.get("MASTER_ADDR") == "127.0.0.1":
+        # All ranks on this machine: gloo's own connections stay on loopback too, instead of the address
+        # the host name resolves to (on a closed network a dropped connect hangs, it does not fail).
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     # Said before, not after: a rank that cannot reach rank 0 waits here silently until torch's timeout.
     log.info(
         "joining %d ranks at %s:%s (%s)",
