@@ -185,12 +185,24 @@ elif [ $CHANGED = 1 ]; then
   scontrol reconfigure || true
 fi
 waitfor 30 slurmctld scontrol ping
-if ! alive "$STATE/run/slurmd.pid" slurmd; then slurmd -f "$SLURM_CONF"; fi
+LEFTOVERS=0
+if ! alive "$STATE/run/slurmd.pid" slurmd; then
+  # No slurmd and no slurmstepd: no job of this node can be alive, yet slurmctld recovers the jobs of the
+  # cluster's previous life from its state (a stopped machine, a killed session) and believes them
+  # running until their time limit, holding the GPUs: seen on CI, where they starved the first tests.
+  ps -eo stat=,comm= | awk '$1 !~ /^Z/ && $2 == "slurmstepd" {found=1} END {exit !found}' || LEFTOVERS=1
+  slurmd -f "$SLURM_CONF"
+fi
 node_ok() { case "$(sinfo -h -n "$NODE" -o %T)" in idle|mixed|allocated) return 0;; *) return 1;; esac; }
 if ! waitfor 20 "node $NODE idle" node_ok; then
   log "node state: $(sinfo -h -n "$NODE" -o '%T %E'); trying resume"
   scontrol update nodename="$NODE" state=resume || true
   waitfor 20 "node $NODE idle" node_ok || { tail -20 "$STATE/log/slurmctld.log" "$STATE/log/slurmd.log" >&2; exit 1; }
+fi
+if [ $LEFTOVERS = 1 ] && [ -n "$(squeue -h -o %i)" ]; then
+  log "cancelling $(squeue -h -o %i | wc -l) job(s) left from the cluster's previous run (their processes ended with it)"
+  scancel $(squeue -h -o %i)
+  waitfor 60 "the leftover jobs to end" bash -c '[ -z "$(squeue -h -o %i)" ]'
 fi
 log "cluster up: SLURM_CONF=$SLURM_CONF node=$NODE cpus=$CPUS gpus=$GPUS dbd=$WITH_DBD"
 cat "$STATE/env.sh"

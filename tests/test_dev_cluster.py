@@ -1,0 +1,85 @@
+"""The project's own test cluster (slurm/dev-cluster/up.sh), restarted after its daemons died."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+from tests.conftest import ROOT, squeue_ids
+from tests.test_cluster_faults import wait_until
+
+
+def sbatch(tmp_path: Path, command: str) -> str:
+    """A job on all four GPUs; its script lies in tmp_path, so the test's teardown cancels it if left."""
+    script = tmp_path / f"{command.split()[0]}.sh"
+    script.write_text(f"#!/bin/sh\n{command}\n")
+    done = subprocess.run(
+        ["sbatch", "--parsable", "-t", "10", "--gres=gpu:4", "-o", str(tmp_path / "%j.out"), str(script)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return done.stdout.strip()
+
+
+def state(job_id: str) -> str:
+    done = subprocess.run(
+        ["sacct", "-X", "-n", "-P", "-o", "State", "-j", job_id], capture_output=True, text=True
+    )
+    return done.stdout.strip()
+
+
+def live_pids(name: str) -> list[int]:
+    """Pids of processes called `name` that are not zombies (PID 1 here does not reap)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            pid, rest = stat.read_text().split(" (", 1)
+        except OSError:
+            continue
+        comm, _, fields = rest.rpartition(") ")
+        if comm == name and not fields.startswith("Z"):
+            found.append(int(pid))
+    return found
+
+
+def test_a_restart_after_the_daemons_died_frees_the_node_of_the_jobs_of_their_previous_life(
+    slurm_cluster, tmp_path
+):
+    # As when the machine stops or a session is killed: daemons and job processes die at once, while
+    # slurmctld's saved state still lists the jobs. Restarted, it believed them running until their time
+    # limit and held the GPUs (on CI, 18 minutes of the first tests' jobs waiting in the queue).
+    running = sbatch(tmp_path, "sleep 300")
+    waiting = sbatch(tmp_path, "sleep 300")
+    wait_until(lambda: state(running) == "RUNNING", "the first job to run")
+    listed = subprocess.run(["scontrol", "listpids", running], capture_output=True, text=True, check=True)
+    job_pids = [int(line.split()[0]) for line in listed.stdout.splitlines()[1:]]
+    # slurmctld saves its state every few seconds; stopped with TERM it saves it now, so that both jobs are
+    # in it whatever the timing. Everything on the node dies at once.
+    os.kill(int((slurm_cluster / "run" / "slurmctld.pid").read_text()), signal.SIGTERM)
+    wait_until(lambda: not live_pids("slurmctld"), "slurmctld to save its state and stop")
+    slurmd = int((slurm_cluster / "run" / "slurmd.pid").read_text())
+    for pid in [slurmd, *live_pids("slurmstepd"), *job_pids]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    wait_until(lambda: not any(live_pids(name) for name in ("slurmd", "slurmstepd")), "the node to die")
+
+    up = subprocess.run(
+        ["bash", str(ROOT / "slurm" / "dev-cluster" / "up.sh"), str(slurm_cluster)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert up.returncode == 0, up.stdout + up.stderr
+    assert "cancelling 2 job(s) left from the cluster's previous run" in up.stdout + up.stderr
+    assert squeue_ids() == set()
+    wait_until(  # accounting reaches slurmdbd a moment later
+        lambda: all(state(job).startswith("CANCELLED") for job in (running, waiting)),
+        "both recorded cancelled",
+    )
+    # The node is whole again: a job asking for all of its GPUs runs at once.
+    fresh = sbatch(tmp_path, "true")
+    wait_until(lambda: state(fresh) == "COMPLETED", "a job on all four GPUs to run and end")
