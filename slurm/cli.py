@@ -12,6 +12,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.live import Live
 
+from slurm.estimate import record_exact_tokens
 from slurm.experiments import load_experiments, load_watchable_experiments, parse_overrides
 from slurm.launcher import (
     LaunchError,
@@ -72,11 +73,9 @@ def dispatch(args) -> int:
             [Problem("command line", "", "say which experiments: --all or --exp NAME [NAME ...]")]
         )
     experiments = load_experiments(args.config_dir, profile, parse_overrides(args.overrides), args.exp)
-    plan = build_plan(experiments, profile)
-    if args.calibrate:
-        if args.calibrate_steps < 1:
-            raise ConfigError([Problem("command line", "--calibrate-steps", "must be at least 1")])
-        plan = calibration_plan(plan, args.calibrate_steps)
+    if args.calibrate and args.calibrate_steps < 1:
+        raise ConfigError([Problem("command line", "--calibrate-steps", "must be at least 1")])
+    plan = planned(experiments, profile, args)
     pack = requested_pack(args, profile)
     if args.dry_run:
         # What a pack would run now: every job without its DONE (no scheduler call: dry runs stay fast).
@@ -87,6 +86,7 @@ def dispatch(args) -> int:
         )
         if args.preflight:
             return checked
+        plan = planned(experiments, profile, args)  # estimated again, from the tokens preflight counted
     code = submit(plan, profile, args, pack)
     if args.calibrate:
         out.print(
@@ -99,6 +99,11 @@ def dispatch(args) -> int:
         written = report(plan, experiments, profile, args.config_dir)
         out.print(f"All {len(plan.jobs)} job(s) completed. Report: {written[0]}", highlight=False)
     return code
+
+
+def planned(experiments, profile, args) -> Plan:
+    plan = build_plan(experiments, profile)
+    return calibration_plan(plan, args.calibrate_steps) if args.calibrate else plan
 
 
 def sync_wandb(run_root: Path) -> int:
@@ -135,6 +140,15 @@ def preflight(plan: Plan, experiments, profile, show: bool, as_json: bool) -> in
 
     files = {e.name: str(e.file) for e in experiments}
     results, problems = preflight_plan(plan, files, profile.gpu_mem_for)
+    specs = {j.id: j.spec for j in plan.jobs if j.kind == "train"}
+    record_exact_tokens(
+        plan.run_root,
+        [
+            (specs[r.job], r.examples, r.tokens_per_epoch)
+            for r in results
+            if r.tokens_per_epoch and r.job in specs
+        ],
+    )
     if as_json:
         print(json.dumps([r.as_json() for r in results], indent=1))
     elif show:
@@ -159,7 +173,16 @@ def fetch_note(commands: list[str]) -> str:
 def preflight_table(results):
     from rich.table import Table
 
-    table = Table("job", "trainable", "max_length", "tokens/epoch", "cut at max_length", "memory/GPU", "fits")
+    table = Table(
+        "job",
+        "trainable",
+        "lengths p50/p90/p99/max",
+        "max_length",
+        "tokens/epoch",
+        "cut at max_length",
+        "memory/GPU",
+        "fits",
+    )
     for r in results:
         memory = (
             f"{r.memory_gb:.1f} GB" + (f" of {r.gpu_mem_gb:g}" if r.gpu_mem_gb else "")
@@ -169,6 +192,11 @@ def preflight_table(results):
         table.add_row(
             r.job,
             f"{r.trainable_percent:.2f}% ({r.trainable_params:,})",
+            "\n".join(
+                ("targets " if part == "targets" else "") + "/".join(map(str, values))
+                for part, values in r.length_percentiles.items()
+            )
+            or "-",
             str(r.max_length) if r.max_length else f"skipped: {r.tokens_skipped}",
             f"{r.tokens_per_epoch:,}" if r.tokens_per_epoch else "-",
             str(r.truncated_inputs) if r.truncated_inputs is not None else "-",

@@ -2,9 +2,11 @@
 
 Training: tokens to process ÷ tokens/s + start-up + in-training evals + checkpoint saves.
   tokens = prompt + target tokens of the training file x epochs, or, with max_steps, steps x examples per
-  step x tokens per example. The tokens come from a `TokenCounter`: by default a local file's characters
-  ÷ CHARS_PER_TOKEN; an exact count (a tokenizer's) can be plugged in instead. An `hf:` dataset is not
-  read on the login node: its size comes from the speed book when a stage trained on it before.
+  step x tokens per example. The training file's tokens are preflight's exact count when a launch's
+  preflight counted them (RUN_ROOT/preflight-tokens.json, keyed by `exact_key`: the model, its tokenizer
+  files, the data file and keys); else a `TokenCounter`'s, by default a local file's characters
+  ÷ CHARS_PER_TOKEN. An `hf:` dataset is not read on the login node: its size comes from preflight or
+  from the speed book when a stage trained on it before.
   tokens/s, start-up and eval/save seconds come from the speed book (RUN_ROOT/speeds.jsonl, written by
   every finished stage: train/speeds.py) when it has a row for this model, adapter method and precision,
   the nearest in batch size and max length, newest first ("measured"); else from the model's size on
@@ -18,8 +20,11 @@ A row written by `launch.py --calibrate` (a few dozen steps of an experiment's f
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -28,6 +33,8 @@ from slurm import guesses
 from slurm.experiments import read_examples
 from train.config import DataSpec, EvalJob, TrainJob, TrainSpec
 from train.examples import TextSize
+from train.files import read_json, write_json_atomic
+from train.hub_cache import TOKENIZER_FILES
 from train.speeds import FILE, EvalSpeedRecord, SpeedRecord, read_book, read_eval_book
 
 # The usual rule of thumb for English under BPE or SentencePiece vocabularies; code and SQL run nearer 3,
@@ -40,6 +47,7 @@ SLACK_S = 300
 ROUND_S = 300
 
 Source = Literal["measured", "calibrated", "guess", "unknown"]
+TOKENS_FILE = "preflight-tokens.json"
 
 
 @dataclass(frozen=True)
@@ -59,15 +67,57 @@ def tokens_from_characters(source: str, spec: DataSpec) -> DataTokens | None:
     return DataTokens(size.examples, size.chars / CHARS_PER_TOKEN) if isinstance(size, TextSize) else None
 
 
+def exact_key(spec: TrainJob) -> str:
+    """What preflight's token count of a training file depends on, found without torch and without reading
+    a file: the model and its added tokens, a local tokenizer's files and the data file by size and
+    modification time, the data keys (max lengths included: the count is after truncation)."""
+
+    def stamp(path: Path) -> list | None:
+        return [path.name, *(lambda s: (s.st_size, s.st_mtime_ns))(path.stat())] if path.is_file() else None
+
+    folder, source = Path(spec.model.name_or_path), spec.data.train
+    parts = [
+        spec.model.name_or_path,
+        spec.model.revision,
+        spec.model.kind,
+        spec.model.added_tokens,
+        [stamp(folder / name) for name in TOKENIZER_FILES] if folder.is_dir() else None,
+        None if source.startswith("hf:") else stamp(Path(source)),
+        spec.data.model_dump(exclude={"eval", "order", "num_workers"}),
+    ]
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:20]
+
+
+def read_exact_tokens(run_root: str | Path) -> dict[str, DataTokens]:
+    kept = read_json(Path(run_root) / TOKENS_FILE)
+    if not isinstance(kept, dict):
+        return {}
+    return {
+        k: DataTokens(**v)
+        for k, v in kept.items()
+        if isinstance(v, dict) and v.keys() == {"examples", "tokens"}
+    }
+
+
+def record_exact_tokens(run_root: str | Path, counted: Iterable[tuple[TrainJob, int, int]]) -> None:
+    """Keep preflight's (examples, tokens) of each job's training file for the estimates of later plans."""
+    book = {k: {"examples": v.examples, "tokens": v.tokens} for k, v in read_exact_tokens(run_root).items()}
+    new = {exact_key(spec): {"examples": examples, "tokens": tokens} for spec, examples, tokens in counted}
+    if new and any(book.get(k) != v for k, v in new.items()):
+        os.makedirs(run_root, exist_ok=True)
+        write_json_atomic(Path(run_root) / TOKENS_FILE, book | new)
+
+
 @dataclass(frozen=True)
 class Estimate:
     seconds: float | None  # None: nothing to count (an `hf:` dataset)
     source: Source
     basis: str  # how it was reached, for people
+    tokens: Literal["preflight", "characters", "speed book"] | None = None  # where the data's size came from
 
     def to_json(self) -> dict:
         seconds = round(self.seconds) if self.seconds is not None else None
-        return {"seconds": seconds, "source": self.source, "basis": self.basis}
+        return {"seconds": seconds, "source": self.source, "basis": self.basis, "tokens": self.tokens}
 
 
 @dataclass(frozen=True)
@@ -93,13 +143,15 @@ class Estimator:
         book: list[SpeedRecord],
         count: TokenCounter = tokens_from_characters,
         eval_book: list[EvalSpeedRecord] = (),
+        exact: Mapping[str, DataTokens] | None = None,
     ):
         self.book, self.count, self.eval_book = book, count, list(eval_book)
+        self.exact = dict(exact or {})  # exact_key → preflight's count of a training file
 
     @classmethod
     def for_run_root(cls, run_root: str | Path) -> Estimator:
         book = Path(run_root) / FILE
-        return cls(read_book(book), eval_book=read_eval_book(book))
+        return cls(read_book(book), eval_book=read_eval_book(book), exact=read_exact_tokens(run_root))
 
     def __call__(self, spec: TrainJob | EvalJob, gpus: int) -> Estimate:
         if isinstance(spec, TrainJob):
@@ -108,16 +160,21 @@ class Estimator:
 
     def tokens(self, source: str, spec: DataSpec, model: str) -> DataTokens | None:
         """Counted, or as a stage that trained on this source recorded it (this model's rows first)."""
+        return self.sized(source, spec, model)[0]
+
+    def sized(self, source: str, spec: DataSpec, model: str) -> tuple[DataTokens | None, str | None]:
         counted = self.count(source, spec)
         if counted is not None:
-            return counted
+            return counted, "characters"
         rows = sorted((r for r in self.book if r.data == source), key=lambda r: (r.model == model, r.time))
-        return (
-            DataTokens(rows[-1].examples, rows[-1].examples * rows[-1].tokens_per_example) if rows else None
-        )
+        if not rows:
+            return None, None
+        return DataTokens(rows[-1].examples, rows[-1].examples * rows[-1].tokens_per_example), "speed book"
 
     def training(self, spec: TrainJob, gpus: int) -> Estimate:
-        data = self.tokens(spec.data.train, spec.data, spec.model.name_or_path)
+        data, sized_by = (self.exact.get(exact_key(spec)), "preflight") if self.exact else (None, None)
+        if data is None:
+            data, sized_by = self.sized(spec.data.train, spec.data, spec.model.name_or_path)
         if data is None:
             return Estimate(None, "unknown", f"{spec.data.train}: not a local file, not in the speed book")
         speed = training_speed(spec, gpus, self.book)
@@ -126,8 +183,9 @@ class Estimator:
         eval_data = self.tokens(spec.data.eval, spec.data, spec.model.name_or_path) if evals else None
         eval_s = evals * speed.eval_s(eval_data) if eval_data else 0.0
         seconds = speed.startup_s + tokens / speed.tokens_per_s + eval_s + saves * speed.save_s
-        basis = f"{tokens:,.0f} tokens in {steps} steps, {evals} evals, {saves} saves; {speed.basis}"
-        return Estimate(seconds, speed.source, basis)
+        counted = " (counted by preflight)" if sized_by == "preflight" else ""
+        basis = f"{tokens:,.0f} tokens{counted} in {steps} steps, {evals} evals, {saves} saves; {speed.basis}"
+        return Estimate(seconds, speed.source, basis, sized_by)
 
     def evaluation(self, spec: EvalJob, gpus: int) -> Estimate:
         data = self.tokens(spec.source, spec.data, spec.model.name_or_path)

@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from slurm.estimate import DataTokens, Estimator, auto_time_limit_s
+from slurm.estimate import DataTokens, Estimator, auto_time_limit_s, read_exact_tokens, record_exact_tokens
 from slurm.experiments import load_experiments
 from slurm.problems import ConfigError
 from slurm.profile import load_profile
 from tests.test_plan import plan_for, sized, write_experiments
-from train.config import EvalJob, TrainJob
+from train.config import DataSpec, EvalJob, TrainJob
 from train.speeds import EvalSpeedRecord, SpeedRecord, book_of, read_book
 
 MODEL = {"name_or_path": "org/some-model-0.5B", "kind": "causal"}
@@ -56,6 +56,24 @@ def record(**changes) -> SpeedRecord:
 def hundred_examples(source, spec) -> DataTokens:
     """The pluggable token count: 100 examples of 100 tokens, whatever the file."""
     return DataTokens(examples=100, tokens=10_000)
+
+
+def test_preflights_exact_count_beats_the_characters_until_the_data_file_changes(tmp_path):
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"question": "how many rows", "sql": "SELECT count(*) FROM t"}\n' * 100)
+    spec = DataSpec(train=str(data), input_field="question", target_field="sql")
+    job = train_job(epochs=2, batch_size=10, eval_every_epochs=None).model_copy(update={"data": spec})
+    record_exact_tokens(tmp_path, [(job, 100, 3_000)])  # as a launch's preflight leaves it
+    exact = Estimator([record()], exact=read_exact_tokens(tmp_path))(job, gpus=1)
+    assert exact.tokens == "preflight" and exact.seconds == pytest.approx(
+        20 + 6_000 / 1000
+    )  # start-up + 6,000 tokens at 1,000/s
+    assert exact.basis.startswith("6,000 tokens (counted by preflight) in 20 steps")
+    characters = Estimator([record()])(job, gpus=1)
+    assert characters.tokens == "characters" and characters.to_json()["tokens"] == "characters"
+    assert characters.seconds != exact.seconds
+    data.write_text(data.read_text() + data.read_text())  # 200 examples now: the count is stale
+    assert Estimator([record()], exact=read_exact_tokens(tmp_path))(job, gpus=1).tokens == "characters"
 
 
 def test_a_training_estimate_worked_out_by_hand():

@@ -59,11 +59,11 @@ def test_demo_preflight_equals_what_the_finished_jobs_write(repo_root, tiny, tmp
     from train.recipe import run_stage
 
     monkeypatch.chdir(repo_root)
-    demo = repo_root / "configs" / "demo"
+    shutil.copytree(repo_root / "configs", tmp_path / "configs")  # the demo and the base it inherits
+    demo = tmp_path / "configs" / "demo"
+    write_cluster_yaml(demo, tmp_path)
     profile, _ = load_profile(demo)
-    plan = build_plan(
-        load_experiments(demo, profile, {}, None), profile.model_copy(update={"run_dir": str(tmp_path)})
-    )
+    plan = build_plan(load_experiments(demo, profile, {}, None), profile)
     predicted = {r["job"]: r for r in preflight_json(["--all", "--config-dir", str(demo)], capsys)}
     jobs = [j for j in plan.jobs if j.kind == "train"]
     assert sorted(predicted) == sorted(
@@ -78,6 +78,32 @@ def test_demo_preflight_equals_what_the_finished_jobs_write(repo_root, tiny, tmp
         assert predicted[planned.id]["max_length"] == summary["max_length"], planned.id
         assert predicted[planned.id]["max_target_length"] == summary["max_target_length"], planned.id
         assert predicted[planned.id]["tokens_skipped"] is None
+        assert predicted[planned.id]["examples"] == summary["train_examples"], planned.id
+        assert predicted[planned.id]["tokens_per_epoch"] == summary["train_tokens"], planned.id
+        spread = predicted[planned.id]["length_percentiles"]
+        assert spread["inputs"][-1] == summary["longest_example"] and spread["inputs"] == sorted(
+            spread["inputs"]
+        )
+        if planned.spec.model.kind == "seq2seq":  # encoder inputs plus labels, as the speed book counts
+            assert spread["targets"][-1] == summary["longest_target"]
+            assert summary["train_tokens"] > sum(planned_inputs(planned.spec))
+    # The dry run now estimates the training jobs from these exact counts, torch-free.
+    capsys.readouterr()
+    assert launch.main(["--all", "--config-dir", str(demo), "--dry-run", "--json"]) == 0
+    estimates = {j["id"]: j["estimate"] for j in json.loads(capsys.readouterr().out)["jobs"]}
+    for planned in jobs:
+        assert estimates[planned.id]["tokens"] == "preflight", planned.id
+        tokens = predicted[planned.id]["tokens_per_epoch"] * planned.spec.train.epochs
+        assert estimates[planned.id]["basis"].startswith(f"{tokens:,.0f} tokens (counted by preflight)")
+
+
+def planned_inputs(spec) -> list[int]:
+    """Encoder input lengths only, from the job's own tokenization cache (what tokens per epoch once was)."""
+    from train import data as data_lib
+    from train.preflight import cached_tokenizer
+
+    tokenizer = cached_tokenizer(spec.model.name_or_path, spec.model.revision, spec.model.kind)
+    return data_lib.tokenized(spec.data.train, spec.data, tokenizer, spec.model.kind)["length"]
 
 
 def test_a_rank_too_large_for_the_model_is_refused_before_anything_is_queued(

@@ -221,6 +221,16 @@ def cut(ids: list[int], limit: int, keep_last: bool) -> list[int]:
     return ids[: limit - 1] + ids[-1:] if keep_last else ids[:limit]
 
 
+def trained_tokens(dataset: datasets.Dataset, kind: str) -> list[int]:
+    """Each example's prompt + target tokens as trained (after truncation): a causal (or image-text) example
+    is one sequence; a seq2seq example is its encoder input plus its labels. The speed book's tokens/s and
+    preflight's tokens per epoch both count this way, so estimates multiply like with like."""
+    lengths = dataset["length"]
+    if kind == "seq2seq":
+        return [n + len(labels) for n, labels in zip(lengths, dataset["labels"], strict=True)]
+    return list(lengths)
+
+
 def truncate(dataset: datasets.Dataset, lengths: LengthReport, kind: str = "causal") -> datasets.Dataset:
     """Cut to the chosen lengths; causal examples whose whole target was cut away are dropped (they would
     add nothing but a 0/0 loss)."""

@@ -16,6 +16,7 @@ import json
 import logging
 from functools import lru_cache, partial
 
+import numpy
 import torch
 from transformers import AutoConfig
 
@@ -82,15 +83,27 @@ def token_lengths(job: TrainJob, tokenizer, config) -> dict:
         dataset = data_lib.tokenized(job.data.train, job.data, tokenizer, kind)
         lengths = data_lib.choose_lengths(dataset, job.data, kind, max_positions(config))
         kept = data_lib.truncate(dataset, lengths, kind)
+    spread = {"inputs": percentiles(dataset["length"])}
+    if kind == "seq2seq":
+        spread["targets"] = percentiles(data_lib.target_lengths(dataset))
     return {
+        "length_percentiles": spread,
         "max_length": lengths.max_length,
         "max_target_length": lengths.max_target_length,
-        "tokens_per_epoch": int(sum(kept["length"])),
+        "tokens_per_epoch": sum(data_lib.trained_tokens(kept, kind)),
         "examples": len(kept),
         "longest_example": lengths.longest,
         "truncated_inputs": lengths.inputs_truncated,
         "truncated_at": {str(k): v for k, v in lengths.truncated_at.items()},
     }
+
+
+def percentiles(lengths: list[int]) -> list[int]:
+    """p50, p90, p99 and the longest, each a length some example has (not interpolated)."""
+    return [int(v) for v in numpy.percentile(lengths, PERCENTILES, method="higher")]
+
+
+PERCENTILES = (50, 90, 99, 100)
 
 
 # ---- one job ------------------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ from train.config import TrainJob
 from train.files import read_json, write_json_atomic
 from train.hub_cache import TOKENIZER_FILES, fetch_command, first_line, missing_for, model_file
 
-CACHE_VERSION = 1  # bump whenever what a preflight computes changes
+CACHE_VERSION = 2  # bump whenever what a preflight computes changes
 
 
 @dataclass
@@ -34,7 +34,10 @@ class JobPreflight:
     max_trainable_percent: float
     max_length: int | None = None  # None: token lengths skipped (see tokens_skipped)
     max_target_length: int | None = None
-    tokens_per_epoch: int | None = None
+    tokens_per_epoch: int | None = None  # prompt + target tokens as trained (train/data.py trained_tokens)
+    # p50, p90, p99, max of the untruncated lengths: "inputs" (causal, image-text: the whole sequence), and
+    # "targets" for seq2seq
+    length_percentiles: dict[str, list[int]] = field(default_factory=dict)
     examples: int | None = None
     longest_example: int | None = None
     truncated_inputs: int | None = None

@@ -432,6 +432,7 @@ class StageRecipe:
             "best_eval_loss": min(eval_losses) if eval_losses else None,
             "final_train_loss": self.train_metrics.get("train_loss"),
             "train_examples": len(self.train_set),
+            "train_tokens": sum(data_lib.trained_tokens(self.train_set, self.job.model.kind)),  # per epoch
             "eval_examples": len(self.eval_set) if self.eval_set is not None else None,
             "max_length": self.lengths.max_length,
             "max_target_length": self.lengths.max_target_length,
@@ -486,9 +487,6 @@ class StageRecipe:
         speeds.append(book, record)
 
     def tokens_per_example(self) -> float:
-        """Prompt + target tokens of an average training example as trained (after truncation): a causal
-        example is one sequence; a seq2seq example is its encoder input plus its labels."""
-        lengths = self.train_set["length"]
-        if self.job.model.kind == "seq2seq":
-            lengths = [n + len(labels) for n, labels in zip(lengths, self.train_set["labels"], strict=True)]
+        """Prompt + target tokens of an average training example as trained (data.trained_tokens)."""
+        lengths = data_lib.trained_tokens(self.train_set, self.job.model.kind)
         return sum(lengths) / len(lengths)
