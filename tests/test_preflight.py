@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -140,6 +141,21 @@ def test_a_batch_that_does_not_fit_is_refused_with_the_batch_that_does(
     assert "train.grad_accum: 2 keeps the effective batch 8" in err
     [result] = preflight_json(["--all", "--config-dir", str(folder), "train.batch_size=4"], capsys)
     assert result["fits"] is True and result["gpu_mem_gb"] == gpu and result["largest_batch"] == 4
+    # The other ways out it names hold too: each, applied with the batch it names, fits.
+    suggested = {
+        "train.gradient_checkpointing=true": re.search(
+            r"gradient_checkpointing: true fits batch_size (\d+)", err
+        ),
+        "adapter.method=qlora": re.search(r"adapter.method: qlora fits batch_size (\d+)", err),
+    }
+    for change, found in suggested.items():
+        assert found and int(found[1]) >= 1, change
+        argv = ["--all", "--config-dir", str(folder), change, f"train.batch_size={found[1]}"]
+        [result] = preflight_json(argv, capsys)
+        assert result["fits"] is True, change
+        argv[-1] = f"train.batch_size={int(found[1]) + 1}"  # the largest: one more does not fit
+        assert launch.main([*argv, "--preflight"]) == 2, change
+        capsys.readouterr()
 
 
 def test_experiments_sharing_model_and_data_cost_one_preflight(
