@@ -88,7 +88,8 @@ def test_two_gpus_train_as_two_ranks_and_a_requeue_resumes_both_to_the_same_adap
     # Both ranks meet on loopback at the job's own port: not at an address the node's name resolves to.
     port = rendezvous_port(job_id, ephemeral_ports())
     assert all(
-        f"joining 2 ranks at 127.0.0.1:{port}" in task_log(tmp_path, "requeued/train", r) for r in (0, 1)
+        f"joining 2 ranks at 127.0.0.1:{port} (gloo on lo)" in task_log(tmp_path, "requeued/train", r)
+        for r in (0, 1)
     )
     capsys.readouterr()
     tail = ["--config-dir", str(folder), "--tail", "requeued/train"]

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import csv
 import json
+import shutil
 from pathlib import Path
 
+import launch
 from eval.report import write_report
 from slurm.experiments import load_experiments
 from slurm.plan import build_plan
@@ -100,12 +102,15 @@ def test_report_shows_which_split_was_scored(tmp_path):
 
 
 def test_a_cpu_run_costs_no_gpu_hours_and_a_four_gpu_run_four_times_its_runtime(tmp_path, repo_root):
-    plan = plan_of(tmp_path, cpu="{gpus: 0, mem_gb: 4, cpus: 1}", four="{gpus: 4, mem_gb: 4, cpus: 1}")
+    plan_of(tmp_path, cpu="{gpus: 0, mem_gb: 4, cpus: 1}", four="{gpus: 4, mem_gb: 4, cpus: 1}")
     runs = tmp_path / "runs"
     for name in ("cpu", "four"):
         write_stage(runs / name / "one", [3.0], 1800, 2.2)
         write_stage(runs / name / "two", [2.0], 1800, 1.6)
-    write_report(plan, runs, {}, repo_root / "configs" / "baselines.yaml", gpu_hour_cost=2.5)
+    # The cost per GPU-hour comes from cluster.yaml, through the launcher's --report.
+    write_cluster_yaml(tmp_path / "configs", tmp_path, gpu_hour_cost=2.5)
+    shutil.copy(repo_root / "configs" / "baselines.yaml", tmp_path / "configs")
+    assert launch.main(["--config-dir", str(tmp_path / "configs"), "--report"]) == 0
     rows = {r["experiment"]: r for r in csv.DictReader((runs / "report.csv").open())}
     assert (float(rows["cpu"]["gpu_hours"]), float(rows["four"]["gpu_hours"])) == (0.0, 4.0)
     assert (float(rows["cpu"]["cost"]), float(rows["four"]["cost"])) == (0.0, 10.0)

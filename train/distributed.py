@@ -37,11 +37,12 @@ def join(placement: Placement) -> None:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     # Said before, not after: a rank that cannot reach rank 0 waits here silently until torch's timeout.
     log.info(
-        "joining %d ranks at %s:%s (%s)",
+        "joining %d ranks at %s:%s (%s%s)",
         placement.world_size,
         os.environ.get("MASTER_ADDR"),
         os.environ.get("MASTER_PORT"),
         placement.backend,
+        f" on {os.environ['GLOO_SOCKET_IFNAME']}" if "GLOO_SOCKET_IFNAME" in os.environ else "",
     )
     dist.init_process_group(
         backend=placement.backend,
