@@ -139,7 +139,8 @@ def preflight(plan: Plan, experiments, profile, show: bool, as_json: bool) -> in
     from train.preflight_check import preflight_plan
 
     files = {e.name: str(e.file) for e in experiments}
-    results, problems = preflight_plan(plan, files, profile.gpu_mem_for)
+    fetching = profile.hub_downloads == "login"
+    results, problems = preflight_plan(plan, files, profile.gpu_mem_for, fetch=fetching)
     specs = {j.id: j.spec for j in plan.jobs if j.kind == "train"}
     record_exact_tokens(
         plan.run_root,
@@ -153,16 +154,16 @@ def preflight(plan: Plan, experiments, profile, show: bool, as_json: bool) -> in
         print(json.dumps([r.as_json() for r in results], indent=1))
     elif show:
         out.print(preflight_table(results))
-    if fetch := list(dict.fromkeys(c for r in results for c in r.fetch)):
-        err.print(fetch_note(fetch), highlight=False, soft_wrap=True)
+    if not fetching and (fetch := list(dict.fromkeys(c for r in results for c in r.fetch))):
+        err.print(fetch_note(fetch), highlight=False, soft_wrap=True)  # fetching: they are problems
     if problems:
         raise ConfigError(problems)
     return 0
 
 
 def fetch_note(commands: list[str]) -> str:
-    """Not a refusal: nodes with network download at the job's start. Nodes without fail there, so the
-    note says how to fetch on this machine into the cache the nodes share."""
+    """hub_downloads: nodes: not a refusal, the nodes download at the job's start; if they cannot after
+    all, the note says how to fetch on this machine into the cache the nodes share."""
     lines = "\n".join(f"  {c}" for c in commands)
     return (
         "[yellow]warning:[/] not in this machine's Hugging Face cache, so jobs on nodes without network "

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
@@ -58,6 +58,12 @@ class ClusterProfile(BaseModel):
     qos: SlurmNames | None = None
     setup: list[Annotated[str, AfterValidator(no_literal_secret)]] = Field(
         default_factory=list, description="shell lines run before each job"
+    )
+    hub_downloads: Literal["login", "nodes"] = Field(
+        "login",
+        description="where hub models and datasets are downloaded: 'login' (preflight fetches them into "
+        "this machine's Hugging Face cache, which the nodes share; SLURM jobs run with HF_HUB_OFFLINE=1 and "
+        "HF_DATASETS_OFFLINE=1) or 'nodes' (each job downloads at its start; preflight only warns)",
     )
     run_dir: str = "runs"
     log_dir: Annotated[str, AfterValidator(one_line)] = "logs"

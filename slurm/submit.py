@@ -120,7 +120,9 @@ def sbatch_parameters(
         "signal_delay_s": res.signal_delay_s,
         "stderr_to_stdout": True,  # one log per job: what --tail follows
         "additional_parameters": {"open-mode": "append"},  # a requeued run adds to the log, not erase it
-        "setup": list(profile.setup),  # run in the user's directory, as they expect
+        # Run in the user's directory, as they expect; after the offline switches, so a setup line may
+        # override them.
+        "setup": [*offline_setup(profile), *profile.setup],
         # Python starts in the code snapshot, so it imports that code (sys.path[0]); the job then
         # moves to the user's directory (workdir) before it reads any data path.
         "srun_args": [f"--chdir={code_folder}"],
@@ -143,6 +145,14 @@ def sbatch_parameters(
     if parents:
         params["dependency"] = ",".join(f"{kind}:{job_id}" for job_id, kind in parents)
     return params
+
+
+def offline_setup(profile: ClusterProfile) -> list[str]:
+    """Jobs find what preflight fetched in the shared cache (hub_downloads: login), without waiting on a
+    network the nodes may not have; one that lacks a file fails at once with its fetch command."""
+    if profile.hub_downloads != "login":
+        return []
+    return ["export HF_HUB_OFFLINE=1", "export HF_DATASETS_OFFLINE=1"]
 
 
 class LocalBackend:

@@ -122,6 +122,10 @@ def test_demo_on_the_dev_cluster(repo_root, tmp_path, slurm_cluster, tiny, capsy
 
     logs = list((tmp_path / "logs").rglob("*_log.out"))  # one per job: stdout and stderr together
     assert len(logs) == len(DEMO_JOBS) and all(p.stat().st_size > 0 for p in logs)
+    # hub_downloads: login (the default): every job ran offline, from what preflight had here.
+    scripts = [p.read_text() for p in (tmp_path / "logs").rglob("*_submission.sh")]
+    assert len(scripts) == len(DEMO_JOBS)
+    assert all("export HF_HUB_OFFLINE=1\nexport HF_DATASETS_OFFLINE=1\n" in text for text in scripts)
     written = [p for p in tmp_path.rglob("*") if p.is_file()]
     assert not [p for p in written if TOKEN.encode() in p.read_bytes()]
 

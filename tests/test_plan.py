@@ -155,6 +155,22 @@ def test_eval_resources_reach_the_sbatch_parameters(tmp_path):
     assert backend.sbatch_parameters(plan.job("big/train"), [])["gpus_per_node"] == 4
 
 
+def test_jobs_run_offline_unless_the_nodes_download(tmp_path):
+    """hub_downloads: login (default) puts the offline switches first in every job's setup, where a
+    user's own setup line can still override them; nodes leaves the jobs online."""
+    from slurm.snapshot import CodeSnapshot
+    from slurm.submit import SlurmBackend
+
+    offline = ["export HF_HUB_OFFLINE=1", "export HF_DATASETS_OFFLINE=1"]
+    cases = [("", offline), ("setup: ['export X=1']", [*offline, "export X=1"]), ("hub_downloads: nodes", [])]
+    for lines, expected in cases:
+        folder = write_experiments(tmp_path, cluster=lines + "\n", big=sized("big", "{gpus: 1}"))
+        profile, _ = load_profile(folder)
+        backend = SlurmBackend(profile, tmp_path, CodeSnapshot(tmp_path, None, None))
+        for job_id in ("big/train", "big/eval"):
+            assert backend.sbatch_parameters(plan_for(folder=folder).job(job_id), [])["setup"] == expected
+
+
 def test_mail_reaches_sbatch_for_training_and_eval_jobs_unless_the_eval_says_otherwise(tmp_path):
     from slurm.snapshot import CodeSnapshot
     from slurm.submit import SlurmBackend

@@ -213,12 +213,22 @@ def hub_cache(folder: Path) -> Path:
     return folder
 
 
+def shipped_with_cluster_yaml(repo_root: Path, tmp: Path, text: str) -> Path:
+    """configs/experiments (and the base it inherits) with a cluster.yaml of the test's own."""
+    shutil.copytree(repo_root / "configs", tmp / "configs")
+    (tmp / "configs" / "experiments" / "cluster.yaml").write_text(text)
+    return tmp / "configs" / "experiments"
+
+
 def test_the_shipped_experiments_preflight_offline_from_fixture_configs(repo_root, tmp_path):
+    """With hub_downloads: nodes, what this machine lacks is a warning: the nodes will download it."""
     env = os.environ | {
         "HF_HUB_CACHE": str(hub_cache(tmp_path / "hub")),
         "LORA_CACHE_DIR": str(tmp_path / "c"),
     }
-    command = [sys.executable, "launch.py", "--all", "--preflight", "--json", "data.max_length=512"]
+    folder = shipped_with_cluster_yaml(repo_root, tmp_path, "hub_downloads: nodes\n")
+    argv = ["--all", "--config-dir", str(folder), "--preflight", "--json", "data.max_length=512"]
+    command = [sys.executable, "launch.py", *argv]
     started = time.monotonic()
     done = subprocess.run(command, cwd=repo_root, env=env, capture_output=True, text=True, check=False)
     took = time.monotonic() - started
@@ -253,14 +263,32 @@ def test_the_shipped_experiments_preflight_offline_from_fixture_configs(repo_roo
     assert took < 60, f"preflight of {len(results)} jobs took {took:.0f}s"
     # Skipped for want of tokenizer files, which would change the key: kept, so a relaunch is torch-free.
     code = (
-        "import sys, launch; rc = launch.main(['--all', '--preflight', '--json', 'data.max_length=512']); "
-        "sys.exit(10 + rc if 'torch' in sys.modules else rc)"
+        f"import sys, launch; rc = launch.main({argv!r}); sys.exit(10 + rc if 'torch' in sys.modules else rc)"
     )
     again = subprocess.run(
         [sys.executable, "-c", code], cwd=repo_root, env=env, capture_output=True, text=True
     )
     assert again.returncode == 0, again.stderr
     assert json.loads(again.stdout) == list(results.values())
+
+
+def test_jobs_that_run_offline_refuse_what_this_machine_could_not_fetch(repo_root, tmp_path):
+    """hub_downloads: login (the default): preflight fetches what the jobs need, and SLURM jobs run offline,
+    so what it could not fetch (this machine is offline too: HF_HUB_OFFLINE, conftest) refuses the launch,
+    each job naming the commands, before anything is queued."""
+    env = os.environ | {"HF_HUB_CACHE": str(hub_cache(tmp_path / "hub")), "LORA_CACHE_DIR": str(tmp_path)}
+    command = [sys.executable, "launch.py", "data.max_length=512", "--backend", "local"]
+    command += ["--exp", "qwen-random", "flan-t5-small-qg"]
+    done = subprocess.run(command, cwd=repo_root, env=env, capture_output=True, text=True, check=False)
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr and "2 problem(s); nothing was submitted." in done.stderr
+    offline = "(this machine is offline: HF_HUB_OFFLINE or HF_DATASETS_OFFLINE is set)"
+    assert (
+        "qwen-random.yaml: model.name_or_path: qwen-random/train runs offline (cluster.yaml hub_downloads: "
+        f"login) and this machine could not fetch what it needs: hf download Qwen/Qwen2.5-0.5B {offline}; "
+        f"hf download b-mc2/sql-create-context --repo-type dataset {offline}; run that where there is network"
+    ) in " ".join(done.stderr.split())
+    assert f"hf download google/flan-t5-small {offline}" in done.stderr
 
 
 def test_a_model_config_missing_here_is_refused_with_the_command_that_fetches_it(repo_root, tmp_path):

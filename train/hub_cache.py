@@ -1,8 +1,9 @@
 """What this machine's Hugging Face caches hold, and the command that fetches what they lack.
 
-Torch-free, and nothing here downloads: the launcher asks it on the login node before queueing. Compute
-nodes often have no network; a job whose model or dataset is not in the shared cache then fails at its
-start, so preflight names what is missing and prints the exact `hf download` command for it.
+Torch-free: the launcher asks it on the login node before queueing. Compute nodes often have no network;
+with cluster.yaml's `hub_downloads: login` (the default) preflight fetches what the jobs need here (`fetch`),
+into the cache the nodes share, and SLURM jobs run offline. What cannot be fetched is named with the exact
+`hf download` command for it (`missing_for`); a job that still lacks a file fails at its start with it.
 """
 
 from __future__ import annotations
@@ -63,15 +64,72 @@ def missing_for(job: TrainJob) -> list[str]:
     tokenizer) unless it is a local folder, and each `hf:` dataset it trains or evaluates on."""
     model = job.model
     commands = []
-    if not Path(model.name_or_path).is_dir() and not (
-        has_any(model.name_or_path, WEIGHT_FILES, model.revision)
-        and has_any(model.name_or_path, TOKENIZER_FILES, model.revision)
-    ):
+    if not has_model(model.name_or_path, model.revision):
         commands.append(fetch_command(model.name_or_path, model.revision))
     for name in dict.fromkeys(dataset_name(s) for s in (job.data.train, job.data.eval)):
         if name and not dataset_cached(name):
             commands.append(fetch_command(name, repo_type="dataset"))
     return commands
+
+
+# A model repo's files a job loads: config, tokenizer, chat template, weights (safetensors, or .bin where a
+# repo has no safetensors); not its other formats (onnx/, gguf, original/ checkpoints).
+MODEL_PATTERNS = ("*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken", "*.jinja")
+OTHER_FORMATS = ("onnx/*", "openvino/*", "original/*", "*.gguf")
+
+
+def has_model(name_or_path: str, revision: str | None) -> bool:
+    return Path(name_or_path).is_dir() or (
+        has_any(name_or_path, WEIGHT_FILES, revision) and has_any(name_or_path, TOKENIZER_FILES, revision)
+    )
+
+
+def fetch_model(name: str, revision: str | None) -> None:
+    """Download a hub model (config, tokenizer, weights at `revision`) into this machine's cache; raises
+    what huggingface_hub raises without network (at once under HF_HUB_OFFLINE=1)."""
+    from huggingface_hub import HfApi, snapshot_download
+
+    files = HfApi().list_repo_files(name, revision=revision)
+    patterns = [*MODEL_PATTERNS, *([] if any(f.endswith(".safetensors") for f in files) else ["*.bin"])]
+    snapshot_download(name, revision=revision, allow_patterns=patterns, ignore_patterns=list(OTHER_FORMATS))
+
+
+def fetch(job: TrainJob) -> dict[str, str]:
+    """Fetch what `job` needs and this machine lacks (its hub model; each `hf:` dataset, prepared as the
+    job's own load_hf prepares it, which HF_DATASETS_OFFLINE then reads). Returns what still lacks, as
+    missing_for's `hf download` commands, each with the reason it could not be had."""
+    model, reasons = job.model, {}
+    if not has_model(model.name_or_path, model.revision):
+        try:
+            fetch_model(model.name_or_path, model.revision)
+        except Exception as exc:  # noqa: BLE001  no network, no such repo, a gated one: all named below
+            reasons[fetch_command(model.name_or_path, model.revision)] = why_not(exc)
+    for source in dict.fromkeys(s for s in (job.data.train, job.data.eval) if dataset_name(s)):
+        if not dataset_cached(dataset_name(source)):
+            from train.data import load_hf
+
+            try:
+                load_hf(source)
+            except Exception as exc:  # noqa: BLE001
+                reasons[fetch_command(dataset_name(source), repo_type="dataset")] = why_not(exc)
+    return {c: reasons.get(c, "still not in the cache after fetching") for c in missing_for(job)}
+
+
+def why_not(exc: Exception) -> str:
+    if "offline" in f"{type(exc).__name__} {exc}".lower():
+        return "this machine is offline: HF_HUB_OFFLINE or HF_DATASETS_OFFLINE is set"
+    return first_line(exc)[:120]
+
+
+def fetch_scorer(name_or_path: str) -> dict[str, str]:
+    """The same for an eval job's scoring model (eval.bertscore_model)."""
+    if has_model(name_or_path, None):
+        return {}
+    try:
+        fetch_model(name_or_path, None)
+    except Exception as exc:  # noqa: BLE001
+        return {fetch_command(name_or_path): why_not(exc)}
+    return {} if has_model(name_or_path, None) else {fetch_command(name_or_path): "still not in the cache"}
 
 
 class NotInCache(OSError):

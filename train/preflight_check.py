@@ -17,6 +17,7 @@ from pathlib import Path
 
 from slurm.problems import Problem
 from train import data as data_lib
+from train import hub_cache
 from train.config import TrainJob
 from train.files import read_json, write_json_atomic
 from train.hub_cache import TOKENIZER_FILES, fetch_command, first_line, missing_for, model_file
@@ -123,19 +124,32 @@ JOB_PREFLIGHT_FIELDS = {f.name for f in fields(JobPreflight)}
 
 
 # ---- a whole plan ---------------------------------------------------------------------------------------
-def preflight_plan(plan, files: dict[str, str], gpu_mem_for) -> tuple[list[JobPreflight], list[Problem]]:
+def preflight_plan(
+    plan, files: dict[str, str], gpu_mem_for, fetch: bool = False
+) -> tuple[list[JobPreflight], list[Problem]]:
     """Every training job of `plan` (eval jobs train nothing), and the problems that refuse the launch.
     `files`: experiment name → its YAML file; `gpu_mem_for(resources)`: the GPU memory of a job's
-    partition or constraint, or None."""
+    partition or constraint, or None. `fetch` (hub_downloads: login): download what the jobs need first,
+    and refuse what could not be had, since the jobs will run offline."""
     results, problems = [], []
     for planned in plan.jobs:
-        if planned.kind != "train":
-            continue
         where = files.get(planned.experiment, planned.experiment)
+        if planned.kind != "train":
+            scorer = planned.spec.eval.bertscore_model
+            if fetch and scorer and "bertscore" in planned.spec.eval.metrics:
+                problems += unfetched(
+                    planned.id, where, "eval.bertscore_model", hub_cache.fetch_scorer(scorer)
+                )
+            continue
+        lacking = (
+            unfetched(planned.id, where, "model.name_or_path", hub_cache.fetch(planned.spec)) if fetch else []
+        )
+        problems += lacking
         try:
             result = cached_preflight(planned.spec, gpu_mem_for(planned.resources))
         except OSError as exc:
-            problems.append(Problem(where, "model.name_or_path", unavailable(planned.spec, exc)))
+            if not lacking:  # else said already, with its fetch command
+                problems.append(Problem(where, "model.name_or_path", unavailable(planned.spec, exc)))
             continue
         except ValueError as exc:  # what the job would fail on at its start, e.g. target modules not found
             problems.append(
@@ -146,6 +160,21 @@ def preflight_plan(plan, files: dict[str, str], gpu_mem_for) -> tuple[list[JobPr
         results.append(result)
         problems += refusals(result, where)
     return results, problems
+
+
+def unfetched(job_id: str, where: str, key: str, missing: dict[str, str]) -> list[Problem]:
+    if not missing:
+        return []
+    lines = "; ".join(f"{command} ({reason})" for command, reason in missing.items())
+    return [
+        Problem(
+            where,
+            key,
+            f"{job_id} runs offline (cluster.yaml hub_downloads: login) and this machine could not fetch "
+            f"what it needs: {lines}; run that where there is network, into the Hugging Face cache the nodes "
+            "share (HF_HOME), or set hub_downloads: nodes if the nodes have network",
+        )
+    ]
 
 
 def unavailable(job: TrainJob, exc: Exception) -> str:
