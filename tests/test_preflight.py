@@ -291,6 +291,20 @@ def test_jobs_that_run_offline_refuse_what_this_machine_could_not_fetch(repo_roo
     assert f"hf download google/flan-t5-small {offline}" in done.stderr
 
 
+def test_an_eval_scoring_model_that_could_not_be_fetched_refuses_the_launch(
+    repo_root, tiny, tmp_path, monkeypatch, capsys
+):
+    """Eval jobs run offline too: a hub bertscore_model this machine cannot fetch is named before queueing."""
+    monkeypatch.chdir(repo_root)
+    folder = configs(tmp_path, repo_root, {"scored": {}})
+    scored = ["eval.metrics=[bertscore]", "eval.bertscore_model=org/tiny-bert", "eval.split=train"]
+    assert launch.main(["--all", "--config-dir", str(folder), "--backend", "local", *scored]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "scored.yaml: eval.bertscore_model: scored/eval runs offline" in err
+    assert "hf download org/tiny-bert (this machine is offline" in err
+    assert not (tmp_path / "runs" / "scored").exists()
+
+
 def test_a_model_config_missing_here_is_refused_with_the_command_that_fetches_it(repo_root, tmp_path):
     env = os.environ | {"HF_HUB_CACHE": str(hub_cache(tmp_path / "hub")), "LORA_CACHE_DIR": str(tmp_path)}
     command = [sys.executable, "launch.py", "--exp", "qwen-random", "--preflight", "model.revision=v2.0"]
