@@ -1,4 +1,5 @@
-"""The comparison report: one row per experiment (and per published baseline), loss curves, as files.
+"""The comparison report: one row per experiment (and per published baseline), one per training stage
+(its GPU-hours, GPU utilisation, tokens/s), loss curves, as files.
 
 Reads only run directories: `summary.json` and `metrics.jsonl` of each stage, `results.json` of the eval
 job. An experiment that failed or never ran is a row that says so, never a silent gap.
@@ -55,11 +56,31 @@ def read_metrics(path: Path) -> list[dict]:
     return rows
 
 
+STAGE_COLUMNS = ("stage", "state", "gpus", "train_min", "gpu_hours", "gpu_util_%", "tokens_per_s")
+
+
+def stage_row(job, states: dict[str, str]) -> dict:
+    """One training stage's cost and use of its GPUs: where a curriculum's time went."""
+    summary = read_json(Path(job.run_dir) / "summary.json") or {}
+    runtime_s = summary.get("train_runtime_s") or 0
+    return {
+        "stage": job.id,
+        "state": states.get(job.id) or ("COMPLETED" if summary else None),
+        "gpus": job.resources.gpus,
+        "train_min": round(runtime_s / 60, 2) if runtime_s else None,
+        # On its own GPUs: a CPU stage (gpus: 0) costs no GPU-hours.
+        "gpu_hours": round(runtime_s * job.resources.gpus / 3600, 4) if runtime_s else None,
+        "gpu_util_%": mean_gpu_util([job]),
+        "tokens_per_s": tokens_per_s([summary]),
+    }
+
+
 def experiment_row(plan, experiment: str, states: dict[str, str]) -> dict:
     jobs = [j for j in plan.jobs if j.experiment == experiment]
     train_jobs = [j for j in jobs if j.kind == "train"]
     first = train_jobs[0].spec
     summaries = [read_json(Path(j.run_dir) / "summary.json") or {} for j in train_jobs]
+    stages = [stage_row(j, states) for j in train_jobs]
     runtime_s = sum(s.get("train_runtime_s") or 0 for s in summaries)
     losses = [s["best_eval_loss"] for s in summaries if s.get("best_eval_loss") is not None]
     eval_job = next((j for j in jobs if j.id == f"{experiment}/eval"), None)
@@ -74,17 +95,7 @@ def experiment_row(plan, experiment: str, states: dict[str, str]) -> dict:
             (s.get("trainable_percent") for s in summaries if s.get("trainable_percent")), None
         ),
         "train_min": round(runtime_s / 60, 2) if runtime_s else None,
-        # Each stage's runtime on its own GPUs: a CPU run (gpus: 0) costs no GPU-hours.
-        "gpu_hours": round(
-            sum(
-                (s.get("train_runtime_s") or 0) * j.resources.gpus
-                for s, j in zip(summaries, train_jobs, strict=True)
-            )
-            / 3600,
-            4,
-        )
-        if runtime_s
-        else None,
+        "gpu_hours": round(sum(s["gpu_hours"] or 0 for s in stages), 4) if runtime_s else None,
         "gpu_util_%": mean_gpu_util(train_jobs),
         "tokens_per_s": tokens_per_s(summaries),
         "best_eval_loss": min(losses) if losses else None,
@@ -203,6 +214,8 @@ def write_report(
         md += [to_markdown(members, columns + extra_columns), ""]
         if task in published and published[task][1]:
             md += [f"Published baselines ({task}): {published[task][1]}.", ""]
+    stages = [stage_row(j, states) for j in plan.jobs if j.kind == "train"]
+    md += ["## Training stages", "", to_markdown(stages, list(STAGE_COLUMNS)), ""]
     total = f"Training: {total_gpu_hours:.2f} GPU-hours"
     if gpu_hour_cost is not None:
         total += f", cost {total_gpu_hours * gpu_hour_cost:.2f} (at {gpu_hour_cost:g} per GPU-hour)"

@@ -114,7 +114,11 @@ def test_a_cpu_run_costs_no_gpu_hours_and_a_four_gpu_run_four_times_its_runtime(
     rows = {r["experiment"]: r for r in csv.DictReader((runs / "report.csv").open())}
     assert (float(rows["cpu"]["gpu_hours"]), float(rows["four"]["gpu_hours"])) == (0.0, 4.0)
     assert (float(rows["cpu"]["cost"]), float(rows["four"]["cost"])) == (0.0, 10.0)
-    assert "Training: 4.00 GPU-hours, cost 10.00 (at 2.5 per GPU-hour)." in (runs / "report.md").read_text()
+    report = (runs / "report.md").read_text()
+    assert "Training: 4.00 GPU-hours, cost 10.00 (at 2.5 per GPU-hour)." in report
+    # Per stage: where the GPU-hours went (each stage 30 minutes on its own GPUs; never submitted here).
+    assert "| four/two | PLANNED | 4 | 30 | 2 | – | – |" in report
+    assert "| cpu/one | PLANNED | 0 | 30 | 0 | – | – |" in report
 
 
 def test_baselines_are_shown_only_beside_experiments_on_their_task(tmp_path, repo_root):
@@ -181,3 +185,9 @@ def test_mean_gpu_utilisation_and_non_pad_tokens_per_second_per_experiment(tmp_p
     assert float(rows["gpu"]["gpu_util_%"]) == 80.0  # (80 + 90 + 70) / 3: a row without samples is no 0 %
     assert float(rows["gpu"]["tokens_per_s"]) == float(rows["cpu"]["tokens_per_s"]) == 25.0
     assert rows["cpu"]["gpu_util_%"] == ""  # no GPU: empty, not 0
+    # Per stage: one's 85 % and 20 tokens/s, two's 70 % and 30 tokens/s (plan_of's stages have 1 GPU;
+    # no scheduler states given: a stage with its summary.json finished).
+    report = (runs / "report.md").read_text()
+    assert "| gpu/one | COMPLETED | 1 | 30 | 0.5 | 85 | 20 |" in report
+    assert "| gpu/two | COMPLETED | 1 | 30 | 0.5 | 70 | 30 |" in report
+    assert "| cpu/two | COMPLETED | 1 | 30 | 0.5 | – | 30 |" in report
