@@ -9,6 +9,12 @@ from pathlib import Path
 
 import pytest
 
+# Before any test module imports rouge_score (and with it absl): submitit's first import runs
+# logging.config.dictConfig, which closes every existing handler, and absl's handler closes its stream,
+# which during collection is pytest's capture file; a later test then fails on "I/O operation on closed
+# file" (seen when test_bertscore.py was collected right after test_vl.py).
+import submitit  # noqa: F401  (imported for that side effect, first)
+
 # No test may reach the hub: everything it loads is built here.
 for _var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
     os.environ[_var] = "1"
