@@ -281,7 +281,7 @@ def test_jobs_that_run_offline_refuse_what_this_machine_could_not_fetch(repo_roo
     command += ["--exp", "qwen-random", "flan-t5-small-qg"]
     done = subprocess.run(command, cwd=repo_root, env=env, capture_output=True, text=True, check=False)
     assert done.returncode == 2, done.stderr
-    assert "Traceback" not in done.stderr and "2 problem(s); nothing was submitted." in done.stderr
+    assert "Traceback" not in done.stderr and "3 problem(s); nothing was submitted." in done.stderr
     offline = "(this machine is offline: HF_HUB_OFFLINE or HF_DATASETS_OFFLINE is set)"
     assert (
         "qwen-random.yaml: model.name_or_path: qwen-random/train runs offline (cluster.yaml hub_downloads: "
@@ -289,6 +289,11 @@ def test_jobs_that_run_offline_refuse_what_this_machine_could_not_fetch(repo_roo
         f"hf download b-mc2/sql-create-context --repo-type dataset {offline}; run that where there is network"
     ) in " ".join(done.stderr.split())
     assert f"hf download google/flan-t5-small {offline}" in done.stderr
+    # Its eval job scores BERTScore with a hub model, which the offline eval job must find here too.
+    assert (
+        "flan-t5-small-qg.yaml: eval.bertscore_model: flan-t5-small-qg/eval runs offline (cluster.yaml "
+        f"hub_downloads: login) and this machine could not fetch what it needs: hf download roberta-large {offline}"
+    ) in " ".join(done.stderr.split())
 
 
 def test_an_eval_scoring_model_that_could_not_be_fetched_refuses_the_launch(

@@ -191,6 +191,18 @@ def test_image_settings_are_refused_for_a_text_model_and_required_for_an_image_t
     assert "txt.yaml" in err and "are for model.kind image-text" in err and "Traceback" not in err
 
 
+def test_pixel_bounds_the_wrong_way_round_are_refused_with_file_and_key(repo_root, tmp_path, capsys):
+    folder = tmp_path / "configs"
+    folder.mkdir()
+    text = VL_CONFIG.format(name="vl", root=repo_root, train=SHAPES / "easy.jsonl")
+    (folder / "vl.yaml").write_text(text)
+    bounds = ["data.min_pixels=50176", "data.max_pixels=3136"]
+    assert launch.main(["--all", "--config-dir", str(folder), "--dry-run", *bounds]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "min_pixels 50176 is above max_pixels 3136" in err and "Traceback" not in err
+    assert launch.main(["--all", "--config-dir", str(folder), "--dry-run", "data.min_pixels=3136"]) == 0
+
+
 def test_the_demo_curriculum_trains_chains_and_scores_through_the_launcher_locally(
     repo_root, tiny, tmp_path, monkeypatch, capsys
 ):
