@@ -24,12 +24,13 @@ from train.recipe import run_stage
 EXAMPLES, STEPS, TIMEOUT_S = 80, 10, 120
 
 
-def job(tiny, run_dir: Path, batch_size: int):
+def job(tiny, run_dir: Path, batch_size: int, method: str = "lora"):
     subset = run_dir.parent / "train80.jsonl"
     subset.write_text("".join((SQL / "easy.jsonl").read_text().splitlines(keepends=True)[:EXAMPLES]))
     return make_job(
         tiny,
         run_dir,
+        adapter={"method": method},
         data=sql_data() | {"train": str(subset)},
         max_steps=None,
         epochs=1,
@@ -44,11 +45,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_two_ranks(tiny, run_dir: Path, stop_after: dict[int, int] | None = None) -> list[dict]:
+def run_two_ranks(
+    tiny, run_dir: Path, stop_after: dict[int, int] | None = None, method: str = "lora"
+) -> list[dict]:
     """Run the stage as 2 processes; each rank's {"outcome", "seen"}. A hang fails the test at the timeout."""
     run_dir.mkdir(parents=True, exist_ok=True)
     job_path = run_dir.parent / f"{run_dir.name}.job.json"
-    job_path.write_text(job(tiny, run_dir, batch_size=4).model_dump_json())
+    job_path.write_text(job(tiny, run_dir, batch_size=4, method=method).model_dump_json())
     port, ranks = free_port(), []
     for rank in range(2):
         env = os.environ | {
@@ -107,6 +110,26 @@ def test_final_loss_matches_one_process_with_the_same_global_batch(two_ranks, ti
     assert [r["step"] for r in actual] == [r["step"] for r in expected] == list(range(1, STEPS + 1))
     assert actual[-1]["loss"] == pytest.approx(expected[-1]["loss"], rel=0.02)
     assert json.loads((one / "summary.json").read_text())["world_size"] == 1
+
+
+def test_qlora_trains_as_two_ranks_each_with_its_own_4_bit_base(tiny, tmp_path):
+    """Each rank loads the 4-bit base onto its own device (device_map {"": local device}) and the ranks
+    train as one: the same losses as one process with the global batch, not 2x the batch on one device."""
+    run_dir = tmp_path / "qlora"
+    ranks = run_two_ranks(tiny, run_dir, method="qlora")
+    assert [r["outcome"] for r in ranks] == ["completed", "completed"]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert (summary["world_size"], summary["rank_devices"], summary["global_step"]) == (
+        2,
+        ["cpu", "cpu"],
+        STEPS,
+    )
+    one = tmp_path / "one"
+    assert run_stage(job(tiny, one, batch_size=8, method="qlora")) == "completed"
+    expected = [r["loss"] for r in read_jsonl(one / "metrics.jsonl") if "loss" in r]
+    actual = [r["loss"] for r in read_jsonl(run_dir / "metrics.jsonl") if "loss" in r]
+    assert len(actual) == len(expected) == STEPS
+    assert actual[-1] == pytest.approx(expected[-1], rel=0.02)
 
 
 def test_a_stop_seen_by_one_rank_stops_both_at_one_checkpoint_and_resumes_exactly(two_ranks, tiny, tmp_path):
