@@ -24,7 +24,7 @@ from train.recipe import run_stage
 EXAMPLES, STEPS, TIMEOUT_S = 80, 10, 120
 
 
-def job(tiny, run_dir: Path, batch_size: int, method: str = "lora"):
+def job(tiny, run_dir: Path, batch_size: int, method: str = "lora", epochs: int = 1):
     subset = run_dir.parent / "train80.jsonl"
     subset.write_text("".join((SQL / "easy.jsonl").read_text().splitlines(keepends=True)[:EXAMPLES]))
     return make_job(
@@ -33,7 +33,7 @@ def job(tiny, run_dir: Path, batch_size: int, method: str = "lora"):
         adapter={"method": method},
         data=sql_data() | {"train": str(subset)},
         max_steps=None,
-        epochs=1,
+        epochs=epochs,
         batch_size=batch_size,
         save_every_steps=100,
     )
@@ -46,12 +46,12 @@ def free_port() -> int:
 
 
 def run_two_ranks(
-    tiny, run_dir: Path, stop_after: dict[int, int] | None = None, method: str = "lora"
+    tiny, run_dir: Path, stop_after: dict[int, int] | None = None, method: str = "lora", epochs: int = 1
 ) -> list[dict]:
     """Run the stage as 2 processes; each rank's {"outcome", "seen"}. A hang fails the test at the timeout."""
     run_dir.mkdir(parents=True, exist_ok=True)
     job_path = run_dir.parent / f"{run_dir.name}.job.json"
-    job_path.write_text(job(tiny, run_dir, batch_size=4, method=method).model_dump_json())
+    job_path.write_text(job(tiny, run_dir, batch_size=4, method=method, epochs=epochs).model_dump_json())
     port, ranks = free_port(), []
     for rank in range(2):
         env = os.environ | {
@@ -150,6 +150,20 @@ def test_a_stop_seen_by_one_rank_stops_both_at_one_checkpoint_and_resumes_exactl
     assert_same_adapter(straight, run_dir)
     steps = [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl") if "loss" in r]
     assert steps == list(range(1, STEPS + 1))
+
+
+def test_a_stop_inside_the_second_epoch_resumes_to_the_same_adapter(tiny, tmp_path):
+    """Resumed one step into epoch 2, the ranks must draw epoch 2's order for the rest of it. Today's
+    failure (seen on CI as a requeue landing at such a step): accelerate's skip wrapper hid the sampler
+    from the Trainer's set_epoch, the rest of epoch 2 replayed epoch 1's order, and the adapter drifted."""
+    straight, run_dir = tmp_path / "straight", tmp_path / "interrupted"
+    run_two_ranks(tiny, straight, epochs=2)
+    stopped = run_two_ranks(tiny, run_dir, stop_after={0: STEPS}, epochs=2)
+    assert [r["outcome"] for r in stopped] == ["interrupted", "interrupted"]
+    assert [step_of(c) for c in checkpoints(run_dir / "checkpoints")] == [STEPS + 1]
+    resumed = run_two_ranks(tiny, run_dir, epochs=2)
+    assert [r["outcome"] for r in resumed] == ["completed", "completed"]
+    assert_same_adapter(straight, run_dir)
 
 
 def test_the_rendezvous_port_is_the_jobs_own_and_outside_the_ephemeral_range():

@@ -73,6 +73,7 @@ from transformers import (
     Seq2SeqTrainer,
     Seq2SeqTrainingArguments,
     Trainer,
+    TrainerCallback,
     TrainingArguments,
     set_seed,
 )
@@ -152,17 +153,37 @@ class EpochSeededLengthSampler(LengthGroupedSampler):
 
 
 class ReproducibleSampling:
-    """Trainer mixin: use the epoch-seeded length-grouped sampler."""
+    """Trainer mixin: use the epoch-seeded length-grouped sampler, and tell it each epoch as it begins."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.epoch_sampler: EpochSeededLengthSampler | None = None
+        self.add_callback(SamplerEpoch(self))
 
     def _get_train_sampler(self, train_dataset=None):
         dataset = train_dataset if train_dataset is not None else self.train_dataset
         if self.args.train_sampling_strategy != "group_by_length":
             return super()._get_train_sampler(train_dataset)
-        return EpochSeededLengthSampler(
+        self.epoch_sampler = EpochSeededLengthSampler(
             self.args.train_batch_size * self.args.gradient_accumulation_steps,
             lengths=dataset["length"],
             seed=self.args.seed,
         )
+        return self.epoch_sampler
+
+
+class SamplerEpoch(TrainerCallback):
+    """Sets the sampler's epoch before the epoch's batches are drawn. The Trainer's own set_epoch does not
+    reach it in a run resumed mid-epoch under DDP: accelerate's skip wrapper hides it (SkipBatchSampler →
+    BatchSamplerShard → BatchSampler → sampler), and the rest of that epoch replayed epoch 0's order."""
+
+    def __init__(self, trainer: ReproducibleSampling):
+        self.trainer = trainer
+
+    def on_epoch_begin(self, args, state, control, **kwargs):
+        if self.trainer.epoch_sampler is not None:
+            # state.epoch: the epochs done so far (a resumed run: 1.07 one step into the second epoch).
+            self.trainer.epoch_sampler.set_epoch(math.floor(state.epoch or 0))
 
 
 class CausalTrainer(ReproducibleSampling, Trainer):
