@@ -63,13 +63,15 @@ def stage_row(job, states: dict[str, str]) -> dict:
     """One training stage's cost and use of its GPUs: where a curriculum's time went."""
     summary = read_json(Path(job.run_dir) / "summary.json") or {}
     runtime_s = summary.get("train_runtime_s") or 0
+    # On its own GPUs: a CPU stage (gpus: 0), or one that found no GPU to run on (a local run on a
+    # CPU machine, the dev cluster's fake GPUs: summary.json device "cpu"), costs no GPU-hours.
+    gpus = 0 if summary.get("device") == "cpu" else job.resources.gpus
     return {
         "stage": job.id,
         "state": states.get(job.id) or ("COMPLETED" if summary else None),
-        "gpus": job.resources.gpus,
+        "gpus": gpus,
         "train_min": round(runtime_s / 60, 2) if runtime_s else None,
-        # On its own GPUs: a CPU stage (gpus: 0) costs no GPU-hours.
-        "gpu_hours": round(runtime_s * job.resources.gpus / 3600, 4) if runtime_s else None,
+        "gpu_hours": round(runtime_s * gpus / 3600, 4) if runtime_s else None,
         "gpu_util_%": mean_gpu_util([job]),
         "tokens_per_s": tokens_per_s([summary]),
     }

@@ -116,6 +116,12 @@ def test_a_cpu_run_costs_no_gpu_hours_and_a_four_gpu_run_four_times_its_runtime(
     assert (float(rows["cpu"]["cost"]), float(rows["four"]["cost"])) == (0.0, 10.0)
     report = (runs / "report.md").read_text()
     assert "Training: 4.00 GPU-hours, cost 10.00 (at 2.5 per GPU-hour)." in report
+    # A stage that found no GPU (summary.json device "cpu": a local run on a CPU machine) held none.
+    summary = runs / "four" / "one" / "summary.json"
+    summary.write_text(json.dumps(json.loads(summary.read_text()) | {"device": "cpu"}))
+    assert launch.main(["--config-dir", str(tmp_path / "configs"), "--report"]) == 0
+    assert "Training: 2.00 GPU-hours, cost 5.00" in (runs / "report.md").read_text()
+    assert "| four/one | PLANNED | 0 | 30 | 0 | – | – |" in (runs / "report.md").read_text()
     # Per stage: where the GPU-hours went (each stage 30 minutes on its own GPUs; never submitted here).
     assert "| four/two | PLANNED | 4 | 30 | 2 | – | – |" in report
     assert "| cpu/one | PLANNED | 0 | 30 | 0 | – | – |" in report
