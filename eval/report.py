@@ -77,12 +77,12 @@ def stage_row(job, states: dict[str, str]) -> dict:
     }
 
 
-def experiment_row(plan, experiment: str, states: dict[str, str]) -> dict:
+def experiment_row(plan, experiment: str, states: dict[str, str], stages: dict[str, dict]) -> dict:
+    """`stages`: stage_row of every training job, by job id."""
     jobs = [j for j in plan.jobs if j.experiment == experiment]
     train_jobs = [j for j in jobs if j.kind == "train"]
     first = train_jobs[0].spec
     summaries = [read_json(Path(j.run_dir) / "summary.json") or {} for j in train_jobs]
-    stages = [stage_row(j, states) for j in train_jobs]
     runtime_s = sum(s.get("train_runtime_s") or 0 for s in summaries)
     losses = [s["best_eval_loss"] for s in summaries if s.get("best_eval_loss") is not None]
     eval_job = next((j for j in jobs if j.id == f"{experiment}/eval"), None)
@@ -97,7 +97,7 @@ def experiment_row(plan, experiment: str, states: dict[str, str]) -> dict:
             (s.get("trainable_percent") for s in summaries if s.get("trainable_percent")), None
         ),
         "train_min": round(runtime_s / 60, 2) if runtime_s else None,
-        "gpu_hours": round(sum(s["gpu_hours"] or 0 for s in stages), 4) if runtime_s else None,
+        "gpu_hours": round(sum(stages[j.id]["gpu_hours"] or 0 for j in train_jobs), 4) if runtime_s else None,
         "gpu_util_%": mean_gpu_util(train_jobs),
         "tokens_per_s": tokens_per_s(summaries),
         "best_eval_loss": min(losses) if losses else None,
@@ -196,7 +196,8 @@ def write_report(
     `gpu_hour_cost` (cluster.yaml) adds a cost per experiment and in total."""
     states, tasks = states or {}, tasks or {}
     experiments = list(dict.fromkeys(j.experiment for j in plan.jobs))
-    rows = [experiment_row(plan, name, states) | {"task": tasks.get(name)} for name in experiments]
+    stages = {j.id: stage_row(j, states) for j in plan.jobs if j.kind == "train"}
+    rows = [experiment_row(plan, name, states, stages) | {"task": tasks.get(name)} for name in experiments]
     total_gpu_hours = sum(r["gpu_hours"] or 0 for r in rows)
     if gpu_hour_cost is not None:
         for row in rows:
@@ -216,8 +217,7 @@ def write_report(
         md += [to_markdown(members, columns + extra_columns), ""]
         if task in published and published[task][1]:
             md += [f"Published baselines ({task}): {published[task][1]}.", ""]
-    stages = [stage_row(j, states) for j in plan.jobs if j.kind == "train"]
-    md += ["## Training stages", "", to_markdown(stages, list(STAGE_COLUMNS)), ""]
+    md += ["## Training stages", "", to_markdown(list(stages.values()), list(STAGE_COLUMNS)), ""]
     total = f"Training: {total_gpu_hours:.2f} GPU-hours"
     if gpu_hour_cost is not None:
         total += f", cost {total_gpu_hours * gpu_hour_cost:.2f} (at {gpu_hour_cost:g} per GPU-hour)"

@@ -144,11 +144,7 @@ def preflight(plan: Plan, experiments, profile, show: bool, as_json: bool) -> in
     specs = {j.id: j.spec for j in plan.jobs if j.kind == "train"}
     record_exact_tokens(
         plan.run_root,
-        [
-            (specs[r.job], r.examples, r.tokens_per_epoch)
-            for r in results
-            if r.tokens_per_epoch and r.job in specs
-        ],
+        [(specs[r.job], r.examples, r.tokens_per_epoch) for r in results if r.tokens_per_epoch],
     )
     if as_json:
         print(json.dumps([r.as_json() for r in results], indent=1))

@@ -73,7 +73,10 @@ def exact_key(spec: TrainJob) -> str:
     modification time, the data keys (max lengths included: the count is after truncation)."""
 
     def stamp(path: Path) -> list | None:
-        return [path.name, *(lambda s: (s.st_size, s.st_mtime_ns))(path.stat())] if path.is_file() else None
+        if not path.is_file():
+            return None
+        stat = path.stat()
+        return [path.name, stat.st_size, stat.st_mtime_ns]
 
     folder, source = Path(spec.model.name_or_path), spec.data.train
     parts = [

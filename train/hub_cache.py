@@ -9,6 +9,7 @@ into the cache the nodes share, and SLURM jobs run offline. What cannot be fetch
 from __future__ import annotations
 
 from contextlib import contextmanager
+from functools import cache
 from pathlib import Path
 
 from train.config import TrainJob
@@ -99,37 +100,54 @@ def fetch(job: TrainJob) -> dict[str, str]:
     job's own load_hf prepares it, which HF_DATASETS_OFFLINE then reads). Returns what still lacks, as
     missing_for's `hf download` commands, each with the reason it could not be had."""
     model, reasons = job.model, {}
-    if not has_model(model.name_or_path, model.revision):
-        try:
-            fetch_model(model.name_or_path, model.revision)
-        except Exception as exc:  # noqa: BLE001  no network, no such repo, a gated one: all named below
-            reasons[fetch_command(model.name_or_path, model.revision)] = why_not(exc)
+    if not has_model(model.name_or_path, model.revision) and (
+        failure := tried_model(model.name_or_path, model.revision)
+    ):
+        reasons[fetch_command(model.name_or_path, model.revision)] = failure
     for source in dict.fromkeys(s for s in (job.data.train, job.data.eval) if dataset_name(s)):
-        if not dataset_cached(dataset_name(source)):
-            from train.data import load_hf
-
-            try:
-                load_hf(source)
-            except Exception as exc:  # noqa: BLE001
-                reasons[fetch_command(dataset_name(source), repo_type="dataset")] = why_not(exc)
+        if not dataset_cached(dataset_name(source)) and (failure := tried_dataset(source)):
+            reasons[fetch_command(dataset_name(source), repo_type="dataset")] = failure
     return {c: reasons.get(c, "still not in the cache after fetching") for c in missing_for(job)}
-
-
-def why_not(exc: Exception) -> str:
-    if "offline" in f"{type(exc).__name__} {exc}".lower():
-        return "this machine is offline: HF_HUB_OFFLINE or HF_DATASETS_OFFLINE is set"
-    return first_line(exc)[:120]
 
 
 def fetch_scorer(name_or_path: str) -> dict[str, str]:
     """The same for an eval job's scoring model (eval.bertscore_model)."""
     if has_model(name_or_path, None):
         return {}
+    failure = tried_model(name_or_path, None)
+    if has_model(name_or_path, None):
+        return {}
+    return {fetch_command(name_or_path): failure or "still not in the cache after fetching"}
+
+
+# Once per repo and launch: the experiments of a plan often share a model and a dataset, and without
+# network each try would wait on it again.
+@cache
+def tried_model(name: str, revision: str | None) -> str | None:
+    """fetch_model; why it failed, or None."""
     try:
-        fetch_model(name_or_path, None)
+        fetch_model(name, revision)
+    except Exception as exc:  # noqa: BLE001  no network, no such repo, a gated one: said to the user
+        return why_not(exc)
+    return None
+
+
+@cache
+def tried_dataset(source: str) -> str | None:
+    """The job's own load_hf, which prepares the dataset in the cache; why it failed, or None."""
+    from train.data import load_hf
+
+    try:
+        load_hf(source)
     except Exception as exc:  # noqa: BLE001
-        return {fetch_command(name_or_path): why_not(exc)}
-    return {} if has_model(name_or_path, None) else {fetch_command(name_or_path): "still not in the cache"}
+        return why_not(exc)
+    return None
+
+
+def why_not(exc: Exception) -> str:
+    if "offline" in f"{type(exc).__name__} {exc}".lower():
+        return "this machine is offline: HF_HUB_OFFLINE or HF_DATASETS_OFFLINE is set"
+    return first_line(exc)[:120]
 
 
 class NotInCache(OSError):

@@ -141,9 +141,8 @@ def preflight_plan(
                     planned.id, where, "eval.bertscore_model", hub_cache.fetch_scorer(scorer)
                 )
             continue
-        lacking = (
-            unfetched(planned.id, where, "model.name_or_path", hub_cache.fetch(planned.spec)) if fetch else []
-        )
+        missing = hub_cache.fetch(planned.spec) if fetch else None
+        lacking = unfetched(planned.id, where, "model.name_or_path", missing or {})
         problems += lacking
         try:
             result = cached_preflight(planned.spec, gpu_mem_for(planned.resources))
@@ -156,7 +155,8 @@ def preflight_plan(
                 Problem(where, "", f"{planned.id}: the job would fail at its start: {first_line(exc)}")
             )
             continue
-        result.fetch = missing_for(planned.spec)  # not cached: files arrive without changing the key
+        # Not cached: files arrive without changing the key.
+        result.fetch = list(missing) if missing is not None else missing_for(planned.spec)
         results.append(result)
         problems += refusals(result, where)
     return results, problems
