@@ -154,3 +154,40 @@ def test_max_positions_of_absolute_and_relative_position_models(tiny):
     assert max_positions(GPT2Config(n_positions=256)) == 256
     assert max_positions(AutoConfig.from_pretrained(tiny["tiny-t5"])) is None
     assert max_positions(T5Config(n_positions=512)) is None  # t5-base's config says 512; nothing limits it
+
+
+def bf16_weights_on_cpu():
+    """The placement a bf16 GPU gets (bf16 weights), on this CPU: what peft leaves in bf16 shows here too."""
+    from dataclasses import replace
+
+    return replace(CPU, precision="bf16", load_dtype=torch.bfloat16, compute_dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("kind", ["causal", "seq2seq"])
+def test_modules_to_save_copies_do_not_train_in_bf16(tiny, tmp_path, kind):
+    # peft upcasts LoRA weights to fp32 but left modules_to_save copies (and added-token rows) in the load
+    # dtype: AdamW then kept bf16 weights and bf16 moments on every bf16 GPU.
+    spec = ModelSpec(**model_spec(tiny, kind))
+    placement = bf16_weights_on_cpu()
+    adapter = AdapterSpec(
+        rank=8, modules_to_save=["lm_head"], allow_full_modules=True, max_trainable_percent=100
+    )
+    model = new_adapter(load_base(spec, None, placement), adapter, kind)
+    trainable = {n: p.dtype for n, p in model.named_parameters() if p.requires_grad}
+    assert any(".modules_to_save." in n for n in trainable)
+    assert set(trainable.values()) == {torch.float32}, trainable
+    frozen = {p.dtype for p in model.parameters() if not p.requires_grad}
+    assert frozen == {torch.bfloat16}  # the base stays as loaded: only what trains is upcast
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # as the Trainer runs a bf16 step
+        extra = {"decoder_input_ids": ids} if kind == "seq2seq" else {}
+        loss = model(input_ids=ids, labels=ids, **extra).loss
+    loss.backward()
+    grads = [p.grad for n, p in model.named_parameters() if ".modules_to_save." in n and p.requires_grad]
+    assert grads and all(g is not None and g.dtype == torch.float32 for g in grads)
+
+    # A later stage continues the saved adapter: its trainable copies are fp32 again.
+    model.save_pretrained(tmp_path / "adapter")
+    load_tokenizer(spec.name_or_path, spec).save_pretrained(tmp_path / "adapter")
+    again, _ = load_trained(spec, str(tmp_path / "adapter"), trainable=True, placement=placement)
+    assert {p.dtype for p in again.parameters() if p.requires_grad} == {torch.float32}

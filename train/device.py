@@ -36,6 +36,10 @@ import torch
 
 Precision = Literal["auto", "bf16", "fp16", "fp32"]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# Every trainable parameter (LoRA matrices, modules_to_save copies, added-token rows), whatever the weights
+# are loaded in: AdamW on bf16 weights rounds most small updates away (bf16 keeps 8 bits of mantissa), and
+# its moments would be bf16 too. peft upcasts LoRA weights itself but leaves modules_to_save copies alone.
+TRAINABLE_DTYPE = torch.float32
 
 
 class PlacementError(RuntimeError):

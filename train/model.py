@@ -22,7 +22,7 @@ from transformers import (
 
 from train import vl
 from train.config import AdapterSpec, DataSpec, ModelSpec
-from train.device import Placement
+from train.device import TRAINABLE_DTYPE, Placement
 from train.hub_cache import fetch_hint, require_tokenizer_files
 
 log = logging.getLogger("train.model")
@@ -144,7 +144,16 @@ def new_adapter(model, spec: AdapterSpec, kind: str, added_token_ids: list[int] 
         modules_to_save=spec.modules_to_save or None,
         trainable_token_indices=token_rows(model, added_token_ids or []),
     )
-    return get_peft_model(model, config)
+    return trainable_in_fp32(get_peft_model(model, config))
+
+
+def trainable_in_fp32(model):
+    """Every trainable parameter in train.device's TRAINABLE_DTYPE (fp32), the frozen base as loaded. Under
+    bf16 autocast the fp32 copies run in bf16 like their neighbours; only the update is kept exact."""
+    for param in model.parameters():
+        if param.requires_grad and param.dtype != TRAINABLE_DTYPE:
+            param.data = param.data.to(TRAINABLE_DTYPE)
+    return model
 
 
 def load_trained(
@@ -168,7 +177,7 @@ def load_trained(
     if quantize is not None and quantize.method == "qlora" and trainable:
         base = prepare_model_for_kbit_training(base, use_gradient_checkpointing=False)
     model = PeftModel.from_pretrained(base, adapter_dir, is_trainable=trainable)
-    return model, tokenizer
+    return (trainable_in_fp32(model) if trainable else model), tokenizer
 
 
 @dataclass(frozen=True)
