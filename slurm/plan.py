@@ -278,7 +278,13 @@ def make_job(job_id, kind, spec, resources, deps, known: dict[str, PlannedJob]) 
     # A job's identity covers what it starts from: a changed stage 1 means stage 2 must run again.
     data_parents = sorted(p.config_hash for p, d in zip(parents, deps, strict=True) if d.kind == "afterok")
     # How a run is watched does not change what it computes: tracking is left out.
-    digest = config_hash({"spec": spec.model_dump(exclude={"tracking"}), "parents": data_parents})
+    identity = {"spec": spec.model_dump(exclude={"tracking"}), "parents": data_parents}
+    # The ranks a training stage runs on set its global batch, its steps per epoch and its schedule: the
+    # same YAML on 1 and on 2 GPUs trains two different adapters. One rank is left out, so every stage
+    # that finished before the world size counted keeps its hash.
+    if kind == "train" and resources.tasks > 1:
+        identity["world_size"] = resources.tasks
+    digest = config_hash(identity)
     wave = 1 + max((p.wave for p in parents), default=-1)
     experiment, stage = job_id.split("/", 1)
     return PlannedJob(job_id, experiment, stage, kind, spec, digest, resources, tuple(deps), wave)

@@ -88,6 +88,19 @@ def test_changing_only_the_first_stage_changes_the_hash_of_what_starts_from_it(t
     assert before.job("other/eval").config_hash == after.job("other/eval").config_hash
 
 
+def test_a_stage_finished_on_one_gpu_is_not_done_for_two(tmp_path):
+    # The hash ignored resources.gpus: a stage finished on 1 GPU counted as done for gpus: 2, though the
+    # global batch, the steps per epoch and the schedule all change with the number of ranks.
+    folder = write_experiments(tmp_path)
+    hashes = {
+        gpus: {j.id: j.config_hash for j in plan_for([f"resources.gpus={gpus}"], ["other"], folder).jobs}
+        for gpus in (0, 1, 2, 4)
+    }
+    assert hashes[0] == hashes[1]  # one process either way: stages finished before this rule keep their hash
+    assert len({h["other/train"] for h in hashes.values()}) == 3
+    assert hashes[1]["other/eval"] != hashes[2]["other/eval"]  # it scores another adapter
+
+
 def sized(name: str, resources: str, eval_section: str = "{metrics: [exact_match]}") -> str:
     model = "{name_or_path: org/some-model, kind: causal}"
     return (

@@ -15,7 +15,7 @@ def fake_checkpoint(folder: Path, step: int, committed: bool = True) -> Path:
     (checkpoint / "trainer_state.json").write_text(json.dumps({"global_step": step}))
     (checkpoint / "adapter_model.safetensors").write_bytes(b"weights")
     if committed:
-        commit(checkpoint)
+        commit(checkpoint, world_size=1)
     return checkpoint
 
 

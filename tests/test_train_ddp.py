@@ -179,3 +179,22 @@ def test_the_rendezvous_port_is_the_jobs_own_and_outside_the_ephemeral_range():
     assert all(61000 <= rendezvous_port(job, (1024, 60999)) <= 65535 for job in ("1", "2", "3"))
     # A range that covers every port: no safe span is left, so submitit's own span (and never a crash).
     assert all(20000 <= rendezvous_port(job, (1024, 65535)) <= 60000 for job in ("1", "2", "3"))
+
+
+def test_a_checkpoint_of_two_ranks_is_not_resumed_by_one(tiny, tmp_path):
+    """A stage stopped on 2 GPUs and relaunched on 1 (resources.gpus changed) resumed the 2-rank checkpoint:
+    steps already taken at global batch 8 went on at another world size, and rank 1's RNG state was lost.
+    It must start over, keeping the old checkpoints aside."""
+    run_dir = tmp_path / "stage"
+    stopped = run_two_ranks(tiny, run_dir, stop_after={0: 3})
+    assert [r["outcome"] for r in stopped] == ["interrupted", "interrupted"]
+    assert [step_of(c) for c in checkpoints(run_dir / "checkpoints")] == [4]
+
+    assert run_stage(job(tiny, run_dir, batch_size=4)) == "completed"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["resumed_from"] is None
+    assert (summary["world_size"], summary["global_step"]) == (1, 2 * STEPS)  # batch 4 on one rank
+    steps = [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl") if "loss" in r]
+    assert steps == list(range(1, 2 * STEPS + 1))  # the 2-rank curve is not mixed into this one's
+    kept = checkpoints(run_dir / "checkpoints.world-2")
+    assert [step_of(c) for c in kept] == [4] and is_valid(kept[0])

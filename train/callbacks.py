@@ -98,7 +98,7 @@ class CommitCheckpoints(TrainerCallback):
         distributed.barrier()
         if state.is_world_process_zero:
             folder = Path(args.output_dir)
-            commit(folder / f"checkpoint-{state.global_step}")
+            commit(folder / f"checkpoint-{state.global_step}", args.world_size)
             rotate(folder, keep={Path(state.best_model_checkpoint)} if state.best_model_checkpoint else set())
         distributed.barrier()
 

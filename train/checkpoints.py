@@ -21,12 +21,44 @@ MARKER = "COMMITTED"
 PATTERN = re.compile(r"^checkpoint-(\d+)$")
 
 
-def commit(checkpoint: Path) -> None:
-    """Flush the checkpoint's files to disk, then write the marker: after this it is safe to resume from."""
+def commit(checkpoint: Path, world_size: int) -> None:
+    """Flush the checkpoint's files to disk, then write the marker: after this it is safe to resume from.
+    The marker records how many ranks wrote it (see `set_aside_other_world_size`)."""
     for path in checkpoint.rglob("*"):
         if path.is_file():
             fsync_path(path)
-    write_atomic(checkpoint / MARKER, "ok\n")
+    write_atomic(checkpoint / MARKER, json.dumps({"world_size": world_size}) + "\n")
+
+
+def world_size_of(checkpoint: Path) -> int | None:
+    """The ranks that wrote a committed checkpoint; None for a marker older than this record ("ok")."""
+    try:
+        record = json.loads((checkpoint / MARKER).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return record.get("world_size") if isinstance(record, dict) else None
+
+
+def set_aside_other_world_size(folder: Path, world_size: int) -> Path | None:
+    """Move checkpoints written by another number of ranks to `checkpoints.world-N` (kept, not deleted).
+    They cannot be resumed: the optimizer steps already taken counted another global batch, the schedule
+    another number of steps, and each rank's RNG state belongs to a rank that may not exist now. The plan
+    gives such a stage a new identity (slurm/plan.py), so it starts over; this makes the trainer agree."""
+    found = {world_size_of(c) for c in checkpoints(Path(folder)) if is_valid(c)} - {None, world_size}
+    if not found:
+        return None
+    aside = Path(folder).with_name(f"{Path(folder).name}.world-{max(found)}")
+    while aside.exists():
+        aside = aside.with_name(aside.name + "+")
+    log.warning(
+        "checkpoints in %s were written by %s rank(s), this run has %d: starting over; they are kept in %s",
+        folder,
+        "/".join(map(str, sorted(found))),
+        world_size,
+        aside,
+    )
+    Path(folder).rename(aside)
+    return aside
 
 
 def is_valid(checkpoint: Path) -> bool:

@@ -89,7 +89,12 @@ from train.callbacks import (
     StageTimer,
     StopWhenAsked,
 )
-from train.checkpoints import discard_incomplete, latest_valid_checkpoint, step_of
+from train.checkpoints import (
+    discard_incomplete,
+    latest_valid_checkpoint,
+    set_aside_other_world_size,
+    step_of,
+)
 from train.config import TrainJob
 from train.device import current as current_placement
 from train.device import gpu_uuid
@@ -221,6 +226,8 @@ class StageRecipe:
         # directory; the others wait, then all resume from the same checkpoint.
         if distributed.is_main():
             discard_incomplete(self.run_dir / "checkpoints")
+            if set_aside_other_world_size(self.run_dir / "checkpoints", self.placement.world_size):
+                self.forget_metrics_after(0)  # the old run's curve is not this one's
         distributed.barrier()
         self.resume_from = latest_valid_checkpoint(self.run_dir / "checkpoints")
         if self.resume_from:
