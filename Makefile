@@ -2,11 +2,12 @@
 #   make demo   run every demo experiment (--all on configs/demo): on the dev SLURM cluster if one is
 #               up (sbatch on PATH), else locally
 #   make test   start the dev SLURM cluster and run the whole test suite against it
+#   make test-fast   the tests that need no cluster (a developer's loop)
 PY      := .venv/bin/python
 STATE   ?= /tmp/slurm-lora-dev
 TORCH   ?= torch==2.13.0
 
-.PHONY: demo test venv cluster cluster-down lint
+.PHONY: demo test test-fast venv cluster cluster-down lint
 
 venv: .venv/.installed
 .venv/.installed: pyproject.toml
@@ -32,6 +33,10 @@ cluster-down:
 
 test: venv cluster
 	SLURM_DEV_STATE=$(STATE) $(PY) -m pytest -q
+
+# The developer's loop: every test that needs no SLURM cluster (unit tests, the trainer on tiny models).
+test-fast: venv
+	$(PY) -m pytest -q -m "not cluster" -p no:cacheprovider
 
 lint: venv
 	$(PY) -m ruff check . && $(PY) -m ruff format --check .

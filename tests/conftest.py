@@ -68,6 +68,13 @@ def token_cache(tmp_path_factory) -> Path:
         os.environ["LORA_CACHE_DIR"] = previous
 
 
+def pytest_collection_modifyitems(config, items):
+    """`cluster` marks every test that needs the dev SLURM cluster: `make test-fast` leaves them out."""
+    for item in items:
+        if "slurm_cluster" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.cluster)
+
+
 @pytest.hookimpl(wrapper=True, tryfirst=True)
 def pytest_runtest_makereport(item, call):
     report = yield
