@@ -1,8 +1,12 @@
-"""The comparison report: one row per experiment (and per published baseline), one per training stage
-(its GPU-hours, GPU utilisation, tokens/s), loss curves, as files.
+"""The comparison report: one row per experiment (and per published baseline), one per job (what it held
+of the cluster, its Trainer clock, GPU utilisation, tokens/s), loss curves, as files.
 
-Reads only run directories: `summary.json` and `metrics.jsonl` of each stage, `results.json` of the eval
-job. An experiment that failed or never ran is a row that says so, never a silent gap.
+Reads run directories: `summary.json` and `metrics.jsonl` of each stage, `results.json` of the eval job.
+GPU-hours are what the cluster charged: each job's elapsed time x the GPUs it held, every requeue, eval
+jobs and a pack's idle lanes included, as the launcher found them (`usage`: slurm/usage.py, from sacct or
+a local job's own clock). A job without such a figure (run by hand, unknown to the scheduler) counts its
+Trainer clock x its GPUs, and the report says so; a CPU run (device "cpu") costs no GPU-hours.
+An experiment that failed or never ran is a row that says so, never a silent gap.
 """
 
 from __future__ import annotations
@@ -56,29 +60,58 @@ def read_metrics(path: Path) -> list[dict]:
     return rows
 
 
-STAGE_COLUMNS = ("stage", "state", "gpus", "train_min", "gpu_hours", "gpu_util_%", "tokens_per_s")
+JOB_COLUMNS = (
+    "job",
+    "state",
+    "gpus",
+    "attempts",
+    "held_min",
+    "train_min",
+    "gpu_hours",
+    "counted_from",
+    "gpu_util_%",
+    "tokens_per_s",
+)
+TRAINER_CLOCK = "Trainer clock (no scheduler record)"
 
 
-def stage_row(job, states: dict[str, str]) -> dict:
-    """One training stage's cost and use of its GPUs: where a curriculum's time went."""
-    summary = read_json(Path(job.run_dir) / "summary.json") or {}
+def job_row(job, states: dict[str, str], used) -> dict:
+    """One job's use of the cluster: what it held (`used`: a JobUsage of slurm/usage.py, or None), and for
+    a training stage its Trainer clock and speed: where a curriculum's time went."""
+    train = job.kind == "train"
+    summary = (read_json(Path(job.run_dir) / "summary.json") or {}) if train else {}
+    ended = summary or (not train and (Path(job.run_dir) / "results.json").is_file())
     runtime_s = summary.get("train_runtime_s") or 0
-    # On its own GPUs: a CPU stage (gpus: 0), or one that found no GPU to run on (a local run on a
-    # CPU machine, the dev cluster's fake GPUs: summary.json device "cpu"), costs no GPU-hours.
-    gpus = 0 if summary.get("device") == "cpu" else job.resources.gpus
     return {
-        "stage": job.id,
-        "state": states.get(job.id) or ("COMPLETED" if summary else None),
-        "gpus": gpus,
+        "job": job.id,
+        "state": states.get(job.id) or ("COMPLETED" if ended else None),
+        **held(job, summary, used),
         "train_min": round(runtime_s / 60, 2) if runtime_s else None,
-        "gpu_hours": round(runtime_s * gpus / 3600, 4) if runtime_s else None,
-        "gpu_util_%": mean_gpu_util([job]),
+        "gpu_util_%": mean_gpu_util([job]) if train else None,
         "tokens_per_s": tokens_per_s([summary]),
     }
 
 
-def experiment_row(plan, experiment: str, states: dict[str, str], stages: dict[str, dict]) -> dict:
-    """`stages`: stage_row of every training job, by job id."""
+def held(job, summary: dict, used) -> dict:
+    """gpus, attempts, held_min, gpu_hours and counted_from: the scheduler's figures, else the Trainer's
+    clock x the GPUs the stage ran on (none when it ran on the CPU: a local run on a CPU machine)."""
+    if used is not None:
+        return {
+            "gpus": used.gpus,
+            "attempts": used.attempts,
+            "held_min": round(used.held_s / 60, 2),
+            "gpu_hours": round(used.gpu_hours, 4),
+            "counted_from": used.source,
+        }
+    runtime_s = summary.get("train_runtime_s")
+    if not runtime_s:
+        return {}
+    gpus = 0 if summary.get("device") == "cpu" else job.resources.gpus
+    return {"gpus": gpus, "gpu_hours": round(runtime_s * gpus / 3600, 4), "counted_from": TRAINER_CLOCK}
+
+
+def experiment_row(plan, experiment: str, states: dict[str, str], job_rows: dict[str, dict]) -> dict:
+    """`job_rows`: job_row of every job, by job id."""
     jobs = [j for j in plan.jobs if j.experiment == experiment]
     train_jobs = [j for j in jobs if j.kind == "train"]
     first = train_jobs[0].spec
@@ -97,7 +130,7 @@ def experiment_row(plan, experiment: str, states: dict[str, str], stages: dict[s
             (s.get("trainable_percent") for s in summaries if s.get("trainable_percent")), None
         ),
         "train_min": round(runtime_s / 60, 2) if runtime_s else None,
-        "gpu_hours": round(sum(stages[j.id]["gpu_hours"] or 0 for j in train_jobs), 4) if runtime_s else None,
+        "gpu_hours": total_gpu_hours([job_rows[j.id] for j in jobs]),
         "gpu_util_%": mean_gpu_util(train_jobs),
         "tokens_per_s": tokens_per_s(summaries),
         "best_eval_loss": min(losses) if losses else None,
@@ -105,6 +138,12 @@ def experiment_row(plan, experiment: str, states: dict[str, str], stages: dict[s
     row["eval_split"] = split_marker(results)
     row.update({column: results.get(key) for key, column in REPORT_COLUMNS.items()})
     return row
+
+
+def total_gpu_hours(rows: list[dict]) -> float | None:
+    """Their GPU-hours together; None when no job has a figure (none ran)."""
+    known = [r["gpu_hours"] for r in rows if r.get("gpu_hours") is not None]
+    return round(sum(known), 4) if known else None
 
 
 def mean_gpu_util(train_jobs) -> float | None:
@@ -190,15 +229,17 @@ def write_report(
     baselines: Path | None = None,
     tasks: dict[str, str | None] | None = None,
     gpu_hour_cost: float | None = None,
+    usage=None,
 ) -> list[Path]:
     """report.md (one table per task, each with the published baselines of that task), report.csv (every
     row, with its task) and the loss curves. `tasks`: experiment name → its `task:` (None: not set);
-    `gpu_hour_cost` (cluster.yaml) adds a cost per experiment and in total."""
+    `gpu_hour_cost` (cluster.yaml) adds a cost per experiment and in total; `usage` (a PlanUsage of
+    slurm/usage.py) is what each job held, without it every job counts its Trainer clock."""
     states, tasks = states or {}, tasks or {}
+    used = usage.jobs if usage is not None else {}
     experiments = list(dict.fromkeys(j.experiment for j in plan.jobs))
-    stages = {j.id: stage_row(j, states) for j in plan.jobs if j.kind == "train"}
-    rows = [experiment_row(plan, name, states, stages) | {"task": tasks.get(name)} for name in experiments]
-    total_gpu_hours = sum(r["gpu_hours"] or 0 for r in rows)
+    job_rows = {j.id: job_row(j, states, used.get(j.id)) for j in plan.jobs}
+    rows = [experiment_row(plan, name, states, job_rows) | {"task": tasks.get(name)} for name in experiments]
     if gpu_hour_cost is not None:
         for row in rows:
             row["cost"] = round(row["gpu_hours"] * gpu_hour_cost, 2) if row["gpu_hours"] is not None else None
@@ -217,11 +258,8 @@ def write_report(
         md += [to_markdown(members, columns + extra_columns), ""]
         if task in published and published[task][1]:
             md += [f"Published baselines ({task}): {published[task][1]}.", ""]
-    md += ["## Training stages", "", to_markdown(list(stages.values()), list(STAGE_COLUMNS)), ""]
-    total = f"Training: {total_gpu_hours:.2f} GPU-hours"
-    if gpu_hour_cost is not None:
-        total += f", cost {total_gpu_hours * gpu_hour_cost:.2f} (at {gpu_hour_cost:g} per GPU-hour)"
-    md += [total + ".", ""]
+    md += ["## Jobs", "", to_markdown(list(job_rows.values()), list(JOB_COLUMNS)), ""]
+    md += [totals_text(list(job_rows.values()), usage, gpu_hour_cost), ""]
     md += [f"![loss curves]({p.relative_to(run_root)})" for p in written[:1]]
     write_atomic(run_root / "report.md", "\n".join(md) + "\n")
     buffer = io.StringIO()
@@ -230,6 +268,37 @@ def write_report(
     writer.writerows(rows + extra)
     write_atomic(run_root / "report.csv", buffer.getvalue())
     return [run_root / "report.md", run_root / "report.csv", *written]
+
+
+def totals_text(job_rows: list[dict], usage, gpu_hour_cost: float | None) -> str:
+    """The whole plan's GPU-hours and cost, each pack's allocation, and which jobs had no scheduler figure."""
+    gpu_hours = total_gpu_hours(job_rows) or 0.0
+    train_h = sum(r["train_min"] or 0 for r in job_rows) / 60
+    total = (
+        f"All jobs: {gpu_hours:.2f} GPU-hours allocated (elapsed x GPUs held: every requeue, model loading, "
+        f"eval jobs and packs' idle lanes included); the Trainer's clocks add up to {train_h:.2f} hours"
+    )
+    if gpu_hour_cost is not None:
+        total += f"; cost {gpu_hours * gpu_hour_cost:.2f} (at {gpu_hour_cost:g} per GPU-hour)"
+    lines = [total + "."]
+    for pack in usage.packs if usage is not None else ():
+        busy = f", lanes busy {pack.busy:.0%}" if pack.busy is not None else ""
+        lines.append(
+            f"Pack {pack.job_id}: {pack.gpus} GPUs x {pack.held_s / 60:.1f} min = {pack.gpu_hours:.2f} "
+            f"GPU-hours{busy}, shared by its units in proportion to their lane time."
+        )
+    clocked = [r["job"] for r in job_rows if r.get("counted_from") == TRAINER_CLOCK]
+    if clocked:
+        unknown = (
+            f"; sacct knew nothing of job(s) {', '.join(usage.unanswered)}"
+            if usage and usage.unanswered
+            else ""
+        )
+        lines.append(
+            f"{len(clocked)} job(s) counted from the Trainer's clock, a lower bound (model loading, restarts "
+            f"and evals left out): {', '.join(clocked)}{unknown}."
+        )
+    return "\n\n".join(lines)
 
 
 def loss_series(plan, experiment: str) -> tuple[list, list, list]:

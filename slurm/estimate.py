@@ -8,12 +8,18 @@ Training: tokens to process ÷ tokens/s + start-up + in-training evals + checkpo
   ÷ CHARS_PER_TOKEN. An `hf:` dataset is not read on the login node: its size comes from preflight or
   from the speed book when a stage trained on it before.
   tokens/s, start-up and eval/save seconds come from the speed book (RUN_ROOT/speeds.jsonl, written by
-  every finished stage: train/speeds.py) when it has a row for this model, adapter method and precision,
-  the nearest in batch size and max length, newest first ("measured"); else from the model's size on
-  assumed hardware (slurm/guesses.py: "guess"). Early stopping can only make a stage shorter.
+  every finished stage: train/speeds.py) when it has a row for this model, adapter method, precision
+  (`auto`: what the job's device runs) and gradient checkpointing, on the job's kind of device (never a
+  CPU row for a GPU job, nor a GPU row for a CPU job), the nearest in batch size and max length, newest
+  first ("measured"); else from the model's size on assumed hardware (slurm/guesses.py: "guess").
+  Early stopping can only make a stage shorter.
+GPU models: a GPU job takes rows measured on its own GPU model (`gpu`: named by resources.constraint or
+  the partition, guesses.gpu_model; unknown: the slowest model the rows ran on, where the job may land).
+  Without such a row, a row of another model in guesses.GPUS is scaled by the ratio of their peaks (peak
+  bf16 FLOP/s for training, memory bandwidth for decoding) and says so: "measured (scaled from H100)".
 Eval jobs: batches of the scored examples (eval.limit respected) x max_new_tokens decoding steps + start-up
   + scoring, from the speed book's eval rows (every finished eval job writes one: "measured") when one has
-  this model and beam count, else guessed from the model's size.
+  this model and beam count on the job's kind of device, else guessed from the model's size.
 A row written by `launch.py --calibrate` (a few dozen steps of an experiment's first stage on the real
   hardware: slurm/plan.py calibration_plan) is used the same way and says "calibrated".
 """
@@ -46,7 +52,9 @@ MARGIN = 1.3
 SLACK_S = 300
 ROUND_S = 300
 
-Source = Literal["measured", "calibrated", "guess", "unknown"]
+# "measured", "calibrated", "guess", "unknown"; a measured or calibrated row from another GPU model adds
+# " (scaled from MODEL)".
+Source = str
 TOKENS_FILE = "preflight-tokens.json"
 
 
@@ -156,10 +164,11 @@ class Estimator:
         book = Path(run_root) / FILE
         return cls(read_book(book), eval_book=read_eval_book(book), exact=read_exact_tokens(run_root))
 
-    def __call__(self, spec: TrainJob | EvalJob, gpus: int) -> Estimate:
+    def __call__(self, spec: TrainJob | EvalJob, gpus: int, gpu: str | None = None) -> Estimate:
+        """`gpu`: the GPU model the job will get (guesses.job_gpu of its resources), None: unknown."""
         if isinstance(spec, TrainJob):
-            return self.training(spec, gpus)
-        return self.evaluation(spec, gpus)
+            return self.training(spec, gpus, gpu)
+        return self.evaluation(spec, gpus, gpu)
 
     def tokens(self, source: str, spec: DataSpec, model: str) -> DataTokens | None:
         """Counted, or as a stage that trained on this source recorded it (this model's rows first)."""
@@ -174,13 +183,13 @@ class Estimator:
             return None, None
         return DataTokens(rows[-1].examples, rows[-1].examples * rows[-1].tokens_per_example), "speed book"
 
-    def training(self, spec: TrainJob, gpus: int) -> Estimate:
+    def training(self, spec: TrainJob, gpus: int, gpu: str | None = None) -> Estimate:
         data, sized_by = (self.exact.get(exact_key(spec)), "preflight") if self.exact else (None, None)
         if data is None:
             data, sized_by = self.sized(spec.data.train, spec.data, spec.model.name_or_path)
         if data is None:
             return Estimate(None, "unknown", f"{spec.data.train}: not a local file, not in the speed book")
-        speed = training_speed(spec, gpus, self.book)
+        speed = training_speed(spec, gpus, self.book, gpu)
         steps, tokens = training_work(spec.train, data, max(1, gpus))
         evals, saves = checkpoints(spec, data, steps, max(1, gpus))
         eval_data = self.tokens(spec.data.eval, spec.data, spec.model.name_or_path) if evals else None
@@ -190,30 +199,32 @@ class Estimator:
         basis = f"{tokens:,.0f} tokens{counted} in {steps} steps, {evals} evals, {saves} saves; {speed.basis}"
         return Estimate(seconds, speed.source, basis, sized_by)
 
-    def evaluation(self, spec: EvalJob, gpus: int) -> Estimate:
+    def evaluation(self, spec: EvalJob, gpus: int, gpu: str | None = None) -> Estimate:
         data = self.tokens(spec.source, spec.data, spec.model.name_or_path)
         if data is None:
             return Estimate(None, "unknown", f"{spec.source}: not a local file, not in the speed book")
         examples = min(data.examples, spec.eval.limit or data.examples)
         batches = math.ceil(examples / spec.eval.batch_size)
-        record = nearest_eval_record(spec, self.eval_book)
-        if record is not None:
+        work = f"{examples} examples in {batches} batches x {spec.eval.max_new_tokens} new tokens"
+        found = nearest_eval_record(spec, gpus, self.eval_book, gpu)
+        if found is not None:
+            record, target = found
+            scale, scaled = scaling(record.device_name, target, guesses.peak_bandwidth)
             # Per decoding step of a batch, scaled by the batch size (a decoding step's cost grows with it).
-            step_s = record.decode_step_s * spec.eval.batch_size / record.batch_size
+            step_s = record.decode_step_s * spec.eval.batch_size / record.batch_size / scale
             scoring_s = record.scoring_s * examples / (record.batches * record.batch_size)  # per example
             seconds = record.startup_s + batches * spec.eval.max_new_tokens * step_s + scoring_s
             basis = (
-                f"{examples} examples in {batches} batches x {spec.eval.max_new_tokens} new tokens at "
-                f"{step_s:.3f} s/step from the speed book ({record.device_name}, batch {record.batch_size})"
+                f"{work} at {step_s:.3f} s/step from the speed book ({record.device_name}, batch "
+                f"{record.batch_size}{scaled})"
             )
-            return Estimate(seconds, "measured", basis)
+            return Estimate(seconds, "measured" + source_note(record.device_name, target), basis)
         parameters, where = guesses.model_parameters(spec.model.name_or_path)
-        step_s = guesses.decode_step_s(parameters, gpus, spec.eval.num_beams)
+        step_s = guesses.decode_step_s(parameters, gpus, spec.eval.num_beams, gpu)
         seconds = guesses.startup_s(parameters) + batches * spec.eval.max_new_tokens * step_s
         basis = (
-            f"{examples} examples in {batches} batches x {spec.eval.max_new_tokens} new tokens at "
-            f"{step_s:.3f} s/step; {parameters:.3g} parameters ({where}) on an assumed "
-            f"{'A100' if gpus else 'CPU'}"
+            f"{work} at {step_s:.3f} s/step; {parameters:.3g} parameters ({where}) on "
+            f"{guesses.hardware_name(gpus, gpu)}"
         )
         return Estimate(seconds, "guess", basis)
 
@@ -239,48 +250,102 @@ def checkpoints(spec: TrainJob, data: DataTokens, steps: int, processes: int) ->
     return evals, saves + evals
 
 
-def training_speed(spec: TrainJob, gpus: int, book: list[SpeedRecord]) -> Speed:
-    """From the nearest speed-book row for this model, method and precision; else a guess by size."""
-    record = nearest_record(spec, book)
-    if record is not None:
-        return measured_speed(record, gpus)
+def training_speed(spec: TrainJob, gpus: int, book: list[SpeedRecord], gpu: str | None = None) -> Speed:
+    """From the nearest speed-book row that fits this job (nearest_record); else a guess by size."""
+    found = nearest_record(spec, gpus, book, gpu)
+    if found is not None:
+        return measured_speed(*found, gpus)
     parameters, where = guesses.model_parameters(spec.model.name_or_path)
     precision = spec.train.precision
     tokens_per_s = guesses.training_tokens_per_s(
-        parameters, gpus, spec.adapter.method, precision, spec.train.gradient_checkpointing
+        parameters, gpus, spec.adapter.method, precision, spec.train.gradient_checkpointing, gpu
     )
     basis = (
         f"{tokens_per_s:,.0f} tokens/s guessed for {parameters:.3g} parameters ({where}) on "
-        f"{max(1, gpus)} assumed {'A100' if gpus else 'CPU'}"
+        f"{max(1, gpus)} x {guesses.hardware_name(gpus, gpu)}"
     )
     return Speed(tokens_per_s, guesses.startup_s(parameters), guesses.SAVE_S, None, "guess", basis)
 
 
-def measured_speed(record: SpeedRecord, gpus: int) -> Speed:
-    """The row's speed per process, times this job's processes (data parallel scales about linearly)."""
-    tokens_per_s = record.tokens_per_s / record.world_size * max(1, gpus)
-    per_example = record.eval_s / record.eval_examples if record.eval_s and record.eval_examples else None
+def measured_speed(record: SpeedRecord, target: str | None, gpus: int) -> Speed:
+    """The row's speed per process, times this job's processes (data parallel scales about linearly), and
+    by the peak ratio when it ran on another GPU model than `target` (start-up and saves are not compute)."""
+    scale, scaled = scaling(record.device_name, target, guesses.peak_flops)
+    tokens_per_s = record.tokens_per_s / record.world_size * max(1, gpus) * scale
+    measured_eval = record.eval_s and record.eval_examples
+    per_example = record.eval_s / record.eval_examples / scale if measured_eval else None
     save_s = record.save_s if record.save_s is not None else guesses.SAVE_S
     basis = (
         f"{tokens_per_s:,.0f} tokens/s from the speed book ({record.device_name}, batch {record.batch_size}, "
-        f"max length {record.max_length})"
+        f"max length {record.max_length}{scaled})"
     )
-    source = "calibrated" if record.calibration else "measured"
+    source = ("calibrated" if record.calibration else "measured") + source_note(record.device_name, target)
     return Speed(tokens_per_s, record.startup_s, save_s, per_example, source, basis)
 
 
-def nearest_record(spec: TrainJob, book: list[SpeedRecord]) -> SpeedRecord | None:
-    """Same model, method and precision ("auto" takes whatever ran); then nearest in batch size and max
-    length (by ratio: 8 is as far from 16 as 16 from 32); then the newest."""
-    precision = spec.train.precision
+def scaling(device_name: str, target: str | None, peak: Callable[[str | None], float]) -> tuple[float, str]:
+    """(factor on a row's speed, words for the basis): 1 on the job's own GPU model (or CPU), else the
+    job's GPU's peak over the row's."""
+    model = scaled_from(device_name, target)
+    if model is None:
+        return 1.0, ""
+    factor = peak(target) / peak(model)
+    return factor, f"; x {factor:.2f}: scaled from {model} to {target} by their peaks"
+
+
+def scaled_from(device_name: str, target: str | None) -> str | None:
+    """The row's GPU model when it is not the job's (its speeds get scaled), else None."""
+    model = guesses.gpu_model(device_name)
+    return model if device_name != "cpu" and model != target else None
+
+
+def source_note(device_name: str, target: str | None) -> str:
+    model = scaled_from(device_name, target)
+    return f" (scaled from {model})" if model else ""
+
+
+def runs_as(precision: str, gpus: int) -> set[str]:
+    """What a job runs in: `auto` is fp32 on CPUs and bf16 (fp16 where a GPU lacks it) on GPUs."""
+    if precision != "auto":
+        return {precision}
+    return {"bf16", "fp16"} if gpus else {"fp32"}
+
+
+def same_device_kind(device_name: str, gpus: int) -> bool:
+    """A CPU row is never used for a GPU job (resources.gpus >= 1), nor a GPU row for a CPU job."""
+    return (device_name != "cpu") == (gpus > 0)
+
+
+def by_gpu_model(rows: list, gpus: int, gpu: str | None) -> tuple[list, str | None]:
+    """(rows a job may use, the GPU model it is estimated for). A GPU job's own model's rows (`gpu`
+    unknown: the slowest model the rows ran on, since the job may land there); else rows of any model in
+    guesses.GPUS, to be scaled (a GPU missing from it cannot be scaled: its rows are left out)."""
+    if not gpus:
+        return rows, None
+    models = [guesses.gpu_model(r.device_name) for r in rows]
+    target = gpu or min(filter(None, models), key=guesses.peak_flops, default=None)
+    same = [r for r, m in zip(rows, models, strict=True) if m == target]
+    return same or [r for r, m in zip(rows, models, strict=True) if m], target
+
+
+def nearest_record(
+    spec: TrainJob, gpus: int, book: list[SpeedRecord], gpu: str | None = None
+) -> tuple[SpeedRecord, str | None] | None:
+    """(row, the GPU model the job is estimated for): a row of the same model, method, precision,
+    gradient checkpointing and kind of device, of the job's GPU model first (by_gpu_model); then nearest
+    in batch size and max length (by ratio: 8 is as far from 16 as 16 from 32); then the newest."""
+    wanted = runs_as(spec.train.precision, gpus)
     matching = [
         r
         for r in book
         if r.model == spec.model.name_or_path
         and r.method == spec.adapter.method
-        and (precision == "auto" or r.precision == precision)
+        and r.precision in wanted
+        and bool(r.gradient_checkpointing) == spec.train.gradient_checkpointing  # a row without: off
+        and same_device_kind(r.device_name, gpus)
         and r.tokens_per_s > 0
     ]
+    matching, target = by_gpu_model(matching, gpus, gpu)
     length = spec.data.max_length if isinstance(spec.data.max_length, int) else None
 
     def distance(record: SpeedRecord) -> tuple[float, float]:
@@ -289,17 +354,26 @@ def nearest_record(spec: TrainJob, book: list[SpeedRecord]) -> SpeedRecord | Non
             far += abs(math.log(record.max_length / length))
         return far, -record.time
 
-    return min(matching, key=distance, default=None)
+    return (min(matching, key=distance), target) if matching else None
 
 
-def nearest_eval_record(spec: EvalJob, book: list[EvalSpeedRecord]) -> EvalSpeedRecord | None:
-    """The newest eval row of this model and beam count, nearest in batch size."""
-    matching = [r for r in book if r.model == spec.model.name_or_path and r.num_beams == spec.eval.num_beams]
-    return min(
-        matching,
-        key=lambda r: (abs(math.log(r.batch_size / spec.eval.batch_size)), -r.time),
-        default=None,
-    )
+def nearest_eval_record(
+    spec: EvalJob, gpus: int, book: list[EvalSpeedRecord], gpu: str | None = None
+) -> tuple[EvalSpeedRecord, str | None] | None:
+    """(row, the GPU model the job is estimated for): an eval row of this model and beam count on the
+    job's kind of device, of its GPU model first (by_gpu_model); nearest in batch size, then newest."""
+    matching = [
+        r
+        for r in book
+        if r.model == spec.model.name_or_path
+        and r.num_beams == spec.eval.num_beams
+        and same_device_kind(r.device_name, gpus)
+    ]
+    matching, target = by_gpu_model(matching, gpus, gpu)
+    if not matching:
+        return None
+    nearest = min(matching, key=lambda r: (abs(math.log(r.batch_size / spec.eval.batch_size)), -r.time))
+    return nearest, target
 
 
 def auto_time_limit_s(estimate_s: float | None, signal_delay_s: int, max_time_s: int) -> int:

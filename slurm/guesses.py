@@ -1,7 +1,8 @@
 """Guessed speeds for jobs the speed book knows nothing about: rough on purpose, replaced after one run.
 
-Assumed hardware: one NVIDIA A100 per GPU (312 TFLOP/s bf16 dense, 2 TB/s memory); a job without GPUs
-runs on a few CPU cores (0.2 TFLOP/s, 20 GB/s).
+Assumed hardware: the job's GPU model when its resources name one (GPUS below), else one NVIDIA A100 per
+GPU (312 TFLOP/s bf16 dense, 2 TB/s memory); a job without GPUs runs on a few CPU cores (0.2 TFLOP/s,
+20 GB/s). GPUS is also what a speed-book row measured on another GPU model is scaled by (slurm/estimate.py).
 - Training: a token costs 4 x N FLOPs under LoRA (forward 2N, backward through the frozen weights 2N, and
   no weight gradients for them), 6 x N with gradient checkpointing (one more forward), at 30% MFU in
   bf16/fp16 (fp32 runs as TF32 at half that peak). QLoRA dequantises every weight at every use: 0.6 x.
@@ -25,8 +26,31 @@ import os
 import re
 from pathlib import Path
 
-PEAK_FLOPS = {"gpu": 312e12, "cpu": 0.2e12}
-MEMORY_BYTES_PER_S = {"gpu": 2e12, "cpu": 20e9}
+# Per GPU model: (peak dense bf16 tensor TFLOP/s, fp16 where the GPU has no bf16; memory TB/s), from the
+# vendors' data sheets (SXM/OAM parts unless the name says PCIe or NVL). One place: guesses on a GPU model
+# and the scaling of a speed-book row from one model to another both read it.
+GPUS: dict[str, tuple[float, float]] = {
+    "B200": (2250, 8.0),
+    "GH200": (989, 4.0),
+    "H200": (989, 4.8),
+    "H100": (989, 3.35),
+    "H100 PCIE": (756, 2.0),
+    "H100 NVL": (835, 3.9),
+    "A100": (312, 2.0),
+    "L40S": (362, 0.864),
+    "L40": (181, 0.864),
+    "L4": (121, 0.3),
+    "A40": (150, 0.696),
+    "A10": (125, 0.6),
+    "A6000": (155, 0.768),  # RTX A6000
+    "RTX 4090": (165, 1.0),  # with fp32 accumulation, as torch runs it
+    "V100": (125, 0.9),  # fp16: no bf16
+    "T4": (65, 0.32),  # fp16: no bf16
+    "MI300X": (1307, 5.3),
+    "MI250X": (383, 3.2),
+}
+ASSUMED_GPU = "A100"
+CPU_PEAK_FLOPS, CPU_MEMORY_BYTES_PER_S = 0.2e12, 20e9
 MAX_TOKENS_PER_S = {"gpu": 30_000, "cpu": 2_000}
 MFU = 0.3
 QLORA_SPEED = 0.6
@@ -43,13 +67,52 @@ def device_kind(gpus: int) -> str:
     return "gpu" if gpus > 0 else "cpu"
 
 
+def gpu_model(text: str | None) -> str | None:
+    """The GPUS key named in a device name ("NVIDIA H100 80GB HBM3" → "H100", "NVIDIA A100-SXM4-80GB" →
+    "A100") or in a SLURM constraint or partition ("a100_80g", "gpu-h100&ib"); None when none is named.
+    A constraint naming several ("a100|h100") gives the slowest: the job may land on any of them."""
+    words = re.split(r"[^A-Z0-9]+", (text or "").upper())
+    keys = sorted((key.split() for key in GPUS), key=len, reverse=True)  # "H100 PCIE" before "H100"
+    found, position = [], 0
+    while position < len(words):
+        key = next((k for k in keys if words[position : position + len(k)] == k), None)
+        found += [" ".join(key)] if key else []
+        position += len(key) if key else 1
+    return min(found, key=peak_flops, default=None)
+
+
+def job_gpu(resources, partition: str | None = None) -> str | None:
+    """The GPUS model a job with these `resources` will get, when its constraint or its partition
+    (cluster.yaml's `partition` when it names none) says; None for a CPU job or when neither does."""
+    if not resources.gpus:
+        return None
+    return gpu_model(resources.constraint) or gpu_model(resources.partition or partition)
+
+
+def peak_flops(gpu: str | None) -> float:
+    """Peak dense bf16 FLOP/s of a GPUS model; the assumed GPU's for an unknown one."""
+    return GPUS[gpu if gpu in GPUS else ASSUMED_GPU][0] * 1e12
+
+
+def peak_bandwidth(gpu: str | None) -> float:
+    """Memory bytes/s of a GPUS model; the assumed GPU's for an unknown one."""
+    return GPUS[gpu if gpu in GPUS else ASSUMED_GPU][1] * 1e12
+
+
+def hardware_name(gpus: int, gpu: str | None = None) -> str:
+    """What a guess assumes, for its basis: "H100", "A100" (assumed), "CPU"."""
+    if not gpus:
+        return "CPU"
+    return gpu if gpu in GPUS else f"{ASSUMED_GPU} (assumed)"
+
+
 def training_tokens_per_s(
-    parameters: float, gpus: int, method: str, precision: str, checkpointing: bool
+    parameters: float, gpus: int, method: str, precision: str, checkpointing: bool, gpu: str | None = None
 ) -> float:
-    """The whole job's tokens/s (all its GPUs) on the assumed hardware."""
+    """The whole job's tokens/s (all its GPUs) on `gpu` (a GPUS model; None: the assumed one)."""
     kind = device_kind(gpus)
     flops_per_token = (6 if checkpointing else 4) * parameters
-    peak = PEAK_FLOPS[kind] * (0.5 if precision == "fp32" and kind == "gpu" else 1)
+    peak = peak_flops(gpu) * (0.5 if precision == "fp32" else 1) if gpus else CPU_PEAK_FLOPS
     per_device = min(MFU * peak / flops_per_token, MAX_TOKENS_PER_S[kind])
     return per_device * (QLORA_SPEED if method == "qlora" else 1) * max(1, gpus)
 
@@ -58,9 +121,10 @@ def startup_s(parameters: float) -> float:
     return STARTUP_S + 2 * parameters / LOAD_BYTES_PER_S
 
 
-def decode_step_s(parameters: float, gpus: int, num_beams: int) -> float:
+def decode_step_s(parameters: float, gpus: int, num_beams: int, gpu: str | None = None) -> float:
     """Seconds for one new token of a whole batch."""
-    read_weights = 2 * parameters / (0.5 * MEMORY_BYTES_PER_S[device_kind(gpus)])
+    bandwidth = peak_bandwidth(gpu) if gpus else CPU_MEMORY_BYTES_PER_S
+    read_weights = 2 * parameters / (0.5 * bandwidth)
     return max(DECODE_STEP_MIN_S, read_weights) * math.sqrt(num_beams)
 
 

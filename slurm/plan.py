@@ -16,6 +16,7 @@ from typing import Literal
 
 from pydantic import ValidationError
 
+from slurm import guesses
 from slurm.estimate import Estimate, Estimator, auto_time_limit_s
 from slurm.experiments import LoadedExperiment
 from slurm.problems import ConfigError, Problem
@@ -177,13 +178,13 @@ def calibration_plan(plan: Plan, steps: int, estimator: Estimator | None = None)
         )
         resources = first.resources.model_copy(update={"time": slurm_time(min(first.resources.time_s, 3600))})
         job = make_job(f"{name}/{stage}", "train", spec, resources, [], {})
-        jobs.append(replace(job, estimate=estimator(spec, resources.gpus)))
+        jobs.append(replace(job, estimate=estimator(spec, resources.gpus, guesses.job_gpu(resources))))
     return Plan(tuple(jobs), plan.run_root, plan.log_root)
 
 
 def estimated(job: PlannedJob, estimator: Estimator, profile: ClusterProfile, loaded) -> PlannedJob:
     """The job with its estimate, and `time: auto` replaced by the limit that estimate sets."""
-    estimate = estimator(job.spec, job.resources.gpus)
+    estimate = estimator(job.spec, job.resources.gpus, guesses.job_gpu(job.resources, profile.partition))
     resources = job.resources
     if resources.time == "auto":
         limit = auto_time_limit_s(estimate.seconds, resources.signal_delay_s, profile.max_time_s)
@@ -265,7 +266,7 @@ def eval_job(exp, stage, trained: PlannedJob, name: str, training: Resources, pr
         adapter_dir=f"{trained.run_dir}/adapter",
         out_dir=f"{profile.run_dir}/{exp.name}/{name}",
     )
-    resources = exp.eval.resources.for_training(training)
+    resources = exp.eval.resources.for_training(training, spec.source)
     return make_job(f"{exp.name}/{name}", "eval", spec, resources, [Dependency(trained.id, "afterok")], known)
 
 

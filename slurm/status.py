@@ -11,6 +11,7 @@ from pathlib import Path
 from slurm.plan import Plan, PlannedJob
 from slurm.rundir import current_job, done_hash, read_json
 from slurm.states import State, from_slurm
+from train.config import TIME_FORMAT, slurm_seconds
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,17 @@ def _run(command: list[str]) -> str | None:
 
 SQUEUE_FORMAT = "%i|%T|%r|%M"
 SACCT_FIELDS = "JobID,State,Elapsed,ExitCode,Reason"
+# What a job held: one line per attempt (-D: every requeue), the job's own line only (-X: no steps).
+SACCT_USAGE_FIELDS = "JobID,State,ElapsedRaw,AllocTRES"
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """One attempt of a SLURM job as accounting keeps it: how long it held how many GPUs."""
+
+    state: State
+    elapsed_s: int
+    gpus: int
 
 
 def _squeue() -> dict[str, SchedulerInfo]:
@@ -69,6 +81,47 @@ def _squeue() -> dict[str, SchedulerInfo]:
 
 def _sacct(job_ids: list[str]) -> dict[str, SchedulerInfo]:
     return parse_sacct(_run(["sacct", "-n", "-P", "-X", "-j", ",".join(job_ids), "-o", SACCT_FIELDS]) or "")
+
+
+def query_allocations(job_ids: list[str]) -> dict[str, list[Allocation]] | None:
+    """Every attempt of the given SLURM jobs, in one sacct call; None when sacct does not answer (no
+    accounting on this cluster, no sacct here)."""
+    if not job_ids:
+        return {}
+    text = _run(["sacct", "-n", "-P", "-D", "-X", "-j", ",".join(job_ids), "-o", SACCT_USAGE_FIELDS])
+    return None if text is None else parse_sacct_allocations(text)
+
+
+def parse_sacct_allocations(text: str) -> dict[str, list[Allocation]]:
+    """`sacct -n -P -D -X -o SACCT_USAGE_FIELDS` output → job id → its attempts, oldest first. Step lines
+    (`123.batch`, when -X is not honoured) and lines without a readable elapsed time are skipped; a job
+    that never started has elapsed 0 and no AllocTRES."""
+    found: dict[str, list[Allocation]] = {}
+    for job_id, state, elapsed, tres in _rows(text, 4):
+        seconds = elapsed_seconds(elapsed)
+        if "." in job_id or seconds is None:
+            continue
+        found.setdefault(job_id, []).append(Allocation(from_slurm(state), seconds, tres_gpus(tres)))
+    return found
+
+
+def elapsed_seconds(raw: str) -> int | None:
+    """ElapsedRaw is seconds; a site whose sacct prints it as [D-]HH:MM:SS is read too."""
+    if raw.isdigit():
+        return int(raw)
+    return slurm_seconds(raw) if TIME_FORMAT.match(raw) else None
+
+
+def tres_gpus(tres: str) -> int:
+    """GPUs in a TRES list: `gres/gpu=2`; where only typed counts are kept (`gres/gpu:a100=2`), their sum."""
+    counts = dict(item.partition("=")[::2] for item in tres.split(",") if "=" in item)
+    if "gres/gpu" in counts:
+        return _count(counts["gres/gpu"])
+    return sum(_count(v) for k, v in counts.items() if k.startswith("gres/gpu:"))
+
+
+def _count(value: str) -> int:
+    return int(value) if value.strip().isdigit() else 0
 
 
 def parse_squeue(text: str) -> dict[str, SchedulerInfo]:

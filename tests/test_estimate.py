@@ -12,7 +12,7 @@ from slurm.experiments import load_experiments
 from slurm.problems import ConfigError
 from slurm.profile import load_profile
 from tests.test_plan import plan_for, sized, write_experiments
-from train.config import DataSpec, EvalJob, TrainJob
+from train.config import DataSpec, EvalJob, ModelSpec, TrainJob
 from train.speeds import EvalSpeedRecord, SpeedRecord, book_of, read_book
 
 MODEL = {"name_or_path": "org/some-model-0.5B", "kind": "causal"}
@@ -276,7 +276,9 @@ def test_a_finished_stage_appends_a_speed_book_row_the_next_plan_uses(tiny, tmp_
     )
     assert row.data == data["train"] and 10 < row.tokens_per_example <= row.max_length
     assert row.tokens_per_s > 0 and row.startup_s > 0 and row.eval_s > 0 and row.save_s > 0
-    assert Estimator([row])(job, gpus=1).source == "measured"
+    assert row.gradient_checkpointing is False  # recorded: a checkpointing row is another speed
+    assert Estimator([row])(job, gpus=0).source == "measured"
+    assert Estimator([row])(job, gpus=1).source == "guess"  # a CPU row says nothing of a GPU's speed
 
 
 def test_a_stage_run_outside_the_plans_layout_writes_no_speed_book(tmp_path):
@@ -289,12 +291,13 @@ def test_calibrate_times_a_few_steps_and_the_estimates_then_say_calibrated(repo_
     from bench.packing import scenario
 
     folder = scenario(repo_root, tmp_path, {"x": "stages: [{{name: one}}, {{name: two}}]\n"})
-    dry_run = ["--all", "--config-dir", str(folder), "--dry-run", "--json"]
+    # CPU jobs: this machine calibrates on its CPU, and a CPU row never estimates a GPU job.
+    dry_run = ["--all", "--config-dir", str(folder), "--dry-run", "--json", "resources.gpus=0"]
     assert launch.main(dry_run) == 0
     before = {j["id"]: j["estimate"]["source"] for j in json.loads(capsys.readouterr().out)["jobs"]}
     assert before == {"x/one": "guess", "x/two": "guess"}
 
-    calibrate = ["--all", "--config-dir", str(folder), "--calibrate", "--calibrate-steps", "6"]
+    calibrate = [*dry_run[:3], "--calibrate", "--calibrate-steps", "6", "resources.gpus=0"]
     assert launch.main([*calibrate, "--backend", "local", "--no-preflight"]) == 0
     run_dir = tmp_path / "runs" / "x" / "one-calibrate"  # the first stage only, beside the real ones
     assert json.loads((run_dir / "summary.json").read_text())["global_step"] == 6
@@ -307,3 +310,112 @@ def test_calibrate_times_a_few_steps_and_the_estimates_then_say_calibrated(repo_
     after = {j["id"]: j["estimate"] for j in json.loads(capsys.readouterr().out)["jobs"]}
     assert {e["source"] for e in after.values()} == {"calibrated"}
     assert "from the speed book" in after["x/one"]["basis"]
+
+
+def test_a_cpu_row_is_never_used_for_a_gpu_job_even_with_precision_auto():
+    # precision: auto took whatever ran, so a row from a CPU run (fp32) estimated a GPU job: too long, or,
+    # with a CPU faster than the guess assumes for a tiny model, too short a `time: auto`.
+    job = train_job(precision="auto", epochs=1, eval_every_epochs=None, save_every_steps=10_000)
+    cpu = record(device_name="cpu", precision="fp32", tokens_per_s=50.0)
+    assert Estimator([cpu], hundred_examples)(job, gpus=1).source == "guess"
+    assert Estimator([cpu], hundred_examples)(job, gpus=0).seconds == pytest.approx(20 + 10_000 / 50)
+    gpu = record(precision="bf16", tokens_per_s=1000.0)  # what `auto` runs on an A100
+    assert Estimator([cpu, gpu], hundred_examples)(job, gpus=1).seconds == pytest.approx(20 + 10_000 / 1000)
+    assert Estimator([gpu], hundred_examples)(job, gpus=0).source == "guess"  # nor a GPU row for a CPU job
+
+
+def test_an_h100_row_is_scaled_to_an_a100_job_by_peak_and_marked():
+    job = train_job(epochs=1, eval_every_epochs=None, save_every_steps=10_000)
+    h100 = record(device_name="NVIDIA H100 80GB HBM3", tokens_per_s=3000.0)
+    estimate = Estimator([h100], hundred_examples)(job, gpus=1, gpu="A100")
+    # 3,000 tokens/s on an H100 (989 TFLOP/s bf16) is 3,000 x 312 / 989 = 946 on an A100 (312).
+    assert estimate.source == "measured (scaled from H100)"
+    assert estimate.seconds == pytest.approx(20 + 10_000 / (3000 * 312 / 989))
+    assert "scaled from H100 to A100" in estimate.basis
+    a100 = record(device_name="NVIDIA A100-SXM4-80GB", tokens_per_s=800.0, time=0.5)  # older, same GPU
+    assert Estimator([h100, a100], hundred_examples)(job, gpus=1, gpu="A100").source == "measured"
+    # The GPU model unknown (no constraint names one): the slowest model the book saw, unscaled.
+    unknown = Estimator([h100, a100], hundred_examples)(job, gpus=1)
+    assert unknown.source == "measured" and unknown.seconds == pytest.approx(20 + 10_000 / 800)
+    assert Estimator([h100], hundred_examples)(job, gpus=1).source == "measured"  # the cluster's own GPU
+
+
+def test_a_gpu_model_comes_from_a_device_name_or_a_constraint_and_a_guess_uses_its_peak():
+    from slurm.guesses import gpu_model
+
+    assert gpu_model("NVIDIA H100 80GB HBM3") == "H100" and gpu_model("NVIDIA H100 PCIe") == "H100 PCIE"
+    assert gpu_model("NVIDIA A100-SXM4-80GB") == gpu_model("a100_80g") == "A100"
+    assert gpu_model("NVIDIA L4") == "L4" and gpu_model("NVIDIA L40S") == "L40S"
+    assert gpu_model("a100|h100") == "A100"  # either may be given: the slower
+    assert gpu_model("ib&bigmem") is None and gpu_model("cpu") is None and gpu_model(None) is None
+    job = train_job().model_copy(update={"model": ModelSpec(name_or_path="org/big-7B", kind="causal")})
+    a100, h100 = (Estimator([], hundred_examples)(job, 1, gpu) for gpu in ("A100", "H100"))
+    assert "on 1 x H100" in h100.basis and a100.seconds > h100.seconds
+
+
+def test_a_checkpointing_row_is_not_used_for_a_job_without_checkpointing():
+    # Gradient checkpointing runs one more forward per step: its speed is not the job's.
+    plain = train_job(gradient_checkpointing=False)
+    checkpointed = train_job(gradient_checkpointing=True)
+    row = record(gradient_checkpointing=True)
+    assert Estimator([row], hundred_examples)(plain, gpus=1).source == "guess"
+    assert Estimator([row], hundred_examples)(checkpointed, gpus=1).source == "measured"
+    # A row written before the book kept the flag was a run without it (the default).
+    legacy = record()
+    assert legacy.gradient_checkpointing is None
+    assert Estimator([legacy], hundred_examples)(plain, gpus=1).source == "measured"
+    assert Estimator([legacy], hundred_examples)(checkpointed, gpus=1).source == "guess"
+
+
+def test_an_eval_row_from_a_cpu_never_estimates_a_gpu_eval_and_another_gpus_is_scaled():
+    spec = EvalJob(
+        experiment="e",
+        stage="s",
+        model=MODEL,
+        adapter={},
+        data={"train": "t.jsonl", "eval": "e.jsonl"},
+        eval={"limit": 64, "batch_size": 8, "max_new_tokens": 50},
+        adapter_dir="a",
+        out_dir="o",
+    )
+
+    def row(device_name: str) -> EvalSpeedRecord:
+        return EvalSpeedRecord(MODEL["name_or_path"], device_name, 1, 8, 100, 4, 30.0, 0.1, 0.0, 1.0)
+
+    def estimator(*rows):
+        return Estimator([], lambda source, data_spec: DataTokens(1000, 1e5), eval_book=list(rows))
+
+    assert estimator(row("cpu"))(spec, 1).source == "guess"
+    assert estimator(row("cpu"))(spec, 0).source == "measured"
+    # Decoding reads the weights each step: an H100's step (3.35 TB/s) is 1.675 x an A100's (2.0).
+    scaled = estimator(row("NVIDIA H100 80GB HBM3"))(spec, 1, "A100")
+    assert scaled.source == "measured (scaled from H100)"
+    assert scaled.seconds == pytest.approx(30 + 8 * 50 * 0.1 * 3.35 / 2.0)
+
+
+def test_the_gpu_model_a_job_gets_is_read_from_its_constraint_then_its_partition():
+    from slurm.guesses import job_gpu
+    from train.config import Resources
+
+    assert job_gpu(Resources(gpus=1, constraint="h100&ib", partition="gpu-a100")) == "H100"
+    assert job_gpu(Resources(gpus=1, constraint="ib", partition="gpu-a100")) == "A100"
+    assert job_gpu(Resources(gpus=1), partition="l40s") == "L40S"  # cluster.yaml's partition
+    assert job_gpu(Resources(gpus=1, partition="gpu")) is None  # unknown: the book's slowest, or A100
+    assert job_gpu(Resources(gpus=0, constraint="a100")) is None  # a CPU job gets no GPU
+
+
+def test_a_constraint_naming_a_gpu_model_scales_the_books_rows_to_it(tmp_path, monkeypatch):
+    from dataclasses import asdict
+
+    folder = write_experiments(
+        tmp_path,
+        h100=sized("h100", "{gpus: 1, constraint: h100}"),
+        anywhere=sized("anywhere", "{gpus: 1}"),
+    )
+    monkeypatch.chdir(folder)
+    (folder / "runs").mkdir()
+    row = asdict(record(model="org/some-model", device_name="NVIDIA A100-SXM4-80GB"))
+    (folder / "runs" / "speeds.jsonl").write_text(json.dumps(row) + "\n")
+    plan = plan_for(folder=folder)
+    assert plan.job("h100/train").estimate.source == "measured (scaled from A100)"
+    assert plan.job("anywhere/train").estimate.source == "measured"

@@ -121,18 +121,35 @@ def eval_resources_folder(tmp_path: Path) -> Path:
     )
 
 
-def test_eval_jobs_get_one_gpu_for_an_hour_with_the_training_jobs_cpus_memory_and_placement(tmp_path):
+def test_eval_jobs_get_one_gpu_with_the_training_jobs_cpus_memory_and_placement(tmp_path):
     plan = plan_for(folder=eval_resources_folder(tmp_path))
     train, evaluation = plan.job("big/train").resources, plan.job("big/eval").resources
     assert (train.gpus, train.time) == (4, "06:00:00")
-    assert (evaluation.gpus, evaluation.time, evaluation.cpus, evaluation.mem_gb) == (1, "01:00:00", 16, 64)
+    assert (evaluation.gpus, evaluation.cpus, evaluation.mem_gb) == (1, 16, 64)
     assert (evaluation.partition, evaluation.constraint, evaluation.account) == ("gpu", "a100&ib", "lab")
     assert evaluation.signal_delay_s + 30 < evaluation.time_s  # the default passes Resources' own check
 
 
+def test_eval_jobs_time_limit_comes_from_their_estimate_not_a_fixed_hour(tmp_path):
+    from slurm.estimate import auto_time_limit_s
+
+    folder = eval_resources_folder(tmp_path)
+    plan, (profile, _) = plan_for(folder=folder), load_profile(folder)
+    for job_id in ("big/eval", "cpuonly/eval"):
+        job = plan.job(job_id)
+        assert job.estimate.seconds is not None, job_id
+        expected = auto_time_limit_s(job.estimate.seconds, job.resources.signal_delay_s, profile.max_time_s)
+        assert job.resources.time_s == expected != 3600, job_id
+    assert plan.job("own/eval").resources.time == "00:20:00"  # written in the YAML: kept
+    # An hf: dataset is fetched on the node, so there is nothing to estimate from: the old hour.
+    remote = sized("remote", "{gpus: 1}").replace("eval: DATA}", "eval: hf:org/set:validation}")
+    evaluation = plan_for(folder=write_experiments(tmp_path / "remote", remote=remote)).job("remote/eval")
+    assert evaluation.resources.time == "01:00:00"
+
+
 def test_a_cpu_experiments_eval_asks_for_no_gpu(tmp_path):
     evaluation = plan_for(folder=eval_resources_folder(tmp_path)).job("cpuonly/eval").resources
-    assert (evaluation.gpus, evaluation.cpus, evaluation.mem_gb, evaluation.time) == (0, 4, 8, "01:00:00")
+    assert (evaluation.gpus, evaluation.cpus, evaluation.mem_gb) == (0, 4, 8)
 
 
 def test_eval_resources_set_in_yaml_win_and_the_rest_comes_from_training(tmp_path):
@@ -163,7 +180,8 @@ def test_eval_resources_reach_the_sbatch_parameters(tmp_path):
     profile, _ = load_profile(folder)
     backend = SlurmBackend(profile, tmp_path, CodeSnapshot(tmp_path, None, None))
     big = backend.sbatch_parameters(plan.job("big/eval"), [("123", "afterok")])
-    assert (big["time"], big["gpus_per_node"], big["cpus_per_task"], big["partition"]) == (60, 1, 16, "gpu")
+    expected = (plan.job("big/eval").resources.timeout_min, 1, 16, "gpu")
+    assert (big["time"], big["gpus_per_node"], big["cpus_per_task"], big["partition"]) == expected
     assert "gpus_per_node" not in backend.sbatch_parameters(plan.job("cpuonly/eval"), [])
     assert backend.sbatch_parameters(plan.job("big/train"), [])["gpus_per_node"] == 4
 
@@ -240,8 +258,10 @@ def test_dry_run_shows_each_jobs_resources(tmp_path, capsys, monkeypatch):
     assert launch.main(["--all", "--dry-run", "--config-dir", "."]) == 0
     rows = {line.split()[1]: line for line in capsys.readouterr().out.splitlines() if "/" in line}
     assert "4 gpu 16 cpu 64G 06:00:00 gpu a100&ib" in rows["big/train"]
-    assert "1 gpu 16 cpu 64G 01:00:00 gpu a100&ib" in rows["big/eval"]
-    assert "0 gpu 4 cpu 8G 01:00:00" in rows["cpuonly/eval"]
+    plan = plan_for(folder=folder)
+    big, cpu = plan.job("big/eval").resources.time, plan.job("cpuonly/eval").resources.time
+    assert f"1 gpu 16 cpu 64G {big} gpu a100&ib" in rows["big/eval"]
+    assert f"0 gpu 4 cpu 8G {cpu}" in rows["cpuonly/eval"]
 
 
 def test_eval_after_each_stage_adds_intermediate_evals():

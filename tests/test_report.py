@@ -4,15 +4,32 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
+import submitit
+from submitit.core.utils import DelayedSubmission, JobPaths
 
 import launch
 from eval.report import write_report
 from slurm.experiments import load_experiments
+from slurm.lanes import PackJob
+from slurm.pack import unit_of
 from slurm.plan import build_plan
 from slurm.profile import load_profile
+from slurm.rundir import job_records, record_job
+from slurm.status import parse_sacct_allocations
+from slurm.usage import plan_usage, usage_of
 from tests.conftest import write_cluster_yaml
+
+# sacct's own figures for jobs 1-7 of the dev cluster (see tests/test_status_parse.py): 1 held 2 GPUs
+# for 3 s; 2 one GPU for 6 + 7 + 30 s (requeued twice); 3 no GPU for 2 s; 4 one GPU for 19 s
+# (cancelled); 7 four GPUs for 4 s.
+USAGE = (Path(__file__).parent / "fixtures" / "sacct" / "usage-22.05.8.txt").read_text()
 
 EXPERIMENT = """\
 name: {name}
@@ -101,7 +118,9 @@ def test_report_shows_which_split_was_scored(tmp_path):
     assert "| TRAIN (scored on training data) |" in (runs / "report.md").read_text()
 
 
-def test_a_cpu_run_costs_no_gpu_hours_and_a_four_gpu_run_four_times_its_runtime(tmp_path, repo_root):
+def test_without_a_scheduler_record_a_stage_counts_its_trainer_clock_and_a_cpu_run_nothing(
+    tmp_path, repo_root
+):
     plan_of(tmp_path, cpu="{gpus: 0, mem_gb: 4, cpus: 1}", four="{gpus: 4, mem_gb: 4, cpus: 1}")
     runs = tmp_path / "runs"
     for name in ("cpu", "four"):
@@ -115,16 +134,21 @@ def test_a_cpu_run_costs_no_gpu_hours_and_a_four_gpu_run_four_times_its_runtime(
     assert (float(rows["cpu"]["gpu_hours"]), float(rows["four"]["gpu_hours"])) == (0.0, 4.0)
     assert (float(rows["cpu"]["cost"]), float(rows["four"]["cost"])) == (0.0, 10.0)
     report = (runs / "report.md").read_text()
-    assert "Training: 4.00 GPU-hours, cost 10.00 (at 2.5 per GPU-hour)." in report
+    assert "All jobs: 4.00 GPU-hours allocated" in report and "; cost 10.00 (at 2.5 per GPU-hour)." in report
     # A stage that found no GPU (summary.json device "cpu": a local run on a CPU machine) held none.
     summary = runs / "four" / "one" / "summary.json"
     summary.write_text(json.dumps(json.loads(summary.read_text()) | {"device": "cpu"}))
     assert launch.main(["--config-dir", str(tmp_path / "configs"), "--report"]) == 0
-    assert "Training: 2.00 GPU-hours, cost 5.00" in (runs / "report.md").read_text()
-    assert "| four/one | PLANNED | 0 | 30 | 0 | – | – |" in (runs / "report.md").read_text()
-    # Per stage: where the GPU-hours went (each stage 30 minutes on its own GPUs; never submitted here).
-    assert "| four/two | PLANNED | 4 | 30 | 2 | – | – |" in report
-    assert "| cpu/one | PLANNED | 0 | 30 | 0 | – | – |" in report
+    assert "All jobs: 2.00 GPU-hours allocated" in (runs / "report.md").read_text()
+    clock = "Trainer clock (no scheduler record)"
+    assert (
+        f"| four/one | PLANNED | 0 | – | – | 30 | 0 | {clock} | – | – |" in (runs / "report.md").read_text()
+    )
+    # Per job: where the GPU-hours went (each stage 30 minutes on its own GPUs; never submitted here),
+    # and that they are a lower bound.
+    assert f"| four/two | PLANNED | 4 | – | – | 30 | 2 | {clock} | – | – |" in report
+    assert f"| cpu/one | PLANNED | 0 | – | – | 30 | 0 | {clock} | – | – |" in report
+    assert "4 job(s) counted from the Trainer's clock, a lower bound" in report
 
 
 def test_baselines_are_shown_only_beside_experiments_on_their_task(tmp_path, repo_root):
@@ -194,6 +218,160 @@ def test_mean_gpu_utilisation_and_non_pad_tokens_per_second_per_experiment(tmp_p
     # Per stage: one's 85 % and 20 tokens/s, two's 70 % and 30 tokens/s (plan_of's stages have 1 GPU;
     # no scheduler states given: a stage with its summary.json finished).
     report = (runs / "report.md").read_text()
-    assert "| gpu/one | COMPLETED | 1 | 30 | 0.5 | 85 | 20 |" in report
-    assert "| gpu/two | COMPLETED | 1 | 30 | 0.5 | 70 | 30 |" in report
-    assert "| cpu/two | COMPLETED | 1 | 30 | 0.5 | – | 30 |" in report
+    clock = "Trainer clock (no scheduler record)"
+    assert f"| gpu/one | COMPLETED | 1 | – | – | 30 | 0.5 | {clock} | 85 | 20 |" in report
+    assert f"| gpu/two | COMPLETED | 1 | – | – | 30 | 0.5 | {clock} | 70 | 30 |" in report
+    assert f"| cpu/two | COMPLETED | 1 | – | – | 30 | 0.5 | {clock} | – | 30 |" in report
+
+
+def submitted(run_dir: Path, *job_ids: str, backend: str = "slurm", pack: bool = False) -> None:
+    """job.json as the launcher leaves it after submitting `job_ids` for this folder, oldest first."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for job_id in job_ids:
+        record_job(run_dir, job_id, backend, pack=pack)
+
+
+def recorded_usage(plan, logs: Path):
+    """What the launcher's --report finds, with sacct's answer recorded (USAGE) instead of asked."""
+    records = {job.id: job_records(Path(job.run_dir)) for job in plan.jobs}
+    return usage_of(plan, records, parse_sacct_allocations(USAGE), str(logs))
+
+
+def test_gpu_hours_are_what_sacct_says_every_requeue_and_the_eval_job_held(tmp_path):
+    # Before: rank 0's Trainer clock x the YAML's gpus (30 s here): requeues, model loading and the
+    # eval job were left out.
+    plan = plan_of(tmp_path, "good")
+    runs = tmp_path / "runs"
+    write_stage(runs / "good" / "one", [3.0, 2.0], 20, 2.2)  # the Trainer's clock: its last attempt
+    write_stage(runs / "good" / "two", [1.9], 10, 1.6)
+    submitted(runs / "good" / "one", "2")  # requeued twice: 6 + 7 + 30 s on 1 GPU
+    submitted(runs / "good" / "two", "4", "3")  # cancelled after 19 s on 1 GPU; again, on no GPU
+    submitted(runs / "good" / "eval", "1")  # 3 s on 2 GPUs
+    (runs / "good" / "eval" / "results.json").write_text(json.dumps({"n": 4, "exact_match": 0.5}))
+
+    usage = recorded_usage(plan, tmp_path / "logs")
+    write_report(plan, runs, usage=usage, gpu_hour_cost=2.5)
+
+    rows = {r["experiment"]: r for r in csv.DictReader((runs / "report.csv").open())}
+    assert float(rows["good"]["gpu_hours"]) == round((43 * 1 + 19 * 1 + 3 * 2) / 3600, 4)
+    assert float(rows["good"]["train_min"]) == 0.5  # the Trainer's clocks, beside it
+    assert usage.jobs["good/one"].gpu_hours == pytest.approx(43 / 3600)
+    report = (runs / "report.md").read_text()
+    assert "| good/one | COMPLETED | 1 | 3 | 0.72 | 0.33 | 0.0119 | sacct | – | – |" in report
+    assert "| good/two | COMPLETED | 0 | 2 | 0.35 | 0.17 | 0.0053 | sacct | – | – |" in report
+    assert "| good/eval | COMPLETED | 2 | 1 | 0.05 | – | 0.0017 | sacct | – | – |" in report
+    assert "All jobs: 0.02 GPU-hours allocated" in report and "Trainer's clock, a lower bound" not in report
+
+
+def test_a_pack_counts_its_whole_allocation_idle_lanes_included_shared_by_lane_time(tmp_path):
+    plan = plan_of(tmp_path, "a", "b")
+    runs, logs = tmp_path / "runs", tmp_path / "logs"
+    # Job 7: 4 lanes for 4 s = 16 GPU-seconds, of which the units used 4 (b/two and b/eval were blocked
+    # before they started): lanes busy 25 %.
+    lane_s = {"a/one": 2.0, "a/two": 1.0, "a/eval": 0.5, "b/one": 0.5, "b/two": None, "b/eval": None}
+    for job in plan.jobs:
+        submitted(Path(job.run_dir), "7", pack=True)
+        ran = lane_s[job.id] is not None
+        lane = {"pack_job": "7", "lane": 0, "gpu": "0", "state": "done" if ran else "blocked"}
+        lane |= {"started_s": 1000.0, "ended_s": 1000.0 + lane_s[job.id]} if ran else {}
+        (Path(job.run_dir) / "lane.json").write_text(json.dumps(lane))
+    # The allocation's own submission, as launch.py --pack pickles it: the units it was given.
+    units = [unit_of(job, str(logs)) for job in plan.jobs]
+    (logs / "packs").mkdir(parents=True)
+    DelayedSubmission(PackJob(), units, 4, str(tmp_path), 30).dump(
+        JobPaths(logs / "packs", "7").submitted_pickle
+    )
+
+    write_report(plan, runs, usage=recorded_usage(plan, logs))
+
+    rows = {r["experiment"]: r for r in csv.DictReader((runs / "report.csv").open())}
+    assert float(rows["a"]["gpu_hours"]) == round(16 * 3.5 / 4 / 3600, 4)  # 14 of the 16 GPU-seconds
+    assert float(rows["b"]["gpu_hours"]) == round(16 * 0.5 / 4 / 3600, 4)
+    report = (runs / "report.md").read_text()
+    assert "Pack 7: 4 GPUs x 0.1 min = 0.00 GPU-hours, lanes busy 25%" in report
+    assert "| a/one | – | 1 | 1 | 0.03 | – | 0.0022 | sacct: share of pack 7 | – | – |" in report
+    assert "| b/two | – | 0 | 0 | 0 | – | 0 | sacct: share of pack 7 | – | – |" in report  # never ran
+    # A report on `a` alone: b's unit still takes its share of the allocation (the pack's own list).
+    profile, _ = load_profile(tmp_path / "configs")
+    only_a = build_plan(load_experiments(tmp_path / "configs", profile, None, ["a"]), profile)
+    assert recorded_usage(only_a, logs).jobs["a/one"].gpu_hours == pytest.approx(16 * 2 / 4 / 3600)
+    assert sum(u.gpu_hours for u in recorded_usage(only_a, logs).jobs.values()) == pytest.approx(14 / 3600)
+    # Without the allocation's own list (its log folder deleted), the plan's units share all of it.
+    JobPaths(logs / "packs", "7").submitted_pickle.unlink()
+    assert sum(u.gpu_hours for u in recorded_usage(only_a, logs).jobs.values()) == pytest.approx(16 / 3600)
+
+
+def run_local_job(folder: Path, visible: str) -> submitit.Job:
+    """A real local job as the local backend starts one (submitit's LocalExecutor, the GPUs it was given
+    in CUDA_VISIBLE_DEVICES), which names them in its log as a stage does."""
+    python = f"env CUDA_VISIBLE_DEVICES={visible} {sys.executable}"
+    job = submitit.LocalExecutor(folder=folder, python=python).submit(
+        subprocess.run, ["sh", "-c", "echo CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES"], check=True
+    )
+    job.result()
+    return job
+
+
+def test_a_local_job_counts_its_wall_time_x_the_gpus_it_was_given_and_no_sacct_is_called(tmp_path, repo_root):
+    configs = tmp_path / "configs"
+    plan = plan_of(tmp_path, "loc")
+    # No SLURM here: any sacct or squeue the report ran would leave its name in `called`.
+    fake_bin, called = tmp_path / "bin", tmp_path / "called"
+    fake_bin.mkdir()
+    for name in ("sacct", "squeue", "sbatch"):
+        (fake_bin / name).write_text(f"#!/bin/sh\necho {name} >> {called}\nexit 1\n")
+        (fake_bin / name).chmod(0o755)
+    on_gpus = run_local_job(tmp_path / "logs" / "loc" / "one", "0,1")
+    on_cpu = run_local_job(tmp_path / "logs" / "loc" / "two", "")
+    submitted(tmp_path / "runs" / "loc" / "one", on_gpus.job_id, backend="local")
+    submitted(tmp_path / "runs" / "loc" / "two", on_cpu.job_id, backend="local")
+
+    usage = plan_usage(plan, str(tmp_path / "logs"))
+
+    paths = on_gpus.paths
+    held_s = max(paths.result_pickle.stat().st_mtime, paths.stdout.stat().st_mtime)
+    held_s -= paths.submitted_pickle.stat().st_mtime
+    assert usage.jobs["loc/one"].held_s == pytest.approx(held_s) and held_s > 0
+    assert (usage.jobs["loc/one"].gpus, usage.jobs["loc/one"].source) == (2, "local clock")
+    assert usage.jobs["loc/one"].gpu_hours == pytest.approx(held_s * 2 / 3600)
+    assert (usage.jobs["loc/two"].gpus, usage.jobs["loc/two"].gpu_hours) == (0, 0.0)  # on the CPU
+    assert "loc/eval" not in usage.jobs  # never submitted
+    # The launcher's --report, as a user runs it: no torch imported, no SLURM client called.
+    check = (
+        "import sys, launch; "
+        f"code = launch.main(['--config-dir', {str(configs)!r}, '--report']); "
+        "print('exit', code, 'torch' in sys.modules)"
+    )
+    env = {**os.environ, "PATH": f"{fake_bin}{os.pathsep}{os.environ['PATH']}"}
+    done = subprocess.run(
+        [sys.executable, "-c", check], cwd=repo_root, env=env, capture_output=True, text=True
+    )
+    assert done.stdout.strip().endswith("exit 0 False"), done.stderr[-2000:]
+    assert not called.exists()
+    assert "| loc/one | " in (tmp_path / "runs" / "report.md").read_text()
+    assert (
+        " 2 | 1 | " in (tmp_path / "runs" / "report.md").read_text().split("| loc/one | ")[1].split("\n")[0]
+    )
+
+
+def test_report_reads_what_each_job_held_from_the_dev_clusters_sacct(slurm_cluster, tmp_path):
+    plan = plan_of(tmp_path, "real")  # resources.gpus 1: the 2 GPUs below can only come from sacct
+
+    def sbatch(gpus: int, seconds: int) -> str:
+        command = ["sbatch", "--wait", "--parsable", f"--gres=gpu:{gpus}", "-c", "1", "--mem=100M"]
+        command += ["-o", "/dev/null", "--wrap", f"sleep {seconds}"]
+        done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, check=True)
+        return done.stdout.strip().split(";")[0]
+
+    submitted(tmp_path / "runs" / "real" / "one", sbatch(2, 2))
+    submitted(tmp_path / "runs" / "real" / "eval", sbatch(1, 1))
+
+    usage = plan_usage(plan, str(tmp_path / "logs"))
+    one, evaluation = usage.jobs["real/one"], usage.jobs["real/eval"]
+    assert (one.gpus, one.attempts, one.source) == (2, 1, "sacct") and one.held_s >= 2
+    assert one.gpu_hours == pytest.approx(one.held_s * 2 / 3600)
+    assert (evaluation.gpus, evaluation.source) == (1, "sacct") and evaluation.held_s >= 1
+    assert "real/two" not in usage.jobs and not usage.unanswered  # never submitted: no figure
+    assert launch.main(["--config-dir", str(tmp_path / "configs"), "--report"]) == 0
+    report = (tmp_path / "runs" / "report.md").read_text()
+    assert "| real/one | COMPLETED | 2 | 1 | " in report and "| real/eval | COMPLETED | 1 | 1 | " in report

@@ -4,14 +4,27 @@ Recorded with the launcher's own formats (`squeue -h -u USER -o "%i|%T|%r|%M"`, 
 JobID,State,Elapsed,ExitCode,Reason`) while these jobs ran: 460 failed (exit 3); 461 waited on it with
 --kill-on-invalid-dep=no; 462 waited on it and was killed (kill_invalid_depend); 463 was requeued with
 `scontrol requeue`, ran again and was cancelled; 464 was held; 465 was a 3-task array. No cluster needed.
+
+What jobs held (`sacct -n -P -D -X -o JobID,State,ElapsedRaw,AllocTRES`, the report's GPU-hours), recorded
+in tests/fixtures/sacct/usage-22.05.8.txt: 1 held 2 GPUs; 2 held one and was requeued twice by
+`scontrol requeue`; 3 asked for no GPU; 4 was cancelled while it ran; 5 was cancelled while held; 7 held 4.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from slurm.states import State, from_slurm
-from slurm.status import SchedulerInfo, parse_sacct, parse_squeue
+from slurm.status import (
+    Allocation,
+    SchedulerInfo,
+    parse_sacct,
+    parse_sacct_allocations,
+    parse_squeue,
+    tres_gpus,
+)
 
 SQUEUE = """\
 461|PENDING|DependencyNeverSatisfied|0:00
@@ -91,3 +104,60 @@ def test_empty_short_and_blank_output_is_tolerated():
 )
 def test_raw_slurm_states_map_to_ours(raw, state):
     assert from_slurm(raw) is state
+
+
+USAGE = (Path(__file__).parent / "fixtures" / "sacct" / "usage-22.05.8.txt").read_text()
+# The same jobs earlier, as sacct printed them while 4 ran and 2 waited to start again after its requeue.
+USAGE_WHILE_RUNNING = """\
+1|COMPLETED|3|billing=1,cpu=1,gres/gpu=2,node=1
+2|REQUEUED|6|billing=1,cpu=1,gres/gpu=1,node=1
+3|COMPLETED|2|billing=1,cpu=1,node=1
+4|RUNNING|15|billing=1,cpu=1,gres/gpu=1,node=1
+2|PENDING|0|
+"""
+# Without -X (a site's sacct wrapper may drop it): each job's steps follow it, with their own TRES.
+USAGE_WITH_STEPS = """\
+2|REQUEUED|6|billing=1,cpu=1,gres/gpu=1,node=1
+2.batch|CANCELLED|6|cpu=1,gres/gpu=1,mem=0,node=1
+2|REQUEUED|7|billing=1,cpu=1,gres/gpu=1,node=1
+2.batch|CANCELLED|7|cpu=1,gres/gpu=1,mem=0,node=1
+2|COMPLETED|30|billing=1,cpu=1,gres/gpu=1,node=1
+2.batch|COMPLETED|30|cpu=1,gres/gpu=1,mem=0,node=1
+"""
+
+
+def test_sacct_allocations_keep_every_attempt_of_a_requeued_job_with_its_gpus():
+    found = parse_sacct_allocations(USAGE)
+    assert found["2"] == [
+        Allocation(State.PENDING, 6, 1),  # REQUEUED: an attempt that ended in a requeue
+        Allocation(State.PENDING, 7, 1),
+        Allocation(State.COMPLETED, 30, 1),
+    ]
+    assert found["1"] == [Allocation(State.COMPLETED, 3, 2)] and found["7"] == [
+        Allocation(State.COMPLETED, 4, 4)
+    ]
+    assert found["3"] == [Allocation(State.COMPLETED, 2, 0)]  # no gres/gpu: a CPU job
+    assert found["4"] == [Allocation(State.CANCELLED, 19, 1)]
+    assert found["5"] == [Allocation(State.CANCELLED, 0, 0)]  # never started: no AllocTRES
+    assert set(found) == {"1", "2", "3", "4", "5", "7"}
+
+
+def test_sacct_allocations_of_a_running_job_and_of_one_waiting_to_restart():
+    found = parse_sacct_allocations(USAGE_WHILE_RUNNING)
+    assert found["4"] == [Allocation(State.RUNNING, 15, 1)]
+    assert found["2"] == [Allocation(State.PENDING, 6, 1), Allocation(State.PENDING, 0, 0)]
+
+
+def test_sacct_allocations_skip_step_lines_and_unreadable_ones():
+    assert parse_sacct_allocations(USAGE_WITH_STEPS) == {"2": parse_sacct_allocations(USAGE)["2"]}
+    assert parse_sacct_allocations("9|RUNNING\n\n8|COMPLETED|n/a|gres/gpu=1\n") == {}
+    assert parse_sacct_allocations("9|TIMEOUT|1-00:00:05|gres/gpu=1\n")["9"][0].elapsed_s == 86405
+
+
+def test_gpus_are_read_from_untyped_or_typed_tres_counts():
+    assert tres_gpus("billing=1,cpu=1,gres/gpu=2,node=1") == 2
+    # A cluster that accounts GPU types (AccountingStorageTRES=gres/gpu,gres/gpu:a100) lists both forms;
+    # the untyped one is the total.
+    assert tres_gpus("billing=64,cpu=32,gres/gpu:a100=4,gres/gpu=4,mem=256G,node=1") == 4
+    assert tres_gpus("cpu=8,gres/gpu:a100=2,gres/gpu:v100=1,node=1") == 3  # only typed counts kept
+    assert tres_gpus("") == tres_gpus("billing=1,cpu=1,node=1") == tres_gpus("gres/gpu=n/a") == 0

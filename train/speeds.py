@@ -24,7 +24,7 @@ class SpeedRecord:
     model: str  # model.name_or_path as the YAML wrote it: what a later job is matched on
     method: str  # lora | qlora
     precision: str  # what ran: bf16 | fp16 | fp32
-    device_name: str  # the GPU's name, or "cpu"
+    device_name: str  # the GPU's name as torch gives it ("NVIDIA H100 80GB HBM3"), or "cpu"
     world_size: int
     batch_size: int  # per device
     grad_accum: int
@@ -39,6 +39,8 @@ class SpeedRecord:
     tokens_per_example: float
     time: float  # when it was written (Unix seconds): the newest of equally near rows wins
     calibration: bool = False  # written by a `launch.py --calibrate` run (a few dozen steps), not a stage
+    # train.gradient_checkpointing (one more forward per step); None in rows written before it was kept
+    gradient_checkpointing: bool | None = None
 
 
 @dataclass(frozen=True)
