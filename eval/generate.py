@@ -1,20 +1,25 @@
 """A trained adapter loaded onto this process's device, and batched generation from it: sorted by length,
-decoded without prompt, padding, bos or eos, but with the model's added tokens."""
+decoded by the eval's own settings (never the base model's generation_config), without prompt, padding,
+bos or eos, but with the model's added tokens."""
 
 from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+from transformers import GenerationConfig
 
 from train import vl
-from train.config import EvalJob
+from train.config import EvalJob, EvalSpec
 from train.device import Hardware, Placement, decide, ranks
 from train.model import load_trained
 
 log = logging.getLogger("eval.generate")
+# What frames an output, kept from the model's own generation_config; every other setting is the eval's.
+FRAMING = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id")
 
 
 def trained_precision(adapter_dir: str) -> str:
@@ -43,6 +48,39 @@ def load_for_eval(job: EvalJob, placement: Placement):
     return model.eval(), tokenizer
 
 
+def explicit_decoding(model, spec: EvalSpec) -> dict:
+    """Make the eval's own settings the whole of the model's generation_config: greedy (beam search with
+    num_beams > 1), `eval.generation`'s penalties, and of the model's own config only the token ids that
+    frame an output (an Instruct model's end-of-turn eos among them). transformers fills every setting a
+    generate() call leaves unset from the model's generation_config (generation/utils.py,
+    _prepare_generation_config), so a hub file's repetition_penalty, sampling or no_repeat_ngram_size
+    would otherwise change the predictions. Returns, for results.json, the settings used and what the
+    model's own config said otherwise."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    own = base.generation_config
+    settings = {
+        "do_sample": False,
+        "num_beams": spec.num_beams,
+        "max_new_tokens": spec.max_new_tokens,
+        **spec.generation.model_dump(),
+    }
+    framing = {k: getattr(own, k) for k in FRAMING if getattr(own, k, None) is not None}
+    base.generation_config = GenerationConfig(**framing, **settings)
+    defaults = GenerationConfig._get_default_generation_params()
+    used = defaults | settings
+    overridden = {
+        key: value
+        for key, value in own.to_diff_dict().items()
+        if key not in (*FRAMING, "transformers_version")
+        and not key.startswith("_")
+        and value != used.get(key)
+        and (value or used.get(key))  # False, 0 or empty where the library leaves it unset: no change
+    }
+    if overridden:
+        log.info("the base model's generation_config is not used for decoding: %s", overridden)
+    return {"generation": settings, "generation_overridden": overridden}
+
+
 def framing_ids(model, tokenizer) -> set[int]:
     """Ids that frame an output rather than say anything: pad, bos, eos and the decoder start (T5: pad)."""
     ids = {tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id}
@@ -57,33 +95,48 @@ def decode(tokenizer, sequences, strip: set[int]) -> list[str]:
     return [text.strip() for text in tokenizer.batch_decode(kept, skip_special_tokens=False)]
 
 
-@torch.inference_mode()
-def generate(
+def length_batches(prompts: list[str], batch_size: int) -> list[list[int]]:
+    """Prompt indices in batches of similar length (little padding, so little wasted compute). The same
+    batches on every run: a resumed eval generates each batch as an uninterrupted one does."""
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    return [order[start : start + batch_size] for start in range(0, len(order), batch_size)]
+
+
+def generate(model, tokenizer, prompts: list[str], *, batch_size: int, **options) -> list[str]:
+    """One output per prompt, in the prompts' order (`options`: those of `generated_batches`)."""
+    outputs: list[str] = [""] * len(prompts)
+    for batch, texts in generated_batches(
+        model, tokenizer, prompts, length_batches(prompts, batch_size), **options
+    ):
+        for index, text in zip(batch, texts, strict=True):
+            outputs[index] = text
+    return outputs
+
+
+@torch.inference_mode()  # on each resumption of the generator
+def generated_batches(
     model,
     tokenizer,
     prompts: list[str],
+    batches: list[list[int]],
     *,
     kind: str,
     num_beams: int,
     max_new_tokens: int,
-    batch_size: int,
     max_length: int | None = None,
     images: list[str] | None = None,
-) -> list[str]:
-    """One output per prompt, in the prompts' order, generated on the model's device.
+) -> Iterator[tuple[list[int], list[str]]]:
+    """(batch, its outputs) for each batch of prompt indices, generated on the model's device as asked for.
 
-    Prompts are batched by length (little padding, so little wasted compute). Causal models pad on the
-    left so every prompt ends where generation starts, and only the new tokens are decoded. For image-text
-    `tokenizer` is the processor, `images` the prompts' image files, and prompts go through its chat
-    template as in training (never truncated: that would cut image tokens).
+    Causal models pad on the left so every prompt ends where generation starts, and only the new tokens
+    are decoded. For image-text `tokenizer` is the processor, `images` the prompts' image files, and
+    prompts go through its chat template as in training (never truncated: that would cut image tokens).
+    Decoding follows the model's generation_config: the eval job sets it (`explicit_decoding`).
     """
     processor, tokenizer = tokenizer, vl.text_tokenizer(tokenizer)
     tokenizer.padding_side = "right" if kind == "seq2seq" else "left"
-    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-    outputs: list[str] = [""] * len(prompts)
     strip = framing_ids(model, tokenizer)
-    for start in range(0, len(order), batch_size):
-        batch = order[start : start + batch_size]
+    for batch in batches:
         if kind == "image-text":
             encoded = vl.generation_inputs(
                 processor,
@@ -109,9 +162,7 @@ def generate(
         )
         if kind != "seq2seq":
             generated = generated[:, encoded["input_ids"].shape[1] :]
-        for index, text in zip(batch, decode(tokenizer, generated, strip), strict=True):
-            outputs[index] = text
-    return outputs
+        yield batch, decode(tokenizer, generated, strip)
 
 
 def adapter_changes_output(model, tokenizer, prompts: list[str], **kwargs) -> bool:

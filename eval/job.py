@@ -1,18 +1,22 @@
 """The evaluation job: load a saved adapter, generate on the eval split, score, write the results.
 
 Reads only the adapter folder (which carries its tokenizer) and the data; writes `predictions.jsonl` and
-`results.json` into the job's own folder. It never trains and never talks to the scheduler, so it can be
+`results.json` into the job's own folder. Predictions are kept as they are made (eval/predictions.py): a
+requeued or killed eval goes on from them, and ends with the files an uninterrupted run writes. It never trains and never talks to the scheduler, so it can be
 rerun on its own: `python -m eval generate runs/EXP/eval/config.yaml`.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import sys
+import threading
 import time
 from pathlib import Path
 
+from eval.predictions import PartialPredictions, rows, write_final
 from train.config import EvalJob
 from train.files import write_atomic
 
@@ -20,9 +24,11 @@ log = logging.getLogger("eval.job")
 SAMPLE_FOR_ADAPTER_CHECK = 4
 
 
-def run_eval(job: EvalJob) -> dict:
-    from eval.generate import adapter_changes_output, eval_placement, generate, load_for_eval
-    from eval.score import score
+def run_eval(job: EvalJob, stop: threading.Event | None = None) -> dict | None:
+    """Generate, score, write predictions.jsonl and results.json; returns the results. None when `stop`
+    was set before every prediction was made: those made are kept, and the next run of this job generates
+    only the rest (eval/predictions.py)."""
+    from eval.generate import eval_placement, explicit_decoding, load_for_eval
     from train.data import prompts_and_targets
 
     out = Path(job.out_dir)
@@ -33,26 +39,88 @@ def run_eval(job: EvalJob) -> dict:
     started = time.time()
     placement = eval_placement(job.adapter_dir)
     model, tokenizer = load_for_eval(job, placement)
+    decoding = explicit_decoding(model, job.eval)
     loaded = time.time()
-    options = {
+    partial = PartialPredictions(out, fingerprint(job, placement))
+    made = partial.resume(prompts)
+    kept = len(made)
+    if kept:
+        log.info("%d predictions kept from an earlier run of this job", kept)
+    batches = predict(model, tokenizer, job, (prompts, references, images), partial, made, stop)
+    if batches is None:
+        return None
+    generated = time.time()
+    changed = adapter_check(model, tokenizer, job, prompts, images)
+    write_final(out, list(made.values()))
+    results = score_job(job, [made[i]["prediction"] for i in range(len(prompts))], references)
+    results |= {
+        "split": job.eval.split,
+        "source": source,
+        "adapter_dir": job.adapter_dir,
+        "adapter_changes_output": changed,
+        "generation_s": round(generated - started, 2),
+        "predictions_kept": kept,  # made by an earlier, interrupted run of this job
+        **decoding,
+    }
+    write_atomic(out / "results.json", json.dumps(results, indent=1))  # the report may read it meanwhile
+    partial.discard()
+    write_speed(job, placement.device_name, batches, loaded, generated)
+    log.info("results: %s", {k: v for k, v in results.items() if isinstance(v, float)})
+    return results
+
+
+def generation_options(job: EvalJob) -> dict:
+    return {
         "kind": job.model.kind,
         "num_beams": job.eval.num_beams,
         "max_new_tokens": job.eval.max_new_tokens,
-        "batch_size": job.eval.batch_size,
     }
-    predictions = generate(model, tokenizer, prompts, images=images, **options)
-    generated = time.time()
-    generation_s = generated - started
+
+
+def predict(model, tokenizer, job: EvalJob, examples: tuple, partial, made: dict, stop) -> int | None:
+    """Generate the batches not all in `made` (rows by id), each kept on disk before the next starts;
+    returns how many were generated, or None when `stop` was set first."""
+    from eval.generate import generated_batches, length_batches
+
+    prompts, references, images = examples
+    todo = [b for b in length_batches(prompts, job.eval.batch_size) if not made.keys() >= set(b)]
+    if todo and stop is not None and stop.is_set():
+        return None
+    outputs = generated_batches(model, tokenizer, prompts, todo, images=images, **generation_options(job))
+    for done, (batch, texts) in enumerate(outputs, 1):
+        new = rows(batch, texts, prompts, references, images)
+        partial.append(new)
+        made.update((row["id"], row) for row in new)
+        if done < len(todo) and stop is not None and stop.is_set():
+            log.warning("stopped after %d of %d batches; %d predictions kept", done, len(todo), len(made))
+            return None
+    return len(todo)
+
+
+def adapter_check(model, tokenizer, job: EvalJob, prompts: list[str], images: list[str] | None) -> bool:
+    """Does the adapter change the first few outputs? Warns when it does not."""
+    from eval.generate import adapter_changes_output
+
     sample = slice(SAMPLE_FOR_ADAPTER_CHECK)
     changed = adapter_changes_output(
-        model, tokenizer, prompts[sample], images=images and images[sample], **options
+        model,
+        tokenizer,
+        prompts[sample],
+        images=images and images[sample],
+        batch_size=job.eval.batch_size,
+        **generation_options(job),
     )
     if not changed:
         log.warning(
             "the adapter does not change the base model's outputs on %d examples", SAMPLE_FOR_ADAPTER_CHECK
         )
-    write_predictions(out / "predictions.jsonl", prompts, references, predictions, images)
-    results = score(
+    return changed
+
+
+def score_job(job: EvalJob, predictions: list[str], references: list[str]) -> dict:
+    from eval.score import score
+
+    return score(
         predictions,
         references,
         list(job.eval.metrics),
@@ -61,28 +129,34 @@ def run_eval(job: EvalJob) -> dict:
         bertscore_model=job.eval.bertscore_model,
         bertscore_rescale=job.eval.bertscore_rescale,
     )
-    results |= {
-        "split": job.eval.split,
-        "source": source,
-        "adapter_dir": job.adapter_dir,
-        "adapter_changes_output": changed,
-        "generation_s": round(generation_s, 2),
+
+
+def fingerprint(job: EvalJob, placement) -> str:
+    """What an eval's predictions depend on: a partial file written under another fingerprint is not
+    resumed. The adapter by its files (a stage run again writes new ones), the device and precision (a
+    requeue onto other hardware could decode differently)."""
+    adapter = Path(job.adapter_dir)
+    files = sorted(adapter.iterdir()) if adapter.is_dir() else []
+    parts = {
+        "job": job.model_dump(include={"model", "adapter", "data", "adapter_dir"}),
+        "eval": job.eval.model_dump(
+            include={"split", "limit", "num_beams", "max_new_tokens", "batch_size", "generation"}
+        ),
+        "adapter_files": [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files if f.is_file()],
+        "device": [placement.device_name, placement.precision],
     }
-    write_atomic(out / "results.json", json.dumps(results, indent=1))  # the report may read it meanwhile
-    write_speed(job, placement.device_name, len(prompts), loaded, generated)
-    log.info("results: %s", {k: v for k, v in results.items() if isinstance(v, float)})
-    return results
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def write_speed(job: EvalJob, device_name: str, examples: int, loaded: float, generated: float) -> None:
-    """This job's row in the speed book: the next plans estimate eval jobs on this model from it."""
+def write_speed(job: EvalJob, device_name: str, batches: int, loaded: float, generated: float) -> None:
+    """This job's row in the speed book: the next plans estimate eval jobs on this model from it. `batches`:
+    those this run generated (a resumed one generates only the rest)."""
     from train import speeds
     from train.callbacks import process_started_at
 
     book = speeds.eval_book_of(job.out_dir, job.experiment)
-    if book is None or examples == 0:
+    if book is None or batches == 0:
         return
-    batches = -(-examples // job.eval.batch_size)
     record = speeds.EvalSpeedRecord(
         model=job.model.name_or_path,
         device_name=device_name,
@@ -105,22 +179,6 @@ def image_paths(source: str, job: EvalJob) -> list[str]:
 
     rows = read_rows(source, job.data)[: job.eval.limit]
     return [str(image_path(row, job.data, source)) for row in rows]
-
-
-def write_predictions(
-    path: Path,
-    prompts: list[str],
-    references: list[str],
-    predictions: list[str],
-    images: list[str] | None = None,
-) -> None:
-    rows = []
-    for i, (prompt, reference, prediction) in enumerate(zip(prompts, references, predictions, strict=True)):
-        row = {"id": i, "input": prompt, "reference": reference, "prediction": prediction}
-        if images:
-            row["image"] = images[i]
-        rows.append(json.dumps(row) + "\n")
-    write_atomic(path, "".join(rows))
 
 
 def add_parser(subparsers) -> None:

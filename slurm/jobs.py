@@ -26,13 +26,16 @@ class StageJob(submitit.helpers.Checkpointable):
     directory (relative data paths), mask secrets in its output, log, and size its math threads.
 
     On a time limit or preemption submitit calls `checkpoint()` (Checkpointable's: requeue this same call
-    with the same arguments); a training stage then resumes from its last checkpoint, an eval reruns."""
+    with the same arguments); a training stage then resumes from its last checkpoint, an eval from the
+    predictions it made."""
 
     def __call__(self, spec: dict, config_hash: str, workdir: str) -> str:
         os.chdir(workdir)
         redact_job_output()
         rank = _export_distributed_environment()
         _configure_logging(rank)
+        # The GPUs SLURM or the local backend gave this task, as it got them (torch renumbers them).
+        log.info("CUDA_VISIBLE_DEVICES=%s", os.environ.get("CUDA_VISIBLE_DEVICES", "(not set)"))
         _use_allocated_cpus()  # before torch is imported
         return self.run(spec, config_hash)
 
@@ -70,15 +73,25 @@ class TrainStage(StageJob):
 
 
 class EvalStage(StageJob):
-    """Generate with a saved adapter and score it; reads only the run directory. Short and restartable
-    from scratch: a requeue reruns it as it was."""
+    """Generate with a saved adapter and score it; reads only the run directory. Each batch's predictions
+    are on disk before the next starts (eval/predictions.py), so a requeue, or a rerun after a kill, goes
+    on from them. On SLURM's time-limit or preemption signal (USR2) the eval stops after its current batch
+    and submitit requeues this same call; on SIGTERM it stops the same way and SLURM requeues or cancels."""
 
     def run(self, spec: dict, config_hash: str) -> str:
         from eval.job import run_eval
         from train.config import EvalJob
 
         job = EvalJob.model_validate(spec)
-        run_eval(job)
+        stop = StopRequest()
+        requeue = stop.listen()
+        if run_eval(job, stop.event) is None:
+            if stop.signal in (signal.SIGUSR2, None) and requeue is not None:
+                requeue(signal.SIGUSR2, None)  # submitit: checkpoint() → scontrol requeue → exit
+            name = stop.signal.name if stop.signal else "USR2"
+            raise RuntimeError(
+                f"{job.experiment}/{job.stage}'s eval stopped by {name}; its predictions are kept"
+            )
         mark_done(Path(job.out_dir), config_hash)
         return job.out_dir
 
@@ -101,7 +114,9 @@ class StopRequest:
 
     def _ask(self, signum, frame) -> None:
         self.signal = signal.Signals(signum)
-        log.warning("received %s: saving a checkpoint at the next step end", self.signal.name)
+        log.warning(
+            "received %s: stopping at the next step end (training) or batch end (eval)", self.signal.name
+        )
         self.event.set()
 
 

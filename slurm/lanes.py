@@ -223,7 +223,7 @@ class Lanes:
             log.info("lane %d: %s done", lane, uid)
         elif stopping or code in (-signal.SIGUSR2, -signal.SIGTERM):
             # Stopped, not broken: SLURM's signal reaches every process of the allocation, and a unit
-            # that was still starting (or an eval, which has nothing to save) dies of it.
+            # that was still starting dies of it; an eval stops after its batch, its predictions kept.
             self.state[uid] = "interrupted"
             self.write_lane(unit, lane, "interrupted", "stopped; resumes when the allocation is requeued")
             log.warning("lane %d: %s stopped (exit code %s)", lane, uid, code)

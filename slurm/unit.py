@@ -18,8 +18,8 @@ from slurm.jobs import EvalStage, TrainStage
 
 
 def main(order_file: str) -> None:
-    # SLURM's USR2 reaches every process of the allocation; until a training stage takes it over (to
-    # checkpoint), it must not kill the unit: the lanes forward it and wait for the unit to stop or end.
+    # SLURM's USR2 reaches every process of the allocation; until the stage takes it over (training
+    # checkpoints, an eval keeps its predictions), it must not kill the unit: the lanes forward it and wait.
     signal.signal(signal.SIGUSR2, signal.SIG_IGN)
     unit = json.loads(Path(order_file).read_text(encoding="utf-8"))
     if cpus := os.environ.get("LORA_PACK_CPUS"):

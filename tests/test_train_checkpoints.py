@@ -1,10 +1,13 @@
-"""train/checkpoints.py: which checkpoint a resume trusts, and which ones rotation keeps (no torch needed)."""
+"""train/checkpoints.py: which checkpoint a resume trusts, and which ones rotation keeps (no torch needed);
+train/callbacks.py: a stop that lands on an eval step checkpoints first (a real tiny training)."""
 
 from __future__ import annotations
 
 import json
 import logging
 from pathlib import Path
+
+import pytest
 
 from train.checkpoints import MARKER, commit, discard_incomplete, latest_valid_checkpoint, rotate
 
@@ -49,3 +52,44 @@ def test_rotation_keeps_newest_and_best_and_never_an_uncommitted_newest_alone(tm
     rotate(tmp_path, keep=set())
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-20", "checkpoint-25"]
     assert (tmp_path / "checkpoint-20" / MARKER).is_file()
+
+
+def test_a_stop_on_an_eval_step_saves_before_it_evaluates_and_resumes_as_if_never_stopped(tiny, tmp_path):
+    """The stop signal leaves about 90 s before the kill and an eval may take longer: the checkpoint comes
+    first, then the eval, which is recorded into that checkpoint's state (its best metric)."""
+    from safetensors.torch import load_file
+
+    from tests.train_helpers import StopAfter, make_job, read_jsonl, sql_data
+    from train.recipe import run_stage
+
+    def job(run_dir: Path):  # 85 examples / 8: 11 steps an epoch; an eval and a save every 6 steps
+        data = sql_data("easy", eval_split="dev")
+        return make_job(tiny, run_dir, data=data, max_steps=12, eval_every_epochs=0.5)
+
+    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+    assert run_stage(job(straight)) == "completed"
+    # A stop seen at step 6's end lands on the first eval.
+    assert run_stage(job(stopped), StopAfter(5)) == "interrupted"
+    checkpoint = latest_valid_checkpoint(stopped / "checkpoints")
+    assert checkpoint == stopped / "checkpoints" / "checkpoint-6"
+    (evaluated,) = [row for row in read_jsonl(stopped / "metrics.jsonl") if "eval_loss" in row]
+    assert evaluated["step"] == 6
+    # File times never run ahead of the clock: the commit marker is older than the end of the eval.
+    assert (checkpoint / MARKER).stat().st_mtime < evaluated["time"]
+    state = json.loads((checkpoint / "trainer_state.json").read_text())
+    assert state["best_metric"] == evaluated["eval_loss"]
+    assert state["best_model_checkpoint"] == str(checkpoint)
+    assert [e["eval_loss"] for e in state["log_history"] if "eval_loss" in e] == [evaluated["eval_loss"]]
+    assert "train_runtime" not in state["log_history"][-1]  # the stopped run's summary row is not kept
+
+    assert run_stage(job(stopped)) == "completed"
+    adapters = [load_file(str(run / "adapter" / "adapter_model.safetensors")) for run in (straight, stopped)]
+    assert adapters[0].keys() == adapters[1].keys()
+    for name, weight in adapters[0].items():
+        assert (weight - adapters[1][name]).abs().max().item() <= 1e-6, name
+    evals = [(r["step"], r["eval_loss"]) for r in read_jsonl(stopped / "metrics.jsonl") if "eval_loss" in r]
+    expected = [
+        (r["step"], r["eval_loss"]) for r in read_jsonl(straight / "metrics.jsonl") if "eval_loss" in r
+    ]
+    assert [s for s, _ in evals] == [s for s, _ in expected] == [6, 12]
+    assert [loss for _, loss in evals] == pytest.approx([loss for _, loss in expected], abs=1e-6)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import json
 import os
 import threading
@@ -13,7 +15,7 @@ from transformers import TrainerCallback
 
 from train import distributed
 from train.checkpoints import commit, rotate
-from train.files import write_json_atomic
+from train.files import write_atomic, write_json_atomic
 from train.gpu_use import GpuSampler, summarize
 
 
@@ -120,11 +122,20 @@ class StopWhenAsked(TrainerCallback):
     """When the job is told to stop (time limit, preemption), save at this step's end and stop. The stop is
     collective: SLURM's signal may reach the ranks at different steps, or only one; a rank that left alone
     would hang the others at their next collective. So the ranks agree at every step end (all-reduce MAX of
-    the local flag) and all stop at the same step."""
+    the local flag) and all stop at the same step.
+
+    A stop on an in-training eval step saves first: the Trainer evaluates before it saves, and an eval can
+    outlast the time the signal leaves before the kill (signal_delay_s less SLURM's 30 s timer), which
+    would lose every step since the previous checkpoint. The eval is put off to the epoch end that follows
+    the stop (the Trainer's last evaluate-and-save point); when it ends, the checkpoint's trainer state is
+    rewritten with it (best metric, log history), so the resumed run picks its best model as an
+    uninterrupted one does."""
 
     def __init__(self, stop: threading.Event):
         self.stop = stop
         self.stopped_early = False
+        self.eval_put_off = False
+        self.eval_logged: int | None = None  # log_history's length just after the put-off eval
 
     def on_step_end(self, args, state, control, **kwargs):
         asked = distributed.any_rank(self.stop.is_set())  # on every rank at every step: collectives pair up
@@ -132,7 +143,35 @@ class StopWhenAsked(TrainerCallback):
             control.should_save = True
             control.should_training_stop = True
             self.stopped_early = True
+            self.eval_put_off, control.should_evaluate = control.should_evaluate, False
         return control
+
+    def on_epoch_end(self, args, state, control, **kwargs):
+        if self.eval_put_off:
+            control.should_evaluate = True
+        return control
+
+    def on_evaluate(self, args, state, control, **kwargs):
+        if self.eval_put_off:
+            self.eval_logged = len(state.log_history)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        # After the Trainer weighed the eval against the best so far (which it does after on_evaluate).
+        if self.eval_logged is not None and state.is_world_process_zero:
+            checkpoint = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+            record_eval(checkpoint, state, self.eval_logged)
+
+
+def record_eval(checkpoint: Path, state, logged: int) -> None:
+    """Rewrite a committed checkpoint's trainer_state.json with an eval that ran after it was saved, as the
+    Trainer would have saved it: log history up to that eval, best metric and step, and the checkpoint as
+    the best one when the eval is the best so far. Replaced whole: the checkpoint stays valid throughout."""
+    saved = copy.copy(state)
+    saved.log_history = state.log_history[:logged]
+    if state.best_global_step == state.global_step:
+        saved.best_model_checkpoint = str(checkpoint)
+    text = json.dumps(dataclasses.asdict(saved), indent=2, sort_keys=True) + "\n"
+    write_atomic(checkpoint / "trainer_state.json", text)
 
 
 class RuntimeClock(TrainerCallback):

@@ -268,31 +268,59 @@ class Resources(Section):
         return max(1, self.cpus // self.tasks)
 
 
+# An eval job's limit when it scores an `hf:` dataset (fetched on the node: nothing to estimate from) and
+# eval.resources.time is left out.
+EVAL_TIME_WITHOUT_ESTIMATE = "01:00:00"
+
+
 class EvalResources(Resources):
     """The eval job's own allocation (`eval.resources`): generating and scoring needs far less than training.
 
     Left out, `gpus` is 1, or 0 when training asks for none (a CPU experiment's eval stays on CPUs); `cpus`,
-    `mem_gb`, `partition`, `account`, `qos`, `constraint` and `mail` are the training job's; `time` is one
-    hour.
+    `mem_gb`, `partition`, `account`, `qos`, `constraint` and `mail` are the training job's; `time` is
+    `auto` (the plan sets it from the eval's estimate), or EVAL_TIME_WITHOUT_ESTIMATE for an `hf:` dataset.
     """
 
     gpus: Annotated[int, Field(ge=0)] | None = None
-    time: str = "01:00:00"
+    time: str | None = None
     mem_gb: Annotated[float, Field(gt=0)] | None = None
     cpus: Annotated[int, Field(ge=1)] | None = None
     mail: list[MailType] | None = None
 
-    def for_training(self, training: Resources) -> Resources:
-        """The resources of the eval job that follows a training job holding `training`."""
+    @field_validator("time")
+    @classmethod
+    def _slurm_time(cls, value):
+        return value if value is None else Resources._slurm_time(value)
+
+    @model_validator(mode="after")
+    def _signal_inside_the_limit(self):
+        return self if self.time is None else Resources._signal_inside_the_limit(self)
+
+    def for_training(self, training: Resources, source: str) -> Resources:
+        """The resources of the eval job that follows a training job holding `training` and scores the
+        data file `source`."""
         inherited = ("cpus", "mem_gb", "partition", "account", "qos", "constraint", "mail")
         values = self.model_dump()
         values.update({k: getattr(training, k) for k in inherited if values[k] is None})
         if values["gpus"] is None:
             values["gpus"] = min(1, training.gpus)
+        if values["time"] is None:
+            values["time"] = EVAL_TIME_WITHOUT_ESTIMATE if source.startswith("hf:") else "auto"
         return Resources(**values)
 
 
 Metric = Literal[METRICS]  # eval/names.py owns the list
+
+
+class GenerationSpec(Section):
+    """How the eval job decodes (`eval.generation`), besides `eval.num_beams` and `eval.max_new_tokens`:
+    greedy, or beam search with num_beams > 1; never sampled (scores must be reproducible). Whatever else
+    the base model's generation_config.json says (a Qwen Instruct model's repetition_penalty 1.05, its
+    sampling, top_k, ...) is overridden: it would change the predictions (eval/generate.py)."""
+
+    repetition_penalty: Annotated[float, Field(gt=0)] = 1.0
+    no_repeat_ngram_size: Annotated[int, Field(ge=0)] = 0
+    length_penalty: float = Field(1.0, description="beam search only: above 1 favours longer outputs")
 
 
 class EvalSpec(Section):
@@ -324,6 +352,12 @@ class EvalSpec(Section):
         # Left out of the spec (and so of its hash) at its default: evals finished before this key existed
         # keep their hash and are not run again.
         exclude_if=lambda split: split == "eval",
+    )
+    generation: GenerationSpec = Field(
+        default_factory=GenerationSpec,
+        # Left out of the spec (and so of its hash) at its default, as `split`: evals finished before this
+        # key existed are not run again.
+        exclude_if=lambda generation: generation == GenerationSpec(),
     )
     # Scheduler business, not the job's identity: changing it does not make a finished eval run again.
     resources: EvalResources = Field(default_factory=EvalResources, exclude=True)
