@@ -80,6 +80,10 @@ def dispatch(args) -> int:
     if args.dry_run:
         # What a pack would run now: every job without its DONE (no scheduler call: dry runs stay fast).
         return show_plan(plan, args.json, pack_plan(still_to_run(plan), *pack, profile) if pack else None)
+    if not args.preflight and backend_of(args) == "local":
+        from slurm.local_gpus import refuse_too_many_gpus  # before preflight: it may take minutes
+
+        refuse_too_many_gpus(plan.jobs, {e.name: str(e.file) for e in experiments})
     if args.preflight or not args.no_preflight:
         checked = preflight(
             plan, experiments, profile, show=args.preflight, as_json=args.json and args.preflight
@@ -228,12 +232,16 @@ def watch(args, profile) -> int:
 def report(plan: Plan, experiments, profile, config_dir: Path) -> list[Path]:
     """runs/report.md, report.csv and the loss curves, with the baselines of each experiment's task."""
     from eval.report import BaselinesError, write_report
+    from slurm.usage import plan_usage
 
     states = {row.job.id: row.state.value for row in plan_status(plan, profile.log_dir)}
     baselines = find_inherited("baselines.yaml", config_dir.resolve(), Path("/"))
     tasks = {e.name: e.experiment.task for e in experiments}
+    usage = plan_usage(plan, profile.log_dir)  # what each job held: sacct, or a local job's own clock
     try:
-        return write_report(plan, Path(profile.run_dir), states, baselines, tasks, profile.gpu_hour_cost)
+        return write_report(
+            plan, Path(profile.run_dir), states, baselines, tasks, profile.gpu_hour_cost, usage
+        )
     except BaselinesError as exc:
         raise ConfigError([Problem(str(baselines), "task", str(exc))]) from None
 
@@ -363,10 +371,14 @@ def run_here(plan: Plan, profile, decisions, code) -> int:
         out.print(line, highlight=False, soft_wrap=True)
 
     todo = [d for d in decisions if d.action == "submit"]
+    backend = LocalBackend(profile, Path.cwd(), code)
     out.print(
-        f"Running {len(todo)} job(s) locally, {profile.local_parallel_jobs} at a time; logs in {profile.log_dir}/"
+        f"Running {len(todo)} job(s) locally, {profile.local_parallel_jobs} at a time, on "
+        f"{backend.gpus.describe()}; logs in {profile.log_dir}/",
+        highlight=False,
+        soft_wrap=True,
     )
-    states = run_locally(decisions, LocalBackend(profile, Path.cwd(), code), report)
+    states = run_locally(decisions, backend, report)
     out.print(status_table(plan_status(plan, profile.log_dir)))
     return 1 if any(s is not State.COMPLETED for s in states.values()) else 0
 

@@ -173,9 +173,9 @@ def run_locally(decisions: list[Decision], backend, report) -> dict[str, State]:
 
     code = backend.code.provenance()
 
-    def on_start(job: PlannedJob, pid: str) -> None:
+    def on_start(job: PlannedJob, pid: str, gpus: tuple[str, ...]) -> None:
         write_spec(Path(job.run_dir), job.spec.model_dump(), code)
-        record_job(Path(job.run_dir), pid, "local", code)
+        record_job(Path(job.run_dir), pid, "local", code, gpus=gpus)
         report(job, "RUNNING", f"pid {pid}")
 
     def on_end(job: PlannedJob, state: State, reason: str) -> None:

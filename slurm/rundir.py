@@ -34,12 +34,20 @@ def read_spec(run_dir: Path) -> dict | None:
 
 
 def record_job(
-    run_dir: Path, job_id: str, backend: str, code: dict | None = None, pack: bool = False
+    run_dir: Path,
+    job_id: str,
+    backend: str,
+    code: dict | None = None,
+    pack: bool = False,
+    gpus: tuple[str, ...] | None = None,
 ) -> None:
-    """`pack`: the job id is a packed allocation's, which runs this job as one of its units (lane.json)."""
+    """`pack`: the job id is a packed allocation's, which runs this job as one of its units (lane.json).
+    `gpus`: the devices a local job was given (SLURM keeps its own record, read back through sacct)."""
     jobs = job_records(run_dir)
     now = time.strftime("%Y-%m-%dT%H:%M:%S")
     record = {"job_id": job_id, "backend": backend, "submitted_at": now}
+    if gpus is not None:
+        record["gpus"] = list(gpus)
     jobs.append({**record, **({"pack": True} if pack else {}), **({"code": code} if code else {})})
     write_atomic(run_dir / "job.json", json.dumps({"jobs": jobs}, indent=1))
 

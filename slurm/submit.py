@@ -9,8 +9,10 @@ starts a job only when its parents ended as its dependency kind requires.
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -20,7 +22,9 @@ import submitit
 
 from slurm.jobs import EvalStage, TrainStage
 from slurm.lanes import PackJob
+from slurm.local_gpus import GpuPool, VisibleGpus, gpus_needed, too_many_gpus
 from slurm.plan import PlannedJob
+from slurm.problems import ConfigError
 from slurm.profile import ClusterProfile
 from slurm.scheduler import cancel, local_failure
 from slurm.snapshot import CodeSnapshot
@@ -156,23 +160,32 @@ def offline_setup(profile: ClusterProfile) -> list[str]:
 
 
 class LocalBackend:
-    """Runs jobs on this machine, `local_parallel_jobs` at a time, honouring the same dependencies."""
+    """Runs jobs on this machine, `local_parallel_jobs` at a time, honouring the same dependencies; each
+    job holds its `resources.gpus` of the GPUs this machine shows, and waits until they are free
+    (slurm/local_gpus.py). Jobs start in plan order, first fit: one that fits the free GPUs starts even if
+    an earlier one still waits for more (the plan is finite, so the larger one gets them in the end)."""
 
     name = "local"
 
-    def __init__(self, profile: ClusterProfile, workdir: Path, code: CodeSnapshot):
+    def __init__(
+        self, profile: ClusterProfile, workdir: Path, code: CodeSnapshot, gpus: VisibleGpus | None = None
+    ):
         self.profile, self.workdir, self.code = profile, workdir, code
+        self.gpus = gpus if gpus is not None else VisibleGpus.detect()
 
     def run(
         self,
         jobs: list[PlannedJob],
         parents_of: Callable[[PlannedJob], list[tuple[str, str]]],
-        on_start: Callable[[PlannedJob, str], None],
+        on_start: Callable[[PlannedJob, str, tuple[str, ...]], None],  # job, pid, its GPUs
         on_end: Callable[[PlannedJob, State, str], None],
     ) -> dict[str, State]:
         """Run `jobs` (dependency order) to the end. `parents_of` names each job's parents among them."""
+        # A job asking for more GPUs than there are would wait forever (launch.py refuses it earlier).
+        if problems := too_many_gpus(jobs, self.gpus, {}):
+            raise ConfigError(problems)
         states: dict[str, State] = {}
-        waiting, running = list(jobs), {}
+        waiting, running, pool = list(jobs), {}, GpuPool(self.gpus.ids)
         while waiting or running:
             for job in list(waiting):
                 verdict = self._ready(parents_of(job), states)
@@ -181,12 +194,16 @@ class LocalBackend:
                     states[job.id] = State.BLOCKED
                     on_end(job, State.BLOCKED, "a parent it needs failed")
                 elif verdict is State.PENDING and len(running) < self.profile.local_parallel_jobs:
+                    devices = pool.take(gpus_needed(job.resources.gpus, self.gpus))
+                    if devices is None:
+                        continue  # its GPUs are held by running jobs: it waits, as for a parallel slot
                     waiting.remove(job)
-                    running[job.id] = (job, self._start(job))
-                    on_start(job, running[job.id][1].job_id)
-            for job_id, (job, handle) in list(running.items()):
+                    running[job.id] = (job, self._start(job, devices), devices)
+                    on_start(job, running[job.id][1].job_id, devices)
+            for job_id, (job, handle, devices) in list(running.items()):
                 if handle.done():
                     del running[job_id]
+                    pool.give_back(devices)
                     states[job_id], reason = self.outcome(handle)
                     on_end(job, states[job_id], reason)
             time.sleep(0.2)
@@ -202,8 +219,15 @@ class LocalBackend:
                 return State.BLOCKED
         return State.PENDING
 
-    def _start(self, job: PlannedJob):
-        executor = submitit.LocalExecutor(folder=Path(self.profile.log_dir) / job.id)
+    def _start(self, job: PlannedJob, devices: tuple[str, ...]):
+        """Every task of the job sees all of `devices` (rank K uses cuda:K, as on SLURM); none: no GPU.
+
+        Each task is started by `python` below: `env` sets its CUDA_VISIBLE_DEVICES and execs Python.
+        submitit's own `visible_gpus` takes integer ids only (not the UUIDs a user may have set), and a
+        `setup` line would start the job through /bin/sh, where a bash that execs its last command makes
+        submitit take the launcher's pid for the job's id."""
+        python = f"env CUDA_VISIBLE_DEVICES={shlex.quote(','.join(devices))} {shlex.quote(sys.executable)}"
+        executor = submitit.LocalExecutor(folder=Path(self.profile.log_dir) / job.id, python=python)
         executor.update_parameters(
             timeout_min=job.resources.timeout_min, tasks_per_node=job.tasks, stderr_to_stdout=True
         )
