@@ -30,7 +30,7 @@ def record_examples(recipe: StageRecipe, seen: list[int]) -> None:
     inner = trainer.data_collator
 
     def collate(features):
-        seen.extend(f["index"] for f in features)
+        seen.extend(f["index"] for f in features if "index" in f)  # eval batches carry none
         return inner([{k: v for k, v in f.items() if k != "index"} for f in features])
 
     trainer.data_collator = collate

@@ -4,6 +4,10 @@
 from __future__ import annotations
 
 import json
+import os
+import socket
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -66,3 +70,38 @@ class StopAfter(threading.Event):
 
 def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(job, ranks: int = 2, timeout_s: float = 180) -> list[dict]:
+    """Run `job` (a TrainJob) as `ranks` processes on gloo, with the environment the SLURM wrapper exports
+    (tests/ddp_worker.py); each rank's {"outcome", "seen"}. A hang fails the test at the timeout."""
+    run_dir = Path(job.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    job_path = run_dir.parent / f"{run_dir.name}.job.json"
+    job_path.write_text(job.model_dump_json())
+    port, started = free_port(), []
+    for rank in range(ranks):
+        env = os.environ | {
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(ranks),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "OMP_NUM_THREADS": "1",  # several ranks on a small machine
+        }
+        out = run_dir.parent / f"{run_dir.name}.rank{rank}.json"
+        command = [sys.executable, "-m", "tests.ddp_worker", str(job_path), str(out)]
+        started.append((subprocess.Popen(command, cwd=ROOT, env=env), out))
+    try:
+        codes = [process.wait(timeout=timeout_s) for process, _ in started]
+    finally:
+        for process, _ in started:
+            process.kill()
+    assert codes == [0] * ranks, f"rank exit codes {codes}"
+    return [json.loads(out.read_text()) for _, out in started]

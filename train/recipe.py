@@ -40,6 +40,9 @@ Feature → config key:
   all ranks' GPUs) into metrics.jsonl and progress.json; nothing
   without a GPU or without NVML (train/gpu_use.py)                → (always)
 - fused AdamW                                                     → (always)
+- the loss (logged, trained on, evaluated) is the mean over the
+  target tokens of the global batch, whatever its split into
+  accumulation steps and ranks; eval's over the whole eval set     → (always)
 - activation (gradient) checkpointing, only when asked            → train.gradient_checkpointing
 - loss-only eval every N epochs, no generation, on the Trainer's
   epoch ends (a last short accumulation still steps)             → train.eval_every_epochs, data.eval
@@ -191,11 +194,72 @@ class SamplerEpoch(TrainerCallback):
             self.trainer.epoch_sampler.set_epoch(math.floor(state.epoch or 0))
 
 
-class CausalTrainer(ReproducibleSampling, Trainer):
+class TargetTokenLoss:
+    """The Trainer's compute_loss_func, for every model kind: a micro-batch's cross-entropy summed over its
+    target tokens, divided by num_items_in_batch, the Trainer's count of the target tokens of the whole
+    global batch (all accumulation steps; all ranks, gathered by average_tokens_across_devices, and the
+    Trainer's x world size on the loss undoes DDP's mean of the gradients). Summed over the accumulation
+    steps and ranks, loss and gradient are the token mean of the global batch.
+
+    Why not the model's own loss (issue 20): transformers 5 believes any forward taking **kwargs normalises
+    by num_items_in_batch (Trainer.__init__, model_accepts_loss_kwargs), and then neither divides by the
+    accumulation steps (training_step) nor drops its x world size (compute_loss). T5's forward takes
+    **kwargs but averages each micro-batch itself: its loss and gradient were grad_accum x ranks too large
+    (clipping at max_grad_norm then bit at a fraction of the true norm), its DDP eval loss doubled.
+    Qwen2.5-VL says it does not accept them: a mean of per-micro-batch means. Given a compute_loss_func,
+    the Trainer counts, gathers and scales alike for every model. Decoder-only predictions are shifted
+    (position i targets token i+1), as the Trainer counts them (labels[..., 1:] unless encoder-decoder)."""
+
+    def __init__(self, shifted: bool):
+        self.shifted = shifted
+        self.rows: torch.Tensor | None = None  # the last batch's (summed loss, target tokens) per example
+
+    def __call__(self, outputs, labels: torch.Tensor, num_items_in_batch=None) -> torch.Tensor:
+        logits = outputs["logits"]
+        if self.shifted:
+            labels = torch.nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
+        labels = labels.to(logits.device)
+        token_losses = torch.nn.functional.cross_entropy(
+            logits.float().flatten(0, -2), labels.flatten(), ignore_index=-100, reduction="none"
+        ).view(labels.shape)
+        targets = labels.ne(-100).sum(-1)
+        self.rows = torch.stack([token_losses.sum(-1), targets.to(token_losses.dtype)], -1).detach()
+        total = num_items_in_batch if num_items_in_batch is not None else targets.sum()
+        return token_losses.sum() / total
+
+
+class TokenMeanEval:
+    """Trainer mixin: eval_loss is the token mean over the whole eval set. The Trainer's own is a mean of
+    per-batch losses: it depends on the eval batch (2x the train batch, on each rank), and under DDP it
+    counts the examples a short last round repeats; gather_for_metrics leaves those out here."""
+
+    eval_tally: torch.Tensor | None = None  # (summed loss, target tokens) while an evaluation runs
+
+    def evaluation_loop(self, *args, metric_key_prefix: str = "eval", **kwargs):
+        self.eval_tally = torch.zeros(2, dtype=torch.float64, device=self.args.device)
+        try:
+            output = super().evaluation_loop(*args, metric_key_prefix=metric_key_prefix, **kwargs)
+            summed, tokens = self.eval_tally.tolist()
+        finally:
+            self.eval_tally = None
+        output.metrics[f"{metric_key_prefix}_loss"] = summed / tokens if tokens else float("nan")
+        return output
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        self.compute_loss_func.rows = None  # a batch without labels computes no loss
+        result = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+        if self.eval_tally is not None and self.compute_loss_func.rows is not None:
+            # Every rank is here at every eval step, with labels or not alike: a collective is safe.
+            rows = self.accelerator.gather_for_metrics(self.compute_loss_func.rows)
+            self.eval_tally += rows.sum(0).to(self.eval_tally)
+        return result
+
+
+class CausalTrainer(TokenMeanEval, ReproducibleSampling, Trainer):
     pass
 
 
-class Seq2SeqStageTrainer(ReproducibleSampling, Seq2SeqTrainer):
+class Seq2SeqStageTrainer(TokenMeanEval, ReproducibleSampling, Seq2SeqTrainer):
     pass
 
 
@@ -392,6 +456,7 @@ class StageRecipe:
             data_collator=collator,
             processing_class=self.tokenizer,
             callbacks=callbacks,
+            compute_loss_func=TargetTokenLoss(shifted=self.job.model.kind != "seq2seq"),
         )
 
     # ---- train ----------------------------------------------------------------------------------
@@ -511,6 +576,7 @@ class StageRecipe:
             tokens_per_example=round(per_example, 2),
             time=round(time.time(), 3),
             calibration=self.job.calibration,
+            gradient_checkpointing=train.gradient_checkpointing,
         )
         speeds.append(book, record)
 
