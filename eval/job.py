@@ -29,6 +29,7 @@ def run_eval(job: EvalJob, stop: threading.Event | None = None) -> dict | None:
     was set before every prediction was made: those made are kept, and the next run of this job generates
     only the rest (eval/predictions.py)."""
     from eval.generate import eval_placement, explicit_decoding, load_for_eval
+    from eval.score import fail_if_unscored
     from train.data import prompts_and_targets
 
     out = Path(job.out_dir)
@@ -63,6 +64,7 @@ def run_eval(job: EvalJob, stop: threading.Event | None = None) -> dict | None:
         **decoding,
     }
     write_atomic(out / "results.json", json.dumps(results, indent=1))  # the report may read it meanwhile
+    fail_if_unscored(results)  # before the predictions go: a rerun with the right eval.db only scores
     partial.discard()
     write_speed(job, placement.device_name, batches, loaded, generated)
     log.info("results: %s", {k: v for k, v in results.items() if isinstance(v, float)})
@@ -198,7 +200,13 @@ def run(args) -> int:
         print(f"error: {args.config}: not an eval job's config.yaml ({exc})", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    results = run_eval(job)
+    from eval.score import UnscoredError
+
+    try:
+        results = run_eval(job)
+    except UnscoredError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     print(json.dumps({k: v for k, v in results.items() if isinstance(v, float)}))
     print(f"wrote {Path(job.out_dir) / 'results.json'}")
     return 0

@@ -1,8 +1,10 @@
 """Scoring: `score()` for the eval job, and the `python -m eval score` subcommand over two JSONL files.
 
 Prediction rows are {"id": ..., "prediction": "..."}, reference rows {"id": ..., "reference": "..."}; rows
-pair up by id. A user mistake (missing file, bad line, unmatched ids, unknown metric) is one line on stderr,
-`error: <file>: <what> (hint)`, and exit code 2, never a traceback.
+pair up by id. A user mistake (missing file, bad line, unmatched ids, unknown metric, a database without
+tables) is one line on stderr, `error: <file>: <what> (hint)`, and exit code 2, never a traceback. So is a
+metric that could score no example (every gold query fails: the wrong database); the results written
+then leave that metric out and say why.
 """
 
 from __future__ import annotations
@@ -21,17 +23,29 @@ from rich.table import Table
 from eval.bertscore import BertScoreError
 from eval.metrics import text_metrics
 from eval.names import METRICS, SCORE_KEYS, TEXT_METRICS
-from eval.sql import NotADatabaseError, ReadOnlyDB, sql_metrics
+from eval.sql import NotADatabaseError, check_database, sql_metrics
 from train.files import write_atomic
 
 # The order results are written and shown in (eval/report.py lists its columns in the same order).
-RESULT_KEYS = ("n", *SCORE_KEYS, "sql_gold_errors")
+RESULT_KEYS = ("n", *SCORE_KEYS, "sql_gold_errors", "sql_unscored_reason")
 ID_TYPES = (str, int)
 
 
 class ScoreError(Exception):
     def __init__(self, file: str | os.PathLike, what: str, hint: str = ""):
         super().__init__(f"{file}: {what}" + (f" ({hint})" if hint else ""))
+
+
+class UnscoredError(RuntimeError):
+    """A metric asked for scored no example: results without it are not an eval's results."""
+
+
+def fail_if_unscored(results: dict) -> None:
+    """Raises UnscoredError when results leave a requested metric out (sql_exec whose every gold query
+    failed): a job or command that ends here must fail, not pass for a score of 0."""
+    reason = results.get("sql_unscored_reason")
+    if reason:
+        raise UnscoredError(f"sql_exec: {reason}; is that the database these queries were written for?")
 
 
 def score(
@@ -46,7 +60,8 @@ def score(
 ) -> dict:
     """Every requested metric (fractions in [0, 1]) and n. sql_exec runs both query lists against db; an
     example whose reference query fails is left out of the sql metrics and listed (by `ids`, default its
-    position) in sql_gold_errors, with a logged warning: one data bug does not void a whole eval.
+    position) in sql_gold_errors, with a logged warning: one data bug does not void a whole eval. When
+    every one fails the sql scores are absent and sql_unscored_reason says why (fail_if_unscored).
     bertscore scores with bertscore_model (eval/bertscore.py)."""
     unknown = [name for name in metrics if name not in METRICS]
     if unknown:
@@ -89,11 +104,11 @@ def parse_metrics(text: str, db: str | None, bertscore_model: str | None = None)
 
 def check_db(db: str) -> None:
     try:
-        ReadOnlyDB(db).close()
+        check_database(db)
     except FileNotFoundError:
         raise ScoreError(db, "no such file", "--db takes the SQLite file the queries run against") from None
     except NotADatabaseError as exc:
-        raise ScoreError(db, f"not a readable SQLite database: {exc.reason}", "check --db") from None
+        raise ScoreError(db, exc.reason, "check --db") from None
 
 
 def parse_row(line: str, field: str) -> tuple[str | int, str]:
@@ -238,4 +253,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     Console(width=max(100, Console().width)).print(results_table(results))
+    try:
+        fail_if_unscored(results)  # after --out is written: it says which metric is missing and why
+    except UnscoredError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     return 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sqlite3
 import subprocess
 import sys
@@ -56,15 +57,21 @@ def test_text_metrics_written_to_json(repo_root, tmp_path):
     assert "rouge_l" in done.stdout and "0.8636" in done.stdout  # the table shows it too
 
 
-def test_sql_exec_through_the_cli(repo_root, tmp_path):
-    db = tmp_path / "shop.sqlite"
-    conn = sqlite3.connect(db)
-    conn.execute("CREATE TABLE items (id INTEGER PRIMARY KEY, name TEXT, price INTEGER)")
-    conn.executemany(
-        "INSERT INTO items VALUES (?, ?, ?)", [(1, "apple", 3), (2, "pear", 5), (3, "fig", 5), (4, "kiwi", 2)]
-    )
-    conn.commit()
+SHOP = """
+CREATE TABLE items (id INTEGER PRIMARY KEY, name TEXT, price INTEGER);
+INSERT INTO items VALUES (1, 'apple', 3), (2, 'pear', 5), (3, 'fig', 5), (4, 'kiwi', 2);
+"""
+
+
+def make_db(path, script: str = SHOP):
+    conn = sqlite3.connect(path)
+    conn.executescript(script)
     conn.close()
+    return path
+
+
+def test_sql_exec_through_the_cli(repo_root, tmp_path):
+    db = make_db(tmp_path / "shop.sqlite")
     preds = {
         1: "SELECT name FROM items WHERE price = 5",
         2: "SELECT name FROM items WHERE price <= 3",
@@ -146,8 +153,8 @@ def test_database_mistakes(repo_root, tmp_path):
 
 def test_failing_reference_query_is_named_and_left_out(repo_root, tmp_path):
     # Today: exit 2 and no scores at all. Now the other examples are scored and the broken id is named.
-    db = tmp_path / "empty.sqlite"
-    sqlite3.connect(db).close()
+    db = tmp_path / "other.sqlite"
+    make_db(db, "CREATE TABLE other (x)")
     args = pair_files(
         tmp_path,
         {"q1": "SELECT 1", "q2": "SELECT 1", "q3": "SELECT 3"},
@@ -163,6 +170,92 @@ def test_failing_reference_query_is_named_and_left_out(repo_root, tmp_path):
     # Scored over q1 (right) and q3 (wrong) only: the denominator is 2, not 3.
     assert results["sql_exec_accuracy"] == 0.5 and results["n"] == 3
     assert not list(tmp_path.glob(".results.json.*"))  # written atomically: no temporary file left over
+
+
+def test_a_database_without_tables_is_refused_by_name(repo_root, tmp_path):
+    # Before: a 0-byte file was taken for a database, every gold query failed, and exec accuracy 0.0 with
+    # exit 0 read as a real score.
+    args = [*pair_files(tmp_path, {1: "SELECT 1"}, {1: "SELECT 1"}), "--metrics", "sql_exec", "--db"]
+    empty = tmp_path / "shop.db"
+    empty.touch()
+    out = tmp_path / "results.json"
+    done = run_score(repo_root, *args, str(empty), "--out", str(out))
+    assert_user_error(done, f"{empty}: no tables in it (the file is empty, 0 bytes)", "check --db")
+    assert not out.exists()
+
+
+def test_no_scorable_example_gives_no_sql_score_and_fails(repo_root, tmp_path):
+    # A database with tables, but not the one the queries were written for: every gold query fails.
+    db = make_db(tmp_path / "other.sqlite", "CREATE TABLE other (x)")
+    preds = {"q1": "SELECT name FROM items", "q2": "SELECT 1"}
+    refs = {"q1": "SELECT name FROM items", "q2": "SELECT count(*) FROM items"}
+    out = tmp_path / "results.json"
+    metrics = ["--metrics", "sql_exec,exact_match", "--db", str(db), "--out", str(out)]
+    done = run_score(repo_root, *pair_files(tmp_path, preds, refs), *metrics)
+    reason = f'no example could be scored: all 2 gold queries fail on {db} (id "q1": no such table: items)'
+    assert_user_error(done, f"error: sql_exec: {reason}; is that the database")
+    results = json.loads(out.read_text())  # written all the same: it says what is missing and why
+    assert results == {
+        "n": 2,
+        "exact_match": 0.5,
+        "sql_gold_errors": {"count": 2, "ids": ["q1", "q2"]},
+        "sql_unscored_reason": reason,
+    }
+
+
+HOSTILE = "SELECT " + ", ".join(["zeroblob(9e6)"] * 300)  # one row of 2.7 GB
+CAP_BYTES = 2**30  # the address space of the scoring process here: what a node or a container would give
+
+
+def test_a_hostile_prediction_is_one_wrong_example_and_the_others_score(repo_root, tmp_path):
+    # Before: MemoryError, a traceback and no scores at all (or, uncapped, gigabytes of the node's memory).
+    db = make_db(tmp_path / "shop.sqlite")
+    preds = {1: "SELECT name FROM items WHERE price = 5", 2: HOSTILE, 3: "SELECT name FROM items"}
+    refs = {
+        1: "SELECT name FROM items WHERE price = 5",
+        2: "SELECT name FROM items",
+        3: "SELECT name FROM items",
+    }
+    out = tmp_path / "results.json"
+    argv = [*pair_files(tmp_path, preds, refs), "--metrics", "sql_exec", "--db", str(db), "--out", str(out)]
+    capped = (
+        f"import resource, sys; resource.setrlimit(resource.RLIMIT_AS, ({CAP_BYTES}, {CAP_BYTES})); "
+        f"from eval.__main__ import main; sys.exit(main(['score', *{argv!r}]))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", capped], cwd=repo_root, capture_output=True, text=True, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    results = json.loads(out.read_text())
+    assert results["sql_exec_accuracy"] == pytest.approx(2 / 3)
+    assert results["sql_error_rate"] == pytest.approx(1 / 3)
+
+
+def test_an_empty_eval_db_is_refused_before_anything_is_queued(tmp_path, capsys):
+    import launch
+    from tests.conftest import write_cluster_yaml
+
+    configs = tmp_path / "configs"
+    configs.mkdir()
+    write_cluster_yaml(configs, tmp_path)
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"question": "q", "sql": "SELECT 1"}\n')
+    empty = tmp_path / "shop.db"
+    empty.touch()
+    (configs / "a.yaml").write_text(
+        "name: a\n"
+        "model: {name_or_path: org/some-model, kind: causal}\n"
+        f"data: {{train: {data}, eval: {data}, input_field: question, target_field: sql}}\n"
+        "train: {epochs: 1}\n"
+        f"eval: {{metrics: [sql_exec], db: {empty}}}\n"
+        'resources: {gpus: 1, cpus: 1, mem_gb: 1, time: "00:05:00"}\n'
+    )
+    code = launch.main(["--all", "--config-dir", str(configs), "--dry-run"])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    assert f"a.yaml:5: eval.db: {empty}: no tables in it (the file is empty, 0 bytes)" in err, err
+    assert "1 problem(s)" in err, err  # that one alone: the rest of the experiment is valid
+    assert not (tmp_path / "runs").exists()
 
 
 def test_score_function():
@@ -182,3 +275,36 @@ def test_scoring_modules_do_not_import_torch(repo_root):
         [sys.executable, "-c", code], cwd=repo_root, capture_output=True, text=True, check=True
     )
     assert done.stdout.strip() == "False"
+
+
+def test_an_eval_job_that_scores_nothing_fails_and_a_rerun_only_scores(tiny, tmp_path, repo_root):
+    from eval.job import run_eval
+    from eval.score import UnscoredError
+    from tests.train_helpers import make_job, model_spec, sql_data
+    from train.config import EvalJob
+    from train.recipe import run_stage
+
+    assert run_stage(make_job(tiny, tmp_path, max_steps=1)) == "completed"
+    wrong = make_db(tmp_path / "other.sqlite", "CREATE TABLE other (x)")
+    job = EvalJob(
+        experiment="t",
+        stage="s",
+        model=model_spec(tiny),
+        adapter={"rank": 8, "alpha": 16, "dropout": 0.0},
+        data=sql_data("easy", eval_split="dev"),
+        eval={"metrics": ["sql_exec"], "db": str(wrong), "limit": 4, "max_new_tokens": 4},
+        adapter_dir=str(tmp_path / "adapter"),
+        out_dir=str(tmp_path / "eval"),
+    )
+    reason = f"no example could be scored: all 4 gold queries fail on {wrong}"
+    with pytest.raises(UnscoredError, match=re.escape(reason)):
+        run_eval(job)
+    results = json.loads((tmp_path / "eval" / "results.json").read_text())
+    assert "sql_exec_accuracy" not in results and "no such table" in results["sql_unscored_reason"]
+    # The predictions are kept: with the right database the same job scores them without generating again.
+    right = job.model_copy(
+        update={"eval": job.eval.model_copy(update={"db": str(repo_root / "data/demo/shop.db")})}
+    )
+    results = run_eval(right)
+    assert results["predictions_kept"] == 4 and results["sql_gold_errors"]["count"] == 0
+    assert 0.0 <= results["sql_exec_accuracy"] <= 1.0

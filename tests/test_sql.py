@@ -1,14 +1,20 @@
-"""SQL execution scoring on a small real SQLite file: metrics by hand, read-only, time limit, row cap."""
+"""SQL execution scoring on a small real SQLite file: metrics by hand, read-only, time limit, row cap,
+bounded result size."""
 
 from __future__ import annotations
 
 import hashlib
+import json
+import re
 import sqlite3
+import subprocess
+import sys
 import time
 
 import pytest
 
 from eval.sql import (
+    MAX_RESULT_BYTES,
     TIMEOUT,
     ExecResult,
     ReadOnlyDB,
@@ -147,21 +153,22 @@ def test_failing_or_oversized_gold_is_left_out_and_named(db, caplog):
     assert 'id "q1": no such column: nope' in caplog.text and 'id "q4": too many rows' in caplog.text
 
 
-def test_all_gold_failing_scores_nothing(db):
-    scores = sql_metrics(["SELECT 1"], ["SELECT nope"], db, workers=0)
+def test_all_gold_failing_gives_no_score_and_the_reason_not_zeros(db, caplog):
+    # Before: accuracy 0.0 and error rate 0.0, which read as a real (bad) score of a model.
+    with caplog.at_level("WARNING", logger="eval.sql"):
+        scores = sql_metrics(["SELECT 1", "SELECT 2"], ["SELECT nope", "SELECT * FROM gone"], db, workers=0)
     assert scores == {
-        "sql_exec_accuracy": 0.0,
-        "sql_record_f1": 0.0,
-        "sql_error_rate": 0.0,
-        "sql_gold_errors": {"count": 1, "ids": [0]},
+        "sql_unscored_reason": f"no example could be scored: all 2 gold queries fail on {db} "
+        "(id 0: no such column: nope)",
+        "sql_gold_errors": {"count": 2, "ids": [0, 1]},
     }
+    assert "data bug" not in caplog.text  # the reason says it all; not a warning about a few bad rows
 
 
 def test_empty_and_mismatched_inputs(db):
-    assert rates(sql_metrics([], [], db)) == {
-        "sql_exec_accuracy": 0.0,
-        "sql_record_f1": 0.0,
-        "sql_error_rate": 0.0,
+    assert sql_metrics([], [], db) == {
+        "sql_unscored_reason": "no examples to score",
+        "sql_gold_errors": {"count": 0, "ids": []},
     }
     with pytest.raises(ValueError, match="pair up"):
         sql_metrics(["SELECT 1"], [], db)
@@ -174,6 +181,21 @@ def test_missing_or_foreign_database_is_a_clear_error(tmp_path):
     text.write_text("not a database, but long enough to have a header " * 10)
     with pytest.raises(ValueError, match="not a readable SQLite database"):
         execute_many(text, ["SELECT 1"], workers=0)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_database_without_tables_is_refused_not_scored_as_zero(tmp_path, workers):
+    # SQLite opens a 0-byte file as an empty database: every query failed, and the eval said 0.0.
+    empty = tmp_path / "empty.sqlite"
+    empty.touch()
+    with pytest.raises(ValueError, match=re.escape(f"{empty}: no tables in it (the file is empty, 0 bytes)")):
+        execute_many(empty, ["SELECT 1"] * 40, workers=workers)
+    emptied = tmp_path / "emptied.sqlite"
+    conn = sqlite3.connect(emptied)
+    conn.executescript("CREATE TABLE t (x); DROP TABLE t;")
+    conn.close()
+    with pytest.raises(ValueError, match=re.escape("no tables in it (an empty SQLite database)")):
+        sql_metrics(["SELECT 1"], ["SELECT 1"], emptied, workers=workers)
 
 
 DESTRUCTIVE = [
@@ -248,3 +270,94 @@ def test_row_cap(db):
     assert "too many rows" in capped.execute("SELECT * FROM items a, items b", 1.0).error
     assert len(capped.execute("SELECT * FROM items a, items b WHERE a.id > 1", 1.0).rows) == 12
     capped.close()
+
+
+ENDLESS_ROWS = "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c) SELECT x, 'some text' FROM c"
+
+
+def test_a_result_over_the_byte_bound_is_that_examples_error_only(db):
+    # 16 rows of 6 values each are ~6 KB as Python objects; 4 rows of one name are well under 2 KB.
+    preds = ["SELECT name FROM items", "SELECT * FROM items a, items b", "SELECT 1"]
+    golds = ["SELECT name FROM items", "SELECT name FROM items", "SELECT * FROM items a, items b"]
+    scores = sql_metrics(preds, golds, db, workers=0, max_bytes=2_000)
+    assert scores.pop("sql_gold_errors") == {"count": 1, "ids": [2]}  # a gold over it is left out, named
+    assert scores == {"sql_exec_accuracy": 1 / 2, "sql_record_f1": 1 / 2, "sql_error_rate": 1 / 2}
+    small = ReadOnlyDB(db, max_rows=10**9, max_bytes=2_000)
+    assert small.execute(preds[1], 1.0).error.startswith("result too large (more than 2,000 bytes")
+    # Counted as the rows come: an endless result stops at the bound, at once, not at the time limit.
+    start = time.monotonic()
+    assert small.execute(ENDLESS_ROWS, 30.0).error.startswith("result too large")
+    assert time.monotonic() - start < 5.0
+    assert small.execute(COUNT, 1.0) == ExecResult(((4,),))  # the connection still works
+    small.close()
+
+
+def test_the_deadline_covers_turning_rows_into_python_objects(db):
+    # Ten 5 MB blobs: SQLite runs a few dozen instructions (its progress handler, which holds the
+    # deadline, never runs), then turning them into bytes objects takes tens of milliseconds.
+    wide = "SELECT " + ", ".join(["zeroblob(5000000)"] * 10)
+    database = ReadOnlyDB(db)
+    assert database.execute(wide, timeout_s=0.001) == ExecResult(None, TIMEOUT)
+    assert len(database.execute(wide, timeout_s=30.0).rows[0]) == 10  # in time, the same query is fine
+    database.close()
+
+
+CAP_BYTES = 2**30  # the child's address space: what a node or a container gives the eval, here small
+WIDE_ROW = "SELECT " + ", ".join(["zeroblob(9e6)"] * 300)  # one row of 2.7 GB
+MANY_ROWS = (  # 120 rows of 9 MB, ~1 GB in all, each row small enough to be made
+    "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c WHERE x < 120) "
+    "SELECT zeroblob(9e6), x FROM c"
+)
+
+
+def run_capped(repo_root, code: str) -> dict:
+    """Runs `code` in a Python whose memory is capped at CAP_BYTES (its pool workers inherit the cap) and
+    returns the JSON it prints last, with its peak memory: an unbounded result fails there with
+    MemoryError instead of taking this machine's memory."""
+    prologue = (
+        f"import json, resource, sys\nresource.setrlimit(resource.RLIMIT_AS, ({CAP_BYTES}, {CAP_BYTES}))\n"
+    )
+    epilogue = (
+        "\nprint(json.dumps({'result': result, 'peak_mb': max(resource.getrusage(who).ru_maxrss "
+        "for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)) // 1024}))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", prologue + code + epilogue],
+        cwd=repo_root,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize(
+    ("hostile", "error"),
+    [
+        (WIDE_ROW, "out of memory: the query or one row of its result needs more than SQLite may hold"),
+        (MANY_ROWS, f"result too large (more than {MAX_RESULT_BYTES:,} bytes as Python objects by row 8)"),
+    ],
+    ids=["one-wide-row", "many-rows"],
+)
+def test_a_result_too_big_to_hold_is_one_failed_example_in_bounded_memory(
+    repo_root, db, hostile, error, workers
+):
+    # Before: MemoryError out of the whole scoring (or, without a cap, gigabytes of the node's memory).
+    code = (
+        "from eval.sql import sql_metrics, execute_many\n"
+        f"preds = [{hostile!r}, 'SELECT name FROM items WHERE price = 5', 'SELEC 1']\n"
+        "golds = ['SELECT name FROM items', 'SELECT name FROM items WHERE price = 5', 'SELECT 1']\n"
+        f"scores = sql_metrics(preds, golds, {str(db)!r}, workers={workers})\n"
+        f"errors = [r.error for r in execute_many({str(db)!r}, preds, workers={workers})]\n"
+        "result = {'scores': scores, 'errors': errors}"
+    )
+    ran = run_capped(repo_root, code)
+    scores, errors = ran["result"]["scores"], ran["result"]["errors"]
+    assert errors[0].startswith(error) and errors[1] is None and "syntax error" in errors[2]
+    assert scores["sql_exec_accuracy"] == pytest.approx(1 / 3)
+    assert scores["sql_error_rate"] == pytest.approx(2 / 3)
+    # Bounded, not merely caught at the cap: the result bound plus SQLite's heap bound, and a copy of it.
+    assert ran["peak_mb"] < 500, ran
