@@ -32,7 +32,8 @@ def one_line(folder: str) -> str:
     return folder
 
 
-MAIL_ADDRESS = re.compile(r"^[\w.+-]+@[\w-]+(\.[\w-]+)*$")
+# \Z, not $: `$` also matches before a final newline, which sbatch then refuses.
+MAIL_ADDRESS = re.compile(r"^[\w.+-]+@[\w-]+(\.[\w-]+)*\Z")
 
 
 def mail_address(value: str) -> str:
@@ -79,7 +80,8 @@ class ClusterProfile(BaseModel):
     )
     gpu_mem_gb: Annotated[float, Field(gt=0)] | dict[str, Annotated[float, Field(gt=0)]] | None = Field(
         None,
-        description="GPU memory per GPU, for preflight: one number, or by partition or constraint name "
+        description="GPU memory per GPU in GB (10^9 bytes, as GPUs are sold: an 80 GB H100 is 80, though "
+        "it holds 85.5 GB = 79.6 GiB), for preflight: one number, or by partition or constraint name "
         "(a 'default' entry for the rest)",
     )
 

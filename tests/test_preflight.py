@@ -186,6 +186,25 @@ def test_experiments_sharing_model_and_data_cost_one_preflight(
     assert json.loads(done.stdout) == results
 
 
+def test_a_job_that_gains_an_in_training_eval_is_estimated_again_not_read_from_the_cache(
+    repo_root, tiny, tmp_path, monkeypatch, capsys
+):
+    """The eval step (twice the batch, no gradients) has its own peak: an eval set or eval_every_epochs
+    added to a cached job changes what must fit."""
+    monkeypatch.chdir(repo_root)
+    monkeypatch.setenv("LORA_CACHE_DIR", str(tmp_path / "cache"))
+    folder = configs(tmp_path, repo_root, {"one": {}})
+    [without] = preflight_json(["--all", "--config-dir", str(folder)], capsys)
+    assert without["memory"]["eval_gb"] is None
+    evaluating = [f"data.eval={repo_root}/data/demo/sql/dev.jsonl", "train.eval_every_epochs=1"]
+    [with_eval] = preflight_json(["--all", "--config-dir", str(folder), *evaluating], capsys)
+    assert with_eval["memory"]["eval_batch_size"] == 16  # batch_size 8, evaluated at twice that
+    assert with_eval["memory_gb"] == round(
+        max(with_eval["memory"]["train_gb"], with_eval["memory"]["eval_gb"]), 3
+    )
+    assert len(list((tmp_path / "cache" / "preflight").glob("*.json"))) == 2
+
+
 def test_a_broken_cache_entry_is_recomputed_not_reported(repo_root, tiny, tmp_path, monkeypatch, capsys):
     """A half-written or stale entry (a crash, an older version's fields) is a miss, not a config error."""
     monkeypatch.chdir(repo_root)

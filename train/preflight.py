@@ -37,10 +37,13 @@ def model_config(name_or_path: str, revision: str | None):
     return AutoConfig.from_pretrained(name_or_path, revision=revision)
 
 
-def meta_model(job: TrainJob, dtype: torch.dtype = torch.float32, tokenizer=None):
+def meta_model(job: TrainJob, dtype: torch.dtype = torch.float32, tokenizer=None, layers: int | None = None):
     """(model, tokenizer): the adapted model as the job builds it (train/recipe.py load_model), with shapes
-    but no weights, and a copy of the tokenizer holding model.added_tokens, as the job's tokenizer does."""
+    but no weights, and a copy of the tokenizer holding model.added_tokens, as the job's tokenizer does.
+    `layers`: keep at most this many layers per stack (train/memory.py extrapolates from one and two)."""
     config = model_config(job.model.name_or_path, job.model.revision)
+    if layers is not None:
+        config = memory.shallow(config, layers)
     tokenizer = copy.deepcopy(tokenizer)
     with torch.device("meta"):
         model = model_class(job.model.kind).from_config(config, dtype=dtype)
@@ -157,10 +160,12 @@ def memory_shape(job: TrainJob, result: JobPreflight) -> dict | None:
         "max_length": length,
         "max_target_length": target or length,
         "gradient_checkpointing": job.train.gradient_checkpointing,
+        "grad_accum": job.train.grad_accum,
     }
 
 
 def judge_memory(result: JobPreflight, job: TrainJob, tokenizer) -> None:
+    """The larger of the training step and the in-training eval step against the GPU's memory."""
     shape = memory_shape(job, result)
     if shape is None:
         return
@@ -183,6 +188,7 @@ def estimate_for(job: TrainJob, shape: dict, tokenizer) -> memory.MemoryEstimate
             job.adapter.model_dump(),
             job.train.precision,
             shape,
+            evaluates(job),
             tokenizer_size(tokenizer),
         ],
         sort_keys=True,
@@ -200,15 +206,30 @@ def tokenizer_size(tokenizer) -> int | None:
 
 
 def measure_memory(job: TrainJob, shape: dict, tokenizer) -> memory.MemoryEstimate:
-    """Adapter weights are cast to the compute dtype as autocast would compute with them. QLoRA is
-    measured as LoRA over weights in the compute dtype: on a GPU its 4-bit layers compute in
-    bf16 under autocast, while on meta tensors prepare_model_for_kbit_training would upcast every weight
-    to fp32 (there is no autocast for meta tensors). Its weights are still counted at 4 bits."""
-    dtype = memory.weight_dtype(job.train.precision)
+    """QLoRA is built as LoRA over an unquantized base (meta tensors cannot be 4-bit); train/memory.py gives
+    it QLoRA's dtypes and counts its 4-bit weights."""
     as_lora = job.model_copy(update={"adapter": job.adapter.model_copy(update={"method": "lora"})})
-    model, _ = meta_model(as_lora, dtype, tokenizer)
-    model = model.to(dtype)  # adapter weights too: autocast computes their matmuls in the compute dtype
-    return memory.estimate(model, job.model.kind, job.adapter.method == "qlora", job.train.precision, shape)
+    dtype = memory.weight_dtype(job.train.precision)
+
+    def build(layers: int | None):
+        return meta_model(as_lora, dtype, tokenizer, layers)[0]
+
+    kind = job.model.kind
+    return memory.estimate(
+        build, kind, job.adapter, job.train.precision, shape, evaluates(job), trainer_loss(kind)
+    )
+
+
+def evaluates(job: TrainJob) -> bool:
+    """Whether the job runs in-training evals (train/recipe.py StageRecipe.evaluating)."""
+    return job.data.eval is not None and job.train.eval_every_epochs is not None
+
+
+def trainer_loss(kind: str):
+    """The trainer's own loss (its compute_loss_func), so the estimate computes the loss as the job does."""
+    from train.recipe import TargetTokenLoss
+
+    return TargetTokenLoss(shifted=kind != "seq2seq")
 
 
 def alternatives(job: TrainJob, shape: dict, tokenizer, gpu_mem_gb: float) -> list[str]:
@@ -229,7 +250,9 @@ def alternatives(job: TrainJob, shape: dict, tokenizer, gpu_mem_gb: float) -> li
 
 
 def accumulation_hint(job, shape, tokenizer, gpu_mem_gb: float, effective: int) -> list[str]:
-    batch = memory.largest_batch(estimate_for(job, shape, tokenizer), gpu_mem_gb)
+    # Accumulating, every gradient is held through the step: judged as such, whatever the number of steps.
+    accumulating = shape | {"grad_accum": max(2, shape["grad_accum"])}
+    batch = memory.largest_batch(estimate_for(job, accumulating, tokenizer), gpu_mem_gb)
     if batch < 1:
         return []
     accum = -(-effective // batch)

@@ -11,18 +11,20 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from functools import lru_cache
 from pathlib import Path
+
+from pydantic import TypeAdapter, ValidationError
 
 from slurm.problems import Problem
 from train import data as data_lib
 from train import hub_cache
 from train.config import TrainJob
-from train.files import read_json, write_json_atomic
+from train.files import read_json, warn_unreadable, write_json_atomic
 from train.hub_cache import TOKENIZER_FILES, fetch_command, first_line, missing_for, model_file
 
-CACHE_VERSION = 2  # bump whenever what a preflight computes changes
+CACHE_VERSION = 3  # bump whenever what a preflight computes changes
 
 
 @dataclass
@@ -44,7 +46,8 @@ class JobPreflight:
     truncated_inputs: int | None = None
     truncated_at: dict[str, int] = field(default_factory=dict)
     tokens_skipped: str | None = None
-    memory_gb: float | None = None
+    # GB = 10**9 bytes throughout (train/memory.py), as GPUs are sold and cluster.yaml's gpu_mem_gb is read
+    memory_gb: float | None = None  # the larger of the training step's and the in-training eval's peak
     memory: dict = field(default_factory=dict)
     gpu_mem_gb: float | None = None
     fits: bool | None = None  # None: no gpu_mem_gb for this job's partition, or no length to judge by
@@ -97,7 +100,10 @@ def cache_key(job: TrainJob, gpu_mem_gb: float | None) -> str:
         file_fingerprint(job.data.train),
         job.data.model_dump(exclude={"eval", "order", "num_workers"}),
         job.adapter.model_dump(),
-        job.train.model_dump(include={"batch_size", "grad_accum", "gradient_checkpointing", "precision"}),
+        job.train.model_dump(
+            include={"batch_size", "grad_accum", "gradient_checkpointing", "precision", "eval_every_epochs"}
+        ),
+        job.data.eval is not None,  # an in-training eval has its own peak
         gpu_mem_gb,
     ]
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:20]
@@ -109,15 +115,34 @@ def cached_preflight(job: TrainJob, gpu_mem_gb: float | None) -> JobPreflight:
     skipped for an `hf:` dataset is not (its arrival does not), so the next launch has the lengths."""
     path = data_lib.cache_root() / "preflight" / f"{cache_key(job, gpu_mem_gb)}.json"
     name = f"{job.experiment}/{job.stage}"
-    kept = read_json(path)  # None when missing, or unreadable (a crash mid-write before atomic writes)
-    if isinstance(kept, dict) and kept.keys() == JOB_PREFLIGHT_FIELDS:
-        return JobPreflight(**(kept | {"job": name}))
+    kept = read_json(path, expected=dict)  # None when missing or unreadable (named in a warning)
+    if kept is not None and kept.keys() == JOB_PREFLIGHT_FIELDS and (found := cached_result(kept, path)):
+        return replace(found, job=name)
     from train.preflight import preflight_job  # torch: only on a miss
 
     result = preflight_job(job, gpu_mem_gb)
     if result.tokens_skipped is None or not tokenizer_identity(job.model):
-        write_json_atomic(path, result.as_json())  # launches in parallel may write it; each write is whole
+        try:  # launches in parallel may write it; each write is whole
+            write_json_atomic(path, result.as_json())
+        except OSError as exc:  # a cache: the next launch computes it again
+            warn_unreadable(path, f"cannot be written ({exc.strerror})", "the next launch computes it again")
     return result
+
+
+def cached_result(kept: dict, path: Path) -> JobPreflight | None:
+    """The cached result if it is one (a hand edit or another version's file is not: a count of zero
+    parameters, a string where a number belongs), else None, the file named in a warning."""
+    try:
+        found = TypeAdapter(JobPreflight).validate_python(kept)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        why = f"{'.'.join(map(str, first['loc']))}: {first['msg']}"
+        warn_unreadable(path, f"not a preflight result ({why})", "computed again")
+        return None
+    if found.total_params <= 0 or found.trainable_params < 0:
+        warn_unreadable(path, f"counts {found.total_params} parameters", "computed again")
+        return None
+    return found
 
 
 JOB_PREFLIGHT_FIELDS = {f.name for f in fields(JobPreflight)}
@@ -200,18 +225,26 @@ def refusals(result: JobPreflight, where: str) -> list[Problem]:
             )
         )
     if result.fits is False:
-        others = "; ".join(result.alternatives) or "no other setting fits: use a larger GPU"
-        largest = (
-            f"the largest batch that fits is train.batch_size: {result.largest_batch}"
-            if result.largest_batch
-            else "not even train.batch_size: 1 fits"
-        )
-        found.append(
-            Problem(
-                where,
-                "train.batch_size",
-                f"{result.job}: a training step needs about {result.memory_gb:.1f} GB per GPU, over the "
-                f"{result.gpu_mem_gb:g} GB of this partition (gpu_mem_gb); {largest}. Or: {others}",
-            )
-        )
+        found.append(Problem(where, "train.batch_size", does_not_fit(result)))
     return found
+
+
+def does_not_fit(result: JobPreflight) -> str:
+    others = "; ".join(result.alternatives) or "no other setting fits: use a larger GPU"
+    largest = (
+        f"the largest batch that fits is train.batch_size: {result.largest_batch}"
+        if result.largest_batch
+        else "not even train.batch_size: 1 fits"
+    )
+    return (
+        f"{result.job}: {peak_step(result.memory)} needs about {result.memory_gb:.1f} GB per GPU, over the "
+        f"{result.gpu_mem_gb:g} GB of this partition (cluster.yaml gpu_mem_gb; GB = 10^9 bytes, as GPUs are "
+        f"sold: an 80 GB H100 is 80); {largest}. Or: {others}"
+    )
+
+
+def peak_step(memory: dict) -> str:
+    """Which step peaks: the training step, or the in-training eval at its larger batch."""
+    if (memory.get("eval_gb") or 0) > memory.get("train_gb", 0):
+        return f"its in-training eval (batch {memory['eval_batch_size']}, twice the training batch)"
+    return "a training step"

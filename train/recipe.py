@@ -101,8 +101,9 @@ from train.checkpoints import (
 from train.config import TrainJob
 from train.device import current as current_placement
 from train.device import gpu_uuid
-from train.files import write_atomic, write_json_atomic
+from train.files import read_jsonl, write_atomic, write_json_atomic
 from train.gpu_use import GpuSampler
+from train.memory import EVAL_BATCH_FACTOR
 from train.model import (
     adapter_differences,
     add_tokens,
@@ -348,14 +349,9 @@ class StageRecipe:
         path = self.run_dir / "metrics.jsonl"
         if not path.is_file():
             return
-        kept = []
-        for line in path.read_text().splitlines():
-            try:
-                if json.loads(line).get("step", 0) <= step:
-                    kept.append(line)
-            except ValueError:
-                continue  # a row cut by a kill mid-write
-        write_atomic(path, "".join(line + "\n" for line in kept))
+        rows = read_jsonl(path, {"step": int})  # a row cut by a kill, or unreadable, is left out
+        kept = [row for row in rows if isinstance(row.get("step"), int) and row["step"] <= step]
+        write_atomic(path, "".join(json.dumps(row) + "\n" for row in kept))
 
     def workers(self) -> int:
         wanted = self.job.data.num_workers
@@ -379,7 +375,8 @@ class StageRecipe:
             num_train_epochs=train.epochs,
             max_steps=train.max_steps or -1,  # when set, overrides epochs
             per_device_train_batch_size=train.batch_size,
-            per_device_eval_batch_size=train.batch_size * 2,  # no gradients: twice the batch fits
+            # No gradients: a larger batch fits; preflight estimates the eval step at this size.
+            per_device_eval_batch_size=train.batch_size * EVAL_BATCH_FACTOR,
             gradient_accumulation_steps=train.grad_accum,
             learning_rate=train.learning_rate,
             warmup_steps=train.warmup_ratio,  # a float below 1 is a ratio of the total steps

@@ -1,0 +1,192 @@
+"""Preflight's GPU memory estimate (train/memory.py) against what a step really holds.
+
+The measurements are real steps of real (small, random-weight) models on this CPU, held as a bf16 GPU holds
+them, with the allocator's peak read from torch.profiler (bench/preflight_memory.py, whose helpers these are):
+an estimate must cover what a measurement shows."""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import pytest
+
+from bench import preflight_memory as bench
+
+LLAMA = bench.ROOT / "models" / "tiny-llama" / "config.json"
+SMALL = {"from": LLAMA, "hidden_size": 64, "intermediate_size": 128}
+FULL_LM_HEAD = {"modules_to_save": ["lm_head"], "allow_full_modules": True, "max_trainable_percent": 100}
+CASES = {  # name → (kind, config changes, adapter, batch, length, gradient checkpointing[, grad_accum])
+    "large vocabulary": ("causal", SMALL | {"vocab_size": 32000}, {}, 4, 128, False),
+    # Checkpointing keeps each layer's input once and recomputes one layer at a time (each counted once).
+    "checkpointed, 4 layers": (
+        "causal",
+        SMALL | {"vocab_size": 8000, "num_hidden_layers": 4},
+        {},
+        4,
+        128,
+        True,
+    ),
+    "full lm_head in fp32": ("causal", SMALL | {"vocab_size": 8000}, FULL_LM_HEAD, 2, 64, False),
+    # The second micro-batch's backward finds every gradient (the lm_head copy's too) already there.
+    "full lm_head, accumulating": ("causal", SMALL | {"vocab_size": 8000}, FULL_LM_HEAD, 2, 64, False, 2),
+    "qlora": (
+        "causal",
+        SMALL | {"vocab_size": 8000, "hidden_size": 256, "intermediate_size": 512},
+        {"method": "qlora"},
+        2,
+        64,
+        False,
+    ),
+    "seq2seq": ("seq2seq", {"from": bench.ROOT / "models" / "tiny-t5" / "config.json"}, {}, 8, 64, False),
+}
+
+
+def case_job(tmp_path: Path, name: str):
+    kind, changes, adapter, batch, length, checkpointing, *accum = CASES[name]
+    targets = bench.T5_TARGETS if kind == "seq2seq" else bench.ALL_LINEAR
+    folder = bench.model_folder(tmp_path, "model", changes, kind)
+    adapter = {"rank": 8, "target_modules": targets} | adapter
+    return bench.bench_job(folder, kind, adapter, batch, checkpointing, *accum), length
+
+
+def estimate(job, length: int):
+    from train.preflight import measure_memory
+
+    shape = {
+        "batch_size": job.train.batch_size,
+        "max_length": length,
+        "max_target_length": length,
+        "gradient_checkpointing": job.train.gradient_checkpointing,
+        "grad_accum": job.train.grad_accum,
+    }
+    return measure_memory(job, shape, None)
+
+
+@pytest.fixture(scope="module")
+def measured_cases(tmp_path_factory) -> dict:
+    """name → (estimate, measured bytes): each case's model built, estimated and measured once."""
+    found = {}
+    for name in CASES:
+        job, length = case_job(tmp_path_factory.mktemp(name.replace(" ", "-")), name)
+        found[name] = estimate(job, length), bench.measured(job, length)
+    return found
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_the_estimate_covers_the_whole_training_step_not_only_what_the_forward_saves(name, measured_cases):
+    """Weights, trainable state and the step's own peak (the loss's fp32 logits and log-softmax, the
+    backward's logits-sized gradients, autocast's copies) against the allocator's peak over forward, loss,
+    backward and the AdamW step: within 15%, never under by more than 5%."""
+    from train.memory import GB
+
+    predicted, actual = measured_cases[name]
+    step = (predicted.weights_gb + predicted.trainable_state_gb + predicted.activations_gb) * GB
+    assert -0.05 <= step / actual["train"] - 1 <= 0.15, (name, step, actual)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_the_in_training_eval_at_twice_the_batch_is_estimated(name, measured_cases):
+    from train.memory import CUDA_RESERVE_GB, EVAL_BATCH_FACTOR, GB
+
+    predicted, actual = measured_cases[name]
+    assert predicted.eval_batch_size == EVAL_BATCH_FACTOR * CASES[name][3]
+    step = (predicted.eval_gb - CUDA_RESERVE_GB) * GB
+    assert -0.05 <= step / actual["eval"] - 1 <= 0.15, (name, step, actual)
+    assert predicted.total_gb == max(predicted.train_gb, predicted.eval_gb)
+
+
+@pytest.mark.parametrize("double_quant", [True, False])
+def test_qlora_weights_are_counted_as_held_fp32_upcasts_and_4bit_constants(double_quant, tmp_path):
+    """prepare_model_for_kbit_training holds embeddings, lm_head and norms in fp32 (not the load dtype),
+    and a 4-bit weight's constants depend on double quantization: to the byte, as bitsandbytes holds them."""
+    kind, changes, adapter, batch, length, _ = CASES["qlora"]
+    folder = bench.model_folder(tmp_path, "model", changes, kind)
+    adapter = {"rank": 8, "target_modules": "all-linear", "method": "qlora", "double_quant": double_quant}
+    job = bench.bench_job(folder, kind, adapter, batch, False)
+    held = bench.held_bytes(bench.weight_tensors(bench.real_model(job), trainable=False))
+    from train.memory import GB
+
+    assert estimate(job, length).weights_gb * GB == pytest.approx(held, rel=1e-6)
+
+
+def test_memory_is_in_decimal_gb_as_cluster_yaml_and_nvml_readings_are():
+    """One unit: an "80 GB" H100 written as gpu_mem_gb: 80 must not be filled by a step of 79.9 GiB
+    (85.8 GB), and preflight's figures compare with the GPU readings status shows (train/gpu_use.py)."""
+    from train import gpu_use, memory
+    from train.preflight_check import JobPreflight, refusals
+
+    assert memory.GB == gpu_use.GB == 10**9
+    step = 79.9 * 2**30 / memory.GB  # 79.9 GiB
+    result = JobPreflight("e/s", 1.0, 1, 100, {}, 100.0, memory_gb=step, gpu_mem_gb=80, fits=False)
+    result.memory = {"train_gb": step}
+    [problem] = refusals(result, "e.yaml")
+    assert "needs about 85.8 GB per GPU, over the 80 GB" in problem.message
+    assert "GB = 10^9 bytes" in problem.message
+
+
+def test_preflight_evaluates_at_the_batch_the_trainer_evaluates_at(tiny, tmp_path):
+    from tests.train_helpers import make_job, sql_data
+    from train.memory import EVAL_BATCH_FACTOR
+    from train.recipe import StageRecipe
+
+    job = make_job(tiny, tmp_path / "run", data=sql_data(eval_split="dev"), eval_every_epochs=1, batch_size=3)
+    recipe = StageRecipe(job, threading.Event())
+    recipe.setup()
+    assert recipe.training_arguments().per_device_eval_batch_size == EVAL_BATCH_FACTOR * 3
+
+
+def test_a_job_whose_eval_step_does_not_fit_is_refused_naming_the_eval(tmp_path):
+    """A logits-heavy job: its training step fits, its in-training eval (twice the batch) does not."""
+    from train.preflight import preflight_job
+    from train.preflight_check import refusals
+
+    kind, changes, _, batch, length, _ = CASES["large vocabulary"]
+    folder = bench.model_folder(tmp_path, "model", changes, kind)
+    job = bench.bench_job(folder, kind, {"rank": 8, "target_modules": "all-linear"}, batch, False)
+    job = job.model_copy(update={"data": job.data.model_copy(update={"max_length": length})})
+    memory = preflight_job(job, None).memory
+    assert memory["eval_gb"] > memory["train_gb"]  # the case this test is about
+    gpu = round((memory["train_gb"] + memory["eval_gb"]) / 2, 6)
+    result = preflight_job(job, gpu)
+    assert result.fits is False and result.largest_batch < batch
+    [problem] = refusals(result, "e.yaml")
+    assert (
+        f"its in-training eval (batch {2 * batch}, twice the training batch) needs about" in problem.message
+    )
+
+
+def qwen_7b(tmp_path: Path) -> Path:
+    """Qwen2.5-7B's config.json (its published shapes)."""
+    config = json.loads((bench.QWEN.parent / "config.json").read_text()) | {
+        "hidden_size": 3584,
+        "intermediate_size": 18944,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 28,
+        "num_key_value_heads": 4,
+        "max_window_layers": 28,
+        "vocab_size": 152064,
+        "tie_word_embeddings": False,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return tmp_path
+
+
+def test_a_7b_job_with_qwens_vocabulary_at_4x2048_is_not_admitted_on_an_80_gb_gpu(tmp_path):
+    """Its logits alone are 4 × 2048 × 152k: the loss's fp32 copy, log-softmax and gradients are tens of GB
+    beyond what the forward saves. Before: admitted, then out of memory after its queue wait."""
+    from train.preflight import preflight_job
+
+    job = bench.bench_job(qwen_7b(tmp_path), "causal", {"rank": 16, "target_modules": "all-linear"}, 4, False)
+    job = job.model_copy(update={"data": job.data.model_copy(update={"max_length": 2048})})
+    result = preflight_job(job, 80)
+    assert result.fits is False and result.memory["train_gb"] > 80
+
+
+def test_qlora_7b_weights_count_what_prepare_model_for_kbit_training_holds(tmp_path):
+    """Qwen2.5-7B under QLoRA: embeddings and lm_head (2 × 545M) in fp32, 6.5B 4-bit weights with their
+    double-quantized constants, norms and biases in fp32: 7.7 GB (7.2 GiB), not 5.5 GB (5.12 GiB)."""
+    job = bench.bench_job(qwen_7b(tmp_path), "causal", {"method": "qlora", "rank": 16}, 1, False)
+    weights = estimate(job, 64).weights_gb
+    assert 7.6 < weights < 7.8, weights
