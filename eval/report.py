@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import csv
 import io
-import json
 from pathlib import Path
 
 import yaml
 
 from eval.names import REPORT_COLUMNS
-from train.files import write_atomic
+from train.files import read_json, read_jsonl, write_atomic
 
 COLUMNS = (
     "experiment",
@@ -39,25 +38,29 @@ COLUMNS = (
 )
 
 
-def read_json(path: Path):
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
+# What the report takes from each file, and the kind each must hold (train/files.py: a file or key of
+# another shape is named in a warning and left out, never a traceback).
+SUMMARY_FIELDS = {
+    "train_runtime_s": float,
+    "num_input_tokens_seen": float,
+    "best_eval_loss": float,
+    "trainable_percent": float,
+    "device": str,
+}
+RESULTS_FIELDS = {"split": str, "adapter_changes_output": bool, **dict.fromkeys(REPORT_COLUMNS, float)}
+METRICS_FIELDS = {"step": int, "loss": float, "eval_loss": float, "gpu_util_percent": float}
+
+
+def read_summary(run_dir: str | Path) -> dict:
+    return read_json(Path(run_dir) / "summary.json", {}, expected=dict, fields=SUMMARY_FIELDS)
+
+
+def read_results(run_dir: str | Path) -> dict:
+    return read_json(Path(run_dir) / "results.json", {}, expected=dict, fields=RESULTS_FIELDS)
 
 
 def read_metrics(path: Path) -> list[dict]:
-    rows = []
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except OSError:
-        return rows
-    for line in lines:
-        try:
-            rows.append(json.loads(line))
-        except ValueError:
-            continue  # a line cut by a kill mid-write
-    return rows
+    return read_jsonl(path, METRICS_FIELDS)
 
 
 JOB_COLUMNS = (
@@ -79,7 +82,7 @@ def job_row(job, states: dict[str, str], used) -> dict:
     """One job's use of the cluster: what it held (`used`: a JobUsage of slurm/usage.py, or None), and for
     a training stage its Trainer clock and speed: where a curriculum's time went."""
     train = job.kind == "train"
-    summary = (read_json(Path(job.run_dir) / "summary.json") or {}) if train else {}
+    summary = read_summary(job.run_dir) if train else {}
     ended = summary or (not train and (Path(job.run_dir) / "results.json").is_file())
     runtime_s = summary.get("train_runtime_s") or 0
     return {
@@ -115,11 +118,11 @@ def experiment_row(plan, experiment: str, states: dict[str, str], job_rows: dict
     jobs = [j for j in plan.jobs if j.experiment == experiment]
     train_jobs = [j for j in jobs if j.kind == "train"]
     first = train_jobs[0].spec
-    summaries = [read_json(Path(j.run_dir) / "summary.json") or {} for j in train_jobs]
+    summaries = [read_summary(j.run_dir) for j in train_jobs]
     runtime_s = sum(s.get("train_runtime_s") or 0 for s in summaries)
     losses = [s["best_eval_loss"] for s in summaries if s.get("best_eval_loss") is not None]
     eval_job = next((j for j in jobs if j.id == f"{experiment}/eval"), None)
-    results = (read_json(Path(eval_job.run_dir) / "results.json") if eval_job else None) or {}
+    results = read_results(eval_job.run_dir) if eval_job else {}
     row = {
         "experiment": experiment,
         "status": status_text(jobs, states, bool(results)),
@@ -177,9 +180,7 @@ def split_marker(results: dict) -> str | None:
 def status_text(jobs, states: dict[str, str], has_results: bool) -> str:
     if has_results:
         flagged = any(
-            (read_json(Path(j.run_dir) / "results.json") or {}).get("adapter_changes_output") is False
-            for j in jobs
-            if j.kind == "eval"
+            read_results(j.run_dir).get("adapter_changes_output") is False for j in jobs if j.kind == "eval"
         )
         return "complete (adapter did not change outputs!)" if flagged else "complete"
     bad = [

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from rich.console import Console
@@ -16,8 +18,10 @@ from slurm.estimate import record_exact_tokens
 from slurm.experiments import load_experiments, load_watchable_experiments, parse_overrides
 from slurm.launcher import (
     LaunchError,
+    adopt_unrecorded,
     decide,
     hold_all_but,
+    refuse_crossing_backends,
     run_locally,
     submit_pack,
     submit_to_slurm,
@@ -33,17 +37,48 @@ from slurm.states import State
 from slurm.status import plan_status
 from slurm.yamlfile import find_inherited
 from train.config import TIME_FORMAT
+from train.files import forget_warnings
 
 # Tables stay readable when piped to a file or a CI log (rich would fold them to 80 columns).
 out = Console(width=max(160, Console().width))
 err = Console(stderr=True, width=max(160, Console().width))
-SKIPPED = {"done": "COMPLETED (done)", "queued": "already queued", "held": "not retried"}
+SKIPPED = {
+    "done": "COMPLETED (done)",
+    "queued": "already queued",
+    "running": "still running (an earlier launch)",
+    "held": "not retried",
+}
 POLL_S = float(os.environ.get("LAUNCH_POLL_S", "5"))
 
 
+# What a read-only, full or hand-altered run folder raises where a command writes (the report, the launch
+# lock, a job's record): a sentence naming the file, exit 1, never a traceback.
+WRITE_REFUSALS = {
+    errno.EACCES,
+    errno.EPERM,
+    errno.EROFS,
+    errno.ENOSPC,
+    errno.EDQUOT,
+    errno.EFBIG,
+    errno.EISDIR,
+    errno.ENOTDIR,
+}
+
+
 def run(args) -> int:
+    forget_warnings()  # each command names every unreadable file it meets, even in one process
     try:
         return dispatch(args)
+    except OSError as exc:
+        if exc.errno not in WRITE_REFUSALS:
+            raise
+        err.print(
+            f"[red]error:[/] cannot write {exc.filename or 'a file'} ({exc.strerror}): its folder is read-only or full, "
+            "or a folder stands where this file belongs; fix that and run the command again",
+            highlight=False,
+            soft_wrap=True,
+        )
+        return 1
     except ConfigError as exc:
         for problem in exc.warnings:
             err.print(f"[yellow]warning:[/] {problem}", highlight=False, soft_wrap=True)
@@ -51,9 +86,12 @@ def run(args) -> int:
             err.print(f"[red]error:[/] {problem}", highlight=False, soft_wrap=True)
         err.print(f"{len(exc.problems)} problem(s); nothing was submitted.", highlight=False)
         return 2
-    except LaunchError as exc:
+    except LaunchError as exc:  # Interrupted (Ctrl-C) too: what was left queued or stopped, exit 130
         err.print(f"[red]error:[/] {exc}", highlight=False, soft_wrap=True)
-        return 1
+        return exc.exit_code
+    except KeyboardInterrupt:
+        err.print("interrupted (Ctrl-C)", highlight=False)
+        return 130
 
 
 def dispatch(args) -> int:
@@ -212,9 +250,14 @@ def watch(args, profile) -> int:
     experiments, warnings = load_watchable_experiments(
         args.config_dir, parse_overrides(args.overrides), args.exp
     )
+    if args.cancel and (unknown := [p for p in warnings if p.file == "command line"]):
+        raise ConfigError([replace(p, warning=False) for p in unknown])  # a cancel that cancels nothing
     for problem in warnings:
         err.print(f"[yellow]warning:[/] {problem} (skipped)", highlight=False, soft_wrap=True)
     plan = build_plan(experiments, profile)
+    if args.status or args.cancel:  # a submission whose launch died before recording it: seen, cancellable
+        for line in adopt_unrecorded(plan, forget_missing=False):
+            err.print(line, highlight=False, soft_wrap=True)
     if args.status:
         return show_status(plan, profile)
     if args.tail:
@@ -302,6 +345,8 @@ def submit(plan: Plan, profile, args, pack: tuple[int, str] | None = None) -> in
 
     backend_name = backend_of(args)
     with launch_lock(Path(profile.run_dir), waiting):
+        for line in adopt_unrecorded(plan, forget_missing=True):
+            err.print(line, highlight=False, soft_wrap=True)
         decisions = decide(plan, force=args.force)
         if args.retry_failed:
             failed = {
@@ -310,11 +355,14 @@ def submit(plan: Plan, profile, args, pack: tuple[int, str] | None = None) -> in
                 if r.state.failed or r.state is State.UNKNOWN
             }
             decisions = hold_all_but(decisions, with_dependents(plan, failed))
+        refuse_crossing_backends(decisions, backend_name)
         todo = [d for d in decisions if d.action == "submit"]
         skipped = {d.job.id: SKIPPED[d.action] for d in decisions if d.action != "submit"}
-        if not todo:
+        # A local job an earlier launch left running is waited for here, as if this launch had started it.
+        adopting = backend_name == "local" and any(d.action == "running" for d in decisions)
+        if not todo and not adopting:
             out.print(plan_table(plan, skipped))
-            out.print("Nothing to submit: every job is done or already queued.")
+            out.print("Nothing to submit: every job is done, already queued or still running.")
         elif pack and backend_name == "local" and args.pack is None:
             return run_here(plan, profile, decisions, take_snapshot(Path(profile.log_dir)))  # cluster.yaml's
         elif pack and backend_name == "local":
@@ -371,9 +419,12 @@ def run_here(plan: Plan, profile, decisions, code) -> int:
         out.print(line, highlight=False, soft_wrap=True)
 
     todo = [d for d in decisions if d.action == "submit"]
+    earlier = sum(d.action == "running" for d in decisions)
     backend = LocalBackend(profile, Path.cwd(), code)
     out.print(
-        f"Running {len(todo)} job(s) locally, {profile.local_parallel_jobs} at a time, on "
+        f"Running {len(todo)} job(s) locally"
+        + (f" (and waiting for {earlier} an earlier launch started)" if earlier else "")
+        + f", {profile.local_parallel_jobs} at a time, on "
         f"{backend.gpus.describe()}; logs in {profile.log_dir}/",
         highlight=False,
         soft_wrap=True,
@@ -437,19 +488,28 @@ def cancel(plan: Plan, log_root: str, sharing: dict[str, list[str]] | None = Non
             for pack in shared
         ]
         raise ConfigError(problems)
-    cancel_rows(live, log_root)
-    out.print(f"Cancelled {len(live)} job(s): " + (", ".join(r.job.id for r in live) or "none was queued"))
+    running = cancel_rows(live, log_root)
+    done = [r.job.id for r in live if r.job.id not in running]
+    out.print(f"Cancelled {len(done)} job(s): " + (", ".join(done) or "none was queued"))
+    if running:
+        err.print(f"[red]error:[/] could not be stopped, still running: {', '.join(running)}")
+        return 1
     return 0
 
 
-def cancel_rows(rows, log_root: str) -> None:
-    """Through submitit (scancel), or by stopping the local process, as each job.json record says."""
+def cancel_rows(rows, log_root: str) -> list[str]:
+    """Through submitit (scancel), or by stopping the local processes for sure, as each job.json record
+    says; returns the plan ids of local jobs whose processes still run after every signal. A local job is
+    noted cancelled first: its launcher, if alive, then sees it cancelled, not failed, and starts nothing
+    new."""
     from slurm.rundir import current_job, mark_cancelled
     from slurm.scheduler import cancel as cancel_jobs
     from slurm.scheduler import scheduler_job
 
     records = {r.job.id: current_job(Path(r.job.run_dir)) for r in rows}
-    cancel_jobs([scheduler_job(log_root, r.job.id, records[r.job.id]) for r in rows])
     for row in rows:
         if records[row.job.id].get("backend") == "local":
-            mark_cancelled(Path(row.job.run_dir))
+            mark_cancelled(Path(row.job.run_dir), records[row.job.id]["job_id"])
+    jobs = {r.job.id: scheduler_job(log_root, r.job.id, records[r.job.id]) for r in rows}
+    still = set(cancel_jobs(list(jobs.values())))
+    return [job_id for job_id, job in jobs.items() if str(job.job_id) in still]

@@ -37,9 +37,10 @@ from typing import Literal
 
 from slurm import guesses
 from slurm.experiments import read_examples
+from train import layout
 from train.config import DataSpec, EvalJob, TrainJob, TrainSpec
 from train.examples import TextSize
-from train.files import read_json, write_json_atomic
+from train.files import is_kind, read_json, warn_unreadable, write_json_atomic
 from train.hub_cache import TOKENIZER_FILES
 from train.speeds import FILE, EvalSpeedRecord, SpeedRecord, read_book, read_eval_book
 
@@ -55,7 +56,7 @@ ROUND_S = 300
 # "measured", "calibrated", "guess", "unknown"; a measured or calibrated row from another GPU model adds
 # " (scaled from MODEL)".
 Source = str
-TOKENS_FILE = "preflight-tokens.json"
+TOKENS_FILE = layout.PREFLIGHT_TOKENS
 
 
 @dataclass(frozen=True)
@@ -100,14 +101,23 @@ def exact_key(spec: TrainJob) -> str:
 
 
 def read_exact_tokens(run_root: str | Path) -> dict[str, DataTokens]:
-    kept = read_json(Path(run_root) / TOKENS_FILE)
-    if not isinstance(kept, dict):
-        return {}
-    return {
-        k: DataTokens(**v)
+    """Entries of another shape, or with no example or token (the estimates divide by both), are left
+    out, the file named in a warning (train/files.py)."""
+    path = Path(run_root) / TOKENS_FILE
+    kept = read_json(path, {}, expected=dict)
+    found = {
+        k: DataTokens(v["examples"], v["tokens"])
         for k, v in kept.items()
-        if isinstance(v, dict) and v.keys() == {"examples", "tokens"}
+        if is_kind(v, dict)
+        and v.keys() == {"examples", "tokens"}
+        and is_kind(v["examples"], int)
+        and is_kind(v["tokens"], float)
+        and v["examples"] > 0
+        and 0 < v["tokens"] < math.inf
     }
+    if len(found) < len(kept):
+        warn_unreadable(path, f"{len(kept) - len(found)} entries are not a count of examples and tokens")
+    return found
 
 
 def record_exact_tokens(run_root: str | Path, counted: Iterable[tuple[TrainJob, int, int]]) -> None:

@@ -12,9 +12,19 @@ from pathlib import Path
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from eval.sql import NotADatabaseError, check_database
 from slurm.problems import ConfigError, Problem, did_you_mean
 from slurm.profile import ClusterProfile
-from slurm.yamlfile import YamlFile, YamlProblem, command_line_files, deep_merge, load_chain, where
+from slurm.yamlfile import (
+    COMMAND_LINE,
+    YamlFile,
+    YamlProblem,
+    command_line_files,
+    deep_merge,
+    load_bounded,
+    load_chain,
+    where,
+)
 from train.config import DataSpec, Experiment, StageSpec, TrainSpec
 from train.examples import ExampleError, TextSize, check_file, needed_fields
 
@@ -66,9 +76,11 @@ def parse_overrides(items: list[str]) -> dict:
                 [Problem("command line", item, "an override is KEY.PATH=VALUE, e.g. train.epochs=2")]
             )
         try:
-            value = yaml.safe_load(raw)
+            value = load_bounded(raw, COMMAND_LINE)[1]
         except yaml.YAMLError:
             value = raw
+        except YamlProblem as exc:  # an alias bomb typed on the command line costs as much as one in a file
+            raise ConfigError([replace(exc.problem, key=key, line=None)]) from None
         for part in reversed(key.split(".")):
             value = {part: value}
         merged = deep_merge(merged, value)
@@ -144,7 +156,8 @@ def load_watchable_experiments(
         message = f"no experiment named '{name}' loads" + did_you_mean(name, known)
         problems.append(Problem("command line", "--exp", message))
     selected = [e for e in loaded if not names or e.name in names]
-    return selected, [replace(p, warning=True) for p in problems if not p.warning]
+    # A broken fragment is one warning, not one per experiment file that inherits it.
+    return selected, [replace(p, warning=True) for p in dict.fromkeys(problems) if not p.warning]
 
 
 def validate_experiment(raw: dict, chain: list[YamlFile]) -> tuple[Experiment | None, list[Problem]]:
@@ -250,10 +263,21 @@ def check_files(experiment: Experiment, stages: list[Stage], chain: list[YamlFil
                 problems.append(Problem(file, ".".join(map(str, key)), f"file not found: {value}", line))
             elif spec is not None:
                 problems += check_examples(Path(value), spec, ".".join(map(str, key)))
+            elif key == ("eval", "db"):
+                problems += unusable_db(value, file, line)
     problems += missing_model_folder(("model", "name_or_path"), experiment.model.name_or_path, chain)
     if "bertscore" in experiment.eval.metrics:
         problems += missing_model_folder(("eval", "bertscore_model"), experiment.eval.bertscore_model, chain)
     return problems
+
+
+def unusable_db(path: str, file: str, line: int | None) -> list[Problem]:
+    """eval.db must be SQLite with tables: on an empty file every gold query fails and nothing is scored."""
+    try:
+        check_database(path)
+    except (NotADatabaseError, OSError) as exc:
+        return [Problem(file, "eval.db", str(exc), line)]
+    return []
 
 
 def missing_model_folder(key: tuple, name: str, chain: list[YamlFile]) -> list[Problem]:

@@ -29,7 +29,7 @@ from submitit.core.utils import JobPaths
 
 from slurm.jobs import StopRequest, _configure_logging
 from slurm.redact import redact_job_output
-from slurm.rundir import done_hash, read_json
+from slurm.rundir import done_hash, read_lane
 from train.files import write_atomic
 
 log = logging.getLogger("slurm.lanes")
@@ -133,7 +133,7 @@ class Lanes:
             if done_hash(run_dir) == unit["config_hash"]:
                 self.state[uid] = "done"
                 continue
-            lane = read_json(run_dir / "lane.json", {}) or {}
+            lane = read_lane(run_dir)
             if str(lane.get("pack_job")) != str(self.job_id):
                 continue
             if lane.get("state") in ("failed", "blocked"):

@@ -16,7 +16,9 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-LOCK_NAME = ".launch.lock"
+from train.layout import LAUNCH_LOCK
+
+LOCK_NAME = LAUNCH_LOCK
 
 
 @contextmanager

@@ -21,6 +21,7 @@ from slurm.estimate import Estimate, Estimator, auto_time_limit_s
 from slurm.experiments import LoadedExperiment
 from slurm.problems import ConfigError, Problem
 from slurm.profile import ClusterProfile
+from train import layout
 from train.config import EvalJob, Resources, TrainJob, slurm_time
 
 DependencyKind = Literal["afterok", "afterany"]
@@ -162,7 +163,7 @@ def calibration_plan(plan: Plan, steps: int, estimator: Estimator | None = None)
     jobs = []
     for name in plan.experiments():
         first = next(j for j in plan.jobs if j.experiment == name and j.kind == "train")
-        stage = f"{first.stage}-calibrate"
+        stage = layout.calibration_folder(first.stage)
         train = first.spec.train.model_copy(
             update={"max_steps": steps, "eval_every_epochs": None, "early_stopping": None}
         )
@@ -249,7 +250,7 @@ def experiment_jobs(
         jobs.append(previous)
         is_last = stage is loaded.stages[-1]
         if exp.eval.metrics and (is_last or exp.eval.after_each_stage):
-            name = "eval" if is_last else f"eval-{stage.name}"
+            name = layout.eval_folder(stage.name, is_last)
             jobs.append(eval_job(exp, stage, previous, name, resources, profile, {**known, **_ids(jobs)}))
     return jobs
 

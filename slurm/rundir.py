@@ -1,21 +1,32 @@
 """The run directory of one job, `runs/EXP/STAGE/`: what the launcher writes and reads there.
 
 config.yaml    the resolved spec the job runs (written at submission)
-job.json       every scheduler job id this folder ever had, oldest first, with the code it ran
+job.json       every scheduler job id this folder ever had, oldest first, with the code it ran; while a
+               submission is under way, its intent (`submitting`: the token its SLURM comment carries)
 progress.json  step / total / loss / ETA / GPU use, rewritten by the trainer while it runs
 lane.json      for a unit of a packed allocation: its lane, GPU and how it ended (slurm/lanes.py)
 DONE           the config hash, written last: a stage with a matching DONE never runs again
+
+Its readers tolerate what a crash, a full disk or a hand edit leaves (train/files.py): the file is named
+in a warning and read as absent, except DONE, which is never taken for absent (the stage would run twice).
 """
 
 from __future__ import annotations
 
 import json
+import re
 import time
+import uuid
 from pathlib import Path
 
 import yaml
 
-from train.files import read_json, write_atomic
+from train.files import is_kind, read_json, read_text, warn_unreadable, write_atomic
+
+# done_hash of a DONE that is there but cannot be read: matches no config hash, and is not None (absent).
+UNREADABLE = "(unreadable)"
+CONFIG_HASH = re.compile(r"[0-9a-f]{16}")  # slurm/plan.py config_hash
+TIME_STAMP = "%Y-%m-%dT%H:%M:%S"  # job.json's times, local
 
 
 def write_spec(run_dir: Path, spec: dict, code: dict | None = None) -> None:
@@ -27,10 +38,17 @@ def write_spec(run_dir: Path, spec: dict, code: dict | None = None) -> None:
 
 
 def read_spec(run_dir: Path) -> dict | None:
+    path = run_dir / "config.yaml"
+    text = read_text(path)
     try:
-        return yaml.safe_load((run_dir / "config.yaml").read_text(encoding="utf-8"))
-    except (OSError, yaml.YAMLError):
+        spec = yaml.safe_load(text) if text is not None else None
+    except (yaml.YAMLError, RecursionError) as exc:
+        warn_unreadable(path, f"not YAML ({str(exc).splitlines()[0]})")
         return None
+    if spec is not None and not isinstance(spec, dict):
+        warn_unreadable(path, f"holds a {type(spec).__name__}, not a spec")
+        return None
+    return spec
 
 
 def record_job(
@@ -42,26 +60,96 @@ def record_job(
     gpus: tuple[str, ...] | None = None,
 ) -> None:
     """`pack`: the job id is a packed allocation's, which runs this job as one of its units (lane.json).
-    `gpus`: the devices a local job was given (SLURM keeps its own record, read back through sacct)."""
+    `gpus`: the devices a local job was given (SLURM keeps its own record, read back through sacct).
+    The folder's submission intent is cleared: the job it announced is recorded. Recording the job that is
+    already the last record adds nothing (a --cancel may adopt it while its launch records it)."""
     jobs = job_records(run_dir)
-    now = time.strftime("%Y-%m-%dT%H:%M:%S")
-    record = {"job_id": job_id, "backend": backend, "submitted_at": now}
+    now = time.strftime(TIME_STAMP)
+    record = {"job_id": str(job_id), "backend": backend, "submitted_at": now}
     if gpus is not None:
         record["gpus"] = list(gpus)
-    jobs.append({**record, **({"pack": True} if pack else {}), **({"code": code} if code else {})})
-    write_atomic(run_dir / "job.json", json.dumps({"jobs": jobs}, indent=1))
+    if not jobs or (jobs[-1]["job_id"], jobs[-1].get("backend")) != (str(job_id), backend):
+        jobs.append({**record, **({"pack": True} if pack else {}), **({"code": code} if code else {})})
+    write_jobs(run_dir, jobs)
 
 
-def mark_cancelled(run_dir: Path) -> None:
-    """A local job leaves no scheduler record: its cancellation is noted on its job.json entry."""
+def record_intent(
+    run_dir: Path, code: dict | None = None, pack: bool = False, token: str | None = None
+) -> str:
+    """Before sbatch: the token the job's SLURM comment will carry (slurm/submit.py). If the launch dies or
+    cannot write job.json once sbatch has queued it, the next launch (or --cancel, --status) finds the
+    job in the queue by this token and records it (slurm/launcher.py adopt_unrecorded), instead of
+    queueing it a second time. Raises OSError when job.json cannot be written: then nothing is queued."""
+    token = token or uuid.uuid4().hex  # a pack's units share their allocation's
+    intent = {
+        "token": token,
+        "at": time.strftime(TIME_STAMP),
+        "pack": pack,
+        **({"code": code} if code else {}),
+    }
+    write_jobs(run_dir, job_records(run_dir), intent)
+    return token
+
+
+def pending_submission(run_dir: Path) -> dict | None:
+    """The intent of a submission that was never recorded (see record_intent), or None."""
+    intent = read_json(run_dir / "job.json", {}, expected=dict).get("submitting")
+    return intent if isinstance(intent, dict) and isinstance(intent.get("token"), str) else None
+
+
+def forget_intent(run_dir: Path) -> None:
+    """Nothing was queued under the folder's intent (sbatch failed, or never ran)."""
+    if pending_submission(run_dir) is not None:
+        write_jobs(run_dir, job_records(run_dir))
+
+
+def write_jobs(run_dir: Path, jobs: list[dict], submitting: dict | None = None) -> None:
+    body = {"jobs": jobs, **({"submitting": submitting} if submitting else {})}
+    write_atomic(run_dir / "job.json", json.dumps(body, indent=1))
+
+
+def mark_cancelled(run_dir: Path, job_id: str | None = None) -> None:
+    """A local job leaves no scheduler record: its cancellation is noted on its job.json entry (the last
+    one; with `job_id`, only if it is that job's and not noted yet)."""
     jobs = job_records(run_dir)
-    if jobs:
-        jobs[-1]["cancelled_at"] = time.strftime("%Y-%m-%dT%H:%M:%S")
-        write_atomic(run_dir / "job.json", json.dumps({"jobs": jobs}, indent=1))
+    if not jobs or (job_id is not None and (jobs[-1]["job_id"] != str(job_id) or "cancelled_at" in jobs[-1])):
+        return
+    jobs[-1]["cancelled_at"] = time.strftime(TIME_STAMP)
+    write_jobs(run_dir, jobs, pending_submission(run_dir))
 
 
 def job_records(run_dir: Path) -> list[dict]:
-    return read_json(run_dir / "job.json", {}).get("jobs", [])
+    """Every submission of the folder, oldest first, each with its job id as a string; records without
+    one (a hand edit) are left out and warned about."""
+    path = run_dir / "job.json"
+    jobs = read_json(path, {}, expected=dict, fields={"jobs": list}).get("jobs", [])
+    kept = [
+        {**r, "job_id": str(r["job_id"])}
+        for r in jobs
+        if is_kind(r, dict) and is_kind(r.get("job_id"), (str, int))
+    ]
+    if len(kept) < len(jobs):
+        warn_unreadable(
+            path, f"{len(jobs) - len(kept)} of its {len(jobs)} job record(s) are not an object with a job id"
+        )
+    return kept
+
+
+# lane.json as slurm/lanes.py writes it
+LANE_FIELDS = {
+    "pack_job": (str, int),
+    "lane": int,
+    "gpu": (str, int),
+    "state": str,
+    "reason": str,
+    "started_s": float,
+    "ended_s": float,
+}
+
+
+def read_lane(run_dir: Path) -> dict:
+    """What a packed unit's lane wrote; {} when nothing readable."""
+    return read_json(run_dir / "lane.json", {}, expected=dict, fields=LANE_FIELDS)
 
 
 def current_job(run_dir: Path) -> dict | None:
@@ -70,10 +158,26 @@ def current_job(run_dir: Path) -> dict | None:
 
 
 def done_hash(run_dir: Path) -> str | None:
-    try:
-        return (run_dir / "DONE").read_text(encoding="utf-8").strip() or None
-    except OSError:
+    """The config hash DONE holds; None without one; UNREADABLE when DONE is there but cannot be read:
+    the stage is then neither done nor run again (--status says UNKNOWN, a relaunch refuses)."""
+    then = "the stage counts as neither done nor to be run until it is removed (or --force)"
+    text = read_text(run_dir / "DONE", UNREADABLE, then)
+    return (text or "").strip() or None
+
+
+def foreign_done(run_dir: Path, ranks: int, has_parents: bool, config_changed: bool) -> str | None:
+    """Why the DONE of a stage whose hash differs from the plan's was not written by this plan for another
+    config: it cannot be read, holds no config hash, or holds a hash that nothing explains (config.yaml
+    unchanged, no stage it starts from, the same number of ranks); None when something may explain it."""
+    held = done_hash(run_dir)
+    if held == UNREADABLE:
+        return "its DONE cannot be read (see the warning above)"
+    if held and not CONFIG_HASH.fullmatch(held):
+        return f"its DONE holds {held[:40]!r}, which is no config hash"
+    summary = read_json(run_dir / "summary.json", {}, expected=dict, fields={"world_size": int})
+    if config_changed or has_parents or summary.get("world_size", ranks) != ranks:
         return None
+    return "its DONE holds a hash this plan never wrote for this config (copied from another run, or edited by hand)"
 
 
 def mark_done(run_dir: Path, config_hash: str) -> None:

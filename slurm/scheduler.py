@@ -1,61 +1,219 @@
 """One adapter from a run folder's job record (job.json) to submitit's own view of that job.
 
-submitit knows where a job's files are (`JobPaths`: log, pickled call, result) and how to cancel it; we
-rebuild its `SlurmJob` / `LocalJob` from the record and ask it, instead of writing those facts again. What
-submitit lacks stays here: whether a recorded local process is still ours (its `LocalJob.cancel` needs the
-`Popen` handle, which only the launching process holds) and a failed local job's reason.
+submitit knows where a job's files are (`JobPaths`: log, pickled call, result) and how to cancel a SLURM
+job; we rebuild its `SlurmJob` / `LocalJob` from the record and ask it, instead of writing those facts
+again. What submitit lacks stays here: whether a recorded local process is still ours, stopping it for
+sure (its `LocalJob.cancel` needs the `Popen` handle, which only the launching process holds, and sends
+one SIGINT, which a process started in the background by a script ignores), a failed local job's reason,
+and finding in the queue a job whose submission was never recorded (by the token of its comment).
 """
 
 from __future__ import annotations
 
+import contextlib
+import getpass
 import os
 import re
+import shutil
 import signal
 import subprocess
+import time
 from pathlib import Path
 
 import submitit
 from submitit.core.utils import pickle_load
 
 EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*: ")  # "ValueError: ...", "torch.OutOfMemoryError: ..."
+COMMENT_MARK = "slurm-lora"  # a job's SLURM comment: "slurm-lora TOKEN WHAT" (slurm/submit.py)
+# How a local job is stopped: each signal in turn, until its processes are gone. SIGINT ends the tasks
+# (their controller then ends cleanly); SIGTERM makes a trainer checkpoint at its step end and return
+# (slurm/jobs.py); SIGKILL is for what ignores both (a job started with SIGINT ignored, as a script's `&`
+# does, whose trainer is stuck in one long step).
+STOP_STEPS = ((signal.SIGINT, 10.0), (signal.SIGTERM, 30.0), (signal.SIGKILL, 10.0))
+RECORD_TIME = "%Y-%m-%dT%H:%M:%S"  # slurm/rundir.py TIME_STAMP
+
+
+class RecordedLocalJob(submitit.LocalJob):
+    """A local job known from its record (another launch started it): it runs while its pid is still its
+    submitit controller; `submitted_at` (when the launcher recorded it) tells a reused pid from it."""
+
+    def __init__(self, folder: Path, job_id: str, submitted_at: str | None = None):
+        super().__init__(folder, job_id)
+        self.submitted_at = submitted_at
+
+    def done(self, force_check: bool = False) -> bool:
+        return not local_alive(self)
 
 
 def scheduler_job(log_root: str, plan_id: str, record: dict) -> submitit.Job:
     """The submitit job behind a job.json record; its log folder is `log_root/EXP/STAGE`."""
     folder = Path(log_root) / plan_id
     if record.get("backend") == "local":
-        return submitit.LocalJob(folder, str(record["job_id"]))
+        return RecordedLocalJob(folder, str(record["job_id"]), record.get("submitted_at"))
     return submitit.SlurmJob(folder, str(record["job_id"]))
 
 
-def cancel(jobs: list[submitit.Job]) -> None:
-    """SLURM jobs through submitit (scancel); local ones by interrupting their controller process, as
-    submitit's LocalJob.cancel does (it stops the job's tasks and exits)."""
+def cancel(jobs: list[submitit.Job]) -> list[str]:
+    """SLURM jobs through submitit (scancel); local ones by stopping their processes (stop_local).
+    Returns the ids of the local jobs that still run after every signal (not ours to kill)."""
+    still = []
     for job in jobs:
         if isinstance(job, submitit.LocalJob):
-            if local_alive(job):
-                os.kill(int(job.job_id), signal.SIGINT)
+            if local_alive(job) and not stop_local(job):
+                still.append(str(job.job_id))
         else:
             job.cancel(check=False)
+    return still
 
 
 def local_alive(job: submitit.LocalJob) -> bool:
-    """The recorded pid still runs submitit's controller for this job's folder (a pid can be reused by an
-    unrelated process once the job ended: that one must neither count as running nor be signalled)."""
-    try:
-        os.kill(int(job.job_id), 0)
-    except (ValueError, OSError):
+    """The recorded pid still runs submitit's controller for this job's folder, started before the job was
+    recorded (a pid can be reused once the job ended: that process must neither count nor be signalled)."""
+    pid = _pid(job.job_id)
+    if pid is None or gone(pid):
         return False
-    command = _command_line(job.job_id)
-    return "submitit" in command and str(job.paths.folder) in command
+    command = _command_line(pid)
+    if "submitit" not in command or str(job.paths.folder) not in command:
+        return False
+    started, recorded = start_time(pid), _epoch(getattr(job, "submitted_at", None))
+    # The record is written once the controller runs: a process started well after it is another one
+    # (the margin absorbs the record's whole seconds and a clock set forward since).
+    return started is None or recorded is None or started <= recorded + 60
 
 
-def _command_line(pid: str) -> str:
-    proc = Path(f"/proc/{pid}/cmdline")
-    if proc.exists():
-        return proc.read_bytes().replace(b"\0", b" ").decode("utf-8", "replace")
-    done = subprocess.run(["ps", "-o", "command=", "-p", pid], capture_output=True, text=True, check=False)
+def stop_local(job: submitit.LocalJob) -> bool:
+    """Stop a local job's controller and every process under it: SIGINT, SIGTERM, then SIGKILL, each
+    followed by a bounded wait that polls the processes. True once they are all gone."""
+    controller = int(job.job_id)
+    seen: set[int] = set()
+    for signum, grace_s in STOP_STEPS:
+        tree = [controller, *descendants(controller)]
+        seen.update(tree)
+        # SIGINT to the processes under the controller, as a terminal's Ctrl-C reaches them: it sees its
+        # tasks end and exits without a traceback. The controller itself only once it has none left.
+        targets = (tree[1:] if signum == signal.SIGINT else tree) or tree
+        targets = [pid for pid in targets if not gone(pid)]
+        for pid in targets:
+            _send(pid, signum)
+        if targets and all(ignores(pid, signum) for pid in targets):
+            continue  # nothing to wait for (SIG_IGN, inherited from a launcher started with `&`)
+        if wait_gone(seen, grace_s):
+            return True
+    return wait_gone(seen, 0)
+
+
+def wait_gone(pids, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if all(gone(pid) for pid in pids):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+
+
+def _send(pid: int, signum: int) -> None:
+    with contextlib.suppress(ProcessLookupError):  # it ended meanwhile
+        os.kill(pid, signum)
+
+
+def _pid(job_id: str) -> int | None:
+    return int(job_id) if str(job_id).isdigit() and int(job_id) > 0 else None
+
+
+def _stat(pid: int) -> list[str] | None:
+    """/proc/PID/stat from field 3 (state) on; None when it cannot be read (no such process, not Linux)."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return text[text.rfind(")") + 2 :].split()
+
+
+def gone(pid: int) -> bool:
+    """No such process, or a zombie (it ended; its parent has not collected it yet)."""
+    fields = _stat(pid)
+    if fields is not None:
+        return fields[0] in ("Z", "X")
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return _ps(["stat="], pid).startswith("Z")
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process under `pid` (children first)."""
+    parents = _parents()
+    found, frontier = [], [pid]
+    while frontier:
+        children = [child for child, parent in parents.items() if parent in frontier]
+        found += children
+        frontier = children
+    return found
+
+
+def _parents() -> dict[int, int]:
+    if Path("/proc/self/stat").exists():
+        parents = {}
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit() and (fields := _stat(int(entry.name))):
+                parents[int(entry.name)] = int(fields[1])
+        return parents
+    rows = (line.split() for line in _ps(["pid=", "ppid="]).splitlines())
+    return {int(row[0]): int(row[1]) for row in rows if len(row) == 2}
+
+
+def start_time(pid: int) -> float | None:
+    """When the process started (seconds since the epoch), or None when this system does not say."""
+    fields = _stat(pid)
+    if fields is None:
+        started = _ps(["lstart="], pid).strip()
+        try:
+            return time.mktime(time.strptime(started, "%a %b %d %H:%M:%S %Y"))
+        except ValueError:
+            return None
+    try:
+        boot = next(line for line in Path("/proc/stat").read_text().splitlines() if line.startswith("btime"))
+    except (OSError, StopIteration):
+        return None
+    return int(boot.split()[1]) + int(fields[19]) / os.sysconf("SC_CLK_TCK")
+
+
+def ignores(pid: int, signum: int) -> bool:
+    """The process has `signum` set to SIG_IGN (Linux says so in /proc/PID/status; elsewhere: no)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    mask = next((line.split()[1] for line in status.splitlines() if line.startswith("SigIgn:")), "0")
+    return bool(int(mask, 16) >> (signum - 1) & 1)
+
+
+def _epoch(stamp: str | None) -> float | None:
+    try:
+        return time.mktime(time.strptime(stamp, RECORD_TIME)) if stamp else None
+    except (TypeError, ValueError):
+        return None
+
+
+def _ps(fields: list[str], pid: int | None = None) -> str:
+    which = ["-p", str(pid)] if pid is not None else ["-A"]
+    try:
+        done = subprocess.run(["ps", *which, "-o", ",".join(fields)], capture_output=True, text=True)
+    except OSError:
+        return ""
     return done.stdout
+
+
+def _command_line(pid: int) -> str:
+    proc = Path(f"/proc/{pid}/cmdline")
+    try:
+        return proc.read_bytes().replace(b"\0", b" ").decode("utf-8", "replace")
+    except OSError:
+        return _ps(["command="], pid)
 
 
 def local_failure(job: submitit.LocalJob) -> str:
@@ -70,3 +228,32 @@ def local_failure(job: submitit.LocalJob) -> str:
     # The exception's own line ("ValueError: ..."), not the last line of a multi-line message.
     heads = [line for line in str(value).splitlines() if EXCEPTION_LINE.match(line)]
     return heads[-1].strip() if heads else "failed (see the log)"
+
+
+def queued_by_token() -> dict[str, str] | None:
+    """Token → SLURM job id of this user's queued jobs whose comment carries one, in one squeue call;
+    {} where SLURM is not installed (nothing can be queued), None when squeue does not answer."""
+    if not shutil.which("squeue"):
+        return {}
+    try:
+        done = subprocess.run(
+            ["squeue", "-h", "-u", getpass.getuser(), "-o", "%i|%k"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return parse_comments(done.stdout) if done.returncode == 0 else None
+
+
+def parse_comments(text: str) -> dict[str, str]:
+    """`squeue -h -o %i|%k` output → token → job id, for the comments slurm/submit.py writes."""
+    found = {}
+    for line in text.splitlines():
+        job_id, _, comment = line.partition("|")
+        words = comment.split(" ", 2)
+        if len(words) >= 2 and words[0] == COMMENT_MARK and job_id.strip():
+            found[words[1]] = job_id.strip()
+    return found

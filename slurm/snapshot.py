@@ -16,6 +16,8 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+from train.layout import CODE_SNAPSHOTS
+
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("slurm", "train", "eval")
 MODULES = ("launch.py",)
@@ -33,7 +35,7 @@ class CodeSnapshot:
 
 def take_snapshot(log_dir: Path, root: Path = ROOT) -> CodeSnapshot:
     files = code_files(root)
-    folder = (log_dir / ".code" / content_hash(root, files)).resolve()
+    folder = (log_dir / CODE_SNAPSHOTS / content_hash(root, files)).resolve()
     if not folder.is_dir():
         copy_files(root, files, folder)
     return CodeSnapshot(folder, *git_state(root))

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from slurm.plan import Plan, PlannedJob
-from slurm.rundir import current_job, done_hash, read_json
+from slurm.rundir import UNREADABLE, current_job, done_hash, read_json, read_lane
 from slurm.states import State, from_slurm
 from train.config import TIME_FORMAT, slurm_seconds
 
@@ -167,27 +167,30 @@ def plan_status(plan: Plan, log_root: str) -> list[JobStatus]:
 
 
 # What --status takes from progress.json (the trainer writes it; absent keys are None, e.g. no GPU).
-PROGRESS_FIELDS = (
-    "step",
-    "total_steps",
-    "last_loss",
-    "eta_s",
-    "gpu_util_percent",
-    "gpu_mem_gb",
-    "gpu_mem_total_gb",
-)
+PROGRESS_FIELDS = {
+    "step": int,
+    "total_steps": int,
+    "last_loss": float,
+    "eta_s": float,
+    "gpu_util_percent": float,
+    "gpu_mem_gb": float,
+    "gpu_mem_total_gb": float,
+}
 
 
 def job_status(job, record, scheduler, earlier: dict[str, JobStatus], log_root: str) -> JobStatus:
     run_dir = Path(job.run_dir)
-    progress = read_json(run_dir / "progress.json", {}) or {}
+    progress = read_json(run_dir / "progress.json", {}, expected=dict, fields=PROGRESS_FIELDS)
     fields = {key: progress.get(key) for key in PROGRESS_FIELDS}
     scheduler_id = record["job_id"] if record else ""
     submitted = _submitit_job(log_root, job.id, record) if record else None
     log_path = str(submitted.paths.stdout) if submitted else ""
     backend = record.get("backend", "slurm") if record else ""
     common = {"scheduler_id": scheduler_id, "log_path": log_path, "backend": backend, **fields}
-    if done_hash(run_dir) == job.config_hash:
+    done = done_hash(run_dir)
+    if done == UNREADABLE:
+        return JobStatus(job, State.UNKNOWN, reason=f"{run_dir}/DONE cannot be read", **common)
+    if done == job.config_hash:
         return JobStatus(
             job,
             State.COMPLETED,
@@ -220,12 +223,12 @@ def job_status(job, record, scheduler, earlier: dict[str, JobStatus], log_root: 
 
 def packed_unit_info(run_dir: Path, pack_id: str, pack: SchedulerInfo) -> SchedulerInfo:
     """A unit of a packed allocation: what its lane wrote (lane.json), within the allocation's state."""
-    lane = read_json(run_dir / "lane.json", {}) or {}
+    lane = read_lane(run_dir)
     if str(lane.get("pack_job")) != pack_id:
         lane = {}  # written by an earlier allocation
     where = f"packed job {pack_id}"
     if lane.get("lane") is not None:
-        where = f"lane {lane['lane']} (GPU {lane['gpu']}) of {where}"
+        where = f"lane {lane['lane']} (GPU {lane.get('gpu')}) of {where}"
     ended = lane.get("state")
     if ended == "failed":
         return SchedulerInfo(State.FAILED, f"{lane.get('reason', '')} ({where})")

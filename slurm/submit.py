@@ -8,14 +8,16 @@ starts a job only when its parents ended as its dependency kind requires.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import submitit
@@ -26,10 +28,14 @@ from slurm.local_gpus import GpuPool, VisibleGpus, gpus_needed, too_many_gpus
 from slurm.plan import PlannedJob
 from slurm.problems import ConfigError
 from slurm.profile import ClusterProfile
-from slurm.scheduler import cancel, local_failure
+from slurm.rundir import current_job
+from slurm.scheduler import COMMENT_MARK, cancel, local_failure, stop_local
 from slurm.snapshot import CodeSnapshot
 from slurm.states import State
 from train.config import Resources
+from train.layout import PACKS
+
+CONTROLLER_LOG = "controller.err"  # in a local job's log folder: its submitit controller's own stderr
 
 
 def pick_backend(name: str) -> str:
@@ -64,30 +70,53 @@ def working_directory(folder: Path):
         os.chdir(previous)
 
 
+@contextmanager
+def stderr_into(path: Path):
+    """Processes started meanwhile write their stderr into `path`, not the launcher's terminal: a Ctrl-C
+    there reaches submitit's local controller too, which then prints a KeyboardInterrupt traceback (the
+    launcher itself says what it stopped). The job's own output goes to its log, as ever."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(path, "a", encoding="utf-8") as log:
+            os.dup2(log.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
 class SlurmBackend:
     name = "slurm"
 
     def __init__(self, profile: ClusterProfile, workdir: Path, code: CodeSnapshot):
         self.profile, self.workdir, self.code = profile, workdir, code
 
-    def submit(self, job: PlannedJob, parents: list[tuple[str, str]]) -> str:
-        """Queue one job; `parents` are (scheduler id, dependency kind). Returns the SLURM job id."""
+    def submit(self, job: PlannedJob, parents: list[tuple[str, str]], token: str = "") -> str:
+        """Queue one job; `parents` are (scheduler id, dependency kind); `token`, its submission intent's,
+        goes into its comment (job_comment). Returns the SLURM job id."""
         executor = submitit.SlurmExecutor(
             folder=self.log_folder(job), max_num_timeout=job.resources.max_requeues
         )
-        executor.update_parameters(**self.sbatch_parameters(job, parents))
+        executor.update_parameters(
+            **self.sbatch_parameters(job, parents), **job_comment(token, f"runs {job.run_dir}")
+        )
         return executor.submit(job_callable(job), *job_args(job, self.workdir)).job_id
 
     def log_folder(self, job: PlannedJob) -> Path:
         return Path(self.profile.log_dir) / job.id
 
-    def submit_pack(self, units: list[dict], resources: Resources, parents: list[tuple[str, str]]) -> str:
+    def submit_pack(
+        self, units: list[dict], resources: Resources, parents: list[tuple[str, str]], token: str = ""
+    ) -> str:
         """Queue one allocation that runs `units` on `resources.gpus` lanes (slurm/lanes.py)."""
         executor = submitit.SlurmExecutor(
             folder=self.pack_log_folder(), max_num_timeout=resources.max_requeues
         )
         executor.update_parameters(
-            **sbatch_parameters("lora-pack", resources, 1, parents, self.profile, self.code.folder)
+            **sbatch_parameters("lora-pack", resources, 1, parents, self.profile, self.code.folder),
+            **job_comment(token, f"packs {len(units)} job(s)"),
         )
         # Units must have checkpointed before the allocation requeues itself, ahead of the time limit.
         grace_s = max(10, resources.signal_delay_s - 20)
@@ -95,7 +124,7 @@ class SlurmBackend:
 
     def pack_log_folder(self) -> Path:
         """The allocation's own log (which lane ran what, when); each unit logs where a job would."""
-        return Path(self.profile.log_dir) / "packs"
+        return Path(self.profile.log_dir) / PACKS
 
     def sbatch_parameters(self, job: PlannedJob, parents: list[tuple[str, str]]) -> dict:
         return sbatch_parameters(job.id, job.resources, job.tasks, parents, self.profile, self.code.folder)
@@ -103,6 +132,13 @@ class SlurmBackend:
     def cancel(self, job_ids: list[str]) -> None:
         # Cancelling needs only the id; submitit's job wants a folder, which it does not read for this.
         cancel([submitit.SlurmJob(self.profile.log_dir, job_id) for job_id in job_ids])
+
+
+def job_comment(token: str, what: str) -> dict:
+    """The SLURM comment of a submission: its intent's token (slurm/rundir.py record_intent), by which the
+    next launch finds the job in the queue if this one dies before recording it, and what it runs, for
+    people reading squeue. No token, no comment."""
+    return {"comment": f"{COMMENT_MARK} {token} {' '.join(what.split())}"} if token else {}
 
 
 def sbatch_parameters(
@@ -179,35 +215,54 @@ class LocalBackend:
         parents_of: Callable[[PlannedJob], list[tuple[str, str]]],
         on_start: Callable[[PlannedJob, str, tuple[str, ...]], None],  # job, pid, its GPUs
         on_end: Callable[[PlannedJob, State, str], None],
+        adopted: Sequence[tuple[PlannedJob, submitit.LocalJob, tuple[str, ...]]] = (),
     ) -> dict[str, State]:
-        """Run `jobs` (dependency order) to the end. `parents_of` names each job's parents among them."""
+        """Run `jobs` (dependency order) to the end. `adopted` (job, handle, its GPUs) run already, started by
+        an earlier launch: they are waited for as if this run had started them. `parents_of` names each
+        job's parents among both. Once a job ends cancelled (--cancel notes it in job.json), this run starts
+        nothing new. Ctrl-C (or an error, such as a job.json that cannot be written) stops the running jobs,
+        then goes on."""
         # A job asking for more GPUs than there are would wait forever (launch.py refuses it earlier).
         if problems := too_many_gpus(jobs, self.gpus, {}):
             raise ConfigError(problems)
-        states: dict[str, State] = {}
-        waiting, running, pool = list(jobs), {}, GpuPool(self.gpus.ids)
-        while waiting or running:
-            for job in list(waiting):
-                verdict = self._ready(parents_of(job), states)
-                if verdict is State.BLOCKED:
-                    waiting.remove(job)
-                    states[job.id] = State.BLOCKED
-                    on_end(job, State.BLOCKED, "a parent it needs failed")
-                elif verdict is State.PENDING and len(running) < self.profile.local_parallel_jobs:
-                    devices = pool.take(gpus_needed(job.resources.gpus, self.gpus))
-                    if devices is None:
-                        continue  # its GPUs are held by running jobs: it waits, as for a parallel slot
-                    waiting.remove(job)
-                    running[job.id] = (job, self._start(job, devices), devices)
-                    on_start(job, running[job.id][1].job_id, devices)
-            for job_id, (job, handle, devices) in list(running.items()):
-                if handle.done():
-                    del running[job_id]
-                    pool.give_back(devices)
-                    states[job_id], reason = self.outcome(handle)
-                    on_end(job, states[job_id], reason)
-            time.sleep(0.2)
-        return states
+        run = LocalRun(list(jobs), GpuPool(self.gpus.ids))
+        for job, handle, devices in adopted:
+            run.pool.held.update(devices)
+            run.running[job.id] = (job, handle, tuple(devices))
+        try:
+            while run.waiting or run.running:
+                self._collect_ended(run, on_end)
+                if State.CANCELLED in run.states.values():
+                    run.cancel_waiting(on_end)
+                self._start_ready(run, parents_of, on_start, on_end)
+                time.sleep(0.2)
+        except BaseException:  # Ctrl-C, or a job.json that cannot be written: no job is left behind
+            run.stop_running(on_end)
+            raise
+        return run.states
+
+    def _start_ready(self, run: LocalRun, parents_of, on_start, on_end) -> None:
+        for job in list(run.waiting):
+            verdict = self._ready(parents_of(job), run.states)
+            if verdict is State.BLOCKED:
+                run.waiting.remove(job)
+                run.states[job.id] = State.BLOCKED
+                on_end(job, State.BLOCKED, "a parent it needs failed")
+            elif verdict is State.PENDING and len(run.running) < self.profile.local_parallel_jobs:
+                devices = run.pool.take(gpus_needed(job.resources.gpus, self.gpus))
+                if devices is None:
+                    continue  # its GPUs are held by running jobs: it waits, as for a parallel slot
+                run.waiting.remove(job)
+                run.running[job.id] = (job, self._start(job, devices), devices)
+                on_start(job, run.running[job.id][1].job_id, devices)
+
+    def _collect_ended(self, run: LocalRun, on_end) -> None:
+        for job_id, (job, handle, devices) in list(run.running.items()):
+            if handle.done():
+                del run.running[job_id]
+                run.pool.give_back(devices)
+                run.states[job_id], reason = self.outcome(job, handle)
+                on_end(job, run.states[job_id], reason)
 
     @staticmethod
     def _ready(parents: list[tuple[str, str]], states: dict[str, State]) -> State | None:
@@ -227,16 +282,50 @@ class LocalBackend:
         `setup` line would start the job through /bin/sh, where a bash that execs its last command makes
         submitit take the launcher's pid for the job's id."""
         python = f"env CUDA_VISIBLE_DEVICES={shlex.quote(','.join(devices))} {shlex.quote(sys.executable)}"
-        executor = submitit.LocalExecutor(folder=Path(self.profile.log_dir) / job.id, python=python)
+        folder = Path(self.profile.log_dir) / job.id
+        executor = submitit.LocalExecutor(folder=folder, python=python)
         executor.update_parameters(
             timeout_min=job.resources.timeout_min, tasks_per_node=job.tasks, stderr_to_stdout=True
         )
-        with working_directory(self.code.folder):  # see SlurmBackend: the job imports the snapshot
+        # see SlurmBackend: the job imports the snapshot
+        with working_directory(self.code.folder), stderr_into(folder / CONTROLLER_LOG):
             return executor.submit(job_callable(job), *job_args(job, self.workdir))
 
     @staticmethod
-    def outcome(handle) -> tuple[State, str]:
-        """COMPLETED, or FAILED with the exception's last line (its log holds the traceback)."""
+    def outcome(job: PlannedJob, handle) -> tuple[State, str]:
+        """COMPLETED; CANCELLED when its job.json record says so (--cancel); else FAILED with the
+        exception's last line (its log holds the traceback)."""
         if handle.paths.result_pickle.exists() and not local_failure(handle):
             return State.COMPLETED, ""
+        record = current_job(Path(job.run_dir)) or {}
+        if record.get("job_id") == str(handle.job_id) and record.get("cancelled_at"):
+            return State.CANCELLED, f"cancelled at {record['cancelled_at']}"
         return State.FAILED, f"{local_failure(handle)} (log: {handle.paths.stdout})"
+
+
+@dataclass
+class LocalRun:
+    """A local run while it goes: the jobs still waiting, those running (job, handle, its GPUs), the GPUs
+    they hold, and how the ended ones ended."""
+
+    waiting: list[PlannedJob]
+    pool: GpuPool
+    running: dict[str, tuple[PlannedJob, submitit.LocalJob, tuple[str, ...]]] = field(default_factory=dict)
+    states: dict[str, State] = field(default_factory=dict)
+
+    def cancel_waiting(self, on_end) -> None:
+        """A cancelled run starts nothing new (else --cancel of its jobs would let the next one start)."""
+        for job in self.waiting:
+            self.states[job.id] = State.CANCELLED
+            on_end(job, State.CANCELLED, "not started: this run was cancelled (--cancel); relaunch to run it")
+        self.waiting.clear()
+
+    def stop_running(self, on_end) -> None:
+        """Ctrl-C: the running jobs are stopped, not left behind without their launcher."""
+        for job_id, (job, handle, _) in list(self.running.items()):
+            stopped = stop_local(handle)
+            self.states[job_id] = State.CANCELLED if stopped else State.UNKNOWN
+            why = "stopped with its launcher" if stopped else f"pid {handle.job_id} could not be stopped"
+            with contextlib.suppress(OSError):  # noting it in a full run folder: the stop still counts
+                on_end(job, self.states[job_id], why)
+        self.running.clear()

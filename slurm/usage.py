@@ -21,8 +21,9 @@ from pathlib import Path
 
 from submitit.core.utils import JobPaths, pickle_load
 
-from slurm.rundir import job_records, read_json
+from slurm.rundir import job_records, read_lane
 from slurm.status import Allocation, query_allocations
+from train.layout import PACKS
 
 VISIBLE_LINE = re.compile(r"CUDA_VISIBLE_DEVICES=(\(not set\)|\S*)")
 LOG_HEAD_BYTES = 64 * 1024  # the line is logged before the work starts
@@ -142,7 +143,7 @@ def pack_units(pack_id: str, log_root: str) -> list[tuple[str, Path]] | None:
     """(plan id, run folder) of every unit the allocation was given, from its own submission (units of
     experiments outside the report's plan take their share too); None when that file is gone."""
     try:
-        submission = pickle_load(JobPaths(Path(log_root) / "packs", pack_id).submitted_pickle)
+        submission = pickle_load(JobPaths(Path(log_root) / PACKS, pack_id).submitted_pickle)
         return [(unit["id"], Path(unit["run_dir"])) for unit in submission.args[0]]
     except (OSError, EOFError, ValueError, ImportError, AttributeError, IndexError, KeyError, TypeError):
         return None
@@ -150,7 +151,7 @@ def pack_units(pack_id: str, log_root: str) -> list[tuple[str, Path]] | None:
 
 def lane_seconds(run_dir: Path, pack_id: str) -> float:
     """How long the unit held its lane in this allocation (lane.json), 0 when it never started there."""
-    lane = read_json(run_dir / "lane.json", {}) or {}
+    lane = read_lane(run_dir)
     started = lane.get("started_s")
     if str(lane.get("pack_job")) != pack_id or not isinstance(started, int | float):
         return 0.0

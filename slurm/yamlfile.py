@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import itertools
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,7 +25,16 @@ class YamlFile:
 
 # libyaml's parser when PyYAML was built with it: the pure-Python one is ~10x slower on a login node.
 Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
-_parsed: dict[tuple, YamlFile] = {}  # (path, mtime, size) → parsed file: a fragment is read once per command
+# (path, mtime, size) → parsed file, or why it was refused: a fragment is read once per command.
+_parsed: dict[tuple, YamlFile | YamlProblem] = {}
+
+# What loading one YAML may cost. A config is a few kB, nests a handful of levels and holds hundreds of values;
+# the bounds sit far above that and far below what stops every command on a login node: an alias bomb
+# ("billion laughs") is a few hundred bytes whose aliases expand to 10^9 values in every reader after the
+# parser (line numbers, merging, validation), and nesting near Python's recursion limit (1000) crashes them.
+MAX_BYTES = 1_000_000
+MAX_VALUES = 100_000  # scalars, lists and mappings, keys included, each alias counted at every use
+MAX_DEPTH = 64
 
 
 def read_yaml(path: Path) -> YamlFile:
@@ -37,21 +48,20 @@ def read_yaml(path: Path) -> YamlFile:
         raise YamlProblem(Problem(str(path), "", f"cannot be read ({exc})")) from None
     key = (str(path), stat.st_mtime_ns, stat.st_size)
     if key not in _parsed:
-        _parsed[key] = _parse(path)
+        try:
+            _parsed[key] = _parse(path)
+        except YamlProblem as exc:  # a broken fragment is refused once, however many files inherit it
+            _parsed[key] = exc
     cached = _parsed[key]
+    if isinstance(cached, YamlProblem):
+        raise YamlProblem(cached.problem)
     return YamlFile(cached.path, copy.deepcopy(cached.data), cached.lines)
 
 
 def _parse(path: Path) -> YamlFile:
+    text = _read_text(path)
     try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise YamlProblem(Problem(str(path), "", f"cannot be read ({exc})")) from None
-    loader = Loader(text)
-    try:
-        # One parse gives both the data and the node tree the line numbers come from.
-        node = loader.get_single_node()
-        data = loader.construct_document(node) if node is not None else None
+        node, data = load_bounded(text, str(path))
     except yaml.MarkedYAMLError as exc:
         # A flow mapping's mistake is found at its end; where it started is where to look.
         mark = exc.context_mark or exc.problem_mark
@@ -60,8 +70,6 @@ def _parse(path: Path) -> YamlFile:
         raise YamlProblem(Problem(str(path), "", f"is not valid YAML: {what}", line)) from None
     except yaml.YAMLError as exc:
         raise YamlProblem(Problem(str(path), "", f"is not valid YAML: {exc}")) from None
-    finally:
-        loader.dispose()
     if data is None:
         data = {}
     if not isinstance(data, dict):
@@ -77,6 +85,119 @@ class YamlProblem(Exception):
     def __init__(self, problem: Problem):
         self.problem = problem
         super().__init__(str(problem))
+
+
+def _read_text(path: Path) -> str:
+    """The file's text, read no further than MAX_BYTES (a file can grow, or be a device, after its stat)."""
+    try:
+        with path.open("rb") as fh:
+            # read(n) allocates n bytes up front: ask for the size the file has, then for what it grew by.
+            wanted = min(os.fstat(fh.fileno()).st_size, MAX_BYTES) + 1
+            raw = fh.read(wanted)
+            if len(raw) == wanted <= MAX_BYTES:  # it grew after its stat, or it is a pipe or a device
+                raw += fh.read(MAX_BYTES + 1 - wanted)
+    except OSError as exc:
+        raise YamlProblem(Problem(str(path), "", f"cannot be read ({exc})")) from None
+    if len(raw) > MAX_BYTES:
+        message = (
+            f"is larger than {MAX_BYTES:,} bytes, the most a config may be (one is a few kB; examples "
+            "belong in data files, named by data.train)"
+        )
+        raise YamlProblem(Problem(str(path), "", message))
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw[: exc.start].count(b"\n") + 1
+        raise YamlProblem(Problem(str(path), "", f"cannot be read ({exc})", line)) from None
+
+
+def load_bounded(text: str, source: str) -> tuple[yaml.Node | None, object]:
+    """(node tree, data) of one YAML document, with safe_load semantics. Raises yaml.YAMLError for text that
+    is not YAML, and YamlProblem (naming `source` and a line) for YAML that costs more than a config may:
+    the bounds are checked on the node tree, before anything is built from it."""
+    loader = Loader(text)
+    try:
+        # One parse gives both the data and the node tree the line numbers come from.
+        node = loader.get_single_node()
+        if node is None:
+            return None, None
+        check_cost(node, source)
+        return node, loader.construct_document(node)
+    except RecursionError:  # composing recurses in the pure-Python parser (PyYAML built without libyaml)
+        what = f"nests deeper than {MAX_DEPTH} levels ({LEVELS})"
+        raise YamlProblem(Problem(source, "", what)) from None
+    finally:
+        loader.dispose()
+
+
+def check_cost(root: yaml.Node, source: str) -> None:
+    """Refuse a node tree with lists and mappings nested deeper than MAX_DEPTH, one larger than MAX_VALUES
+    once its aliases are expanded, or one that contains itself. Walked in document order without
+    recursion, each node once: an alias reuses its anchor's counts (an anchor comes before its aliases),
+    so a bomb is measured in microseconds."""
+    size: dict[int, int] = {}  # id(collection) → values in it, itself included, aliases expanded
+    height: dict[int, int] = {}  # id(collection) → levels of collections in it, itself included
+    open_nodes: set[int] = set()  # on the path from the root: meeting one again is a cycle
+    # (collection, its level, trail: (parent's trail, collection), its children once it is entered)
+    stack: list[tuple[yaml.Node, int, tuple, list | None]] = [(root, 1, (None, root), None)]
+    while stack:
+        node, level, trail, children = stack.pop()
+        ident = id(node)
+        if children is not None:  # every child counted: count the node (a scalar is 1 value, 0 levels)
+            size[ident] = 1 + sum(size.get(id(child), 1) for child in children)
+            height[ident] = 1 + max((height.get(id(child), 0) for child in children), default=0)
+            open_nodes.discard(ident)
+            if size[ident] > MAX_VALUES:
+                raise _too_costly(trail, False, source, f"holds more than {MAX_VALUES:,} values", ALIASES)
+        elif ident in open_nodes:
+            raise _too_costly(trail, True, source, "contains itself through an alias", CYCLE)
+        elif ident in size:  # an alias: as deep here as its anchor's levels reach
+            if level + height[ident] - 1 > MAX_DEPTH:
+                raise _too_costly(trail, True, source, f"nests deeper than {MAX_DEPTH} levels", LEVELS)
+        elif level > MAX_DEPTH:
+            raise _too_costly(trail, False, source, f"nests deeper than {MAX_DEPTH} levels", LEVELS)
+        elif not isinstance(node, yaml.ScalarNode):
+            open_nodes.add(ident)
+            children = (
+                [n for pair in node.value for n in pair] if isinstance(node, yaml.MappingNode) else node.value
+            )
+            stack.append((node, level, trail, children))
+            stack.extend(
+                (child, level + 1, (trail, child), None)
+                for child in reversed(children)
+                if not isinstance(child, yaml.ScalarNode)
+            )
+
+
+ALIASES = (
+    "a config holds hundreds of values; an alias (*name) repeats its anchor's whole value wherever it is "
+    "used, so a few lines of aliases can stand for billions"
+)
+CYCLE = "an alias inside its own anchor's value repeats that value without end"
+LEVELS = "a config nests a few levels deep; write this value flatter"
+
+
+def _too_costly(trail: tuple, used: bool, source: str, what: str, hint: str) -> YamlProblem:
+    """The problem at the node a trail ends on, or where it is `used` (an alias has no line of its own: the
+    key before it has, or the list holding it)."""
+    nodes = []
+    while trail is not None:
+        trail, node = trail
+        nodes.append(node)
+    nodes.reverse()
+    keys, line = [], nodes[-1].start_mark.line + 1
+    for parent, child in itertools.pairwise(nodes):
+        if isinstance(parent, yaml.MappingNode):
+            key = next(k for k, v in parent.value if child is v or child is k)
+            keys.append(key.value if isinstance(key, yaml.ScalarNode) else "?")
+            line = key.start_mark.line + 1
+        else:
+            keys.append(next(i for i, item in enumerate(parent.value) if item is child))
+            line = parent.start_mark.line + 1
+    if not used:
+        line = nodes[-1].start_mark.line + 1
+    shown = ".".join(map(str, keys[:4])) + (f"… ({len(keys)} levels)" if len(keys) > 4 else "")
+    return YamlProblem(Problem(source, shown, f"{what} ({hint})", line))
 
 
 def _collect_lines(node, prefix: KeyPath, lines: dict[KeyPath, int]) -> None:

@@ -16,6 +16,7 @@ from submitit.core.utils import JobPaths
 
 import launch
 from tests.conftest import write_cluster_yaml
+from train.layout import archive_folder
 
 EXPERIMENT = """\
 name: {name}
@@ -57,11 +58,12 @@ def wait_until(condition, what: str, timeout_s: float = 120):
 
 
 def alive(pid: str) -> bool:
+    """The process exists and has not ended: a zombie (ended, not yet collected by its parent) is not."""
     try:
-        os.kill(int(pid), 0)
+        stat = Path(f"/proc/{int(pid)}/stat").read_text()
     except OSError:
         return False
-    return True
+    return stat.rpartition(")")[2].split()[0] not in ("Z", "X")
 
 
 def test_watching_goes_on_when_another_yaml_is_broken(repo_root, tmp_path, monkeypatch, capsys):
@@ -126,7 +128,38 @@ def test_cancel_stops_a_local_run(repo_root, tmp_path, tiny, monkeypatch, capsys
         job = tmp_path / "runs" / "long" / "train" / "job.json"
         if job.exists() and alive(pid := record(tmp_path, "long/train")["job_id"]):
             os.kill(int(pid), signal.SIGINT)  # a failed test leaves no training behind
-    assert "long/train: FAILED" in run.stdout.read()
+    assert "long/train: CANCELLED" in run.stdout.read()  # the launcher sees it cancelled, not failed
     assert launch.main(["--status", "--config-dir", str(folder)]) == 0
     assert "CANCELLED" in capsys.readouterr().out
     assert not (tmp_path / "runs" / "long" / "train" / "DONE").exists()
+
+
+def test_cancel_naming_an_experiment_that_does_not_exist_fails_instead_of_cancelling_nothing(
+    repo_root, tmp_path, monkeypatch, capsys
+):
+    monkeypatch.chdir(repo_root)
+    folder = configs(tmp_path, repo_root, real={})
+    assert launch.main(["--cancel", "--exp", "rael", "--config-dir", str(folder)]) == 2
+    assert "--exp: no experiment named 'rael' loads (did you mean 'real'?)" in capsys.readouterr().err
+
+
+def test_force_keeps_the_old_run_under_a_free_name_when_its_archive_name_is_taken(
+    repo_root, tmp_path, tiny, monkeypatch, capsys
+):
+    monkeypatch.chdir(repo_root)
+    argv = ["--all", "--config-dir", str(configs(tmp_path, repo_root, quick={})), "--backend", "local"]
+    assert launch.main([*argv, "--no-preflight"]) == 0
+    configs(tmp_path, repo_root, quick={"epochs": 2})  # the finished run's config changed
+    run_dir = tmp_path / "runs" / "quick" / "train"
+    # Every name an archive made in the next two minutes would get is taken already (a --force a second
+    # earlier, or someone's copy): none may be overwritten, none may stop the launch.
+    now = time.time()
+    for second in range(120):
+        stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(now + second))
+        (run_dir.parent / archive_folder(run_dir.name, stamp) / "theirs").mkdir(parents=True)
+    assert launch.main([*argv, "--no-preflight", "--force"]) == 0
+    archives = [p for p in run_dir.parent.iterdir() if (p / "config.yaml").exists() and p != run_dir]
+    assert len(archives) == 1 and (archives[0] / "DONE").exists()  # the old run, moved aside whole
+    assert "epochs: 1" in (archives[0] / "config.yaml").read_text()
+    taken = [p for p in run_dir.parent.glob(archive_folder(run_dir.name, "*")) if p not in archives]
+    assert len(taken) == 120 and all((p / "theirs").exists() for p in taken)

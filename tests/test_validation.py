@@ -412,3 +412,134 @@ def test_bertscore_needs_its_model_named_with_file_and_line(config_dir, capsys):
     edit(config_dir / "a.yaml", "[bertscore]}", "[bertscore], bertscore_model: ./no-such-bert}")
     code, err = run_cli(config_dir, capsys, "--dry-run")
     assert code == 2 and "a.yaml:6: eval.bertscore_model: local model folder not found: ./no-such-bert" in err
+
+
+# An experiment's folders are RUN_ROOT/NAME and LOG_DIR/NAME: named like a file of the run root, its folder
+# took that file's place, and every training stage of the run root failed at its very end (speeds.jsonl).
+@pytest.mark.parametrize(
+    "name",
+    [
+        "speeds.jsonl",
+        "preflight-tokens.json",
+        "report.md",
+        "report.csv",
+        "loss_curves.png",
+        "packs",
+        "Report.md",
+    ],
+)
+def test_an_experiment_named_like_a_file_of_the_run_root_is_refused_at_its_line(name, config_dir, capsys):
+    edit(config_dir / "a.yaml", "name: a\n", f"name: {name}\n")
+    code, err = run_cli(config_dir, capsys, "--dry-run")
+    assert code == 2, err
+    assert f"a.yaml:1: name: '{name}' is taken by " in err and "give the experiment another name" in err
+    assert err.count("error:") == 1, err
+
+
+# A stage's folders are RUN_ROOT/EXP/STAGE and LOG_DIR/EXP/STAGE, beside the eval jobs' (eval, eval-STAGE),
+# --calibrate's (STAGE-calibrate), the archives (STAGE.old-DATE), the export and the report's plot.
+TAKEN_STAGE_NAMES = {
+    "eval": "the eval job's folder",
+    "Eval": "the eval job's folder",
+    "eval-one": "the eval after a stage 'one'",  # was: the plan's eval of stage one silently dropped
+    "one-calibrate": "a --calibrate run of a stage 'one'",
+    "one.old-20261125-120000": "the archives of run folders",
+    "export": "the export job's folder",
+    "loss.png": "the report's loss plot",
+}
+
+
+@pytest.mark.parametrize("name", sorted(TAKEN_STAGE_NAMES))
+def test_a_stage_named_like_a_folder_the_pipeline_makes_is_refused_at_its_line(name, config_dir, capsys):
+    evaluation = "eval: {metrics: [exact_match], after_each_stage: true}"
+    edit(config_dir / "a.yaml", "eval: {metrics: [exact_match]}", evaluation)
+    stages = f"stages:\n  - name: one\n  - name: {name}\n"  # lines 8 to 10
+    (config_dir / "a.yaml").write_text((config_dir / "a.yaml").read_text() + stages)
+    code, err = run_cli(config_dir, capsys, "--dry-run")
+    assert code == 2, err
+    assert f"a.yaml:10: stages.1.name: '{name}' is taken by " in err, err
+    assert TAKEN_STAGE_NAMES[name] in err and "give the stage another name" in err
+    assert err.count("error:") == 1, err
+
+
+def test_names_that_only_resemble_the_layouts_are_accepted(config_dir, capsys):
+    edit(config_dir / "a.yaml", "name: a\n", "name: speeds\n")
+    stages = "stages:\n  - name: evaluate\n  - name: calibrate\n  - name: old\n  - name: report.md\n"
+    (config_dir / "a.yaml").write_text((config_dir / "a.yaml").read_text() + stages)
+    code, err = run_cli(config_dir, capsys, "--dry-run")
+    assert code == 0, err
+
+
+# ---- data and cluster values sbatch or preflight would choke on (issue 23, defect 9) ----------------------
+def write_data(config_dir: Path, lines: list[bytes], name: str = "train.jsonl") -> Path:
+    """The data file both experiments train and evaluate on, rewritten line by line."""
+    data = config_dir.parent / name
+    data.write_bytes(b"".join(line + b"\n" for line in lines))
+    return data
+
+
+def test_an_example_over_a_megabyte_is_refused_at_its_line_before_preflight_reads_it(config_dir, capsys):
+    huge = b'{"question": "' + b"q" * 1_500_000 + b'", "sql": "SELECT 1"}'
+    data = write_data(config_dir, [b'{"question": "q", "sql": "SELECT 1"}', huge])
+    code, err = run_cli(config_dir, capsys, "--dry-run")
+    assert code == 2, err
+    assert f"{data}:2: this line is longer than 1,000,000 bytes" in err, err
+    assert err.count("error:") == 1 and "Traceback" not in err, err
+
+
+def test_a_csv_example_over_a_megabyte_is_refused_and_one_under_it_over_csvs_own_limit_accepted(
+    config_dir, capsys
+):
+    for name in ("a", "b"):  # csv's own field limit, 128 KB, raised csv.Error: a traceback
+        edit(config_dir / f"{name}.yaml", "train.jsonl", "train.csv")
+    write_data(config_dir, [b"question,sql", b"q," + b"S" * 300_000], "train.csv")
+    code, err = run_cli(config_dir, capsys, "--dry-run")
+    assert code == 0, err
+    data = write_data(
+        config_dir, [b"question,sql", b"q,SELECT 1", b'q,"' + b"S\n" * 600_000 + b'"'], "train.csv"
+    )
+    code, err = run_cli(config_dir, capsys, "--dry-run")
+    assert code == 2, err
+    assert f"{data}:500003: a field longer than 1,000,000 characters" in err and "Traceback" not in err, err
+
+
+def test_a_null_field_in_an_example_is_called_null_not_missing(config_dir, capsys):
+    data = write_data(
+        config_dir, [b'{"question": "q", "sql": "SELECT 1"}', b'{"question": null, "sql": "x"}']
+    )
+    code, err = run_cli(config_dir, capsys, "--dry-run")
+    assert code == 2, err
+    assert f"{data}:2: field ['question'] is null: null is not allowed here" in err, err
+    assert "no field" not in err, err
+
+
+def test_data_that_is_not_utf8_is_named_at_its_line(config_dir, capsys):
+    data = write_data(
+        config_dir, [b'{"question": "q", "sql": "SELECT 1"}', b'{"question": "caf\xe9", "sql": "x"}']
+    )
+    code, err = run_cli(config_dir, capsys, "--dry-run")
+    assert code == 2, err
+    assert f"{data}:2: not UTF-8 text (byte 18 of the line)" in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize(
+    ("file", "old", "new", "expected"),
+    [
+        (
+            "cluster.yaml",
+            "max_gpus_per_node: 4\n",
+            'max_gpus_per_node: 4\nmail_user: "ada@uni.example\\n"\n',
+            ["cluster.yaml:4", "mail_user", "'ada@uni.example\\n' is not one plain mail address"],
+        ),
+        ("a.yaml", '"00:05:00"', '"00:05:00\\n"', ["a.yaml:7", "resources.time", "HH:MM:SS"]),
+    ],
+    ids=["mail_user", "time"],
+)
+def test_a_value_with_a_trailing_newline_is_refused_before_sbatch_sees_it(
+    file, old, new, expected, config_dir, capsys
+):
+    edit(config_dir / file, old, new)
+    code, err = run_cli(config_dir, capsys, "--dry-run")
+    assert code == 2, err
+    for fragment in expected:
+        assert fragment in err, f"{fragment!r} missing from:\n{err}"

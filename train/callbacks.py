@@ -15,7 +15,7 @@ from transformers import TrainerCallback
 
 from train import distributed
 from train.checkpoints import commit, rotate
-from train.files import write_atomic, write_json_atomic
+from train.files import read_json, write_atomic, write_json_atomic
 from train.gpu_use import GpuSampler, summarize
 
 
@@ -74,8 +74,10 @@ class RunDirectoryLog(TrainerCallback):
         done = state.global_step - self.first_step
         rate = (time.time() - self.started) / done if done else None
         previous = {}
-        if loss is None and (self.run_dir / "progress.json").is_file():
-            previous = json.loads((self.run_dir / "progress.json").read_text())
+        if loss is None:
+            previous = read_json(
+                self.run_dir / "progress.json", {}, expected=dict, fields={"last_loss": float}
+            )
         write_json_atomic(
             self.run_dir / "progress.json",
             {
@@ -182,8 +184,9 @@ class RuntimeClock(TrainerCallback):
 
     def __init__(self, resume_from: Path | None):
         self.before_s = 0.0
-        if resume_from is not None and (resume_from / self.FILE).is_file():
-            self.before_s = json.loads((resume_from / self.FILE).read_text())["train_runtime_s"]
+        if resume_from is not None:
+            kept = read_json(resume_from / self.FILE, {}, expected=dict, fields={"train_runtime_s": float})
+            self.before_s = kept.get("train_runtime_s", 0.0)
         self.started = time.time()
 
     def on_train_begin(self, args, state, control, **kwargs):

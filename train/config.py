@@ -13,9 +13,11 @@ from typing import Annotated, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from eval.names import METRICS, SPLITS
+from train import layout
 
 SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
-TIME_FORMAT = re.compile(r"^(?:(\d+)-)?(\d{1,2}):(\d{2}):(\d{2})$")
+# \Z, not $: `$` also matches before a final newline, which would reach an #SBATCH line.
+TIME_FORMAT = re.compile(r"^(?:(\d+)-)?(\d{1,2}):(\d{2}):(\d{2})\Z")
 # What SLURM accepts as partition, account and qos names (',' between several) and as a --constraint
 # expression (features joined by & | , with [ ] ( ) grouping and *N counts). These values are written into
 # the job script's `#SBATCH` lines, where a newline would start a line of shell: nothing else gets through.
@@ -387,7 +389,7 @@ class StageSpec(Section):
     @field_validator("name")
     @classmethod
     def _safe(cls, value):
-        return safe_name(value)
+        return free_name(safe_name(value), layout.taken_stage_name(value), "stage")
 
 
 # Where curves go besides metrics.jsonl (train/tracking.py); not part of a job's identity.
@@ -420,7 +422,7 @@ class Experiment(Section):
     @field_validator("name")
     @classmethod
     def _safe(cls, value):
-        return safe_name(value)
+        return free_name(safe_name(value), layout.taken_experiment_name(value), "experiment")
 
     @model_validator(mode="after")
     def _images_match_the_model(self):
@@ -458,8 +460,6 @@ class Experiment(Section):
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:
             raise ValueError(f"stage names repeat: {duplicates}")
-        if "eval" in names:
-            raise ValueError("'eval' is reserved for the evaluation job's folder; rename that stage")
         return stages
 
 
@@ -518,6 +518,14 @@ def safe_name(value: str) -> str:
             f"{value!r} is not a safe name: use letters, digits, '-', '_' or '.', start with a letter or "
             "digit, at most 64 characters (it becomes a folder and a job name)"
         )
+    return value
+
+
+def free_name(value: str, taken_by: str | None, kind: str) -> str:
+    """`value`, unless the run folders' layout (train/layout.py) already gives that name to `taken_by`:
+    the two would write into one folder, and the run's last step or its evaluation would be lost."""
+    if taken_by:
+        raise ValueError(f"{value!r} is taken by {taken_by}; give the {kind} another name")
     return value
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import csv
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,23 +51,67 @@ def read_jsonl(path: Path) -> list[dict]:
 def numbered_jsonl(path: Path) -> list[tuple[int, dict]]:
     """(line number, example) pairs; blank lines are skipped."""
     rows = []
-    with open(path, encoding="utf-8") as fh:
-        for number, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except ValueError as exc:
-                raise ExampleError(path, f"not valid JSON ({exc.args[0]})", number) from None
-            if not isinstance(row, dict):
-                raise ExampleError(path, "each line must be a JSON object {...}", number)
-            rows.append((number, row))
+    for number, line in numbered_lines(path):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError as exc:
+            raise ExampleError(path, f"not valid JSON ({exc.args[0]})", number) from None
+        except RecursionError:
+            raise ExampleError(path, "not valid JSON (nested too deeply)", number) from None
+        if not isinstance(row, dict):
+            raise ExampleError(path, "each line must be a JSON object {...}", number)
+        rows.append((number, row))
     return rows
 
 
 def numbered_csv(path: Path) -> list[tuple[int, dict]]:
-    with open(path, newline="", encoding="utf-8") as fh:
-        return [(number, row) for number, row in enumerate(csv.DictReader(fh), 2)]  # line 1 is the header
+    """(line number, example) pairs; the line is where the example ends (a quoted field may span lines)."""
+    csv.field_size_limit(max(csv.field_size_limit(), MAX_EXAMPLE_BYTES))  # csv's own is 128 KB a field
+    reader = csv.reader(line for _, line in numbered_lines(path))
+    try:
+        header = next(reader, [])
+        rows = []
+        for values in filter(None, reader):  # blank lines are no examples
+            if len(values) != len(header):
+                raise ExampleError(
+                    path,
+                    f"this line has {len(values)} values for the header's {len(header)} columns",
+                    reader.line_num,
+                )
+            rows.append((reader.line_num, dict(zip(header, values, strict=True))))
+    except csv.Error as exc:
+        why = f"not valid CSV ({exc})"
+        if "field limit" in str(exc):
+            why = f"a field longer than {MAX_EXAMPLE_BYTES:,} characters, the most an example may have"
+        raise ExampleError(path, why, reader.line_num) from None
+    return rows
+
+
+# The longest line (one example of a .jsonl, a line of a .csv) validation accepts: far beyond any
+# max_length, and what --preflight and the trainer would otherwise tokenize whole, in memory.
+MAX_EXAMPLE_BYTES = 1_000_000
+
+
+def numbered_lines(path: Path) -> Iterator[tuple[int, str]]:
+    """(line number, text) of each line, read a bounded line at a time: a line longer than
+    MAX_EXAMPLE_BYTES or not UTF-8 is an ExampleError at its line, before it is read whole."""
+    with open(path, "rb") as fh:
+        for number, raw in enumerate(iter(lambda: fh.readline(MAX_EXAMPLE_BYTES + 1), b""), 1):
+            if len(raw) > MAX_EXAMPLE_BYTES:
+                raise ExampleError(
+                    path,
+                    f"this line is longer than {MAX_EXAMPLE_BYTES:,} bytes, the most an example may have "
+                    "(it would be tokenized whole, in memory, and cut at max_length anyway): shorten it",
+                    number,
+                )
+            try:
+                yield number, raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise ExampleError(
+                    path, f"not UTF-8 text (byte {exc.start + 1} of the line): save the file as UTF-8", number
+                ) from None
 
 
 def prompt_of(row: dict, spec: DataSpec) -> str:
@@ -86,10 +131,20 @@ def check_rows(rows: list[tuple[int, dict]], spec: DataSpec, path: Path) -> None
         raise ExampleError(path, "has no examples (the file is empty)")
     needed = needed_fields(spec)
     for number, row in rows:
-        missing = [field for field in needed if field not in row or row[field] is None]
+        missing = [field for field in needed if field not in row]
         if missing:
             raise ExampleError(
                 f"{path}:{number}", f"no field {missing} in this example (it has {sorted(row)})"
+            )
+        if nulls := [field for field in needed if row[field] is None]:
+            raise ExampleError(
+                f"{path}:{number}",
+                f"field {nulls} is null: null is not allowed here (the prompt or target needs a value)",
+            )
+        if (size := sum(len(str(row[field]).encode()) for field in needed)) > MAX_EXAMPLE_BYTES:
+            raise ExampleError(
+                f"{path}:{number}",
+                f"this example holds {size:,} bytes, more than the {MAX_EXAMPLE_BYTES:,} an example may have",
             )
         if spec.image_field and not image_path(row, spec, path).is_file():
             raise ExampleError(

@@ -1,6 +1,11 @@
 """Files under runs/ that other processes read while they change (--status, a resumed job, the report, an
 eval job waiting on DONE): each is replaced whole or not at all, and survives a crash once written.
 
+Every reader of the run folder goes through read_text, read_json and read_jsonl, which tolerate what a
+crash, a full disk or a hand edit can leave (bytes that are not UTF-8, torn JSON, a list where an object
+belongs, a string where a number belongs, a folder where a file belongs): the file is named in a warning,
+once, and read as absent, or without the keys or lines that were wrong. A missing file is no warning.
+
 Torch-free and standard library only: the launcher on the login node and the jobs on the nodes share it.
 """
 
@@ -8,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import tempfile
 from pathlib import Path
 
@@ -19,29 +25,156 @@ def write_atomic(path: Path, text: str) -> None:
     then renamed over the target; the folder is synced so the rename itself survives a node failure."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as exc:
+        raise naming(exc, path) from None
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
             fh.write(text)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         Path(tmp).unlink(missing_ok=True)
+        if isinstance(exc, OSError):
+            raise naming(exc, path) from None
         raise
     fsync_path(path.parent)
+
+
+def naming(exc: OSError, path: Path) -> OSError:
+    """The same error (a full disk, a read-only folder, a folder in the way), naming the file being
+    written rather than its temporary file, or nothing at all (a failed write names no file)."""
+    return OSError(exc.errno, exc.strerror or str(exc), str(path))
 
 
 def write_json_atomic(path: Path, value, indent: int | None = None) -> None:
     write_atomic(path, json.dumps(value, indent=indent) + "\n")
 
 
-def read_json(path: Path, default=None):
-    """The file's JSON, or `default` when it is missing or unreadable (a reader never crashes on it)."""
+# What a key of a JSON object must hold: `float` is any number (an int too), never a bool; `int` not a bool.
+Kind = type | tuple[type, ...]
+_warned: set[tuple[str, str]] = set()
+
+
+def warn_unreadable(path: Path, why: str, then: str = "ignored") -> None:
+    """One line on stderr naming the file, what is wrong with it and what is done instead, once per process
+    (a --wait loop reads the same files every few seconds)."""
+    if (str(path), why) not in _warned:
+        _warned.add((str(path), why))
+        print(f"warning: {path}: {why}; {then}", file=sys.stderr, flush=True)
+
+
+def forget_warnings() -> None:
+    """Warn again (each command of a process that runs several says what it found)."""
+    _warned.clear()
+
+
+def read_text(path: Path, unreadable: str | None = None, then: str = "ignored") -> str | None:
+    """The file's text; None when it is missing; `unreadable` when it is there but cannot be read as UTF-8
+    text (a folder, no permission, other bytes): warned about, naming the file and `then`, what follows."""
+    path = Path(path)
     try:
-        return json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        return path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return None
+    except UnicodeDecodeError as exc:
+        why = f"not UTF-8 text (byte {exc.start + 1})"
+    except IsADirectoryError:
+        why = "a folder where a file belongs"
+    except OSError as exc:
+        why = f"cannot be read ({exc.strerror or exc})"
+    warn_unreadable(path, why, then)
+    return unreadable
+
+
+def read_json(path: Path, default=None, expected: Kind | None = None, fields: dict[str, Kind] | None = None):
+    """The file's JSON, or `default` when it is missing or unreadable (never an exception). `expected`: the
+    type the whole value must have (dict, list); `fields`: for an object, the kind each key must hold when
+    present and not null; keys that hold another are left out. Both are warned about, naming the file."""
+    text = read_text(path)
+    if text is None:
         return default
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        warn_unreadable(path, f"not JSON ({str(exc)[:80]})")
+        return default
+    if expected is not None and not is_kind(value, expected):
+        warn_unreadable(path, f"holds {kind_name(type(value))}, not {kind_name(expected)}")
+        return default
+    if fields and isinstance(value, dict):
+        value, wrong = typed(value, fields)
+        if wrong:
+            warn_unreadable(path, "; ".join(wrong))
+    return value
+
+
+def read_jsonl(path: Path, fields: dict[str, Kind] | None = None) -> list[dict]:
+    """The JSON objects of a file of one per line, each checked as read_json checks `fields`. A last line
+    without its newline that is no JSON object is being written (or was cut by a kill) and is skipped
+    quietly; other lines that are not JSON objects are skipped and warned about, with their numbers."""
+    try:
+        lines = Path(path).read_bytes().split(b"\n")
+    except FileNotFoundError:
+        return []
+    except OSError as exc:
+        warn_unreadable(path, "a folder where a file belongs" if os.path.isdir(path) else str(exc.strerror))
+        return []
+    rows, wrong = [], []
+    for number, raw in enumerate(lines, 1):
+        row, why = json_object(raw)
+        if why and number == len(lines):
+            break  # torn
+        if row is not None and fields:
+            row, bad = typed(row, fields)
+            why = "; ".join(bad) or None
+        if why:
+            wrong.append(f"line {number}: {why}")
+        if row is not None:
+            rows.append(row)
+    if wrong:
+        more = f" (and {len(wrong) - 1} more line(s))" if len(wrong) > 1 else ""
+        warn_unreadable(path, wrong[0] + more)
+    return rows
+
+
+def json_object(raw: bytes) -> tuple[dict | None, str | None]:
+    """(the line's object, None) or (None, why not); (None, None) for a blank line."""
+    try:
+        text = raw.decode("utf-8")
+        value = json.loads(text) if text.strip() else None
+    except UnicodeDecodeError as exc:
+        return None, f"not UTF-8 text (byte {exc.start + 1} of the line)"
+    except (ValueError, RecursionError):
+        return None, "not JSON"
+    if value is not None and not isinstance(value, dict):
+        return None, f"{kind_name(type(value))}, not an object"
+    return value, None
+
+
+def typed(value: dict, fields: dict[str, Kind]) -> tuple[dict, list[str]]:
+    """(the object without the keys that hold the wrong kind, what was wrong)."""
+    bad = [
+        key for key, kind in fields.items() if value.get(key) is not None and not is_kind(value[key], kind)
+    ]
+    wrong = [f"{key} is {json.dumps(value[key])[:40]}, not {kind_name(fields[key])}" for key in bad]
+    return ({k: v for k, v in value.items() if k not in bad} if bad else value), wrong
+
+
+def is_kind(value, kind: Kind) -> bool:
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    if isinstance(value, bool):
+        return bool in kinds
+    return isinstance(value, tuple(int | float if k is float else k for k in kinds))
+
+
+def kind_name(kind: Kind) -> str:
+    names = {dict: "an object", list: "a list", str: "a string", float: "a number", int: "an integer"}
+    names |= {bool: "true or false", type(None): "null"}
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    return " or ".join(names.get(k, k.__name__) for k in kinds)
 
 
 def fsync_path(path: Path) -> None:

@@ -11,12 +11,16 @@ model's encoder input and labels), padding not counted: the unit the estimates c
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, fields
+import math
+from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
+from typing import get_args, get_type_hints
 
+from train import layout
 from train.config import TrainJob
+from train.files import read_jsonl, warn_unreadable
 
-FILE = "speeds.jsonl"
+FILE = layout.SPEED_BOOK
 
 
 @dataclass(frozen=True)
@@ -91,18 +95,51 @@ def read_eval_book(book: Path) -> list[EvalSpeedRecord]:
     return _rows(book, EvalSpeedRecord, lambda row: row.get("kind") == "eval")
 
 
+# Numbers the estimates divide by or take the logarithm of (slurm/estimate.py): a row with one at 0 or below
+# would crash them, so it is skipped with a warning, as a row of another shape is.
+POSITIVE = ("world_size", "batch_size", "grad_accum", "max_length", "tokens_per_s", "batches")
+
+
 def _rows(book: Path, record_type, wanted) -> list:
-    try:
-        lines = book.read_text(encoding="utf-8").splitlines()
-    except OSError:
-        return []
-    names = {f.name for f in fields(record_type)}
-    records = []
-    for line in lines:
-        try:
-            row = json.loads(line)
-            if wanted(row):
-                records.append(record_type(**{k: v for k, v in row.items() if k in names}))
-        except (ValueError, TypeError, AttributeError):
+    """Rows of `record_type`: keys of another kind, rows without a required key and rows with a number
+    that is not finite, negative or, of POSITIVE, zero are skipped, the book named in a warning."""
+    kinds = field_kinds(record_type)
+    records, wrong = [], []
+    for row in read_jsonl(book, kinds):
+        if not wanted(row):
             continue
+        try:
+            record = record_type(**{k: v for k, v in row.items() if k in kinds})
+        except TypeError:
+            wrong.append(f"a row without {', '.join(sorted(required(record_type) - set(row)))}")
+            continue
+        if bad := insane(record):
+            wrong.append(f"a row with {bad}")
+            continue
+        records.append(record)
+    if wrong:
+        warn_unreadable(book, f"{wrong[0]}" + (f" (and {len(wrong) - 1} more)" if len(wrong) > 1 else ""))
     return records
+
+
+def field_kinds(record_type) -> dict:
+    """Field name → the kind read_jsonl checks (`float | None` → float: a null is always let through)."""
+    hints = get_type_hints(record_type)
+    return {
+        name: next(k for k in get_args(hint) or (hint,) if k is not type(None))
+        for name, hint in hints.items()
+    }
+
+
+def required(record_type) -> set[str]:
+    return {f.name for f in fields(record_type) if f.default is MISSING and f.default_factory is MISSING}
+
+
+def insane(record) -> str | None:
+    """`key value (why)` for the first number the estimates cannot use; None when all can be."""
+    for name, value in asdict(record).items():
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            continue
+        if not math.isfinite(value) or value < 0 or (value == 0 and name in POSITIVE):
+            return f"{name} {value} (must be {'above' if name in POSITIVE else 'at least'} 0)"
+    return None

@@ -14,7 +14,6 @@ through the HF Trainer's own callbacks, made to survive requeues.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import re
 from pathlib import Path
@@ -22,6 +21,7 @@ from pathlib import Path
 from transformers.integrations import TensorBoardCallback, WandbCallback
 
 from train.config import TrainJob
+from train.files import read_json
 
 WANDB_PROJECT = "slurm-lora"  # unless WANDB_PROJECT is set
 
@@ -30,11 +30,9 @@ def step_offset(job: TrainJob) -> int:
     """Where this stage's steps start on its experiment's axis: the end of the stage it continues."""
     if not job.init_adapter:
         return 0
-    try:
-        summary = json.loads((Path(job.init_adapter).parent / "summary.json").read_text())
-    except (OSError, ValueError):
-        return 0
-    return int(summary.get("step_offset", 0)) + int(summary.get("global_step", 0))
+    fields = {"step_offset": int, "global_step": int}
+    summary = read_json(Path(job.init_adapter).parent / "summary.json", {}, expected=dict, fields=fields)
+    return summary.get("step_offset", 0) + summary.get("global_step", 0)
 
 
 def tracking_callbacks(job: TrainJob, resume_step: int | None) -> list:

@@ -1,0 +1,91 @@
+"""The names the pipeline gives its own files and folders beside the user's experiments and stages.
+
+An experiment's folders are RUN_ROOT/EXP and LOG_DIR/EXP, a stage's RUN_ROOT/EXP/STAGE and LOG_DIR/EXP/STAGE:
+a user's name shares those folders with the names below, so validation refuses every one of them
+(`taken_experiment_name`, `taken_stage_name`). The writers take their names from here, so a name added here
+is refused from then on; tests/test_layout.py runs every writer and checks that what it leaves is refused.
+Torch-free and standard library only: the experiment schema (train/config.py) imports it.
+"""
+
+from __future__ import annotations
+
+# RUN_ROOT/: files of the whole run root.
+SPEED_BOOK = "speeds.jsonl"  # train/speeds.py
+PREFLIGHT_TOKENS = "preflight-tokens.json"  # slurm/estimate.py
+REPORT_MD = "report.md"  # eval/report.py
+REPORT_CSV = "report.csv"  # eval/report.py
+LOSS_CURVES = "loss_curves.png"  # eval/report.py
+LAUNCH_LOCK = ".launch.lock"  # slurm/lock.py
+RUN_ROOT = {
+    SPEED_BOOK: "the speed book",
+    PREFLIGHT_TOKENS: "preflight's token counts",
+    REPORT_MD: "the report",
+    REPORT_CSV: "the report's table",
+    LOSS_CURVES: "the report's loss curves",
+    LAUNCH_LOCK: "the launch lock",
+}
+
+# LOG_DIR/: folders beside the experiments' log folders.
+PACKS = "packs"  # slurm/submit.py: packed allocations' submitit folders
+CODE_SNAPSHOTS = ".code"  # slurm/snapshot.py
+LOG_ROOT = {PACKS: "the packed allocations' logs", CODE_SNAPSHOTS: "the code snapshots"}
+
+# RUN_ROOT/EXP/: what shares an experiment's folder with its stages.
+EVAL = "eval"  # the eval of the last stage; the others' are eval-STAGE (eval_folder)
+EXPORT = "export"  # the export job's folder
+EXPERIMENT_LOSS_PLOT = "loss.png"  # eval/report.py
+EXPERIMENT_FOLDER = {
+    EVAL: "the eval job's folder",
+    EXPORT: "the export job's folder",
+    EXPERIMENT_LOSS_PLOT: "the report's loss plot of the experiment",
+}
+EVAL_PREFIX = f"{EVAL}-"
+CALIBRATION_SUFFIX = "-calibrate"
+ARCHIVE_INFIX = ".old-"
+
+
+def eval_folder(stage: str, last: bool) -> str:
+    """The eval job of `stage`: `eval` after the last stage, `eval-STAGE` after the others."""
+    return EVAL if last else f"{EVAL_PREFIX}{stage}"
+
+
+def calibration_folder(stage: str) -> str:
+    """A `launch.py --calibrate` run of `stage`."""
+    return f"{stage}{CALIBRATION_SUFFIX}"
+
+
+def archive_folder(name: str, stamp: str) -> str:
+    """A run folder moved aside (another config, or --force): never deleted."""
+    return f"{name}{ARCHIVE_INFIX}{stamp}"
+
+
+# Names are compared without case: on a case-insensitive file system (a laptop running the local backend),
+# Report.md is report.md.
+
+
+def taken_experiment_name(name: str) -> str | None:
+    """What already goes by `name` in RUN_ROOT/ or LOG_DIR/, where an experiment's folders go; else None."""
+    for root, names in (("RUN_ROOT", RUN_ROOT), ("LOG_DIR", LOG_ROOT)):
+        for taken, what in names.items():
+            if taken.casefold() == name.casefold():
+                return f"{what} ({root}/{taken})"
+    return None
+
+
+def taken_stage_name(name: str) -> str | None:
+    """What already goes by `name` in RUN_ROOT/EXP/ or LOG_DIR/EXP/, where a stage's folders go; else
+    None. Whole families are taken, not only the names of this experiment's other stages: a stage added
+    later, or eval.after_each_stage turned on, must not take over a folder that holds a result."""
+    folded = name.casefold()
+    if folded in EXPERIMENT_FOLDER:
+        return f"{EXPERIMENT_FOLDER[folded]} (RUN_ROOT/EXP/{folded})"
+    if folded.startswith(EVAL_PREFIX):
+        return f"the folder of the eval after a stage '{name[len(EVAL_PREFIX) :]}' (RUN_ROOT/EXP/eval-STAGE)"
+    if folded.endswith(CALIBRATION_SUFFIX):
+        stage = name[: -len(CALIBRATION_SUFFIX)]
+        return (
+            f"the folder of a --calibrate run of a stage '{stage}' (RUN_ROOT/EXP/STAGE{CALIBRATION_SUFFIX})"
+        )
+    if ARCHIVE_INFIX in folded:
+        return f"the archives of run folders (RUN_ROOT/EXP/STAGE{ARCHIVE_INFIX}DATE)"
+    return None
