@@ -313,13 +313,15 @@ MANY_ROWS = (  # 120 rows of 9 MB, ~1 GB in all, each row small enough to be mad
 def run_capped(repo_root, code: str) -> dict:
     """Runs `code` in a Python whose memory is capped at CAP_BYTES (its pool workers inherit the cap) and
     returns the JSON it prints last, with its peak memory: an unbounded result fails there with
-    MemoryError instead of taking this machine's memory."""
+    MemoryError instead of taking this machine's memory. Its own peak is VmHWM, not ru_maxrss: Linux
+    carries a process's peak across fork and exec, so ru_maxrss would report the pytest process's."""
     prologue = (
         f"import json, resource, sys\nresource.setrlimit(resource.RLIMIT_AS, ({CAP_BYTES}, {CAP_BYTES}))\n"
     )
     epilogue = (
-        "\nprint(json.dumps({'result': result, 'peak_mb': max(resource.getrusage(who).ru_maxrss "
-        "for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)) // 1024}))"
+        "\nhwm = next(int(l.split()[1]) for l in open('/proc/self/status') if l.startswith('VmHWM:'))"
+        "\nprint(json.dumps({'result': result, 'peak_mb': max(hwm, "
+        "resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss) // 1024}))"
     )
     done = subprocess.run(
         [sys.executable, "-c", prologue + code + epilogue],
