@@ -11,6 +11,11 @@ SQL_METRICS = ("sql_exec",)
 MODEL_METRICS = ("bertscore",)  # scored by a model of their own (eval.bertscore_model)
 METRICS = (*TEXT_METRICS, *SQL_METRICS, *MODEL_METRICS)  # what `eval.metrics` and `--metrics` accept
 
+# How long one SQL query may run (fetching its rows included) before it counts as wrong: the eval job's
+# default (`eval.sql_timeout_s`) and `python -m eval score`'s (`--sql-timeout-s`), so both score the same
+# predictions alike.
+SQL_TIMEOUT_S = 5.0
+
 # The scores results.json holds, in the order they are written and shown: fractions in [0, 1] (a rescaled
 # bertscore_f1 can fall below 0: eval/bertscore.py).
 SCORE_KEYS = (

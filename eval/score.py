@@ -22,7 +22,7 @@ from rich.table import Table
 
 from eval.bertscore import BertScoreError
 from eval.metrics import text_metrics
-from eval.names import METRICS, SCORE_KEYS, TEXT_METRICS
+from eval.names import METRICS, SCORE_KEYS, SQL_TIMEOUT_S, TEXT_METRICS
 from eval.sql import NotADatabaseError, check_database, sql_metrics
 from train.files import write_atomic
 
@@ -53,7 +53,7 @@ def score(
     refs: list[str],
     metrics: list[str],
     db: str | None = None,
-    sql_timeout_s: float = 2.0,
+    sql_timeout_s: float = SQL_TIMEOUT_S,
     ids: list | None = None,
     bertscore_model: str | None = None,
     bertscore_rescale: bool = False,
@@ -239,7 +239,12 @@ def add_parser(subparsers) -> None:
         help="rescale bertscore with bert-score's baseline (hub ids it has one for, e.g. roberta-large)",
     )
     parser.add_argument("--out", type=Path, help="write the results here as JSON")
-    parser.add_argument("--sql-timeout-s", type=positive_seconds, default=2.0, help="per query (default 2)")
+    parser.add_argument(
+        "--sql-timeout-s",
+        type=positive_seconds,
+        default=SQL_TIMEOUT_S,
+        help=f"per query (default {SQL_TIMEOUT_S:g}, as an eval job)",
+    )
     parser.set_defaults(run=run)
 
 

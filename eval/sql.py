@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import quote
 
+from eval.names import SQL_TIMEOUT_S
+
 log = logging.getLogger("eval.sql")
 
 MAX_ROWS = 10_000
@@ -169,7 +171,7 @@ class ReadOnlyDB:
 def execute_serial(
     db_path: str | os.PathLike,
     queries: Sequence[str],
-    timeout_s: float = 2.0,
+    timeout_s: float = SQL_TIMEOUT_S,
     max_rows: int = MAX_ROWS,
     max_bytes: int = MAX_RESULT_BYTES,
 ) -> list[ExecResult]:
@@ -202,7 +204,7 @@ def default_workers() -> int:
 def execute_many(
     db_path: str | os.PathLike,
     queries: Sequence[str],
-    timeout_s: float = 2.0,
+    timeout_s: float = SQL_TIMEOUT_S,
     workers: int | None = None,
     max_rows: int = MAX_ROWS,
     max_bytes: int = MAX_RESULT_BYTES,
@@ -268,7 +270,7 @@ def sql_metrics(
     preds: Sequence[str],
     golds: Sequence[str],
     db_path: str | os.PathLike,
-    timeout_s: float = 2.0,
+    timeout_s: float = SQL_TIMEOUT_S,
     workers: int | None = None,
     ids: Sequence | None = None,
     max_rows: int = MAX_ROWS,

@@ -36,7 +36,7 @@ from slurm.rundir import current_job, done_hash
 from slurm.states import State
 from slurm.status import plan_status
 from slurm.yamlfile import find_inherited
-from train.config import TIME_FORMAT
+from train.config import slurm_duration
 from train.files import forget_warnings
 
 # Tables stay readable when piped to a file or a CI log (rich would fold them to 80 columns).
@@ -320,9 +320,11 @@ def requested_pack(args, profile) -> tuple[int, str] | None:
                 )
             ]
         )
-    if args.budget and not TIME_FORMAT.match(args.budget):
-        message = f"{args.budget!r} must look like HH:MM:SS or D-HH:MM:SS (e.g. 6:00:00)"
-        raise ConfigError([Problem("command line", "--budget", message)])
+    if args.budget:
+        try:
+            slurm_duration(args.budget)
+        except ValueError as exc:
+            raise ConfigError([Problem("command line", "--budget", str(exc))]) from None
     gpus = args.pack if args.pack is not None else profile.pack
     if not gpus:  # --pack 0: no pack, whatever cluster.yaml says
         return None

@@ -11,7 +11,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 from slurm.problems import ConfigError, Problem
 from slurm.redact import literal_secret
 from slurm.yamlfile import YamlProblem, find_inherited, read_yaml
-from train.config import TIME_FORMAT, SlurmNames, slurm_seconds, slurm_time
+from train.config import SlurmNames, SlurmTime, slurm_seconds
 
 
 def no_literal_secret(line: str) -> str:
@@ -40,14 +40,6 @@ def mail_address(value: str) -> str:
     # It is written into an #SBATCH line: one plain address, nothing a shell or sbatch would read further.
     if not MAIL_ADDRESS.match(value):
         raise ValueError(f"{value!r} is not one plain mail address (e.g. ada@uni.example)")
-    return value
-
-
-def slurm_duration(value: str | int) -> str:
-    if isinstance(value, int):  # YAML 1.1 reads an unquoted 6:00:00 as base-60 seconds (21600)
-        value = slurm_time(value)
-    if not TIME_FORMAT.match(value):
-        raise ValueError("must look like HH:MM:SS or D-HH:MM:SS (e.g. '2-00:00:00')")
     return value
 
 
@@ -97,12 +89,12 @@ class ClusterProfile(BaseModel):
 
     # --pack / --budget when the command line leaves them out (slurm/pack.py).
     pack: Annotated[int, Field(ge=1)] | None = Field(None, description="GPUs of one packed allocation")
-    budget: Annotated[str | int, AfterValidator(slurm_duration)] | None = Field(
+    budget: SlurmTime | None = Field(
         None, description="the packed allocation's time limit (default: max_time)"
     )
 
     # The longest limit `resources.time: auto` may ask for: set it to the partition's MaxTime.
-    max_time: Annotated[str | int, AfterValidator(slurm_duration)] = "2-00:00:00"
+    max_time: SlurmTime = "2-00:00:00"
 
     @property
     def max_time_s(self) -> int:

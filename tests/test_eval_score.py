@@ -308,3 +308,23 @@ def test_an_eval_job_that_scores_nothing_fails_and_a_rerun_only_scores(tiny, tmp
     results = run_eval(right)
     assert results["predictions_kept"] == 4 and results["sql_gold_errors"]["count"] == 0
     assert 0.0 <= results["sql_exec_accuracy"] <= 1.0
+
+
+def test_eval_score_gives_a_query_as_long_as_an_eval_job_does():
+    # Before: 2.0 s in `python -m eval score` (and eval/sql.py's defaults), 5.0 s in an eval job
+    # (eval.sql_timeout_s): a query taking 3 s was right in one and wrong in the other.
+    import argparse
+    import inspect
+
+    from eval import score as score_module
+    from eval.sql import execute_many, sql_metrics
+    from train.config import EvalSpec
+
+    parser = argparse.ArgumentParser()
+    score_module.add_parser(parser.add_subparsers())
+    cli = parser.parse_args(["score", "--predictions", "p.jsonl", "--references", "r.jsonl"])
+    job = EvalSpec().sql_timeout_s
+    assert cli.sql_timeout_s == job
+    assert inspect.signature(score).parameters["sql_timeout_s"].default == job
+    for function in (sql_metrics, execute_many):
+        assert inspect.signature(function).parameters["timeout_s"].default == job, function.__name__

@@ -543,3 +543,44 @@ def test_a_value_with_a_trailing_newline_is_refused_before_sbatch_sees_it(
     assert code == 2, err
     for fragment in expected:
         assert fragment in err, f"{fragment!r} missing from:\n{err}"
+
+
+def dry_run_json(config_dir: Path, capsys, *extra: str) -> tuple[int, dict | str]:
+    import json
+
+    which = [] if "--exp" in extra else ["--all"]
+    code = launch.main([*which, "--dry-run", "--json", "--config-dir", str(config_dir), *extra])
+    out, err = capsys.readouterr()
+    return code, json.loads(out) if code == 0 else err
+
+
+def test_an_unquoted_time_is_one_duration_in_an_experiment_an_override_cluster_yaml_and_budget(
+    config_dir, capsys
+):
+    # YAML 1.1 reads an unquoted 6:00:00 as 21600 (base-60). Before: cluster.yaml's max_time took it, an
+    # experiment's resources.time failed with "Input should be a valid string (got 21600)".
+    edit(config_dir / "a.yaml", 'time: "00:05:00"', "time: 6:00:00")
+    with (config_dir / "cluster.yaml").open("a") as cluster:
+        cluster.write("max_time: 12:00:00\npack: 2\n")
+    code, plan = dry_run_json(config_dir, capsys, "--no-preflight", "resources.time=1:30:00", "--exp", "b")
+    assert code == 0, plan
+    assert [job["resources"]["time"] for job in plan["jobs"] if job["kind"] == "train"] == ["01:30:00"]
+    code, plan = dry_run_json(config_dir, capsys, "--no-preflight", "--budget", "3:00:00")
+    assert code == 0, plan
+    times = {job["id"]: job["resources"]["time"] for job in plan["jobs"] if job["kind"] == "train"}
+    assert times["a/train"] == "06:00:00" and times["b/train"] == "00:05:00"
+
+
+@pytest.mark.parametrize(
+    ("where", "value"),
+    [("a.yaml", "time: 90 minutes"), ("a.yaml", "time: true"), ("--budget", "ninety")],
+)
+def test_a_time_that_is_no_duration_is_refused_the_same_way_everywhere(where, value, config_dir, capsys):
+    if where == "--budget":
+        extra = ["--pack", "2", "--budget", value]
+    else:
+        edit(config_dir / where, 'time: "00:05:00"', value)
+        extra = []
+    code, err = dry_run_json(config_dir, capsys, "--no-preflight", *extra)
+    assert code == 2 and "must look like HH:MM:SS or D-HH:MM:SS" in err, err
+    assert (where if where == "--budget" else "a.yaml:7") in err, err

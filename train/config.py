@@ -10,9 +10,17 @@ from __future__ import annotations
 import re
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_validator,
+)
 
-from eval.names import METRICS, SPLITS
+from eval.names import METRICS, SPLITS, SQL_TIMEOUT_S
 from train import layout
 
 SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
@@ -207,6 +215,26 @@ def slurm_time(seconds: int) -> str:
     return f"{days}-{clock}" if days else clock
 
 
+def slurm_duration(value: str | int) -> str:
+    """A SLURM time limit, 'HH:MM:SS' or 'D-HH:MM:SS', wherever one is written: `resources.time`,
+    `eval.resources.time`, cluster.yaml's `max_time` and `budget`, `--budget`. An int is how YAML 1.1
+    reads an unquoted 6:00:00 (base-60 seconds, 21600): taken as that duration."""
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        value = slurm_time(value)
+    if not isinstance(value, str) or not TIME_FORMAT.match(value):
+        raise ValueError(f"{value!r} must look like HH:MM:SS or D-HH:MM:SS (e.g. '04:00:00')")
+    return value
+
+
+def slurm_duration_or_auto(value: str | int) -> str:
+    try:
+        return value if value == "auto" else slurm_duration(value)
+    except ValueError as exc:
+        raise ValueError(f"{exc}, or be 'auto' (the plan sets it from the job's estimate)") from None
+
+
+SlurmTime = Annotated[str, BeforeValidator(slurm_duration)]
+SlurmTimeOrAuto = Annotated[str, BeforeValidator(slurm_duration_or_auto)]
 SlurmNames = Annotated[str, AfterValidator(slurm_names)]
 SlurmConstraint = Annotated[str, AfterValidator(slurm_constraint)]
 # sbatch --mail-type values worth asking for (SLURM mails the submitting user, or cluster.yaml's mail_user).
@@ -220,7 +248,7 @@ class Resources(Section):
     gpus: Annotated[int, Field(ge=0)] = 1
     nodes: Annotated[int, Field(ge=1)] = 1
     # "auto": the plan sets it from the job's estimate (slurm/estimate.py); every consumer sees a time.
-    time: str = "04:00:00"
+    time: SlurmTimeOrAuto = "04:00:00"
     mem_gb: Annotated[float, Field(gt=0)] = 32
     cpus: Annotated[int, Field(ge=1)] = 8
     partition: SlurmNames | None = None
@@ -230,13 +258,6 @@ class Resources(Section):
     signal_delay_s: Annotated[int, Field(ge=10)] = 120
     max_requeues: Annotated[int, Field(ge=0)] = 3
     mail: list[MailType] = Field(default_factory=list, description="sbatch --mail-type, e.g. [END, FAIL]")
-
-    @field_validator("time")
-    @classmethod
-    def _slurm_time(cls, value):
-        if value != "auto" and not TIME_FORMAT.match(value):
-            raise ValueError("must look like HH:MM:SS or D-HH:MM:SS (e.g. '04:00:00'), or be 'auto'")
-        return value
 
     @model_validator(mode="after")
     def _signal_inside_the_limit(self):
@@ -284,15 +305,10 @@ class EvalResources(Resources):
     """
 
     gpus: Annotated[int, Field(ge=0)] | None = None
-    time: str | None = None
+    time: SlurmTimeOrAuto | None = None
     mem_gb: Annotated[float, Field(gt=0)] | None = None
     cpus: Annotated[int, Field(ge=1)] | None = None
     mail: list[MailType] | None = None
-
-    @field_validator("time")
-    @classmethod
-    def _slurm_time(cls, value):
-        return value if value is None else Resources._slurm_time(value)
 
     @model_validator(mode="after")
     def _signal_inside_the_limit(self):
@@ -334,7 +350,7 @@ class EvalSpec(Section):
         None,
         description="SQLite file the sql_exec metric runs queries against (read-only)",
     )
-    sql_timeout_s: Annotated[float, Field(gt=0)] = 5.0
+    sql_timeout_s: Annotated[float, Field(gt=0)] = SQL_TIMEOUT_S
     # Left out of the spec (and so of its hash) at their defaults, as `split` below: evals finished before
     # these keys existed are not run again.
     bertscore_model: str | None = Field(
