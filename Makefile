@@ -18,8 +18,8 @@ venv: .venv/.installed
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $@
 
-models/.built: venv train/tiny.py
-	$(PY) -m train.tiny models
+models/.built: venv demo/tiny.py
+	$(PY) -m demo.tiny models
 	touch $@
 
 demo: venv models/.built

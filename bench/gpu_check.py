@@ -103,7 +103,7 @@ def launch_local(folder: Path, experiments: list[str], *overrides: str) -> float
 
 
 def demo_runs() -> dict:
-    subprocess.run([sys.executable, "-m", "train.tiny", "models"], cwd=ROOT, check=True, capture_output=True)
+    subprocess.run([sys.executable, "-m", "demo.tiny", "models"], cwd=ROOT, check=True, capture_output=True)
     with tempfile.TemporaryDirectory() as tmp:
         wall = launch_local(demo_folder(Path(tmp)), [LORA_DEMO, QLORA_DEMO])
         stages = {}
@@ -129,7 +129,7 @@ def memory_rows() -> list[dict]:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from train.config import AdapterSpec, TrainJob
+    from spec.config import AdapterSpec, TrainJob
     from train.memory import CUDA_RESERVE_GB, GB
     from train.model import new_adapter
     from train.preflight import measure_memory

@@ -39,12 +39,12 @@ from transformers import (  # noqa: E402
     TrainingArguments,
 )
 
+from demo.tiny import build_tiny_models, tiny_llama  # noqa: E402
+from spec.config import DataSpec, TrainJob  # noqa: E402
 from train import data as data_lib  # noqa: E402
-from train.config import DataSpec, TrainJob  # noqa: E402
 from train.device import Placement, current  # noqa: E402
 from train.model import load_tokenizer  # noqa: E402
 from train.recipe import StageRecipe  # noqa: E402
-from train.tiny import build_tiny_models, tiny_llama  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = DataSpec(
@@ -130,7 +130,7 @@ def bench_model(folder: Path, placement: Placement) -> Path:
 
 
 def DATA_MODEL(path: Path):  # noqa: N802 - a ModelSpec for a folder
-    from train.config import ModelSpec
+    from spec.config import ModelSpec
 
     return ModelSpec(name_or_path=str(path), kind="causal")
 

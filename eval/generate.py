@@ -6,15 +6,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
-from pathlib import Path
 
 import torch
 from transformers import GenerationConfig
 
+from spec.config import EvalJob, EvalSpec
+from spec.rundir import RunDir
 from train import vl
-from train.config import EvalJob, EvalSpec
 from train.device import Hardware, Placement, decide, ranks
-from train.files import read_json
 from train.model import load_trained
 
 log = logging.getLogger("eval.generate")
@@ -25,10 +24,8 @@ FRAMING = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_
 def trained_precision(adapter_dir: str) -> str:
     """The precision the stage ran in, from its summary.json next to the adapter; "auto" when absent
     (an adapter from elsewhere)."""
-    summary = read_json(
-        Path(adapter_dir).parent / "summary.json", {}, expected=dict, fields={"precision": str}
-    )
-    return summary.get("precision", "auto")  # an unreadable summary is named in a warning (train/files.py)
+    summary = RunDir.of_adapter(adapter_dir).read_summary()
+    return summary.get("precision", "auto")  # an unreadable summary is named in a warning (spec/files.py)
 
 
 def eval_placement(adapter_dir: str, hardware: Hardware | None = None) -> Placement:

@@ -17,8 +17,9 @@ import time
 from pathlib import Path
 
 from eval.predictions import PartialPredictions, rows, write_final
-from train.config import EvalJob
-from train.files import write_atomic
+from spec.config import EvalJob
+from spec.files import write_atomic
+from spec.rundir import RunDir
 
 log = logging.getLogger("eval.job")
 SAMPLE_FOR_ADAPTER_CHECK = 4
@@ -63,7 +64,7 @@ def run_eval(job: EvalJob, stop: threading.Event | None = None) -> dict | None:
         "predictions_kept": kept,  # made by an earlier, interrupted run of this job
         **decoding,
     }
-    write_atomic(out / "results.json", json.dumps(results, indent=1))  # the report may read it meanwhile
+    write_atomic(RunDir(out).results, json.dumps(results, indent=1))  # the report may read it meanwhile
     fail_if_unscored(results)  # before the predictions go: a rerun with the right eval.db only scores
     partial.discard()
     write_speed(job, placement.device_name, batches, loaded, generated)
@@ -153,7 +154,7 @@ def fingerprint(job: EvalJob, placement) -> str:
 def write_speed(job: EvalJob, device_name: str, batches: int, loaded: float, generated: float) -> None:
     """This job's row in the speed book: the next plans estimate eval jobs on this model from it. `batches`:
     those this run generated (a resumed one generates only the rest)."""
-    from train import speeds
+    from spec import speeds
     from train.callbacks import process_started_at
 
     book = speeds.eval_book_of(job.out_dir, job.experiment)
@@ -176,8 +177,8 @@ def write_speed(job: EvalJob, device_name: str, batches: int, loaded: float, gen
 
 def image_paths(source: str, job: EvalJob) -> list[str]:
     """The image file of each scored example (image-text), in the order of the prompts."""
+    from spec.examples import image_path
     from train.data import read_rows
-    from train.examples import image_path
 
     rows = read_rows(source, job.data)[: job.eval.limit]
     return [str(image_path(row, job.data, source)) for row in rows]
@@ -208,5 +209,5 @@ def run(args) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(json.dumps({k: v for k, v in results.items() if isinstance(v, float)}))
-    print(f"wrote {Path(job.out_dir) / 'results.json'}")
+    print(f"wrote {RunDir.of(job.out_dir).results}")
     return 0

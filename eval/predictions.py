@@ -17,10 +17,8 @@ import json
 import os
 from pathlib import Path
 
-from train.files import write_atomic
-
-FINAL = "predictions.jsonl"
-PARTIAL = "predictions.partial.jsonl"
+from spec.files import write_atomic
+from spec.rundir import RunDir
 
 
 def rows(
@@ -43,14 +41,14 @@ def rows(
 def write_final(folder: Path, made: list[dict]) -> None:
     """predictions.jsonl, in id order."""
     ordered = sorted(made, key=lambda row: row["id"])
-    write_atomic(Path(folder) / FINAL, "".join(json.dumps(row) + "\n" for row in ordered))
+    write_atomic(RunDir.of(folder).predictions, "".join(json.dumps(row) + "\n" for row in ordered))
 
 
 class PartialPredictions:
     """`predictions.partial.jsonl` of one eval job: `resume()` once, then `append()` per batch."""
 
     def __init__(self, folder: Path, fingerprint: str):
-        self.path = Path(folder) / PARTIAL
+        self.path = RunDir.of(folder).partial_predictions
         self.fingerprint = fingerprint
 
     def resume(self, prompts: list[str]) -> dict[int, dict]:

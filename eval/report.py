@@ -17,8 +17,9 @@ from pathlib import Path
 
 import yaml
 
-from eval.names import REPORT_COLUMNS
-from train.files import read_json, read_jsonl, write_atomic
+from spec.files import read_jsonl, write_atomic
+from spec.names import REPORT_COLUMNS
+from spec.rundir import METRICS_FIELDS, RunDir
 
 COLUMNS = (
     "experiment",
@@ -38,29 +39,16 @@ COLUMNS = (
 )
 
 
-# What the report takes from each file, and the kind each must hold (train/files.py: a file or key of
-# another shape is named in a warning and left out, never a traceback).
-SUMMARY_FIELDS = {
-    "train_runtime_s": float,
-    "num_input_tokens_seen": float,
-    "best_eval_loss": float,
-    "trainable_percent": float,
-    "device": str,
-}
-RESULTS_FIELDS = {"split": str, "adapter_changes_output": bool, **dict.fromkeys(REPORT_COLUMNS, float)}
-METRICS_FIELDS = {"step": int, "loss": float, "eval_loss": float, "gpu_util_percent": float}
-
-
 def read_summary(run_dir: str | Path) -> dict:
-    return read_json(Path(run_dir) / "summary.json", {}, expected=dict, fields=SUMMARY_FIELDS)
+    return RunDir.of(run_dir).read_summary()
 
 
 def read_results(run_dir: str | Path) -> dict:
-    return read_json(Path(run_dir) / "results.json", {}, expected=dict, fields=RESULTS_FIELDS)
+    return RunDir.of(run_dir).read_results()
 
 
-def read_metrics(path: Path) -> list[dict]:
-    return read_jsonl(path, METRICS_FIELDS)
+def read_metrics(run_dir: str | Path) -> list[dict]:
+    return read_jsonl(RunDir.of(run_dir).metrics, METRICS_FIELDS)
 
 
 JOB_COLUMNS = (
@@ -83,7 +71,7 @@ def job_row(job, states: dict[str, str], used) -> dict:
     a training stage its Trainer clock and speed: where a curriculum's time went."""
     train = job.kind == "train"
     summary = read_summary(job.run_dir) if train else {}
-    ended = summary or (not train and (Path(job.run_dir) / "results.json").is_file())
+    ended = summary or (not train and RunDir.of(job.run_dir).results.is_file())
     runtime_s = summary.get("train_runtime_s") or 0
     return {
         "job": job.id,
@@ -156,7 +144,7 @@ def mean_gpu_util(train_jobs) -> float | None:
     values = [
         row["gpu_util_percent"]
         for job in train_jobs
-        for row in read_metrics(Path(job.run_dir) / "metrics.jsonl")
+        for row in read_metrics(job.run_dir)
         if row.get("gpu_util_percent") is not None
     ]
     return round(sum(values) / len(values), 1) if values else None
@@ -306,7 +294,7 @@ def loss_series(plan, experiment: str) -> tuple[list, list, list]:
     """(train points, eval points, stage boundaries) with steps counted across stages."""
     train, evals, boundaries, offset = [], [], [], 0
     for job in (j for j in plan.jobs if j.experiment == experiment and j.kind == "train"):
-        rows = read_metrics(Path(job.run_dir) / "metrics.jsonl")
+        rows = read_metrics(job.run_dir)
         train += [(offset + r["step"], r["loss"]) for r in rows if "loss" in r and "step" in r]
         evals += [(offset + r["step"], r["eval_loss"]) for r in rows if "eval_loss" in r and "step" in r]
         offset += max((r.get("step", 0) for r in rows), default=0)

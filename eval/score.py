@@ -22,9 +22,9 @@ from rich.table import Table
 
 from eval.bertscore import BertScoreError
 from eval.metrics import text_metrics
-from eval.names import METRICS, SCORE_KEYS, SQL_TIMEOUT_S, TEXT_METRICS
 from eval.sql import NotADatabaseError, check_database, sql_metrics
-from train.files import write_atomic
+from spec.files import write_atomic
+from spec.names import DEFAULT_METRICS, METRICS, SCORE_KEYS, SQL_TIMEOUT_S, TEXT_METRICS, missing_inputs
 
 # The order results are written and shown in (eval/report.py lists its columns in the same order).
 RESULT_KEYS = ("n", *SCORE_KEYS, "sql_gold_errors", "sql_unscored_reason")
@@ -66,10 +66,8 @@ def score(
     unknown = [name for name in metrics if name not in METRICS]
     if unknown:
         raise ValueError(f"unknown metric(s) {', '.join(unknown)}; valid: {', '.join(METRICS)}")
-    if "sql_exec" in metrics and not db:
-        raise ValueError("metric sql_exec needs db, the SQLite file to run the queries against")
-    if "bertscore" in metrics and not bertscore_model:
-        raise ValueError("metric bertscore needs bertscore_model, a local folder or hub id")
+    for metric, name, what in missing_inputs(metrics, {"db": db, "bertscore_model": bertscore_model}):
+        raise ValueError(f"metric {metric} needs {name}, {what}")
     results: dict[str, float | int] = {"n": len(refs)}
     text = [name for name in metrics if name in TEXT_METRICS]
     if text:
@@ -92,11 +90,8 @@ def parse_metrics(text: str, db: str | None, bertscore_model: str | None = None)
             close = difflib.get_close_matches(name, METRICS, n=1)
             guess = f"; did you mean '{close[0]}'?" if close else ""
             raise ScoreError("--metrics", f"unknown metric '{name}'", f"valid: {', '.join(METRICS)}{guess}")
-    if "sql_exec" in metrics and not db:
-        raise ScoreError("--metrics", "sql_exec needs --db", "the SQLite file the queries run against")
-    if "bertscore" in metrics and not bertscore_model:
-        hint = "a local model folder or a hub id, e.g. roberta-large"
-        raise ScoreError("--metrics", "bertscore needs --bertscore-model", hint)
+    for metric, name, what in missing_inputs(metrics, {"db": db, "bertscore_model": bertscore_model}):
+        raise ScoreError("--metrics", f"{metric} needs --{name.replace('_', '-')}", what)
     if db:
         check_db(db)
     return metrics
@@ -229,7 +224,7 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--predictions", type=Path, required=True, help='JSONL of {"id", "prediction"}')
     parser.add_argument("--references", type=Path, required=True, help='JSONL of {"id", "reference"}')
     parser.add_argument(
-        "--metrics", default="rouge,bleu,exact_match", help=f"comma-separated, among {', '.join(METRICS)}"
+        "--metrics", default=",".join(DEFAULT_METRICS), help=f"comma-separated, among {', '.join(METRICS)}"
     )
     parser.add_argument("--db", help="SQLite file for sql_exec (opened read-only)")
     parser.add_argument("--bertscore-model", help="for bertscore: a local model folder or a hub id")

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import quote
 
-from eval.names import SQL_TIMEOUT_S
+from spec.names import SQL_TIMEOUT_S
 
 log = logging.getLogger("eval.sql")
 

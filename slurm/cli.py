@@ -29,15 +29,15 @@ from slurm.launcher import (
 )
 from slurm.pack import Packing, pack_plan, pack_resources
 from slurm.plan import Plan, build_plan, calibration_plan
-from slurm.problems import ConfigError, Problem
 from slurm.profile import load_profile
 from slurm.render import edges_text, packing_text, plan_table, problem_lines, status_table, totals_text
-from slurm.rundir import current_job, done_hash
 from slurm.states import State
 from slurm.status import plan_status
 from slurm.yamlfile import find_inherited
-from train.config import slurm_duration
-from train.files import forget_warnings
+from spec.config import slurm_duration
+from spec.files import forget_warnings
+from spec.problems import ConfigError, Problem
+from spec.rundir import current_job, done_hash
 
 # Tables stay readable when piped to a file or a CI log (rich would fold them to 80 columns).
 out = Console(width=max(160, Console().width))
@@ -110,6 +110,7 @@ def dispatch(args) -> int:
         raise ConfigError(
             [Problem("command line", "", "say which experiments: --all or --exp NAME [NAME ...]")]
         )
+    refuse_a_local_pack(args)
     experiments = load_experiments(args.config_dir, profile, parse_overrides(args.overrides), args.exp)
     if args.calibrate and args.calibrate_steps < 1:
         raise ConfigError([Problem("command line", "--calibrate-steps", "must be at least 1")])
@@ -141,6 +142,17 @@ def dispatch(args) -> int:
         written = report(plan, experiments, profile, args.config_dir)
         out.print(f"All {len(plan.jobs)} job(s) completed. Report: {written[0]}", highlight=False)
     return code
+
+
+def refuse_a_local_pack(args) -> None:
+    """--pack for a launch that would run here: said before anything is loaded, planned or preflighted (a
+    dry run may still show what a pack would do)."""
+    if args.pack and not (args.dry_run or args.preflight) and backend_of(args) == "local":
+        message = (
+            "packs a SLURM allocation, and there is no SLURM here: locally, jobs already share this machine "
+            "(`local_parallel_jobs` in cluster.yaml sets how many run at once)"
+        )
+        raise ConfigError([Problem("command line", "--pack", message)])
 
 
 def planned(experiments, profile, args) -> Plan:
@@ -178,7 +190,7 @@ def backend_of(args) -> str:
 def preflight(plan: Plan, experiments, profile, show: bool, as_json: bool) -> int:
     """Refuse (exit 2) what the jobs would refuse or could not fit, before anything is queued; torch is
     imported only on a preflight cache miss, never by the dry run or the status commands."""
-    from train.preflight_check import preflight_plan
+    from slurm.preflight import preflight_plan
 
     files = {e.name: str(e.file) for e in experiments}
     fetching = profile.hub_downloads == "login"
@@ -365,20 +377,7 @@ def submit(plan: Plan, profile, args, pack: tuple[int, str] | None = None) -> in
         if not todo and not adopting:
             out.print(plan_table(plan, skipped))
             out.print("Nothing to submit: every job is done, already queued or still running.")
-        elif pack and backend_name == "local" and args.pack is None:
-            return run_here(plan, profile, decisions, take_snapshot(Path(profile.log_dir)))  # cluster.yaml's
-        elif pack and backend_name == "local":
-            raise ConfigError(
-                [
-                    Problem(
-                        "command line",
-                        "--pack",
-                        "packs a SLURM allocation, and there is no SLURM here: locally, jobs already share this "
-                        "machine (`local_parallel_jobs` in cluster.yaml sets how many run at once)",
-                    )
-                ]
-            )
-        elif backend_name == "local":
+        elif backend_name == "local":  # cluster.yaml's pack is for SLURM; --pack was refused at the door
             return run_here(plan, profile, decisions, take_snapshot(Path(profile.log_dir)))
         elif pack:
             queue_pack(plan, profile, decisions, skipped, pack, take_snapshot(Path(profile.log_dir)))
@@ -504,9 +503,9 @@ def cancel_rows(rows, log_root: str) -> list[str]:
     says; returns the plan ids of local jobs whose processes still run after every signal. A local job is
     noted cancelled first: its launcher, if alive, then sees it cancelled, not failed, and starts nothing
     new."""
-    from slurm.rundir import current_job, mark_cancelled
     from slurm.scheduler import cancel as cancel_jobs
     from slurm.scheduler import scheduler_job
+    from spec.rundir import current_job, mark_cancelled
 
     records = {r.job.id: current_job(Path(r.job.run_dir)) for r in rows}
     for row in rows:

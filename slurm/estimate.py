@@ -8,7 +8,7 @@ Training: tokens to process ÷ tokens/s + start-up + in-training evals + checkpo
   ÷ CHARS_PER_TOKEN. An `hf:` dataset is not read on the login node: its size comes from preflight or
   from the speed book when a stage trained on it before.
   tokens/s, start-up and eval/save seconds come from the speed book (RUN_ROOT/speeds.jsonl, written by
-  every finished stage: train/speeds.py) when it has a row for this model, adapter method, precision
+  every finished stage: spec/speeds.py) when it has a row for this model, adapter method, precision
   (`auto`: what the job's device runs) and gradient checkpointing, on the job's kind of device (never a
   CPU row for a GPU job, nor a GPU row for a CPU job), the nearest in batch size and max length, newest
   first ("measured"); else from the model's size on assumed hardware (slurm/guesses.py: "guess").
@@ -37,12 +37,12 @@ from typing import Literal
 
 from slurm import guesses
 from slurm.experiments import read_examples
-from train import layout
-from train.config import DataSpec, EvalJob, TrainJob, TrainSpec
-from train.examples import TextSize
-from train.files import is_kind, read_json, warn_unreadable, write_json_atomic
+from spec import layout
+from spec.config import DataSpec, EvalJob, TrainJob, TrainSpec
+from spec.examples import TextSize
+from spec.files import is_kind, read_json, warn_unreadable, write_json_atomic
+from spec.speeds import FILE, EvalSpeedRecord, SpeedRecord, read_book, read_eval_book
 from train.hub_cache import TOKENIZER_FILES
-from train.speeds import FILE, EvalSpeedRecord, SpeedRecord, read_book, read_eval_book
 
 # The usual rule of thumb for English under BPE or SentencePiece vocabularies; code and SQL run nearer 3,
 # so their estimates come out a little short until the speed book or an exact count takes over.
@@ -102,7 +102,7 @@ def exact_key(spec: TrainJob) -> str:
 
 def read_exact_tokens(run_root: str | Path) -> dict[str, DataTokens]:
     """Entries of another shape, or with no example or token (the estimates divide by both), are left
-    out, the file named in a warning (train/files.py)."""
+    out, the file named in a warning (spec/files.py)."""
     path = Path(run_root) / TOKENS_FILE
     kept = read_json(path, {}, expected=dict)
     found = {
@@ -241,8 +241,7 @@ class Estimator:
 
 def training_work(train: TrainSpec, data: DataTokens, processes: int) -> tuple[int, float]:
     """(optimizer steps, tokens) as the trainer counts them: a last, shorter accumulation still steps."""
-    batches = math.ceil(data.examples / (train.batch_size * processes))
-    per_epoch = max(1, math.ceil(batches / train.grad_accum))
+    per_epoch = train.steps_per_epoch(data.examples, processes)
     if train.max_steps:
         examples = train.max_steps * train.batch_size * train.grad_accum * processes
         return train.max_steps, examples * data.tokens / data.examples
@@ -255,7 +254,7 @@ def checkpoints(spec: TrainJob, data: DataTokens, steps: int, processes: int) ->
     saves = steps // train.save_every_steps
     if not (spec.data.eval and train.eval_every_epochs):
         return 0, saves
-    per_epoch = training_work(train.model_copy(update={"max_steps": None, "epochs": 1}), data, processes)[0]
+    per_epoch = train.steps_per_epoch(data.examples, processes)
     evals = steps // max(1, round(per_epoch * train.eval_every_epochs))
     return evals, saves + evals
 

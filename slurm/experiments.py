@@ -13,7 +13,6 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from eval.sql import NotADatabaseError, check_database
-from slurm.problems import ConfigError, Problem, did_you_mean
 from slurm.profile import ClusterProfile
 from slurm.yamlfile import (
     COMMAND_LINE,
@@ -25,8 +24,9 @@ from slurm.yamlfile import (
     load_chain,
     where,
 )
-from train.config import DataSpec, Experiment, StageSpec, TrainSpec
-from train.examples import ExampleError, TextSize, check_file, needed_fields
+from spec.config import DataSpec, Experiment, StageSpec, TrainSpec
+from spec.examples import ExampleError, TextSize, check_file, needed_fields
+from spec.problems import ConfigError, Problem, did_you_mean
 
 # Sections whose keys a "did you mean" can suggest from, by their place in the file.
 SECTIONS: dict[str, type[BaseModel]] = {
@@ -285,7 +285,7 @@ def missing_model_folder(key: tuple, name: str, chain: list[YamlFile]) -> list[P
     if not _looks_local(name) or Path(name).is_dir():
         return []
     file, line = where(chain, key)
-    hint = " (the demo's tiny models are built by `python -m train.tiny models`)" if "tiny" in name else ""
+    hint = " (the demo's tiny models are built by `python -m demo.tiny models`)" if "tiny" in name else ""
     return [Problem(file, ".".join(key), f"local model folder not found: {name}{hint}", line)]
 
 

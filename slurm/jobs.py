@@ -16,7 +16,7 @@ from pathlib import Path
 import submitit
 
 from slurm.redact import redact_job_output
-from slurm.rundir import mark_done
+from spec.rundir import mark_done
 
 log = logging.getLogger("slurm.jobs")
 
@@ -49,7 +49,7 @@ class TrainStage(StageJob):
     On SIGTERM (scancel, `scontrol requeue`, preemption with a grace time) it also checkpoints first."""
 
     def run(self, spec: dict, config_hash: str) -> str:
-        from train.config import TrainJob
+        from spec.config import TrainJob
         from train.recipe import run_stage
 
         job = TrainJob.model_validate(spec)
@@ -80,7 +80,7 @@ class EvalStage(StageJob):
 
     def run(self, spec: dict, config_hash: str) -> str:
         from eval.job import run_eval
-        from train.config import EvalJob
+        from spec.config import EvalJob
 
         job = EvalJob.model_validate(spec)
         stop = StopRequest()

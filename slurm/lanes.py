@@ -29,8 +29,9 @@ from submitit.core.utils import JobPaths
 
 from slurm.jobs import StopRequest, _configure_logging
 from slurm.redact import redact_job_output
-from slurm.rundir import done_hash, read_lane
-from train.files import write_atomic
+from slurm.states import LANE_STATES, State, parent_verdict
+from spec.files import write_atomic
+from spec.rundir import RunDir, done_hash, read_lane
 
 log = logging.getLogger("slurm.lanes")
 # How often the lanes look at their children: a lane idles at most this long after its unit ends. (A
@@ -145,8 +146,7 @@ class Lanes:
         def parent_ended(job_id: str, kind: str) -> bool:
             if job_id not in self.units:
                 return True  # outside the pack: ended before it started (afterok ones: see outside_failed)
-            ended = self.state.get(job_id)
-            return ended == "done" or (kind == "afterany" and ended in ("failed", "blocked"))
+            return parent_verdict(kind, LANE_STATES.get(self.state.get(job_id, ""))) is State.PENDING
 
         waiting = [u for uid, u in self.units.items() if uid not in self.state and uid not in self.running]
         ready = [u for u in waiting if all(parent_ended(j, k) for j, k in u["depends_on"])]
@@ -163,7 +163,7 @@ class Lanes:
                 bad = [
                     f"{j} {self.state[j]}"
                     for j, k in unit["depends_on"]
-                    if k == "afterok" and self.state.get(j) in ("failed", "blocked")
+                    if parent_verdict(k, LANE_STATES.get(self.state.get(j, ""))) is State.BLOCKED
                 ] + [f"{j} did not complete" for j in outside_failed(unit)]
                 if bad:
                     self.state[uid] = "blocked"
@@ -269,4 +269,4 @@ class Lanes:
         }
         run_dir = Path(unit["run_dir"])
         run_dir.mkdir(parents=True, exist_ok=True)
-        write_atomic(run_dir / "lane.json", json.dumps(record))
+        write_atomic(RunDir(run_dir).lane, json.dumps(record))

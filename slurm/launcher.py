@@ -19,8 +19,12 @@ from typing import Literal
 
 from slurm.pack import unit_of
 from slurm.plan import Plan, PlannedJob
-from slurm.problems import ConfigError, Problem
-from slurm.rundir import (
+from slurm.states import State
+from slurm.status import query_slurm
+from spec.config import Resources
+from spec.layout import archive_folder
+from spec.problems import ConfigError, Problem
+from spec.rundir import (
     changed_keys,
     current_job,
     done_hash,
@@ -33,10 +37,6 @@ from slurm.rundir import (
     record_job,
     write_spec,
 )
-from slurm.states import State
-from slurm.status import query_slurm
-from train.config import Resources
-from train.layout import archive_folder
 
 # queued: a live SLURM job; running: a local job an earlier launch started, still running (its launcher
 # may be gone: killed, a dropped SSH session); both are never started again.

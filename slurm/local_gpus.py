@@ -16,7 +16,7 @@ import subprocess
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from slurm.problems import ConfigError, Problem
+from spec.problems import ConfigError, Problem
 
 # A CUDA_VISIBLE_DEVICES entry CUDA accepts: an index, or a (prefix of a) GPU or MIG UUID.
 DEVICE_ENTRY = re.compile(r"^(\d+|GPU-[0-9A-Za-z-]+|MIG-[0-9A-Za-z/-]+)$")

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from pydantic import ValidationError
 
 from slurm.plan import PlannedJob
-from slurm.problems import ConfigError, Problem
 from slurm.profile import ClusterProfile
-from train.config import SLURM_TIMER_S, Resources, slurm_seconds, slurm_time
+from spec.config import SLURM_TIMER_S, Resources, slurm_seconds, slurm_time
+from spec.problems import ConfigError, Problem
 
 
 @dataclass(frozen=True)

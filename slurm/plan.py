@@ -19,10 +19,10 @@ from pydantic import ValidationError
 from slurm import guesses
 from slurm.estimate import Estimate, Estimator, auto_time_limit_s
 from slurm.experiments import LoadedExperiment
-from slurm.problems import ConfigError, Problem
 from slurm.profile import ClusterProfile
-from train import layout
-from train.config import EvalJob, Resources, TrainJob, slurm_time
+from spec import layout
+from spec.config import EvalJob, Resources, TrainJob, slurm_time
+from spec.problems import ConfigError, Problem
 
 DependencyKind = Literal["afterok", "afterany"]
 

@@ -8,10 +8,10 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
-from slurm.problems import ConfigError, Problem
 from slurm.redact import literal_secret
 from slurm.yamlfile import YamlProblem, find_inherited, read_yaml
-from train.config import SlurmNames, SlurmTime, slurm_seconds
+from spec.config import SlurmNames, SlurmTime, slurm_seconds
+from spec.problems import ConfigError, Problem
 
 
 def no_literal_secret(line: str) -> str:

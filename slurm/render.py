@@ -9,7 +9,7 @@ from slurm.pack import Packing
 from slurm.plan import Plan, PlannedJob
 from slurm.states import State
 from slurm.status import JobStatus, format_eta
-from train.config import slurm_time
+from spec.config import slurm_time
 
 STATE_STYLE = {
     State.COMPLETED: "green",

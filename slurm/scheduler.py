@@ -30,7 +30,7 @@ COMMENT_MARK = "slurm-lora"  # a job's SLURM comment: "slurm-lora TOKEN WHAT" (s
 # (slurm/jobs.py); SIGKILL is for what ignores both (a job started with SIGINT ignored, as a script's `&`
 # does, whose trainer is stuck in one long step).
 STOP_STEPS = ((signal.SIGINT, 10.0), (signal.SIGTERM, 30.0), (signal.SIGKILL, 10.0))
-RECORD_TIME = "%Y-%m-%dT%H:%M:%S"  # slurm/rundir.py TIME_STAMP
+RECORD_TIME = "%Y-%m-%dT%H:%M:%S"  # spec/rundir.py TIME_STAMP
 
 
 class RecordedLocalJob(submitit.LocalJob):

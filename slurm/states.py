@@ -24,6 +24,38 @@ class State(str, Enum):
     def failed(self) -> bool:
         return self in (State.FAILED, State.TIMEOUT, State.CANCELLED, State.BLOCKED)
 
+    @property
+    def ended(self) -> bool:
+        return self is State.COMPLETED or self.failed
+
+
+def parent_verdict(kind: str, parent: State | None) -> State | None:
+    """What one parent lets a job do, as SLURM decides for the dependency's kind: None (wait: the parent
+    has not ended, or is not known), State.PENDING (may start as far as this parent goes), State.BLOCKED
+    (`afterok` on a parent that did not complete: it will never run; `afterany` only waits for the end).
+    The one rule of the local backend, a pack's lanes and --status."""
+    if parent is None or not parent.ended:
+        return None
+    return State.PENDING if parent is State.COMPLETED or kind == "afterany" else State.BLOCKED
+
+
+def jobs_verdict(verdicts: list[State | None]) -> State | None:
+    """A job's, from each parent's: blocked by any, else waiting on any, else free to start."""
+    if State.BLOCKED in verdicts:
+        return State.BLOCKED
+    return None if None in verdicts else State.PENDING
+
+
+# A packed unit's state as its lane writes it (lane.json, slurm/lanes.py) → ours.
+LANE_STATES: dict[str, State] = {
+    "waiting": State.PENDING,
+    "interrupted": State.PENDING,  # resumes when the allocation is requeued
+    "running": State.RUNNING,
+    "done": State.COMPLETED,
+    "failed": State.FAILED,
+    "blocked": State.BLOCKED,
+}
+
 
 SLURM_STATES: dict[str, State] = {
     "PENDING": State.PENDING,

@@ -9,9 +9,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from slurm.plan import Plan, PlannedJob
-from slurm.rundir import UNREADABLE, current_job, done_hash, read_json, read_lane
-from slurm.states import State, from_slurm
-from train.config import TIME_FORMAT, slurm_seconds
+from slurm.states import State, from_slurm, parent_verdict
+from spec.config import TIME_FORMAT, slurm_seconds
+from spec.rundir import PROGRESS_FIELDS, UNREADABLE, RunDir, current_job, done_hash, read_lane
 
 
 @dataclass(frozen=True)
@@ -166,21 +166,9 @@ def plan_status(plan: Plan, log_root: str) -> list[JobStatus]:
     return list(statuses.values())
 
 
-# What --status takes from progress.json (the trainer writes it; absent keys are None, e.g. no GPU).
-PROGRESS_FIELDS = {
-    "step": int,
-    "total_steps": int,
-    "last_loss": float,
-    "eta_s": float,
-    "gpu_util_percent": float,
-    "gpu_mem_gb": float,
-    "gpu_mem_total_gb": float,
-}
-
-
 def job_status(job, record, scheduler, earlier: dict[str, JobStatus], log_root: str) -> JobStatus:
     run_dir = Path(job.run_dir)
-    progress = read_json(run_dir / "progress.json", {}, expected=dict, fields=PROGRESS_FIELDS)
+    progress = RunDir(run_dir).read_progress()
     fields = {key: progress.get(key) for key in PROGRESS_FIELDS}
     scheduler_id = record["job_id"] if record else ""
     submitted = _submitit_job(log_root, job.id, record) if record else None
@@ -198,7 +186,12 @@ def job_status(job, record, scheduler, earlier: dict[str, JobStatus], log_root: 
             elapsed=scheduler.get(scheduler_id, SchedulerInfo(State.COMPLETED)).elapsed,
         )
     failed_parent = next(
-        (d.job_id for d in job.depends_on if d.kind == "afterok" and earlier[d.job_id].state.failed), None
+        (
+            d.job_id
+            for d in job.depends_on
+            if parent_verdict(d.kind, earlier[d.job_id].state) is State.BLOCKED
+        ),
+        None,
     )
     if record is None:
         if failed_parent:

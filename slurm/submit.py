@@ -26,14 +26,14 @@ from slurm.jobs import EvalStage, TrainStage
 from slurm.lanes import PackJob
 from slurm.local_gpus import GpuPool, VisibleGpus, gpus_needed, too_many_gpus
 from slurm.plan import PlannedJob
-from slurm.problems import ConfigError
 from slurm.profile import ClusterProfile
-from slurm.rundir import current_job
 from slurm.scheduler import COMMENT_MARK, cancel, local_failure, stop_local
 from slurm.snapshot import CodeSnapshot
-from slurm.states import State
-from train.config import Resources
-from train.layout import PACKS
+from slurm.states import State, jobs_verdict, parent_verdict
+from spec.config import Resources
+from spec.layout import PACKS
+from spec.problems import ConfigError
+from spec.rundir import current_job
 
 CONTROLLER_LOG = "controller.err"  # in a local job's log folder: its submitit controller's own stderr
 
@@ -135,7 +135,7 @@ class SlurmBackend:
 
 
 def job_comment(token: str, what: str) -> dict:
-    """The SLURM comment of a submission: its intent's token (slurm/rundir.py record_intent), by which the
+    """The SLURM comment of a submission: its intent's token (spec/rundir.py record_intent), by which the
     next launch finds the job in the queue if this one dies before recording it, and what it runs, for
     people reading squeue. No token, no comment."""
     return {"comment": f"{COMMENT_MARK} {token} {' '.join(what.split())}"} if token else {}
@@ -266,13 +266,8 @@ class LocalBackend:
 
     @staticmethod
     def _ready(parents: list[tuple[str, str]], states: dict[str, State]) -> State | None:
-        """PENDING = may start now, None = wait, BLOCKED = a parent it needs failed."""
-        for parent, kind in parents:
-            if parent not in states:
-                return None
-            if kind == "afterok" and states[parent] is not State.COMPLETED:
-                return State.BLOCKED
-        return State.PENDING
+        """PENDING = may start now, None = wait, BLOCKED = a parent it needs failed (`states`: the ended)."""
+        return jobs_verdict([parent_verdict(kind, states.get(parent)) for parent, kind in parents])
 
     def _start(self, job: PlannedJob, devices: tuple[str, ...]):
         """Every task of the job sees all of `devices` (rank K uses cuda:K, as on SLURM); none: no GPU.

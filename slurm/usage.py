@@ -21,9 +21,9 @@ from pathlib import Path
 
 from submitit.core.utils import JobPaths, pickle_load
 
-from slurm.rundir import job_records, read_lane
 from slurm.status import Allocation, query_allocations
-from train.layout import PACKS
+from spec.layout import PACKS
+from spec.rundir import job_records, read_lane
 
 VISIBLE_LINE = re.compile(r"CUDA_VISIBLE_DEVICES=(\(not set\)|\S*)")
 LOG_HEAD_BYTES = 64 * 1024  # the line is logged before the work starts

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import yaml
 
-from slurm.problems import Problem
+from spec.problems import Problem
 
 KeyPath = tuple  # e.g. ("train", "learning_rate") or ("stages", 1, "name")
 COMMAND_LINE = "command line"

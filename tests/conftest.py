@@ -50,7 +50,7 @@ def slurm_cluster() -> Path:
 def tiny() -> dict[str, Path]:
     """{"tiny-t5": folder, "tiny-llama": folder}: the demo's tiny models, each with its tokenizer, in the
     repo's models/ folder (the demo configs point there; built once, kept while its stamp matches)."""
-    from train.tiny import build_tiny_models
+    from demo.tiny import build_tiny_models
 
     return build_tiny_models(ROOT / "models")
 

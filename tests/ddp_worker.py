@@ -17,9 +17,9 @@ import sys
 import threading
 from pathlib import Path
 
+from spec.config import TrainJob
 from tests.train_helpers import StopAfter
 from train import distributed
-from train.config import TrainJob
 from train.recipe import StageRecipe
 
 

@@ -18,6 +18,7 @@ from submitit.core.utils import JobPaths
 
 import launch
 from slurm.jobs import ephemeral_ports, rendezvous_port
+from tests.helpers import wait_until
 from tests.test_cluster_faults import (
     assert_every_step_logged_once,
     assert_same_adapter,
@@ -25,7 +26,6 @@ from tests.test_cluster_faults import (
     progress_step,
     slurm_id,
     submit,
-    wait_until,
 )
 from train.checkpoints import latest_valid_checkpoint, step_of
 

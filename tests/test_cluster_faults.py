@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import math
 import subprocess
-import time
 from pathlib import Path
 
 from safetensors.torch import load_file
@@ -19,6 +18,7 @@ import launch
 from slurm.states import State
 from slurm.status import query_slurm
 from tests.conftest import write_cluster_yaml
+from tests.helpers import wait_until
 from tests.test_tracking import assert_same_curve, logged_losses, tensorboard_losses
 from train.checkpoints import MARKER, latest_valid_checkpoint, step_of
 
@@ -78,16 +78,6 @@ def submit(folder: Path, *extra: str) -> int:
 
 def slurm_id(tmp: Path, job: str) -> str:
     return json.loads((tmp / "runs" / job / "job.json").read_text())["jobs"][-1]["job_id"]
-
-
-def wait_until(condition, what: str, timeout_s: float = 240):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.5)
-    raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
 
 
 def progress_step(run_dir: Path) -> int:

@@ -24,7 +24,8 @@ from slurm.profile import load_profile
 from slurm.states import State
 from slurm.status import query_slurm
 from tests.conftest import squeue_ids
-from tests.test_cluster_faults import assert_every_step_logged_once, assert_same_adapter, slurm_id, wait_until
+from tests.helpers import wait_until
+from tests.test_cluster_faults import assert_every_step_logged_once, assert_same_adapter, slurm_id
 from train.checkpoints import latest_valid_checkpoint
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from train.demo_data import SCHEMA, build_demo_data
+from demo.data import SCHEMA, build_demo_data
 
 SPLITS = ("train", "dev", "easy", "medium", "hard")
 FIELDS = ["id", "question", "schema", "sql", "difficulty"]
@@ -119,5 +119,5 @@ def dump(db_path: Path) -> list[str]:
 
 
 def test_the_generator_does_not_import_torch(repo_root):
-    code = "import sys, train.demo_data; sys.exit('torch' in sys.modules)"
+    code = "import sys, demo.data; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], cwd=repo_root, check=False).returncode == 0

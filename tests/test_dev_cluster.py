@@ -9,7 +9,7 @@ import subprocess
 from pathlib import Path
 
 from tests.conftest import ROOT, squeue_ids
-from tests.test_cluster_faults import wait_until
+from tests.helpers import wait_until
 
 
 def sbatch(tmp_path: Path, command: str) -> str:

@@ -96,7 +96,13 @@ def test_what_this_hardware_cannot_do_falls_back_with_a_warning():
     assert "Tesla V100 has no native bf16" in bf16_on_v100.warnings[0]
 
 
-def test_this_machine_is_detected_as_it_is():
+def test_this_machine_runs_where_the_table_says_and_is_read_once():
+    """Precision auto on this machine: a GPU node trains on cuda:0 in bf16 or fp16, a CPU machine in fp32
+    (a detection that missed the GPU, or saw one that is not there, lands on the wrong row)."""
     hardware = Hardware.detect()
-    assert hardware.cuda_devices == torch.cuda.device_count() and hardware.cpu_cores >= 1
     assert Hardware.detect() is hardware  # read from torch once
+    placement = decide(hardware, "auto")
+    if torch.cuda.is_available():
+        assert (placement.device, placement.precision in ("bf16", "fp16")) == ("cuda:0", True)
+    else:
+        assert (placement.device, placement.precision) == ("cpu", "fp32")

@@ -13,9 +13,9 @@ import pytest
 from submitit.core.utils import JobPaths
 
 import launch
+from spec.speeds import read_eval_book
 from tests.conftest import squeue_ids, write_cluster_yaml
 from tests.test_tracking import assert_same_curve, logged_losses, tensorboard_losses
-from train.speeds import read_eval_book
 
 TOKEN = "hf_NotARealTokenForTheDemoJobs"
 DEMO_JOBS = {

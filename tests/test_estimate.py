@@ -1,4 +1,4 @@
-"""Estimates (slurm/estimate.py), the speed book (train/speeds.py) and `resources.time: auto`."""
+"""Estimates (slurm/estimate.py), the speed book (spec/speeds.py) and `resources.time: auto`."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ import pytest
 
 from slurm.estimate import DataTokens, Estimator, auto_time_limit_s, read_exact_tokens, record_exact_tokens
 from slurm.experiments import load_experiments
-from slurm.problems import ConfigError
 from slurm.profile import load_profile
+from spec.config import DataSpec, EvalJob, ModelSpec, TrainJob
+from spec.problems import ConfigError
+from spec.speeds import EvalSpeedRecord, SpeedRecord, book_of, read_book
 from tests.test_plan import plan_for, sized, write_experiments
-from train.config import DataSpec, EvalJob, ModelSpec, TrainJob
-from train.speeds import EvalSpeedRecord, SpeedRecord, book_of, read_book
 
 MODEL = {"name_or_path": "org/some-model-0.5B", "kind": "causal"}
 
@@ -395,7 +395,7 @@ def test_an_eval_row_from_a_cpu_never_estimates_a_gpu_eval_and_another_gpus_is_s
 
 def test_the_gpu_model_a_job_gets_is_read_from_its_constraint_then_its_partition():
     from slurm.guesses import job_gpu
-    from train.config import Resources
+    from spec.config import Resources
 
     assert job_gpu(Resources(gpus=1, constraint="h100&ib", partition="gpu-a100")) == "H100"
     assert job_gpu(Resources(gpus=1, constraint="ib", partition="gpu-a100")) == "A100"

@@ -14,12 +14,14 @@ from pathlib import Path
 import pytest
 
 from eval.job import run_eval
-from eval.predictions import FINAL, PARTIAL
+from spec.config import EvalJob
+from spec.rundir import RunDir
 from tests.train_helpers import StopAfter, make_job, model_spec, sql_data
-from train.config import EvalJob
 from train.recipe import run_stage
 
 ROOT = Path(__file__).resolve().parent.parent
+FINAL = RunDir(Path(".")).predictions.name
+PARTIAL = RunDir(Path(".")).partial_predictions.name
 BATCH = 2  # 12 examples: 6 batches
 # What differs between any two runs, interrupted or not.
 RUN_BOUND = ("generation_s", "predictions_kept")

@@ -280,8 +280,8 @@ def test_scoring_modules_do_not_import_torch(repo_root):
 def test_an_eval_job_that_scores_nothing_fails_and_a_rerun_only_scores(tiny, tmp_path, repo_root):
     from eval.job import run_eval
     from eval.score import UnscoredError
+    from spec.config import EvalJob
     from tests.train_helpers import make_job, model_spec, sql_data
-    from train.config import EvalJob
     from train.recipe import run_stage
 
     assert run_stage(make_job(tiny, tmp_path, max_steps=1)) == "completed"
@@ -318,7 +318,7 @@ def test_eval_score_gives_a_query_as_long_as_an_eval_job_does():
 
     from eval import score as score_module
     from eval.sql import execute_many, sql_metrics
-    from train.config import EvalSpec
+    from spec.config import EvalSpec
 
     parser = argparse.ArgumentParser()
     score_module.add_parser(parser.add_subparsers())

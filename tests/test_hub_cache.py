@@ -9,7 +9,7 @@ import sys
 from tests.test_preflight import hub_cache
 
 LOAD = """
-from train.config import ModelSpec
+from spec.config import ModelSpec
 from train.device import Hardware, decide
 from train.hub_cache import NotInCache
 from train.model import load_base, load_tokenizer

@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+from slurm.snapshot import PACKAGES
 from tests.conftest import write_cluster_yaml
 
 EXPERIMENT = """\
@@ -35,7 +36,7 @@ BREAK = "raise RuntimeError(\"the working tree's code ran, not the launch's snap
 def project_copy(repo_root: Path, tmp: Path) -> Path:
     """The packages, launch.py and the demo data, committed in a git repository of their own."""
     copy = tmp / "project"
-    for package in ("slurm", "train", "eval"):
+    for package in PACKAGES:
         shutil.copytree(repo_root / package, copy / package, ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(repo_root / "launch.py", copy / "launch.py")
     shutil.copytree(repo_root / "data" / "demo" / "sql", copy / "data" / "demo" / "sql")
@@ -123,7 +124,7 @@ def test_a_waiting_local_job_runs_the_code_it_was_launched_with(repo_root, tmp_p
 
 
 def test_code_provenance_is_not_part_of_the_spec_a_relaunch_compares(tmp_path):
-    from slurm.rundir import read_spec, write_spec
+    from spec.rundir import read_spec, write_spec
 
     spec = {"experiment": "x", "train": {"epochs": 2}}
     write_spec(tmp_path, spec, {"commit": "0123abc", "dirty": True, "snapshot": "/logs/.code/ff"})

@@ -1,4 +1,4 @@
-"""The names the pipeline writes beside experiments and stages (train/layout.py) are the names refused for
+"""The names the pipeline writes beside experiments and stages (spec/layout.py) are the names refused for
 them: the writers run here for real, and whatever they leave must be a name validation refuses."""
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ from slurm.launcher import archive_stale
 from slurm.lock import launch_lock
 from slurm.plan import build_plan, calibration_plan
 from slurm.profile import load_profile
-from slurm.rundir import write_spec
 from slurm.snapshot import take_snapshot
+from spec.layout import taken_experiment_name, taken_stage_name
+from spec.rundir import write_spec
+from spec.speeds import book_of, eval_book_of
 from tests.conftest import write_cluster_yaml
-from train.layout import taken_experiment_name, taken_stage_name
-from train.speeds import book_of, eval_book_of
 
 EXPERIMENT = """\
 name: exp

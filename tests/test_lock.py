@@ -8,11 +8,11 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import launch
 from tests.conftest import squeue_ids
+from tests.helpers import wait_until
 from tests.test_e2e_demo import DEMO_JOBS, demo_configs
 
 
@@ -33,15 +33,6 @@ def gated_sbatch(folder: Path) -> tuple[Path, Path]:
 
 def count(calls: Path) -> int:
     return len(calls.read_text().split()) if calls.exists() else 0
-
-
-def wait_until(condition, what: str, timeout_s: float = 120):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if value := condition():
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
 
 
 def test_two_concurrent_launches_queue_each_job_once(repo_root, tmp_path, slurm_cluster, monkeypatch, capsys):

@@ -16,10 +16,11 @@ import time
 from pathlib import Path
 
 import launch
-from slurm.rundir import job_records, pending_submission, record_intent, record_job
 from slurm.scheduler import RecordedLocalJob, descendants, local_alive, parse_comments, stop_local
+from spec.rundir import job_records, pending_submission, record_intent, record_job
 from tests.conftest import squeue_ids
-from tests.test_cli import alive, configs, record, wait_until
+from tests.helpers import wait_until
+from tests.test_cli import alive, configs, record
 
 
 def start_launcher(folder: Path, log: Path, *extra: str, **popen) -> subprocess.Popen:

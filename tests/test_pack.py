@@ -13,8 +13,8 @@ from slurm.estimate import Estimate
 from slurm.experiments import load_experiments, parse_overrides
 from slurm.pack import pack_plan, pack_resources, simulate
 from slurm.plan import build_plan
-from slurm.problems import ConfigError
 from slurm.profile import load_profile
+from spec.problems import ConfigError
 from tests.test_plan import sized
 
 SECONDS = {"a/one": 1000, "a/two": 1000, "b/train": 1500, "c/train": 500}
@@ -214,7 +214,7 @@ def test_how_a_unit_ended_decides_whether_it_resumes_fails_or_blocks(tmp_path):
     import signal
 
     from slurm.lanes import Lanes
-    from slurm.rundir import mark_done
+    from spec.rundir import mark_done
 
     lanes = Lanes(lane_units(tmp_path), ["0", "1"], "77", str(tmp_path), str(tmp_path))
     lanes.ended("one", 0, -signal.SIGUSR2, stopping=False)  # killed by SLURM's signal while starting
@@ -233,7 +233,7 @@ def test_how_a_unit_ended_decides_whether_it_resumes_fails_or_blocks(tmp_path):
 
 def test_a_requeued_allocation_skips_done_keeps_failed_and_runs_the_rest_again(tmp_path):
     from slurm.lanes import Lanes
-    from slurm.rundir import mark_done
+    from spec.rundir import mark_done
 
     units = lane_units(tmp_path)
     first = Lanes(units, ["0"], "77", str(tmp_path), str(tmp_path))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -289,3 +290,41 @@ def test_dry_run_imports_no_torch(repo_root):
     assert "slurm" in imported and "pydantic" in imported  # the measurement itself works
     assert not imported & {"torch", "transformers", "peft", "datasets", "bitsandbytes"}
     assert "qwen-sequential/train" in done.stdout
+
+
+GOLDEN_SBATCH = Path(__file__).parent / "fixtures" / "sbatch"
+
+
+def sbatch_script(tmp_path: Path, job_id: str, parents: list[tuple[str, str]]) -> str:
+    """The job script sbatch would get for `job_id` of eval_resources_folder's plan, as submitit writes it,
+    with this test's folders and the intent token made constant."""
+    import submitit
+
+    from slurm.snapshot import CodeSnapshot
+    from slurm.submit import SlurmBackend, job_comment
+
+    folder = eval_resources_folder(tmp_path)
+    profile, _ = load_profile(folder)
+    job = plan_for(folder=folder).job(job_id)
+    backend = SlurmBackend(profile, tmp_path / "work", CodeSnapshot(tmp_path / "code", None, None))
+    executor = submitit.SlurmExecutor(folder=backend.log_folder(job), max_num_timeout=3)
+    executor.update_parameters(
+        **backend.sbatch_parameters(job, parents), **job_comment("TOKEN", f"runs {job.run_dir}")
+    )
+    text = executor._make_submission_file_text("python -u -m submitit.core._submit FOLDER", "UID")
+    return text.replace(str(tmp_path), "TMP")
+
+
+@pytest.mark.parametrize(
+    ("job_id", "parents", "golden"),
+    [("big/train", [], "train-4-gpus.sh"), ("big/eval", [("123", "afterok")], "eval-after-training.sh")],
+)
+def test_the_job_script_sbatch_gets_is_the_one_recorded(tmp_path, job_id, parents, golden):
+    """A golden script, as submitit keeps `_sbatch_test_record.txt`: any change to what reaches sbatch
+    (tasks, GPUs, CPUs per task, memory, signal, requeue, comment, setup lines, dependency) shows here
+    as a diff to review. After an intended change: LORA_REGOLDEN=1 pytest tests/test_plan.py -k job_script."""
+    text = sbatch_script(tmp_path, job_id, parents)
+    path = GOLDEN_SBATCH / golden
+    if os.environ.get("LORA_REGOLDEN"):
+        path.write_text(text)
+    assert text == path.read_text()

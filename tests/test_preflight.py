@@ -354,7 +354,7 @@ def test_the_dry_run_and_the_watching_commands_import_no_torch(repo_root, tiny, 
 
 def test_gpu_memory_is_looked_up_by_constraint_then_partition_then_default():
     from slurm.profile import ClusterProfile
-    from train.config import Resources
+    from spec.config import Resources
 
     profile = ClusterProfile(partition="gpu", gpu_mem_gb={"a100_80": 80, "gpu": 40, "default": 24})
     assert profile.gpu_mem_for(Resources(constraint="a100_80")) == 80

@@ -21,9 +21,9 @@ from slurm.lanes import PackJob
 from slurm.pack import unit_of
 from slurm.plan import build_plan
 from slurm.profile import load_profile
-from slurm.rundir import job_records, record_job
 from slurm.status import parse_sacct_allocations
 from slurm.usage import plan_usage, usage_of
+from spec.rundir import job_records, record_job
 from tests.conftest import write_cluster_yaml
 
 # sacct's own figures for jobs 1-7 of the dev cluster (see tests/test_status_parse.py): 1 held 2 GPUs

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from slurm.states import State, from_slurm
+from slurm.states import State, from_slurm, jobs_verdict, parent_verdict
 from slurm.status import (
     Allocation,
     SchedulerInfo,
@@ -161,3 +161,31 @@ def test_gpus_are_read_from_untyped_or_typed_tres_counts():
     assert tres_gpus("billing=64,cpu=32,gres/gpu:a100=4,gres/gpu=4,mem=256G,node=1") == 4
     assert tres_gpus("cpu=8,gres/gpu:a100=2,gres/gpu:v100=1,node=1") == 3  # only typed counts kept
     assert tres_gpus("") == tres_gpus("billing=1,cpu=1,node=1") == tres_gpus("gres/gpu=n/a") == 0
+
+
+@pytest.mark.parametrize(
+    ("kind", "parent", "verdict"),
+    [
+        ("afterok", None, None),
+        ("afterok", State.RUNNING, None),
+        ("afterok", State.UNKNOWN, None),
+        ("afterok", State.COMPLETED, State.PENDING),
+        ("afterok", State.FAILED, State.BLOCKED),
+        ("afterok", State.CANCELLED, State.BLOCKED),
+        ("afterok", State.BLOCKED, State.BLOCKED),
+        ("afterany", State.PENDING, None),
+        ("afterany", State.COMPLETED, State.PENDING),
+        ("afterany", State.TIMEOUT, State.PENDING),
+        ("afterany", State.BLOCKED, State.PENDING),
+    ],
+)
+def test_one_dependency_rule_as_slurm_applies_it(kind, parent, verdict):
+    """afterok blocks on a parent that did not complete, afterany waits only for its end: the rule the local
+    backend, a pack's lanes and --status all take from slurm/states.py."""
+    assert parent_verdict(kind, parent) == verdict
+
+
+def test_a_blocking_parent_blocks_even_while_another_still_runs():
+    assert jobs_verdict([None, State.BLOCKED]) is State.BLOCKED
+    assert jobs_verdict([State.PENDING, None]) is None
+    assert jobs_verdict([State.PENDING, State.PENDING]) is State.PENDING

@@ -12,10 +12,10 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
+from spec.config import ModelSpec
 from tests.train_helpers import make_job, read_jsonl, sql_data
 from train import data as data_lib
 from train.checkpoints import checkpoints, step_of
-from train.config import ModelSpec
 from train.device import current
 from train.model import load_tokenizer
 from train.recipe import StageRecipe, run_stage

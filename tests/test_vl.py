@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 import launch
+from spec.config import AdapterSpec, DataSpec, ModelSpec
 from tests.conftest import write_cluster_yaml
-from train.config import AdapterSpec, DataSpec, ModelSpec
 
 SHAPES = Path(__file__).resolve().parent.parent / "data" / "demo" / "shapes"
 
@@ -233,7 +233,7 @@ def test_the_demo_curriculum_trains_chains_and_scores_through_the_launcher_local
 
 
 def test_the_shipped_shapes_regenerate_byte_for_byte_and_dev_shares_no_image_with_train(tmp_path):
-    from train.demo_shapes import build_shapes
+    from demo.shapes import build_shapes
 
     built = build_shapes(tmp_path)
     for name, path in built.items():

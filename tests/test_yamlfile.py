@@ -12,8 +12,8 @@ import pytest
 
 from slurm import yamlfile
 from slurm.experiments import parse_overrides
-from slurm.problems import ConfigError
 from slurm.yamlfile import YamlProblem, load_chain, read_yaml
+from spec.problems import ConfigError
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -34,7 +34,7 @@ def model_spec(tiny: dict[str, Path], kind: str = "causal", **extra) -> dict:
 
 def make_job(tiny, run_dir: Path, kind: str = "causal", *, model=None, adapter=None, data=None, **train):
     """A small TrainJob: LoRA r8 without dropout (deterministic), 3 steps, a log row per step, no eval."""
-    from train.config import TrainJob
+    from spec.config import TrainJob
 
     return TrainJob(
         experiment="t",

@@ -13,9 +13,10 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
+from spec.files import read_json, write_atomic, write_json_atomic
+from spec.rundir import RunDir
 from train import distributed
 from train.checkpoints import commit, rotate
-from train.files import read_json, write_atomic, write_json_atomic
 from train.gpu_use import GpuSampler, summarize
 
 
@@ -66,7 +67,7 @@ class RunDirectoryLog(TrainerCallback):
         self.gpu_use = gpu_use or self.gpu_use
         if len(row) > 3:
             row |= gpu_use
-            with open(self.run_dir / "metrics.jsonl", "a", encoding="utf-8") as fh:
+            with open(RunDir(self.run_dir).metrics, "a", encoding="utf-8") as fh:
                 fh.write(json.dumps(row) + "\n")
         self.write_progress(state, logs.get("loss"))
 
@@ -75,11 +76,9 @@ class RunDirectoryLog(TrainerCallback):
         rate = (time.time() - self.started) / done if done else None
         previous = {}
         if loss is None:
-            previous = read_json(
-                self.run_dir / "progress.json", {}, expected=dict, fields={"last_loss": float}
-            )
+            previous = RunDir(self.run_dir).read_progress()
         write_json_atomic(
-            self.run_dir / "progress.json",
+            RunDir(self.run_dir).progress,
             {
                 "step": state.global_step,
                 "total_steps": state.max_steps,
@@ -203,7 +202,7 @@ class RuntimeClock(TrainerCallback):
 
 
 class StageTimer(TrainerCallback):
-    """Where a stage's time goes, for the speed book (train/speeds.py): start-up (process start to the end
+    """Where a stage's time goes, for the speed book (spec/speeds.py): start-up (process start to the end
     of the first optimizer step), each in-training eval, each checkpoint save, and the steps in between.
     A step's time runs from the previous event (step end, log, eval or save) to its own end, so evals and
     saves are never counted as stepping."""

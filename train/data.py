@@ -19,8 +19,8 @@ from pathlib import Path
 
 import datasets
 
-from train.config import DataSpec
-from train.examples import check_file, check_rows, numbered_csv, numbered_jsonl, prompt_of
+from spec.config import DataSpec
+from spec.examples import check_file, check_rows, numbered_csv, numbered_jsonl, prompt_of
 
 log = logging.getLogger("train.data")
 FIXED_LENGTHS = (128, 256, 512, 1024, 2048)

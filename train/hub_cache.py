@@ -12,7 +12,7 @@ from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
 
-from train.config import TrainJob
+from spec.config import TrainJob
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "spiece.model", "tokenizer.model", "vocab.json")
 WEIGHT_FILES = (  # one of these is enough: an index names its shards

@@ -70,7 +70,7 @@ def nf4_tensor_bytes(double_quant: bool) -> int:
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """GB (10**9 bytes) per GPU. Each step's peak is a line in the training batch (lines(), total_at());
+    """GB (10**9 bytes) per GPU. Each step's peak is a line in the training batch (lines());
     a line's shared part may be below zero: only its values at batch sizes from 1 up mean anything."""
 
     weights_gb: float  # frozen weights as held (QLoRA: 4-bit layers, the rest upcast to fp32)
@@ -88,10 +88,6 @@ class MemoryEstimate:
 
     def as_dict(self) -> dict:
         return asdict(self)
-
-    def total_at(self, batch_size: int) -> float:
-        """At training batch `batch_size` (its eval at EVAL_BATCH_FACTOR × that)."""
-        return max(line[0] + batch_size * line[1] for line in self.lines())
 
     def lines(self) -> list[tuple[float, float]]:
         """(fixed GB, GB per training example) of the training step, and of the eval step if any."""

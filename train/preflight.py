@@ -6,7 +6,7 @@ Nothing here reads weights or needs a GPU. The model is built on the meta device
 adapter applied by train/model.py's own `new_adapter`; the share is counted by the trainer's own
 `trainable_report`; token lengths come from train/data.py's cached tokenization and `choose_lengths`, so the
 job later finds the cache ready and picks the same max_length. Torch is imported here, and only on a cache
-miss (train/preflight_check.py): the dry run and the status commands never import this module.
+miss (slurm/preflight.py): the dry run and the status commands never import this module.
 """
 
 from __future__ import annotations
@@ -20,12 +20,12 @@ import numpy
 import torch
 from transformers import AutoConfig
 
+from spec.config import TrainJob
+from spec.preflight import JobPreflight
 from train import data as data_lib
 from train import memory, vl
-from train.config import TrainJob
 from train.hub_cache import first_line
 from train.model import add_tokens, load_tokenizer, max_positions, model_class, new_adapter, trainable_report
-from train.preflight_check import JobPreflight
 
 log = logging.getLogger("train.preflight")
 
@@ -57,7 +57,7 @@ def meta_model(job: TrainJob, dtype: torch.dtype = torch.float32, tokenizer=None
 @lru_cache(maxsize=32)
 def cached_tokenizer(name_or_path: str, revision: str | None, kind: str, pixels: tuple = (None, None)):
     """The tokenizer (image-text: the processor, with its pixel bounds) once per process."""
-    from train.config import DataSpec, ModelSpec
+    from spec.config import DataSpec, ModelSpec
 
     bounds = DataSpec(train="-", min_pixels=pixels[0], max_pixels=pixels[1])
     return load_tokenizer(

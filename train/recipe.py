@@ -82,8 +82,12 @@ from transformers import (
 )
 from transformers.trainer_pt_utils import LengthGroupedSampler
 
+from spec import speeds
+from spec.config import TrainJob
+from spec.files import read_jsonl, write_atomic, write_json_atomic
+from spec.rundir import RunDir
 from train import data as data_lib
-from train import distributed, speeds, vl
+from train import distributed, vl
 from train.callbacks import (
     CommitCheckpoints,
     RunDirectoryLog,
@@ -98,10 +102,8 @@ from train.checkpoints import (
     set_aside_other_world_size,
     step_of,
 )
-from train.config import TrainJob
 from train.device import current as current_placement
 from train.device import gpu_uuid
-from train.files import read_jsonl, write_atomic, write_json_atomic
 from train.gpu_use import GpuSampler
 from train.memory import EVAL_BATCH_FACTOR
 from train.model import (
@@ -290,11 +292,11 @@ class StageRecipe:
         # Resume point first: metrics logged after it would otherwise appear twice. Rank 0 tidies the run
         # directory; the others wait, then all resume from the same checkpoint.
         if distributed.is_main():
-            discard_incomplete(self.run_dir / "checkpoints")
-            if set_aside_other_world_size(self.run_dir / "checkpoints", self.placement.world_size):
+            discard_incomplete(RunDir(self.run_dir).checkpoints)
+            if set_aside_other_world_size(RunDir(self.run_dir).checkpoints, self.placement.world_size):
                 self.forget_metrics_after(0)  # the old run's curve is not this one's
         distributed.barrier()
-        self.resume_from = latest_valid_checkpoint(self.run_dir / "checkpoints")
+        self.resume_from = latest_valid_checkpoint(RunDir(self.run_dir).checkpoints)
         if self.resume_from:
             log.info("resuming from %s", self.resume_from)
             if distributed.is_main():
@@ -346,7 +348,7 @@ class StageRecipe:
         return data_lib.truncate(dataset, lengths, kind), lengths
 
     def forget_metrics_after(self, step: int) -> None:
-        path = self.run_dir / "metrics.jsonl"
+        path = RunDir(self.run_dir).metrics
         if not path.is_file():
             return
         rows = read_jsonl(path, {"step": int})  # a row cut by a kill, or unreadable, is left out
@@ -359,8 +361,7 @@ class StageRecipe:
 
     def steps_per_epoch(self) -> int:
         """Optimizer steps per epoch, as the Trainer counts them: a last, shorter accumulation still steps."""
-        batches = math.ceil(len(self.train_set) / (self.job.train.batch_size * self.placement.world_size))
-        return max(1, math.ceil(batches / self.job.train.grad_accum))
+        return self.job.train.steps_per_epoch(len(self.train_set), self.placement.world_size)
 
     def evaluating(self) -> bool:
         return self.eval_set is not None and self.job.train.eval_every_epochs is not None
@@ -371,7 +372,7 @@ class StageRecipe:
         eval_steps = max(1, round(self.steps_per_epoch() * (train.eval_every_epochs or 1)))
         args_class = Seq2SeqTrainingArguments if self.job.model.kind == "seq2seq" else TrainingArguments
         args = args_class(
-            output_dir=str(self.run_dir / "checkpoints"),
+            output_dir=str(RunDir(self.run_dir).checkpoints),
             num_train_epochs=train.epochs,
             max_steps=train.max_steps or -1,  # when set, overrides epochs
             per_device_train_batch_size=train.batch_size,
@@ -483,7 +484,7 @@ class StageRecipe:
         distributed.barrier()  # no rank reports "completed" before the adapter is there
 
     def write_adapter(self) -> None:
-        adapter_dir = self.run_dir / "adapter"
+        adapter_dir = RunDir(self.run_dir).adapter
         tmp = self.run_dir / f".adapter.{os.getpid()}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         self.trainer.model.save_pretrained(tmp)
@@ -544,10 +545,10 @@ class StageRecipe:
             "resumed_from": str(self.resume_from) if self.resume_from else None,
             "num_input_tokens_seen": state.num_input_tokens_seen,
         }
-        write_json_atomic(self.run_dir / "summary.json", summary, indent=1)
+        write_json_atomic(RunDir(self.run_dir).summary, summary, indent=1)
 
     def write_speed(self) -> None:
-        """This stage's row in the speed book (train/speeds.py), from which the launcher estimates the next
+        """This stage's row in the speed book (spec/speeds.py), from which the launcher estimates the next
         jobs on this model. Nothing when fewer than two steps ran in this process (no speed to measure)."""
         book, timer, train = speeds.book_of(self.job), self.timer, self.job.train
         if book is None or timer.steps_timed == 0 or timer.stepping_s <= 0:

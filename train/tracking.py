@@ -20,8 +20,8 @@ from pathlib import Path
 
 from transformers.integrations import TensorBoardCallback, WandbCallback
 
-from train.config import TrainJob
-from train.files import read_json
+from spec.config import TrainJob
+from spec.rundir import RunDir
 
 WANDB_PROJECT = "slurm-lora"  # unless WANDB_PROJECT is set
 
@@ -30,8 +30,7 @@ def step_offset(job: TrainJob) -> int:
     """Where this stage's steps start on its experiment's axis: the end of the stage it continues."""
     if not job.init_adapter:
         return 0
-    fields = {"step_offset": int, "global_step": int}
-    summary = read_json(Path(job.init_adapter).parent / "summary.json", {}, expected=dict, fields=fields)
+    summary = RunDir.of_adapter(job.init_adapter).read_summary()
     return summary.get("step_offset", 0) + summary.get("global_step", 0)
 
 

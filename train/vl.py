@@ -31,9 +31,9 @@ from transformers import (
     Qwen3VLProcessor,
 )
 
-from train.config import DataSpec, ModelSpec
+from spec.config import DataSpec, ModelSpec
+from spec.examples import image_path, prompt_of
 from train.data import FIXED_LENGTHS, LengthReport, round_up
-from train.examples import image_path, prompt_of
 
 log = logging.getLogger("train.vl")
 

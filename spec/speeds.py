@@ -16,9 +16,10 @@ from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 from typing import get_args, get_type_hints
 
-from train import layout
-from train.config import TrainJob
-from train.files import read_jsonl, warn_unreadable
+from spec import layout
+from spec.config import TrainJob
+from spec.files import read_jsonl, warn_unreadable
+from spec.rundir import RunDir
 
 FILE = layout.SPEED_BOOK
 
@@ -70,13 +71,13 @@ def book_of(job: TrainJob) -> Path | None:
     run_dir = Path(job.run_dir)
     if (run_dir.parent.name, run_dir.name) != (job.experiment, job.stage):
         return None
-    return run_dir.parent.parent / FILE
+    return RunDir(run_dir).run_root / FILE
 
 
 def eval_book_of(out_dir: str, experiment: str) -> Path | None:
     """RUN_ROOT/speeds.jsonl for an eval job in the plan's layout (RUN_ROOT/EXP/eval*), else None."""
     folder = Path(out_dir)
-    return folder.parent.parent / FILE if folder.parent.name == experiment else None
+    return RunDir(folder).run_root / FILE if folder.parent.name == experiment else None
 
 
 def append(book: Path, record: SpeedRecord | EvalSpeedRecord) -> None:

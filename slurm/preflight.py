@@ -11,56 +11,21 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import fields, replace
 from functools import lru_cache
 from pathlib import Path
 
 from pydantic import TypeAdapter, ValidationError
 
-from slurm.problems import Problem
+from spec.config import TrainJob
+from spec.files import read_json, warn_unreadable, write_json_atomic
+from spec.preflight import JobPreflight
+from spec.problems import Problem
 from train import data as data_lib
 from train import hub_cache
-from train.config import TrainJob
-from train.files import read_json, warn_unreadable, write_json_atomic
 from train.hub_cache import TOKENIZER_FILES, fetch_command, first_line, missing_for, model_file
 
 CACHE_VERSION = 3  # bump whenever what a preflight computes changes
-
-
-@dataclass
-class JobPreflight:
-    job: str  # EXP/STAGE
-    trainable_percent: float
-    trainable_params: int
-    total_params: int
-    trainable_by_module: dict[str, int]
-    max_trainable_percent: float
-    max_length: int | None = None  # None: token lengths skipped (see tokens_skipped)
-    max_target_length: int | None = None
-    tokens_per_epoch: int | None = None  # prompt + target tokens as trained (train/data.py trained_tokens)
-    # p50, p90, p99, max of the untruncated lengths: "inputs" (causal, image-text: the whole sequence), and
-    # "targets" for seq2seq
-    length_percentiles: dict[str, list[int]] = field(default_factory=dict)
-    examples: int | None = None
-    longest_example: int | None = None
-    truncated_inputs: int | None = None
-    truncated_at: dict[str, int] = field(default_factory=dict)
-    tokens_skipped: str | None = None
-    # GB = 10**9 bytes throughout (train/memory.py), as GPUs are sold and cluster.yaml's gpu_mem_gb is read
-    memory_gb: float | None = None  # the larger of the training step's and the in-training eval's peak
-    memory: dict = field(default_factory=dict)
-    gpu_mem_gb: float | None = None
-    fits: bool | None = None  # None: no gpu_mem_gb for this job's partition, or no length to judge by
-    largest_batch: int | None = None
-    alternatives: list[str] = field(default_factory=list)
-    fetch: list[str] = field(default_factory=list)  # `hf download` commands for what this machine lacks
-
-    @property
-    def too_trainable(self) -> bool:  # unrounded, as check_trainable compares it
-        return 100 * self.trainable_params / self.total_params > self.max_trainable_percent
-
-    def as_json(self) -> dict:
-        return asdict(self)
 
 
 # ---- the cache ----------------------------------------------------------------------------------------

@@ -1,13 +1,19 @@
-"""The run directory of one job, `runs/EXP/STAGE/`: what the launcher writes and reads there.
+"""The run folder of one job, `RUN_ROOT/EXP/STAGE/` (a training stage) or `RUN_ROOT/EXP/eval*/` (an eval):
+`RunDir` names every file in it, as submitit's JobPaths names a job's, and nobody else spells them.
 
-config.yaml    the resolved spec the job runs (written at submission)
+config.yaml    the resolved spec the job runs (the launcher, at submission)
 job.json       every scheduler job id this folder ever had, oldest first, with the code it ran; while a
                submission is under way, its intent (`submitting`: the token its SLURM comment carries)
-progress.json  step / total / loss / ETA / GPU use, rewritten by the trainer while it runs
+progress.json  step / total / loss / ETA / GPU use (the trainer's rank 0, while it runs)
+metrics.jsonl  one row per logging step and per in-training eval (the trainer's rank 0)
+checkpoints/   the trainer's checkpoints, each committed by a marker (train/checkpoints.py)
+adapter/       the trained adapter and its tokenizer (the trainer, at its end)
+summary.json   what the stage did: steps, runtime, tokens, device, precision, world size (the trainer, last)
 lane.json      for a unit of a packed allocation: its lane, GPU and how it ended (slurm/lanes.py)
+predictions.jsonl, predictions.partial.jsonl, results.json   an eval's (eval/job.py, eval/predictions.py)
 DONE           the config hash, written last: a stage with a matching DONE never runs again
 
-Its readers tolerate what a crash, a full disk or a hand edit leaves (train/files.py): the file is named
+Its readers tolerate what a crash, a full disk or a hand edit leaves (spec/files.py): the file is named
 in a warning and read as absent, except DONE, which is never taken for absent (the stage would run twice).
 """
 
@@ -17,11 +23,131 @@ import json
 import re
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
-from train.files import is_kind, read_json, read_text, warn_unreadable, write_atomic
+from spec.files import is_kind, read_json, read_text, warn_unreadable, write_atomic
+from spec.names import REPORT_COLUMNS
+
+# What the readers take from the trainer's and the eval's files, and the kind each must hold: a file or
+# key of another shape is named in a warning and left out (spec/files.py), never a traceback.
+PROGRESS_FIELDS = {  # --status (absent keys are None, e.g. no GPU)
+    "step": int,
+    "total_steps": int,
+    "last_loss": float,
+    "eta_s": float,
+    "gpu_util_percent": float,
+    "gpu_mem_gb": float,
+    "gpu_mem_total_gb": float,
+}
+SUMMARY_FIELDS = {  # the report, the eval (precision), the next stage (steps), a relaunch (world size)
+    "train_runtime_s": float,
+    "num_input_tokens_seen": float,
+    "best_eval_loss": float,
+    "trainable_percent": float,
+    "device": str,
+    "precision": str,
+    "world_size": int,
+    "step_offset": int,
+    "global_step": int,
+}
+RESULTS_FIELDS = {"split": str, "adapter_changes_output": bool, **dict.fromkeys(REPORT_COLUMNS, float)}
+METRICS_FIELDS = {"step": int, "loss": float, "eval_loss": float, "gpu_util_percent": float}
+# lane.json as slurm/lanes.py writes it
+LANE_FIELDS = {
+    "pack_job": (str, int),
+    "lane": int,
+    "gpu": (str, int),
+    "state": str,
+    "reason": str,
+    "started_s": float,
+    "ended_s": float,
+}
+
+
+@dataclass(frozen=True)
+class RunDir:
+    """Every file of one run folder, by what it is (the module docstring says who writes each)."""
+
+    path: Path
+
+    @classmethod
+    def of(cls, folder: str | Path) -> RunDir:
+        return cls(Path(folder))
+
+    @classmethod
+    def of_adapter(cls, adapter_dir: str | Path) -> RunDir:
+        """The stage folder an adapter was trained in (its summary.json says how)."""
+        return cls(Path(adapter_dir).parent)
+
+    @property
+    def run_root(self) -> Path:
+        """RUN_ROOT, for a folder in the plan's layout RUN_ROOT/EXP/STAGE."""
+        return self.path.parent.parent
+
+    @property
+    def config(self) -> Path:
+        return self.path / "config.yaml"
+
+    @property
+    def job(self) -> Path:
+        return self.path / "job.json"
+
+    @property
+    def progress(self) -> Path:
+        return self.path / "progress.json"
+
+    @property
+    def metrics(self) -> Path:
+        return self.path / "metrics.jsonl"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.path / "checkpoints"
+
+    @property
+    def adapter(self) -> Path:
+        return self.path / "adapter"
+
+    @property
+    def summary(self) -> Path:
+        return self.path / "summary.json"
+
+    @property
+    def lane(self) -> Path:
+        return self.path / "lane.json"
+
+    @property
+    def predictions(self) -> Path:
+        return self.path / "predictions.jsonl"
+
+    @property
+    def partial_predictions(self) -> Path:
+        return self.path / "predictions.partial.jsonl"
+
+    @property
+    def results(self) -> Path:
+        return self.path / "results.json"
+
+    @property
+    def done(self) -> Path:
+        return self.path / "DONE"
+
+    def read_progress(self) -> dict:
+        return read_json(self.progress, {}, expected=dict, fields=PROGRESS_FIELDS)
+
+    def read_summary(self) -> dict:
+        return read_json(self.summary, {}, expected=dict, fields=SUMMARY_FIELDS)
+
+    def read_results(self) -> dict:
+        return read_json(self.results, {}, expected=dict, fields=RESULTS_FIELDS)
+
+    def read_lane(self) -> dict:
+        """What a packed unit's lane wrote; {} when nothing readable."""
+        return read_json(self.lane, {}, expected=dict, fields=LANE_FIELDS)
+
 
 # done_hash of a DONE that is there but cannot be read: matches no config hash, and is not None (absent).
 UNREADABLE = "(unreadable)"
@@ -34,11 +160,11 @@ def write_spec(run_dir: Path, spec: dict, code: dict | None = None) -> None:
     comments: provenance for people, invisible to every reader of the spec, so a new commit is never
     taken for a changed config (job.json holds the same facts per submission, for programs)."""
     header = "".join(f"# code.{key}: {value}\n" for key, value in (code or {}).items())
-    write_atomic(run_dir / "config.yaml", header + yaml.safe_dump(spec, sort_keys=False))
+    write_atomic(RunDir(run_dir).config, header + yaml.safe_dump(spec, sort_keys=False))
 
 
 def read_spec(run_dir: Path) -> dict | None:
-    path = run_dir / "config.yaml"
+    path = RunDir(run_dir).config
     text = read_text(path)
     try:
         spec = yaml.safe_load(text) if text is not None else None
@@ -93,7 +219,7 @@ def record_intent(
 
 def pending_submission(run_dir: Path) -> dict | None:
     """The intent of a submission that was never recorded (see record_intent), or None."""
-    intent = read_json(run_dir / "job.json", {}, expected=dict).get("submitting")
+    intent = read_json(RunDir(run_dir).job, {}, expected=dict).get("submitting")
     return intent if isinstance(intent, dict) and isinstance(intent.get("token"), str) else None
 
 
@@ -105,7 +231,7 @@ def forget_intent(run_dir: Path) -> None:
 
 def write_jobs(run_dir: Path, jobs: list[dict], submitting: dict | None = None) -> None:
     body = {"jobs": jobs, **({"submitting": submitting} if submitting else {})}
-    write_atomic(run_dir / "job.json", json.dumps(body, indent=1))
+    write_atomic(RunDir(run_dir).job, json.dumps(body, indent=1))
 
 
 def mark_cancelled(run_dir: Path, job_id: str | None = None) -> None:
@@ -121,7 +247,7 @@ def mark_cancelled(run_dir: Path, job_id: str | None = None) -> None:
 def job_records(run_dir: Path) -> list[dict]:
     """Every submission of the folder, oldest first, each with its job id as a string; records without
     one (a hand edit) are left out and warned about."""
-    path = run_dir / "job.json"
+    path = RunDir(run_dir).job
     jobs = read_json(path, {}, expected=dict, fields={"jobs": list}).get("jobs", [])
     kept = [
         {**r, "job_id": str(r["job_id"])}
@@ -135,21 +261,8 @@ def job_records(run_dir: Path) -> list[dict]:
     return kept
 
 
-# lane.json as slurm/lanes.py writes it
-LANE_FIELDS = {
-    "pack_job": (str, int),
-    "lane": int,
-    "gpu": (str, int),
-    "state": str,
-    "reason": str,
-    "started_s": float,
-    "ended_s": float,
-}
-
-
 def read_lane(run_dir: Path) -> dict:
-    """What a packed unit's lane wrote; {} when nothing readable."""
-    return read_json(run_dir / "lane.json", {}, expected=dict, fields=LANE_FIELDS)
+    return RunDir(run_dir).read_lane()
 
 
 def current_job(run_dir: Path) -> dict | None:
@@ -161,7 +274,7 @@ def done_hash(run_dir: Path) -> str | None:
     """The config hash DONE holds; None without one; UNREADABLE when DONE is there but cannot be read:
     the stage is then neither done nor run again (--status says UNKNOWN, a relaunch refuses)."""
     then = "the stage counts as neither done nor to be run until it is removed (or --force)"
-    text = read_text(run_dir / "DONE", UNREADABLE, then)
+    text = read_text(RunDir(run_dir).done, UNREADABLE, then)
     return (text or "").strip() or None
 
 
@@ -174,14 +287,14 @@ def foreign_done(run_dir: Path, ranks: int, has_parents: bool, config_changed: b
         return "its DONE cannot be read (see the warning above)"
     if held and not CONFIG_HASH.fullmatch(held):
         return f"its DONE holds {held[:40]!r}, which is no config hash"
-    summary = read_json(run_dir / "summary.json", {}, expected=dict, fields={"world_size": int})
+    summary = RunDir(run_dir).read_summary()
     if config_changed or has_parents or summary.get("world_size", ranks) != ranks:
         return None
     return "its DONE holds a hash this plan never wrote for this config (copied from another run, or edited by hand)"
 
 
 def mark_done(run_dir: Path, config_hash: str) -> None:
-    write_atomic(run_dir / "DONE", config_hash + "\n")
+    write_atomic(RunDir(run_dir).done, config_hash + "\n")
 
 
 def changed_keys(old: dict, new: dict, prefix: str = "") -> list[str]:

@@ -1,6 +1,6 @@
 """Tiny offline models for the demo and the tests: no hub, a few hundred thousand parameters.
 
-    python -m train.tiny [OUT_DIR] [--force]      # default OUT_DIR: models/
+    python -m demo.tiny [OUT_DIR] [--force]      # default OUT_DIR: models/
 
 builds a byte-level BPE tokenizer trained on the demo data (data/demo/sql), then `OUT_DIR/tiny-t5` (seq2seq)
 and `OUT_DIR/tiny-llama` (causal), and `OUT_DIR/tiny-qwen-vl` (image-text, a Qwen2.5-VL with a processor and a
@@ -36,7 +36,7 @@ def demo_texts(data_dir: Path = DATA) -> list[str]:
     for split in ("train", "dev"):
         path = data_dir / f"{split}.jsonl"
         if not path.is_file():
-            raise FileNotFoundError(f"{path} is missing: run `python -m train.demo_data` first")
+            raise FileNotFoundError(f"{path} is missing: run `python -m demo.data` first")
         for line in path.read_text(encoding="utf-8").splitlines():
             row = json.loads(line)
             texts += [row["question"], row["schema"], row["sql"]]
@@ -291,7 +291,7 @@ def build_tiny_models(out_dir: Path, force: bool = False, data_dir: Path = DATA)
     """Build (or keep, when the stamp matches) OUT_DIR/tiny-t5, tiny-llama and tiny-qwen-vl; returns name -> folder."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    from train.demo_shapes import texts as shape_texts
+    from demo.shapes import texts as shape_texts
 
     texts = demo_texts(Path(data_dir))
     vl_texts = shape_texts(Path(data_dir).parent / "shapes")
@@ -314,7 +314,7 @@ def build_tiny_models(out_dir: Path, force: bool = False, data_dir: Path = DATA)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m train.tiny", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m demo.tiny", description=__doc__.splitlines()[0])
     parser.add_argument("out_dir", nargs="?", default="models", type=Path, help="default: models/")
     parser.add_argument("--force", action="store_true", help="rebuild even if the stamp matches")
     args = parser.parse_args(argv)

@@ -4,13 +4,13 @@ An experiment's folders are RUN_ROOT/EXP and LOG_DIR/EXP, a stage's RUN_ROOT/EXP
 a user's name shares those folders with the names below, so validation refuses every one of them
 (`taken_experiment_name`, `taken_stage_name`). The writers take their names from here, so a name added here
 is refused from then on; tests/test_layout.py runs every writer and checks that what it leaves is refused.
-Torch-free and standard library only: the experiment schema (train/config.py) imports it.
+Torch-free and standard library only: the experiment schema (spec/config.py) imports it.
 """
 
 from __future__ import annotations
 
 # RUN_ROOT/: files of the whole run root.
-SPEED_BOOK = "speeds.jsonl"  # train/speeds.py
+SPEED_BOOK = "speeds.jsonl"  # spec/speeds.py
 PREFLIGHT_TOKENS = "preflight-tokens.json"  # slurm/estimate.py
 REPORT_MD = "report.md"  # eval/report.py
 REPORT_CSV = "report.csv"  # eval/report.py

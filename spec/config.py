@@ -7,6 +7,7 @@ load time instead of being silently ignored after hours in the queue.
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Annotated, Literal
 
@@ -20,8 +21,8 @@ from pydantic import (
     model_validator,
 )
 
-from eval.names import METRICS, SPLITS, SQL_TIMEOUT_S
-from train import layout
+from spec import layout
+from spec.names import DEFAULT_METRICS, METRICS, SPLITS, SQL_TIMEOUT_S, missing_inputs
 
 SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 # \Z, not $: `$` also matches before a final newline, which would reach an #SBATCH line.
@@ -182,6 +183,12 @@ class TrainSpec(Section):
             raise ValueError("early_stopping needs eval_every_epochs (it stops on the eval metric)")
         return self
 
+    def steps_per_epoch(self, examples: int, ranks: int) -> int:
+        """Optimizer steps per epoch as the Trainer counts them (each rank takes its own batches; a last,
+        shorter accumulation still steps): the recipe's eval interval and the estimator's work."""
+        batches = math.ceil(examples / (self.batch_size * ranks))
+        return max(1, math.ceil(batches / self.grad_accum))
+
 
 def slurm_names(value: str) -> str:
     if not SLURM_NAMES.fullmatch(value):
@@ -286,10 +293,6 @@ class Resources(Section):
         """Processes of the job: one per GPU (DDP), one for a CPU or one-GPU job."""
         return max(1, self.gpus)
 
-    @property
-    def cpus_per_task(self) -> int:
-        return max(1, self.cpus // self.tasks)
-
 
 # An eval job's limit when it scores an `hf:` dataset (fetched on the node: nothing to estimate from) and
 # eval.resources.time is left out.
@@ -327,7 +330,7 @@ class EvalResources(Resources):
         return Resources(**values)
 
 
-Metric = Literal[METRICS]  # eval/names.py owns the list
+Metric = Literal[METRICS]  # spec/names.py owns the list
 
 
 class GenerationSpec(Section):
@@ -342,7 +345,7 @@ class GenerationSpec(Section):
 
 
 class EvalSpec(Section):
-    metrics: list[Metric] = Field(default_factory=lambda: ["rouge", "bleu", "exact_match"])
+    metrics: list[Metric] = Field(default_factory=lambda: list(DEFAULT_METRICS))
     num_beams: Annotated[int, Field(ge=1, le=16)] = 1
     max_new_tokens: Annotated[int, Field(ge=1)] = 128
     batch_size: Annotated[int, Field(ge=1)] = 16
@@ -385,13 +388,9 @@ class EvalSpec(Section):
 
     @model_validator(mode="after")
     def _metrics_have_their_inputs(self):
-        if "sql_exec" in self.metrics and not self.db:
-            raise ValueError("metric sql_exec needs eval.db (the SQLite file to run queries against)")
-        if "bertscore" in self.metrics and not self.bertscore_model:
-            raise ValueError(
-                "metric bertscore needs eval.bertscore_model (a local model folder, or a hub id such as "
-                "roberta-large, the model bert-score uses for English)"
-            )
+        given = {"db": self.db, "bertscore_model": self.bertscore_model}
+        for metric, name, what in missing_inputs(self.metrics, given):
+            raise ValueError(f"metric {metric} needs eval.{name} ({what})")
         return self
 
 
@@ -538,7 +537,7 @@ def safe_name(value: str) -> str:
 
 
 def free_name(value: str, taken_by: str | None, kind: str) -> str:
-    """`value`, unless the run folders' layout (train/layout.py) already gives that name to `taken_by`:
+    """`value`, unless the run folders' layout (spec/layout.py) already gives that name to `taken_by`:
     the two would write into one folder, and the run's last step or its evaluation would be lost."""
     if taken_by:
         raise ValueError(f"{value!r} is taken by {taken_by}; give the {kind} another name")

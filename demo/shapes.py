@@ -1,6 +1,6 @@
 """The demo's image + question → answer data: rendered shapes in colours, deterministic.
 
-    python -m train.demo_shapes [OUT_DIR]      # default OUT_DIR: data/demo/shapes
+    python -m demo.shapes [OUT_DIR]      # default OUT_DIR: data/demo/shapes
 
 writes `images/*.png` (56 x 56, one shape on white) and `{easy,hard,dev}.jsonl` (rows: id, image, question,
 answer; image paths relative to the file). easy asks for the colour (one word), hard for colour and shape

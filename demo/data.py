@@ -1,6 +1,6 @@
 """The demo's text-to-SQL data: a small shop database and template questions over it, deterministic.
 
-    python -m train.demo_data [OUT_DIR]      # default OUT_DIR: data/demo
+    python -m demo.data [OUT_DIR]      # default OUT_DIR: data/demo
 
 writes `shop.db` and `sql/{train,dev,easy,medium,hard}.jsonl` (rows: id, question, schema, sql, difficulty),
 byte-identical on every run. easy + medium + hard is the train split cut by difficulty (a curriculum);

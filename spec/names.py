@@ -1,6 +1,6 @@
 """Every metric name, in one place: what a config may ask for and what results.json holds.
 
-Standard library only: train/config.py (the torch-free login-node schema) imports it, as do the scorers
+Standard library only: spec/config.py (the torch-free login-node schema) imports it, as do the scorers
 and the report.
 """
 
@@ -10,6 +10,23 @@ TEXT_METRICS = ("rouge", "rouge_l", "bleu", "exact_match")
 SQL_METRICS = ("sql_exec",)
 MODEL_METRICS = ("bertscore",)  # scored by a model of their own (eval.bertscore_model)
 METRICS = (*TEXT_METRICS, *SQL_METRICS, *MODEL_METRICS)  # what `eval.metrics` and `--metrics` accept
+DEFAULT_METRICS = ("rouge", "bleu", "exact_match")  # `eval.metrics` and `--metrics` left out
+# What a metric needs besides predictions and references: the input's name (eval.NAME in a config,
+# --NAME on `python -m eval score`) and what it is.
+METRIC_INPUTS = {
+    "sql_exec": ("db", "the SQLite file the queries run against"),
+    "bertscore": (
+        "bertscore_model",
+        "a local model folder, or a hub id such as roberta-large, the model bert-score uses for English",
+    ),
+}
+
+
+def missing_inputs(metrics, given: dict) -> list[tuple[str, str, str]]:
+    """(metric, input, what that input is) for each metric in `metrics` whose input `given` lacks."""
+    wanted = [(metric, *METRIC_INPUTS[metric]) for metric in metrics if metric in METRIC_INPUTS]
+    return [(metric, name, what) for metric, name, what in wanted if not given.get(name)]
+
 
 # How long one SQL query may run (fetching its rows included) before it counts as wrong: the eval job's
 # default (`eval.sql_timeout_s`) and `python -m eval score`'s (`--sql-timeout-s`), so both score the same
