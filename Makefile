@@ -34,9 +34,10 @@ cluster-down:
 test: venv cluster
 	SLURM_DEV_STATE=$(STATE) $(PY) -m pytest -q
 
-# The developer's loop: every test that needs no SLURM cluster (unit tests, the trainer on tiny models).
+# The developer's loop, under two minutes: every test that needs no SLURM cluster and trains or launches
+# for less than a couple of seconds (the `slow` ones, end-to-end runs, DDP, resumes, run in make test).
 test-fast: venv
-	$(PY) -m pytest -q -m "not cluster" -p no:cacheprovider
+	$(PY) -m pytest -q -m "not cluster and not slow" -p no:cacheprovider
 
 lint: venv
 	$(PY) -m ruff check . && $(PY) -m ruff format --check .

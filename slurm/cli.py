@@ -28,13 +28,13 @@ from slurm.launcher import (
     with_dependents,
 )
 from slurm.pack import Packing, pack_plan, pack_resources
-from slurm.plan import Plan, build_plan, calibration_plan
+from slurm.plan import Plan, build_plan, calibration_plan, estimated_again
 from slurm.profile import load_profile
 from slurm.render import edges_text, packing_text, plan_table, problem_lines, status_table, totals_text
+from slurm.request import LaunchRequest, backend_here, request_from
 from slurm.states import State
 from slurm.status import plan_status
 from slurm.yamlfile import find_inherited
-from spec.config import slurm_duration
 from spec.files import forget_warnings
 from spec.problems import ConfigError, Problem
 from spec.rundir import current_job, done_hash
@@ -66,9 +66,10 @@ WRITE_REFUSALS = {
 
 
 def run(args) -> int:
+    """launch.py's parsed flags → what they ask for (slurm/request.py, checked at the door) → its action."""
     forget_warnings()  # each command names every unreadable file it meets, even in one process
     try:
-        return dispatch(args)
+        return dispatch(request_from(args))
     except OSError as exc:
         if exc.errno not in WRITE_REFUSALS:
             raise
@@ -94,70 +95,59 @@ def run(args) -> int:
         return 130
 
 
-def dispatch(args) -> int:
-    if not args.config_dir.is_dir():
+def dispatch(request: LaunchRequest) -> int:
+    if not request.config_dir.is_dir():
         raise ConfigError(
-            [Problem(str(args.config_dir), "--config-dir", "is not a folder of experiment YAMLs")]
+            [Problem(str(request.config_dir), "--config-dir", "is not a folder of experiment YAMLs")]
         )
-    profile, _ = load_profile(args.config_dir)
-    if args.sync:
-        return sync_wandb(Path(profile.run_dir))
-    if args.status or args.tail or args.cancel or args.report:
-        return watch(args, profile)
-    if not (args.dry_run or args.retry_failed or args.all or args.exp) or (
-        args.calibrate and not (args.all or args.exp)
-    ):
-        raise ConfigError(
-            [Problem("command line", "", "say which experiments: --all or --exp NAME [NAME ...]")]
-        )
-    refuse_a_local_pack(args)
-    experiments = load_experiments(args.config_dir, profile, parse_overrides(args.overrides), args.exp)
-    if args.calibrate and args.calibrate_steps < 1:
-        raise ConfigError([Problem("command line", "--calibrate-steps", "must be at least 1")])
-    plan = planned(experiments, profile, args)
-    pack = requested_pack(args, profile)
-    if args.dry_run:
+    profile, _ = load_profile(request.config_dir)
+    return ACTIONS[request.action](request, profile)
+
+
+def sync(request: LaunchRequest, profile) -> int:
+    return sync_wandb(Path(profile.run_dir))
+
+
+def launch(request: LaunchRequest, profile) -> int:
+    """--all/--exp, --dry-run, --preflight, --calibrate, --retry-failed: load, plan, check, submit."""
+    overrides = parse_overrides(list(request.overrides))
+    experiments = load_experiments(request.config_dir, profile, overrides, request.experiments)
+    plan = planned(experiments, profile, request)
+    pack = requested_pack(request, profile)
+    if request.action == "dry_run":
         # What a pack would run now: every job without its DONE (no scheduler call: dry runs stay fast).
-        return show_plan(plan, args.json, pack_plan(still_to_run(plan), *pack, profile) if pack else None)
-    if not args.preflight and backend_of(args) == "local":
+        return show_plan(
+            plan, request.as_json, pack_plan(still_to_run(plan), *pack, profile) if pack else None
+        )
+    if request.action != "preflight" and backend_of(request) == "local":
         from slurm.local_gpus import refuse_too_many_gpus  # before preflight: it may take minutes
 
         refuse_too_many_gpus(plan.jobs, {e.name: str(e.file) for e in experiments})
-    if args.preflight or not args.no_preflight:
-        checked = preflight(
-            plan, experiments, profile, show=args.preflight, as_json=args.json and args.preflight
-        )
-        if args.preflight:
+    if request.action == "preflight" or request.preflight:
+        show = request.action == "preflight"
+        checked = preflight(plan, experiments, profile, show=show, as_json=request.as_json and show)
+        if show:
             return checked
-        plan = planned(experiments, profile, args)  # estimated again, from the tokens preflight counted
-    code = submit(plan, profile, args, pack)
-    if args.calibrate:
+        plan = estimated_again(
+            plan, profile, {e.name: str(e.file) for e in experiments}
+        )  # preflight's tokens
+    code = submit(plan, profile, request, pack)
+    if request.action == "calibrate":
         out.print(
             f"Calibration runs write their speed to {profile.run_dir}/speeds.jsonl as they end; then "
             "--dry-run estimates these experiments from it (source: calibrated).",
             highlight=False,
         )
-    elif code == 0 and (args.wait or backend_of(args) == "local"):
+    elif code == 0 and (request.wait or backend_of(request) == "local"):
         # The run ended here, every job completed: the comparison the user ran it for.
-        written = report(plan, experiments, profile, args.config_dir)
+        written = report(plan, experiments, profile, request.config_dir)
         out.print(f"All {len(plan.jobs)} job(s) completed. Report: {written[0]}", highlight=False)
     return code
 
 
-def refuse_a_local_pack(args) -> None:
-    """--pack for a launch that would run here: said before anything is loaded, planned or preflighted (a
-    dry run may still show what a pack would do)."""
-    if args.pack and not (args.dry_run or args.preflight) and backend_of(args) == "local":
-        message = (
-            "packs a SLURM allocation, and there is no SLURM here: locally, jobs already share this machine "
-            "(`local_parallel_jobs` in cluster.yaml sets how many run at once)"
-        )
-        raise ConfigError([Problem("command line", "--pack", message)])
-
-
-def planned(experiments, profile, args) -> Plan:
+def planned(experiments, profile, request: LaunchRequest) -> Plan:
     plan = build_plan(experiments, profile)
-    return calibration_plan(plan, args.calibrate_steps) if args.calibrate else plan
+    return calibration_plan(plan, request.calibrate_steps) if request.action == "calibrate" else plan
 
 
 def sync_wandb(run_root: Path) -> int:
@@ -181,10 +171,8 @@ def sync_wandb(run_root: Path) -> int:
     return 0
 
 
-def backend_of(args) -> str:
-    from slurm.submit import pick_backend
-
-    return pick_backend(args.backend)
+def backend_of(request: LaunchRequest) -> str:
+    return backend_here(request.backend)
 
 
 def preflight(plan: Plan, experiments, profile, show: bool, as_json: bool) -> int:
@@ -257,28 +245,31 @@ def preflight_table(results):
     return table
 
 
-def watch(args, profile) -> int:
+def watch(request: LaunchRequest, profile) -> int:
     """--status, --tail, --cancel, --report: on the experiments that load; broken files are warned about."""
     experiments, warnings = load_watchable_experiments(
-        args.config_dir, parse_overrides(args.overrides), args.exp
+        request.config_dir, parse_overrides(list(request.overrides)), request.experiments
     )
-    if args.cancel and (unknown := [p for p in warnings if p.file == "command line"]):
+    if request.action == "cancel" and (unknown := [p for p in warnings if p.file == "command line"]):
         raise ConfigError([replace(p, warning=False) for p in unknown])  # a cancel that cancels nothing
     for problem in warnings:
         err.print(f"[yellow]warning:[/] {problem} (skipped)", highlight=False, soft_wrap=True)
     plan = build_plan(experiments, profile)
-    if args.status or args.cancel:  # a submission whose launch died before recording it: seen, cancellable
+    if request.action in (
+        "status",
+        "cancel",
+    ):  # a submission whose launch died before recording it: seen, cancellable
         for line in adopt_unrecorded(plan, forget_missing=False):
             err.print(line, highlight=False, soft_wrap=True)
-    if args.status:
+    if request.action == "status":
         return show_status(plan, profile)
-    if args.tail:
+    if request.action == "tail":
         from slurm.tail import follow
 
-        return follow(plan, args.tail, profile.log_dir, out, rank=args.rank)
-    if args.cancel:
-        return cancel(plan, profile.log_dir, sharing_packs(args, profile, plan))
-    written = report(plan, experiments, profile, args.config_dir)
+        return follow(plan, request.tail, profile.log_dir, out, rank=request.rank)
+    if request.action == "cancel":
+        return cancel(plan, profile.log_dir, sharing_packs(request, profile, plan))
+    written = report(plan, experiments, profile, request.config_dir)
     out.print("wrote " + ", ".join(str(p) for p in written))
     out.print(f"Curves: tensorboard --logdir {profile.run_dir}", highlight=False)
     return 0
@@ -322,25 +313,16 @@ def show_plan(plan: Plan, as_json: bool, packing: Packing | None = None) -> int:
     return 0
 
 
-def requested_pack(args, profile) -> tuple[int, str] | None:
-    """(GPUs, budget) of a packed allocation: --pack/--budget, else cluster.yaml's pack/budget."""
-    if args.budget and not (args.pack or profile.pack):
-        raise ConfigError(
-            [
-                Problem(
-                    "command line", "--budget", "is the time of a packed allocation: add --pack G (its GPUs)"
-                )
-            ]
-        )
-    if args.budget:
-        try:
-            slurm_duration(args.budget)
-        except ValueError as exc:
-            raise ConfigError([Problem("command line", "--budget", str(exc))]) from None
-    gpus = args.pack if args.pack is not None else profile.pack
-    if not gpus:  # --pack 0: no pack, whatever cluster.yaml says
+def requested_pack(request: LaunchRequest, profile) -> tuple[int, str] | None:
+    """(GPUs, budget) of a packed allocation: --pack/--budget, else cluster.yaml's pack/budget. A local
+    launch runs unpacked (cluster.yaml's pack is for SLURM; a --pack here was refused at the door)."""
+    if request.budget and not (request.pack or profile.pack):
+        message = "is the time of a packed allocation: add --pack G (its GPUs)"
+        raise ConfigError([Problem("command line", "--budget", message)])
+    gpus = request.pack if request.pack is not None else profile.pack
+    if not gpus or (request.submits and backend_of(request) == "local"):  # --pack 0: no pack
         return None
-    return gpus, args.budget or profile.budget or profile.max_time
+    return gpus, request.budget or profile.budget or profile.max_time
 
 
 def still_to_run(plan: Plan) -> list:
@@ -348,7 +330,7 @@ def still_to_run(plan: Plan) -> list:
     return [job for job in plan.jobs if done_hash(Path(job.run_dir)) != job.config_hash]
 
 
-def submit(plan: Plan, profile, args, pack: tuple[int, str] | None = None) -> int:
+def submit(plan: Plan, profile, request: LaunchRequest, pack: tuple[int, str] | None = None) -> int:
     """Decide and submit under the run root's launch lock (a second launch waits, then finds the jobs
     queued); a local run keeps it until its jobs end. --wait follows SLURM jobs after letting it go."""
     from slurm.lock import launch_lock
@@ -357,12 +339,12 @@ def submit(plan: Plan, profile, args, pack: tuple[int, str] | None = None) -> in
     def waiting(holder: str) -> None:
         err.print(f"waiting for the launch lock of {profile.run_dir}/: held by {holder}", highlight=False)
 
-    backend_name = backend_of(args)
+    backend_name = backend_of(request)
     with launch_lock(Path(profile.run_dir), waiting):
         for line in adopt_unrecorded(plan, forget_missing=True):
             err.print(line, highlight=False, soft_wrap=True)
-        decisions = decide(plan, force=args.force)
-        if args.retry_failed:
+        decisions = decide(plan, force=request.force)
+        if request.action == "retry_failed":
             failed = {
                 r.job.id
                 for r in plan_status(plan, profile.log_dir)
@@ -377,17 +359,17 @@ def submit(plan: Plan, profile, args, pack: tuple[int, str] | None = None) -> in
         if not todo and not adopting:
             out.print(plan_table(plan, skipped))
             out.print("Nothing to submit: every job is done, already queued or still running.")
-        elif backend_name == "local":  # cluster.yaml's pack is for SLURM; --pack was refused at the door
+        elif backend_name == "local":
             return run_here(plan, profile, decisions, take_snapshot(Path(profile.log_dir)))
         elif pack:
             queue_pack(plan, profile, decisions, skipped, pack, take_snapshot(Path(profile.log_dir)))
         else:
             queue(plan, profile, decisions, skipped, take_snapshot(Path(profile.log_dir)))
-    return wait(plan, profile) if args.wait and backend_name == "slurm" else 0
+    return wait(plan, profile) if request.wait and backend_name == "slurm" else 0
 
 
 def queue(plan: Plan, profile, decisions, skipped: dict[str, str], code) -> None:
-    from slurm.submit import SlurmBackend
+    from slurm.backends import SlurmBackend
 
     ids = submit_to_slurm(decisions, SlurmBackend(profile, Path.cwd(), code))
     states = {d.job.id: f"submitted {ids[d.job.id]}" for d in decisions if d.action == "submit"}
@@ -396,7 +378,7 @@ def queue(plan: Plan, profile, decisions, skipped: dict[str, str], code) -> None
 
 
 def queue_pack(plan: Plan, profile, decisions, skipped: dict[str, str], pack, code) -> None:
-    from slurm.submit import SlurmBackend
+    from slurm.backends import SlurmBackend
 
     todo = [d.job for d in decisions if d.action == "submit"]
     packing = pack_plan(todo, *pack, profile)  # what is not queued elsewhere already
@@ -413,7 +395,7 @@ def queue_pack(plan: Plan, profile, decisions, skipped: dict[str, str], pack, co
 
 
 def run_here(plan: Plan, profile, decisions, code) -> int:
-    from slurm.submit import LocalBackend
+    from slurm.backends import LocalBackend
 
     def report(job, state: str, detail: str) -> None:
         line = f"{time.strftime('%H:%M:%S')} {job.id}: {state}" + (f" ({detail})" if detail else "")
@@ -461,11 +443,12 @@ def cancel_stuck(rows, log_root: str) -> None:
         )
 
 
-def sharing_packs(args, profile, plan: Plan) -> dict[str, list[str]]:
+def sharing_packs(request: LaunchRequest, profile, plan: Plan) -> dict[str, list[str]]:
     """Packed job id → the live units of other experiments in it: cancelling the pack would stop them."""
-    if not args.exp:
+    if not request.experiments:
         return {}
-    everything, _ = load_watchable_experiments(args.config_dir, parse_overrides(args.overrides), None)
+    overrides = parse_overrides(list(request.overrides))
+    everything, _ = load_watchable_experiments(request.config_dir, overrides, None)
     chosen = {job.id for job in plan.jobs}
     others: dict[str, list[str]] = {}
     for row in plan_status(build_plan(everything, profile), profile.log_dir):
@@ -514,3 +497,18 @@ def cancel_rows(rows, log_root: str) -> list[str]:
     jobs = {r.job.id: scheduler_job(log_root, r.job.id, records[r.job.id]) for r in rows}
     still = set(cancel_jobs(list(jobs.values())))
     return [job_id for job_id, job in jobs.items() if str(job.job_id) in still]
+
+
+# Each action's function: launch.py's flag → what runs (slurm/request.py names the actions).
+ACTIONS = {
+    "launch": launch,
+    "dry_run": launch,
+    "preflight": launch,
+    "calibrate": launch,
+    "retry_failed": launch,
+    "status": watch,
+    "tail": watch,
+    "cancel": watch,
+    "report": watch,
+    "sync": sync,
+}

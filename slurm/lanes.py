@@ -28,6 +28,7 @@ import submitit
 from submitit.core.utils import JobPaths
 
 from slurm.jobs import StopRequest, _configure_logging
+from slurm.pack import Unit
 from slurm.redact import redact_job_output
 from slurm.states import LANE_STATES, State, parent_verdict
 from spec.files import write_atomic
@@ -49,13 +50,13 @@ def lane_devices(lanes: int) -> list[str]:
     return [str(k) for k in range(lanes)]
 
 
-def outside_failed(unit: dict) -> list[str]:
+def outside_failed(unit: Unit) -> list[str]:
     """The unit's afterok parents outside the pack (queued separately, which the allocation waited for
     with afterany) that did not complete: it needs their adapters, so it is blocked."""
     return [
-        parent["id"]
-        for parent in unit.get("outside", [])
-        if parent["kind"] == "afterok" and done_hash(Path(parent["run_dir"])) != parent["config_hash"]
+        parent.id
+        for parent in unit.outside
+        if parent.kind == "afterok" and done_hash(Path(parent.run_dir)) != parent.config_hash
     ]
 
 
@@ -73,7 +74,7 @@ class PackJob(submitit.helpers.Checkpointable):
     """The body of a packed allocation. Requeued by submitit's Checkpointable like a training stage."""
 
     def __call__(
-        self, units: list[dict], lanes: int, workdir: str, grace_s: float = STOP_GRACE_S
+        self, units: list[Unit], lanes: int, workdir: str, grace_s: float = STOP_GRACE_S
     ) -> dict[str, str]:
         code_folder = os.getcwd()  # the launch's code snapshot: the units import the same code
         os.chdir(workdir)
@@ -96,8 +97,8 @@ class PackJob(submitit.helpers.Checkpointable):
 
 
 class Lanes:
-    def __init__(self, units: list[dict], devices: list[str], job_id: str, code_folder: str, workdir: str):
-        self.units = {u["id"]: u for u in units}
+    def __init__(self, units: list[Unit], devices: list[str], job_id: str, code_folder: str, workdir: str):
+        self.units = {unit.id: unit for unit in map(Unit.of, units)}
         self.devices, self.job_id = devices, job_id
         self.code_folder, self.workdir = code_folder, workdir
         self.state: dict[str, str] = {}  # unit id → done | failed | blocked | interrupted
@@ -130,8 +131,8 @@ class Lanes:
         earlier run of this same allocation stay so (a failure is rarely cured by a requeue; --retry-failed
         is the way); a record left `running` by a killed allocation says the unit waits again."""
         for uid, unit in self.units.items():
-            run_dir = Path(unit["run_dir"])
-            if done_hash(run_dir) == unit["config_hash"]:
+            run_dir = Path(unit.run_dir)
+            if done_hash(run_dir) == unit.config_hash:
                 self.state[uid] = "done"
                 continue
             lane = read_lane(run_dir)
@@ -149,8 +150,8 @@ class Lanes:
             return parent_verdict(kind, LANE_STATES.get(self.state.get(job_id, ""))) is State.PENDING
 
         waiting = [u for uid, u in self.units.items() if uid not in self.state and uid not in self.running]
-        ready = [u for u in waiting if all(parent_ended(j, k) for j, k in u["depends_on"])]
-        return sorted(ready, key=lambda u: u["seconds"], reverse=True)
+        ready = [u for u in waiting if all(parent_ended(j, k) for j, k in u.depends_on)]
+        return sorted(ready, key=lambda u: u.seconds, reverse=True)
 
     def block_orphans(self) -> None:
         """A unit whose adapter parent failed or was blocked can never run (afterok), as SLURM would say."""
@@ -162,7 +163,7 @@ class Lanes:
                     continue
                 bad = [
                     f"{j} {self.state[j]}"
-                    for j, k in unit["depends_on"]
+                    for j, k in unit.depends_on
                     if parent_verdict(k, LANE_STATES.get(self.state.get(j, ""))) is State.BLOCKED
                 ] + [f"{j} did not complete" for j in outside_failed(unit)]
                 if bad:
@@ -175,20 +176,20 @@ class Lanes:
         busy = {lane for _, lane in self.running.values()}
         free = [lane for lane in range(len(self.devices)) if lane not in busy]
         for unit, lane in zip(self.ready(), free, strict=False):  # as many as there are free lanes
-            self.running[unit["id"]] = (self.start(unit, lane), lane)
-            self.started[unit["id"]] = time.time()
+            self.running[unit.id] = (self.start(unit, lane), lane)
+            self.started[unit.id] = time.time()
             self.write_lane(unit, lane, "running")
-            log.info("lane %d (GPU %s): started %s", lane, self.devices[lane], unit["id"])
+            log.info("lane %d (GPU %s): started %s", lane, self.devices[lane], unit.id)
 
-    def start(self, unit: dict, lane: int) -> subprocess.Popen:
-        folder = Path(unit["log_folder"])
+    def start(self, unit: Unit, lane: int) -> subprocess.Popen:
+        folder = Path(unit.log_folder)
         folder.mkdir(parents=True, exist_ok=True)
         order = folder / f"{self.job_id}_unit.json"  # what the unit runs; read by slurm/unit.py
-        write_atomic(order, json.dumps({**unit, "workdir": self.workdir}))
+        write_atomic(order, unit.order(self.workdir))
         env = {
             **os.environ,
             # A CPU job (gpus: 0) in a lane sees no GPU, as it would in its own allocation.
-            "CUDA_VISIBLE_DEVICES": self.devices[lane] if unit.get("gpus", 1) else "",
+            "CUDA_VISIBLE_DEVICES": self.devices[lane] if unit.gpus else "",
             "OMP_NUM_THREADS": str(self.threads),
             "MKL_NUM_THREADS": str(self.threads),
             "LORA_PACK_LANE": str(lane),
@@ -217,7 +218,7 @@ class Lanes:
 
     def ended(self, uid: str, lane: int, code: int, stopping: bool) -> None:
         unit = self.units[uid]
-        if done_hash(Path(unit["run_dir"])) == unit["config_hash"]:
+        if done_hash(Path(unit.run_dir)) == unit.config_hash:
             self.state[uid] = "done"
             self.write_lane(unit, lane, "done")
             log.info("lane %d: %s done", lane, uid)
@@ -254,8 +255,8 @@ class Lanes:
         self.running.clear()
         return {uid: self.state.get(uid, "interrupted") for uid in self.units}
 
-    def write_lane(self, unit: dict, lane: int | None, state: str, reason: str = "") -> None:
-        started = self.started.get(unit["id"])
+    def write_lane(self, unit: Unit, lane: int | None, state: str, reason: str = "") -> None:
+        started = self.started.get(unit.id)
         record = {
             "pack_job": self.job_id,
             "lane": lane,
@@ -267,6 +268,6 @@ class Lanes:
             "started_s": started,
             "ended_s": time.time() if started is not None and state != "running" else None,
         }
-        run_dir = Path(unit["run_dir"])
+        run_dir = Path(unit.run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         write_atomic(RunDir(run_dir).lane, json.dumps(record))

@@ -14,7 +14,9 @@ hungriest unit.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import asdict, dataclass
+from typing import Literal
 
 from pydantic import ValidationError
 
@@ -187,21 +189,60 @@ def pack_allocation(jobs: list[PlannedJob], lanes: int, budget_s: int, profile, 
     )
 
 
-def unit_of(job: PlannedJob, log_root: str, outside: list[tuple[PlannedJob, str]] = ()) -> dict:
-    """What the allocation needs to run one unit (plain data: submitit pickles it). `outside`: its parents
-    that are not units of this pack (done, or queued as jobs of their own), with the dependency kind."""
-    return {
-        "id": job.id,
-        "kind": job.kind,
-        "spec": job.spec.model_dump(),
-        "config_hash": job.config_hash,
-        "run_dir": job.run_dir,
-        "log_folder": f"{log_root}/{job.id}",
-        "seconds": unit_seconds(job),
-        "depends_on": [[d.job_id, d.kind] for d in job.depends_on],
-        "outside": [
-            {"id": p.id, "kind": kind, "run_dir": p.run_dir, "config_hash": p.config_hash}
-            for p, kind in outside
-        ],
-        "gpus": job.resources.gpus,
-    }
+@dataclass(frozen=True)
+class OutsideParent:
+    """A unit's parent that is not a unit of the same pack: done, or queued as a job of its own."""
+
+    id: str
+    kind: str  # afterok | afterany
+    run_dir: str
+    config_hash: str
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One job of a packed allocation, as the allocation runs it: submitit pickles the list, each lane
+    writes its unit's order file from it (slurm/lanes.py) and the unit's process reads that (slurm/unit.py)."""
+
+    id: str
+    kind: Literal["train", "eval"]
+    spec: dict
+    config_hash: str
+    run_dir: str
+    log_folder: str
+    seconds: float  # its estimate: a free lane takes the longest ready unit
+    depends_on: tuple[tuple[str, str], ...]  # (plan id, kind) of its parents
+    outside: tuple[OutsideParent, ...] = ()
+    gpus: int = 1
+
+    def order(self, workdir: str) -> str:
+        """The order file's JSON: the unit and the user's directory its stage runs in."""
+        return json.dumps({**asdict(self), "workdir": workdir})
+
+    @classmethod
+    def of(cls, value: Unit | dict) -> Unit:
+        """A Unit, from itself or from a dict (an order file; the pickled submission of an allocation
+        queued before units were typed)."""
+        if isinstance(value, Unit):
+            return value
+        fields = {k: v for k, v in value.items() if k in cls.__dataclass_fields__}
+        outside = tuple(OutsideParent(**p) for p in fields.get("outside", ()))
+        depends_on = tuple(tuple(d) for d in fields.get("depends_on", ()))
+        return cls(**{**fields, "outside": outside, "depends_on": depends_on})
+
+
+def unit_of(job: PlannedJob, log_root: str, outside: list[tuple[PlannedJob, str]] = ()) -> Unit:
+    """What the allocation needs to run one unit. `outside`: its parents that are not units of this pack
+    (done, or queued as jobs of their own), with the dependency kind."""
+    return Unit(
+        id=job.id,
+        kind=job.kind,
+        spec=job.spec.model_dump(),
+        config_hash=job.config_hash,
+        run_dir=job.run_dir,
+        log_folder=f"{log_root}/{job.id}",
+        seconds=unit_seconds(job),
+        depends_on=tuple((d.job_id, d.kind) for d in job.depends_on),
+        outside=tuple(OutsideParent(p.id, kind, p.run_dir, p.config_hash) for p, kind in outside),
+        gpus=job.resources.gpus,
+    )

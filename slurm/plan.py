@@ -45,6 +45,7 @@ class PlannedJob:
     depends_on: tuple[Dependency, ...]
     wave: int  # how many jobs must end before this one can start, along the longest chain
     estimate: Estimate = Estimate(None, "unknown", "not estimated")
+    time_auto: bool = False  # `time: auto`: resources.time is set from the estimate (estimated)
 
     @property
     def run_dir(self) -> str:
@@ -150,7 +151,7 @@ def build_plan(
     for loaded in order_by_after(experiments):
         chained = [Dependency(last_job[t], "afterany") for t in loaded.experiment.after if t in last_job]
         for job in experiment_jobs(loaded, profile, chained, jobs):
-            jobs[job.id] = estimated(job, estimator, profile, loaded)
+            jobs[job.id] = estimated(job, estimator, profile, str(loaded.file))
         last_job[loaded.name] = job.id
     return Plan(tuple(jobs.values()), profile.run_dir, profile.log_dir)
 
@@ -183,11 +184,20 @@ def calibration_plan(plan: Plan, steps: int, estimator: Estimator | None = None)
     return Plan(tuple(jobs), plan.run_root, plan.log_root)
 
 
-def estimated(job: PlannedJob, estimator: Estimator, profile: ClusterProfile, loaded) -> PlannedJob:
+def estimated_again(plan: Plan, profile: ClusterProfile, files: dict[str, str]) -> Plan:
+    """The same plan, estimated from what the run root holds now (the tokens preflight counted, a speed
+    book grown meanwhile): estimates and `time: auto` limits change, not the jobs. `files`: experiment →
+    its YAML, where a limit that does not fit is reported."""
+    estimator = Estimator.for_run_root(plan.run_root)
+    jobs = tuple(estimated(job, estimator, profile, files[job.experiment]) for job in plan.jobs)
+    return replace(plan, jobs=jobs)
+
+
+def estimated(job: PlannedJob, estimator: Estimator, profile: ClusterProfile, file: str) -> PlannedJob:
     """The job with its estimate, and `time: auto` replaced by the limit that estimate sets."""
     estimate = estimator(job.spec, job.resources.gpus, guesses.job_gpu(job.resources, profile.partition))
     resources = job.resources
-    if resources.time == "auto":
+    if job.time_auto:
         limit = auto_time_limit_s(estimate.seconds, resources.signal_delay_s, profile.max_time_s)
         try:  # validated again: the signal delay must fit inside the limit, as for a written time
             resources = Resources.model_validate({**resources.model_dump(), "time": slurm_time(limit)})
@@ -195,11 +205,7 @@ def estimated(job: PlannedJob, estimator: Estimator, profile: ClusterProfile, lo
             key = "resources.time" if job.kind == "train" else "eval.resources.time"
             message = f"auto became {slurm_time(limit)} (cluster.yaml max_time {profile.max_time}): "
             raise ConfigError(
-                [
-                    Problem(
-                        str(loaded.file), key, message + exc.errors()[0]["msg"].removeprefix("Value error, ")
-                    )
-                ]
+                [Problem(file, key, message + exc.errors()[0]["msg"].removeprefix("Value error, "))]
             ) from None
     return replace(job, estimate=estimate, resources=resources)
 
@@ -289,7 +295,18 @@ def make_job(job_id, kind, spec, resources, deps, known: dict[str, PlannedJob]) 
     digest = config_hash(identity)
     wave = 1 + max((p.wave for p in parents), default=-1)
     experiment, stage = job_id.split("/", 1)
-    return PlannedJob(job_id, experiment, stage, kind, spec, digest, resources, tuple(deps), wave)
+    return PlannedJob(
+        job_id,
+        experiment,
+        stage,
+        kind,
+        spec,
+        digest,
+        resources,
+        tuple(deps),
+        wave,
+        time_auto=resources.time == "auto",
+    )
 
 
 def config_hash(value: dict) -> str:

@@ -24,7 +24,7 @@ import submitit
 from submitit.core.utils import pickle_load
 
 EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*: ")  # "ValueError: ...", "torch.OutOfMemoryError: ..."
-COMMENT_MARK = "slurm-lora"  # a job's SLURM comment: "slurm-lora TOKEN WHAT" (slurm/submit.py)
+COMMENT_MARK = "slurm-lora"  # a job's SLURM comment: "slurm-lora TOKEN WHAT" (slurm/backends.py)
 # How a local job is stopped: each signal in turn, until its processes are gone. SIGINT ends the tasks
 # (their controller then ends cleanly); SIGTERM makes a trainer checkpoint at its step end and return
 # (slurm/jobs.py); SIGKILL is for what ignores both (a job started with SIGINT ignored, as a script's `&`
@@ -249,7 +249,7 @@ def queued_by_token() -> dict[str, str] | None:
 
 
 def parse_comments(text: str) -> dict[str, str]:
-    """`squeue -h -o %i|%k` output → token → job id, for the comments slurm/submit.py writes."""
+    """`squeue -h -o %i|%k` output → token → job id, for the comments slurm/backends.py writes."""
     found = {}
     for line in text.splitlines():
         job_id, _, comment = line.partition("|")

@@ -15,19 +15,21 @@ import sys
 from pathlib import Path
 
 from slurm.jobs import EvalStage, TrainStage
+from slurm.pack import Unit
 
 
 def main(order_file: str) -> None:
     # SLURM's USR2 reaches every process of the allocation; until the stage takes it over (training
     # checkpoints, an eval keeps its predictions), it must not kill the unit: the lanes forward it and wait.
     signal.signal(signal.SIGUSR2, signal.SIG_IGN)
-    unit = json.loads(Path(order_file).read_text(encoding="utf-8"))
+    order = json.loads(Path(order_file).read_text(encoding="utf-8"))
+    unit = Unit.of(order)
     if cpus := os.environ.get("LORA_PACK_CPUS"):
         os.sched_setaffinity(0, {int(c) for c in cpus.split(",")})  # this lane's cores (slurm/lanes.py)
     lane, gpu = os.environ.get("LORA_PACK_LANE"), os.environ.get("CUDA_VISIBLE_DEVICES")
-    print(f"{unit['id']}: unit of packed job on lane {lane}, CUDA_VISIBLE_DEVICES={gpu}", flush=True)
-    stage = TrainStage() if unit["kind"] == "train" else EvalStage()
-    stage(unit["spec"], unit["config_hash"], unit["workdir"])
+    print(f"{unit.id}: unit of packed job on lane {lane}, CUDA_VISIBLE_DEVICES={gpu}", flush=True)
+    stage = TrainStage() if unit.kind == "train" else EvalStage()
+    stage(unit.spec, unit.config_hash, order["workdir"])
 
 
 if __name__ == "__main__":

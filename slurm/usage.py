@@ -21,6 +21,7 @@ from pathlib import Path
 
 from submitit.core.utils import JobPaths, pickle_load
 
+from slurm.pack import Unit
 from slurm.status import Allocation, query_allocations
 from spec.layout import PACKS
 from spec.rundir import job_records, read_lane
@@ -144,7 +145,7 @@ def pack_units(pack_id: str, log_root: str) -> list[tuple[str, Path]] | None:
     experiments outside the report's plan take their share too); None when that file is gone."""
     try:
         submission = pickle_load(JobPaths(Path(log_root) / PACKS, pack_id).submitted_pickle)
-        return [(unit["id"], Path(unit["run_dir"])) for unit in submission.args[0]]
+        return [(unit.id, Path(unit.run_dir)) for unit in map(Unit.of, submission.args[0])]
     except (OSError, EOFError, ValueError, ImportError, AttributeError, IndexError, KeyError, TypeError):
         return None
 

@@ -26,7 +26,7 @@ RUN_ROOT = {
 }
 
 # LOG_DIR/: folders beside the experiments' log folders.
-PACKS = "packs"  # slurm/submit.py: packed allocations' submitit folders
+PACKS = "packs"  # slurm/backends.py: packed allocations' submitit folders
 CODE_SNAPSHOTS = ".code"  # slurm/snapshot.py
 LOG_ROOT = {PACKS: "the packed allocations' logs", CODE_SNAPSHOTS: "the code snapshots"}
 

@@ -202,7 +202,7 @@ def record_job(
 def record_intent(
     run_dir: Path, code: dict | None = None, pack: bool = False, token: str | None = None
 ) -> str:
-    """Before sbatch: the token the job's SLURM comment will carry (slurm/submit.py). If the launch dies or
+    """Before sbatch: the token the job's SLURM comment will carry (slurm/backends.py). If the launch dies or
     cannot write job.json once sbatch has queued it, the next launch (or --cancel, --status) finds the
     job in the queue by this token and records it (slurm/launcher.py adopt_unrecorded), instead of
     queueing it a second time. Raises OSError when job.json cannot be written: then nothing is queued."""

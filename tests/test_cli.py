@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from submitit.core.utils import JobPaths
 
 import launch
@@ -78,6 +79,7 @@ def test_watching_goes_on_when_another_yaml_is_broken(repo_root, tmp_path, monke
     assert launch.main(["--all", "--config-dir", str(folder), "--dry-run"]) == 2  # submitting still refuses
 
 
+@pytest.mark.slow
 def test_a_failed_local_job_shows_its_exception_and_log(repo_root, tmp_path, tiny, monkeypatch, capsys):
     monkeypatch.chdir(repo_root)
     empty = tmp_path / "empty-model"  # a folder, so validation passes; loading it fails on the node
@@ -98,6 +100,7 @@ def test_a_failed_local_job_shows_its_exception_and_log(repo_root, tmp_path, tin
     assert f"  log: {log}" in lines
 
 
+@pytest.mark.slow
 def test_cancel_stops_a_local_run(repo_root, tmp_path, tiny, monkeypatch, capsys):
     monkeypatch.chdir(repo_root)
     folder = configs(tmp_path, repo_root, long={"epochs": 500})
@@ -135,6 +138,7 @@ def test_cancel_naming_an_experiment_that_does_not_exist_fails_instead_of_cancel
     assert "--exp: no experiment named 'rael' loads (did you mean 'real'?)" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_force_keeps_the_old_run_under_a_free_name_when_its_archive_name_is_taken(
     repo_root, tmp_path, tiny, monkeypatch, capsys
 ):

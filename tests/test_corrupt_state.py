@@ -23,6 +23,8 @@ import pytest
 import launch
 from tests.conftest import write_cluster_yaml
 
+pytestmark = pytest.mark.slow  # trains or launches for seconds: make test-fast leaves it out
+
 EXPERIMENT = """\
 name: one
 model: {{name_or_path: {root}/models/tiny-llama, kind: causal}}

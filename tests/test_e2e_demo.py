@@ -132,6 +132,7 @@ def test_demo_on_the_dev_cluster(repo_root, tmp_path, slurm_cluster, tiny, capsy
 
 
 @pytest.mark.parametrize("experiments", [["chain-first", "chain-second"]])
+@pytest.mark.slow
 def test_demo_runs_locally_without_slurm(repo_root, tmp_path, tiny, monkeypatch, experiments, capsys):
     monkeypatch.chdir(repo_root)
     config_dir = demo_configs(repo_root, tmp_path)

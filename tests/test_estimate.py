@@ -9,6 +9,7 @@ import pytest
 
 from slurm.estimate import DataTokens, Estimator, auto_time_limit_s, read_exact_tokens, record_exact_tokens
 from slurm.experiments import load_experiments
+from slurm.plan import estimated_again
 from slurm.profile import load_profile
 from spec.config import DataSpec, EvalJob, ModelSpec, TrainJob
 from spec.problems import ConfigError
@@ -188,8 +189,8 @@ def auto_folder(tmp_path: Path, cluster: str = "") -> Path:
 
 
 def sbatch_time(folder: Path, job_id: str) -> int:
+    from slurm.backends import SlurmBackend
     from slurm.snapshot import CodeSnapshot
-    from slurm.submit import SlurmBackend
 
     profile, _ = load_profile(folder)
     backend = SlurmBackend(profile, folder, CodeSnapshot(folder, None, None))
@@ -286,6 +287,7 @@ def test_a_stage_run_outside_the_plans_layout_writes_no_speed_book(tmp_path):
     assert book_of(train_job().model_copy(update={"run_dir": str(tmp_path)})) is None
 
 
+@pytest.mark.slow
 def test_calibrate_times_a_few_steps_and_the_estimates_then_say_calibrated(repo_root, tmp_path, tiny, capsys):
     import launch
     from bench.packing import scenario
@@ -419,3 +421,23 @@ def test_a_constraint_naming_a_gpu_model_scales_the_books_rows_to_it(tmp_path, m
     plan = plan_for(folder=folder)
     assert plan.job("h100/train").estimate.source == "measured (scaled from A100)"
     assert plan.job("anywhere/train").estimate.source == "measured"
+
+
+def test_after_preflight_the_plan_is_estimated_again_from_its_tokens_and_keeps_its_jobs(
+    tmp_path, monkeypatch
+):
+    # The launch used to build the whole plan twice (load, hash, estimate); now preflight's count only
+    # re-estimates it: the jobs and hashes stay, the estimate and its `time: auto` limit move.
+    monkeypatch.chdir(tmp_path)  # cluster.yaml's run_dir is relative
+    folder = write_experiments(tmp_path / "configs", big=sized("big", "{gpus: 1, time: auto}"))
+    plan = plan_for(folder=folder)
+    before = plan.job("big/train")
+    assert before.estimate.tokens == "characters"
+    record_exact_tokens(plan.run_root, [(before.spec, 1, 500_000_000)])  # as preflight leaves it
+    profile, _ = load_profile(folder)
+    files = {name: str(folder / f"{name}.yaml") for name in plan.experiments()}
+    again = estimated_again(plan, profile, files)
+    assert [(j.id, j.config_hash) for j in again.jobs] == [(j.id, j.config_hash) for j in plan.jobs]
+    after = again.job("big/train")
+    assert after.estimate.tokens == "preflight" and after.estimate.seconds > before.estimate.seconds
+    assert after.resources.time_s > before.resources.time_s  # time: auto follows the new estimate

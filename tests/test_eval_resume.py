@@ -73,6 +73,7 @@ def partial_rows(out_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (out_dir / PARTIAL).read_text().splitlines()[1:]]
 
 
+@pytest.mark.slow
 def test_a_killed_eval_keeps_its_predictions_and_ends_as_an_uninterrupted_one(tiny, adapter, tmp_path):
     straight_dir, killed_dir = tmp_path / "straight", tmp_path / "killed"
     straight = run_eval(eval_job(tiny, adapter, straight_dir))

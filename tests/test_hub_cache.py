@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.test_preflight import hub_cache
 
 LOAD = """
@@ -23,6 +25,7 @@ for load in (lambda: load_tokenizer(spec.name_or_path, spec), lambda: load_base(
 """
 
 
+@pytest.mark.slow
 def test_a_model_missing_offline_fails_with_its_repo_and_fetch_command(repo_root, tmp_path):
     """The cache holds Qwen's config.json only, as a login node that ran preflight without network would:
     tokenizer and weights are missing, and HF_HUB_OFFLINE=1 (conftest) makes any download fail at once."""

@@ -14,6 +14,7 @@ import json
 import re
 from pathlib import Path
 
+import pytest
 from submitit.core.utils import JobPaths
 
 import launch
@@ -66,6 +67,7 @@ def lifetimes(printed: str) -> dict[str, tuple[int, int]]:
     return {job: (started[job], ended[job]) for job in started}
 
 
+@pytest.mark.slow
 def test_local_backend_gives_each_job_its_own_gpus_instead_of_hiding_them(
     repo_root, tmp_path, tiny, monkeypatch, capsys
 ):

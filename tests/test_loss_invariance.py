@@ -24,6 +24,8 @@ import pytest
 from tests.train_helpers import SQL, make_job, model_spec, read_jsonl, run_ranks, sql_data
 from train.recipe import run_stage
 
+pytestmark = pytest.mark.slow  # trains or launches for seconds: make test-fast leaves it out
+
 SHAPES = SQL.parent / "shapes"
 SPLITS = {"8x1": (8, 1, 1), "2x4": (2, 4, 1), "2x2 on 2 ranks": (2, 2, 2)}  # batch, accumulation, ranks
 TRAIN_EXAMPLES, EVAL_EXAMPLES = 32, 22  # 4 optimizer steps; 22 eval rows leave a short last round

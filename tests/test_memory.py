@@ -75,6 +75,7 @@ def measured_cases(tmp_path_factory) -> dict:
 
 
 @pytest.mark.parametrize("name", CASES)
+@pytest.mark.slow
 def test_the_estimate_covers_the_whole_training_step_not_only_what_the_forward_saves(name, measured_cases):
     """Weights, trainable state and the step's own peak (the loss's fp32 logits and log-softmax, the
     backward's logits-sized gradients, autocast's copies) against the allocator's peak over forward, loss,
@@ -87,6 +88,7 @@ def test_the_estimate_covers_the_whole_training_step_not_only_what_the_forward_s
 
 
 @pytest.mark.parametrize("name", CASES)
+@pytest.mark.slow
 def test_the_in_training_eval_at_twice_the_batch_is_estimated(name, measured_cases):
     from train.memory import CUDA_RESERVE_GB, EVAL_BATCH_FACTOR, GB
 
@@ -138,6 +140,7 @@ def test_preflight_evaluates_at_the_batch_the_trainer_evaluates_at(tiny, tmp_pat
     assert recipe.training_arguments().per_device_eval_batch_size == EVAL_BATCH_FACTOR * 3
 
 
+@pytest.mark.slow
 def test_a_job_whose_eval_step_does_not_fit_is_refused_naming_the_eval(tmp_path):
     """A logits-heavy job: its training step fits, its in-training eval (twice the batch) does not."""
     from slurm.preflight import refusals
@@ -174,6 +177,7 @@ def qwen_7b(tmp_path: Path) -> Path:
     return tmp_path
 
 
+@pytest.mark.slow
 def test_a_7b_job_with_qwens_vocabulary_at_4x2048_is_not_admitted_on_an_80_gb_gpu(tmp_path):
     """Its logits alone are 4 × 2048 × 152k: the loss's fp32 copy, log-softmax and gradients are tens of GB
     beyond what the forward saves. Before: admitted, then out of memory after its queue wait."""
@@ -185,6 +189,7 @@ def test_a_7b_job_with_qwens_vocabulary_at_4x2048_is_not_admitted_on_an_80_gb_gp
     assert result.fits is False and result.memory["train_gb"] > 80
 
 
+@pytest.mark.slow
 def test_qlora_7b_weights_count_what_prepare_model_for_kbit_training_holds(tmp_path):
     """Qwen2.5-7B under QLoRA: embeddings and lm_head (2 × 545M) in fp32, 6.5B 4-bit weights with their
     double-quantized constants, norms and biases in fp32: 7.7 GB (7.2 GiB), not 5.5 GB (5.12 GiB)."""

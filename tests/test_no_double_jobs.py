@@ -15,6 +15,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 import launch
 from slurm.scheduler import RecordedLocalJob, descendants, local_alive, parse_comments, stop_local
 from spec.rundir import job_records, pending_submission, record_intent, record_job
@@ -62,6 +64,7 @@ def logged_steps(tmp: Path, job: str) -> list[int]:
     return [row["step"] for row in map(json.loads, rows) if "loss" in row]
 
 
+@pytest.mark.slow
 def test_relaunch_after_the_launcher_was_killed_waits_for_its_local_job_instead_of_starting_a_second_trainer(
     repo_root, tmp_path, tiny, monkeypatch, capsys
 ):
@@ -98,6 +101,7 @@ def test_relaunch_after_the_launcher_was_killed_waits_for_its_local_job_instead_
     assert steps and len(steps) == len(set(steps))  # one trainer wrote metrics.jsonl: no step twice
 
 
+@pytest.mark.slow
 def test_cancel_stops_a_background_launchers_job_that_ignores_sigint_and_the_next_experiment_never_starts(
     repo_root, tmp_path, tiny, monkeypatch, capsys
 ):
@@ -128,6 +132,7 @@ def test_cancel_stops_a_background_launchers_job_that_ignores_sigint_and_the_nex
     assert not (tmp_path / "logs" / "next").exists()
 
 
+@pytest.mark.slow
 def test_ctrl_c_of_a_local_launcher_stops_its_job_with_a_sentence_and_status_says_cancelled(
     repo_root, tmp_path, tiny, monkeypatch, capsys
 ):

@@ -11,7 +11,7 @@ import pytest
 import launch
 from slurm.estimate import Estimate
 from slurm.experiments import load_experiments, parse_overrides
-from slurm.pack import pack_plan, pack_resources, simulate
+from slurm.pack import Unit, pack_plan, pack_resources, simulate
 from slurm.plan import build_plan
 from slurm.profile import load_profile
 from spec.problems import ConfigError
@@ -184,7 +184,7 @@ def test_each_lane_gets_its_own_gpu_and_cores(monkeypatch):
     assert lane_cpus([4, 5], 4) == [[4], [5], [4], [5]]  # fewer cores than lanes: shared round-robin
 
 
-def lane_units(tmp_path: Path) -> list[dict]:
+def lane_units(tmp_path: Path) -> list[Unit]:
     """Units as the allocation gets them: a chain one → two, and lone, whose adapter parent `up` ran as a
     job of its own outside the pack."""
 
@@ -203,7 +203,9 @@ def lane_units(tmp_path: Path) -> list[dict]:
         }
 
     up = {"id": "up", "kind": "afterok", "run_dir": str(tmp_path / "runs" / "up"), "config_hash": "hash-up"}
-    return [unit("one"), unit("two", [("one", "afterok")]), unit("lone", [("up", "afterok")], [up])]
+    # As an allocation queued before units were typed pickled them: dicts, read through Unit.of.
+    units = [unit("one"), unit("two", [("one", "afterok")]), unit("lone", [("up", "afterok")], [up])]
+    return [Unit.of(u) for u in units]
 
 
 def lane_record(tmp_path: Path, name: str) -> dict:

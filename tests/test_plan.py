@@ -173,8 +173,8 @@ def test_eval_resources_are_not_part_of_the_eval_jobs_identity(tmp_path):
 
 
 def test_eval_resources_reach_the_sbatch_parameters(tmp_path):
+    from slurm.backends import SlurmBackend
     from slurm.snapshot import CodeSnapshot
-    from slurm.submit import SlurmBackend
 
     folder = eval_resources_folder(tmp_path)
     plan = plan_for(folder=folder)
@@ -190,8 +190,8 @@ def test_eval_resources_reach_the_sbatch_parameters(tmp_path):
 def test_jobs_run_offline_unless_the_nodes_download(tmp_path):
     """hub_downloads: login (default) puts the offline switches first in every job's setup, where a
     user's own setup line can still override them; nodes leaves the jobs online."""
+    from slurm.backends import SlurmBackend
     from slurm.snapshot import CodeSnapshot
-    from slurm.submit import SlurmBackend
 
     offline = ["export HF_HUB_OFFLINE=1", "export HF_DATASETS_OFFLINE=1"]
     cases = [("", offline), ("setup: ['export X=1']", [*offline, "export X=1"]), ("hub_downloads: nodes", [])]
@@ -204,8 +204,8 @@ def test_jobs_run_offline_unless_the_nodes_download(tmp_path):
 
 
 def test_mail_reaches_sbatch_for_training_and_eval_jobs_unless_the_eval_says_otherwise(tmp_path):
+    from slurm.backends import SlurmBackend
     from slurm.snapshot import CodeSnapshot
-    from slurm.submit import SlurmBackend
 
     folder = write_experiments(
         tmp_path,
@@ -227,8 +227,8 @@ def test_mail_reaches_sbatch_for_training_and_eval_jobs_unless_the_eval_says_oth
 
 
 def test_a_multi_gpu_job_is_one_task_per_gpu_on_one_node_and_its_eval_one_task(tmp_path):
+    from slurm.backends import SlurmBackend
     from slurm.snapshot import CodeSnapshot
-    from slurm.submit import SlurmBackend
 
     folder = eval_resources_folder(tmp_path)
     plan = plan_for(["train.batch_size=8", "train.grad_accum=2"], ["big"], folder=folder)
@@ -300,8 +300,8 @@ def sbatch_script(tmp_path: Path, job_id: str, parents: list[tuple[str, str]]) -
     with this test's folders and the intent token made constant."""
     import submitit
 
+    from slurm.backends import SlurmBackend, job_comment
     from slurm.snapshot import CodeSnapshot
-    from slurm.submit import SlurmBackend, job_comment
 
     folder = eval_resources_folder(tmp_path)
     profile, _ = load_profile(folder)

@@ -54,6 +54,7 @@ def preflight_json(argv: list[str], capsys) -> list[dict]:
     return json.loads(capsys.readouterr().out)
 
 
+@pytest.mark.slow
 def test_demo_preflight_equals_what_the_finished_jobs_write(repo_root, tiny, tmp_path, monkeypatch, capsys):
     """Trainable % and max_length of every demo training job, from configs only, are what the real job
     (run_stage, one step) writes to summary.json: one counting function, one tokenization path."""
@@ -120,6 +121,7 @@ def test_a_rank_too_large_for_the_model_is_refused_before_anything_is_queued(
     assert not (tmp_path / "runs" / "huge-rank").exists()  # nothing was submitted, not even a record
 
 
+@pytest.mark.slow
 def test_a_batch_that_does_not_fit_is_refused_with_the_batch_that_does(
     repo_root, tiny, tmp_path, monkeypatch, capsys
 ):
@@ -239,6 +241,7 @@ def shipped_with_cluster_yaml(repo_root: Path, tmp: Path, text: str) -> Path:
     return tmp / "configs" / "experiments"
 
 
+@pytest.mark.slow
 def test_the_shipped_experiments_preflight_offline_from_fixture_configs(repo_root, tmp_path):
     """With hub_downloads: nodes, what this machine lacks is a warning: the nodes will download it."""
     env = os.environ | {
@@ -291,6 +294,7 @@ def test_the_shipped_experiments_preflight_offline_from_fixture_configs(repo_roo
     assert json.loads(again.stdout) == list(results.values())
 
 
+@pytest.mark.slow
 def test_jobs_that_run_offline_refuse_what_this_machine_could_not_fetch(repo_root, tmp_path):
     """hub_downloads: login (the default): preflight fetches what the jobs need, and SLURM jobs run offline,
     so what it could not fetch (this machine is offline too: HF_HUB_OFFLINE, conftest) refuses the launch,

@@ -312,6 +312,7 @@ def run_local_job(folder: Path, visible: str) -> submitit.Job:
     return job
 
 
+@pytest.mark.slow
 def test_a_local_job_counts_its_wall_time_x_the_gpus_it_was_given_and_no_sacct_is_called(tmp_path, repo_root):
     configs = tmp_path / "configs"
     plan = plan_of(tmp_path, "loc")

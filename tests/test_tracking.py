@@ -90,6 +90,7 @@ def test_no_tracking_writes_no_event_files(tiny, tmp_path):
     assert not (run_dir / "tb").exists()
 
 
+@pytest.mark.slow
 def test_wandb_offline_keeps_one_run_id_across_a_resume(tiny, tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")

@@ -54,6 +54,7 @@ def test_rotation_keeps_newest_and_best_and_never_an_uncommitted_newest_alone(tm
     assert (tmp_path / "checkpoint-20" / MARKER).is_file()
 
 
+@pytest.mark.slow
 def test_a_stop_on_an_eval_step_saves_before_it_evaluates_and_resumes_as_if_never_stopped(tiny, tmp_path):
     """The stop signal leaves about 90 s before the kill and an eval may take longer: the checkpoint comes
     first, then the eval, which is recorded into that checkpoint's state (its best metric)."""

@@ -21,6 +21,8 @@ from tests.train_helpers import ROOT, SQL, make_job, read_jsonl, sql_data
 from train.checkpoints import checkpoints, is_valid, step_of
 from train.recipe import run_stage
 
+pytestmark = pytest.mark.slow  # trains or launches for seconds: make test-fast leaves it out
+
 EXAMPLES, STEPS, TIMEOUT_S = 80, 10, 120
 
 

@@ -18,6 +18,8 @@ from tests.train_helpers import StopAfter, make_job, read_jsonl, sql_data
 from train.checkpoints import MARKER, latest_valid_checkpoint, step_of
 from train.recipe import run_stage
 
+pytestmark = pytest.mark.slow  # trains or launches for seconds: make test-fast leaves it out
+
 
 def resumable_job(tiny, run_dir: Path, method: str = "lora"):
     # 85 examples / 8 = 11 steps an epoch; eval every epoch; saves every 4 steps and at each eval.

@@ -203,6 +203,7 @@ def test_pixel_bounds_the_wrong_way_round_are_refused_with_file_and_key(repo_roo
     assert launch.main(["--all", "--config-dir", str(folder), "--dry-run", "data.min_pixels=3136"]) == 0
 
 
+@pytest.mark.slow
 def test_the_demo_curriculum_trains_chains_and_scores_through_the_launcher_locally(
     repo_root, tiny, tmp_path, monkeypatch, capsys
 ):

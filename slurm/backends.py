@@ -25,6 +25,7 @@ import submitit
 from slurm.jobs import EvalStage, TrainStage
 from slurm.lanes import PackJob
 from slurm.local_gpus import GpuPool, VisibleGpus, gpus_needed, too_many_gpus
+from slurm.pack import Unit
 from slurm.plan import PlannedJob
 from slurm.profile import ClusterProfile
 from slurm.scheduler import COMMENT_MARK, cancel, local_failure, stop_local
@@ -108,7 +109,7 @@ class SlurmBackend:
         return Path(self.profile.log_dir) / job.id
 
     def submit_pack(
-        self, units: list[dict], resources: Resources, parents: list[tuple[str, str]], token: str = ""
+        self, units: list[Unit], resources: Resources, parents: list[tuple[str, str]], token: str = ""
     ) -> str:
         """Queue one allocation that runs `units` on `resources.gpus` lanes (slurm/lanes.py)."""
         executor = submitit.SlurmExecutor(

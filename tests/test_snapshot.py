@@ -13,6 +13,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from slurm.snapshot import PACKAGES
 from tests.conftest import write_cluster_yaml
 
@@ -105,6 +107,7 @@ def test_a_queued_slurm_job_runs_the_code_it_was_launched_with(repo_root, tmp_pa
     assert_ran_from_snapshot(tmp_path, "snap/train", head_of(copy))
 
 
+@pytest.mark.slow
 def test_a_waiting_local_job_runs_the_code_it_was_launched_with(repo_root, tmp_path, tiny):
     copy = project_copy(repo_root, tmp_path)
     folder = experiments(repo_root, tmp_path, {"first": "", "second": "first"})

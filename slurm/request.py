@@ -1,0 +1,132 @@
+"""What one launch.py command asks for: typed, and checked once at the door, before any file is loaded.
+
+A flag that cannot work with the others (a `--pack` where no SLURM runs, `--budget` that is no duration,
+`--rank` without `--tail`) is refused here, before loading experiments, planning, preflight or the launch
+lock; the rest of the CLI (slurm/cli.py) reads this object, never argparse's namespace.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from spec.config import slurm_duration
+from spec.problems import ConfigError, Problem
+
+Action = Literal[
+    "launch",
+    "dry_run",
+    "preflight",
+    "calibrate",
+    "retry_failed",
+    "status",
+    "tail",
+    "cancel",
+    "report",
+    "sync",
+]
+# The flags that name an action (argparse keeps them mutually exclusive); none of them: a launch.
+ACTION_FLAGS: tuple[Action, ...] = (
+    "dry_run",
+    "preflight",
+    "calibrate",
+    "retry_failed",
+    "status",
+    "tail",
+    "cancel",
+    "report",
+    "sync",
+)
+WATCHING: tuple[Action, ...] = ("status", "tail", "cancel", "report")
+SUBMITTING: tuple[Action, ...] = ("launch", "calibrate", "retry_failed")
+# Actions that need experiments named (--all or --exp); the others take every experiment when none is.
+NAMING: tuple[Action, ...] = ("launch", "calibrate", "preflight")
+
+
+@dataclass(frozen=True)
+class LaunchRequest:
+    action: Action
+    config_dir: Path
+    experiments: tuple[str, ...] | None  # --exp NAME...; None: every experiment of config_dir
+    overrides: tuple[str, ...] = ()  # KEY=VALUE
+    backend: Literal["auto", "slurm", "local"] = "auto"
+    as_json: bool = False  # --json (dry run, preflight)
+    preflight: bool = True  # before submitting (--no-preflight: False)
+    wait: bool = False
+    pack: int | None = None  # --pack G; None: cluster.yaml's `pack`, if any
+    budget: str | None = None  # --pack's time limit, a SLURM duration
+    force: bool = False
+    tail: str | None = None  # EXP[/STAGE]
+    rank: int = 0  # with --tail
+    calibrate_steps: int = 30
+
+    @property
+    def submits(self) -> bool:
+        return self.action in SUBMITTING
+
+
+def request_from(args) -> LaunchRequest:
+    """argparse's namespace → a LaunchRequest, or ConfigError (exit 2) naming every flag that is wrong."""
+    named = [flag for flag in ACTION_FLAGS if getattr(args, flag)]
+    action: Action = named[0] if named else "launch"
+    request = LaunchRequest(
+        action=action,
+        config_dir=args.config_dir,
+        experiments=tuple(args.exp) if args.exp else None,
+        overrides=tuple(args.overrides),
+        backend=args.backend,
+        as_json=args.json,
+        preflight=not args.no_preflight,
+        wait=args.wait,
+        pack=args.pack,
+        budget=args.budget,
+        force=args.force,
+        tail=args.tail,
+        rank=args.rank,
+        calibrate_steps=args.calibrate_steps,
+    )
+    problems = door_problems(request, chose=bool(args.all or args.exp))
+    if problems:
+        raise ConfigError(problems)
+    return request
+
+
+def door_problems(request: LaunchRequest, chose: bool) -> list[Problem]:
+    def problem(flag: str, what: str) -> Problem:
+        return Problem("command line", flag, what)
+
+    found = []
+    if request.action in NAMING and not chose:
+        found.append(problem("", "say which experiments: --all or --exp NAME [NAME ...]"))
+    if request.calibrate_steps < 1:
+        found.append(problem("--calibrate-steps", "must be at least 1"))
+    if request.rank != 0 and request.action != "tail":
+        found.append(
+            problem("--rank", "picks the task of a multi-GPU job whose log --tail follows: add --tail")
+        )
+    if request.rank < 0:
+        found.append(problem("--rank", "must be 0 or more (task 0 is rank 0)"))
+    if request.pack is not None and request.pack < 0:
+        found.append(problem("--pack", "must be the number of GPUs of the allocation (0: no pack)"))
+    if request.budget:
+        try:
+            slurm_duration(request.budget)
+        except ValueError as exc:
+            found.append(problem("--budget", str(exc)))
+    if request.pack and request.submits and backend_here(request.backend) == "local":
+        found.append(
+            problem(
+                "--pack",
+                "packs a SLURM allocation, and there is no SLURM here: locally, jobs already share this "
+                "machine (`local_parallel_jobs` in cluster.yaml sets how many run at once)",
+            )
+        )
+    return found
+
+
+def backend_here(backend: str) -> str:
+    """`slurm` or `local`: what `auto` means on this machine (sbatch on PATH)."""
+    from slurm.backends import pick_backend  # submitit: only when asked
+
+    return pick_backend(backend)

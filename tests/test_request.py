@@ -1,0 +1,47 @@
+"""launch.py's flags are checked at the door (slurm/request.py): before the config folder is read, every
+flag that cannot work is named at once, exit 2."""
+
+from __future__ import annotations
+
+import pytest
+
+import launch
+from slurm.request import request_from
+
+
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (["--status", "--rank", "1"], ["--rank: picks the task of a multi-GPU job whose log --tail follows"]),
+        (["--all", "--calibrate", "--calibrate-steps", "0"], ["--calibrate-steps: must be at least 1"]),
+        (
+            ["--all", "--dry-run", "--pack", "2", "--budget", "six hours"],
+            ["--budget: 'six hours' must look like HH:MM:SS"],
+        ),
+        (["--calibrate"], ["say which experiments: --all or --exp NAME"]),
+        (
+            ["--tail", "a/train", "--rank", "-1", "--calibrate-steps", "0"],
+            ["--rank: must be 0 or more", "--calibrate-steps: must be at least 1"],
+        ),
+    ],
+)
+def test_a_flag_that_cannot_work_is_named_before_anything_is_read(argv, named, tmp_path, capsys):
+    missing = tmp_path / "no-such-folder"  # never read: the door comes first
+    code = launch.main([*argv, "--config-dir", str(missing)])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    for text in named:
+        assert text in err, err
+    assert str(missing) not in err and f"{len(named)} problem(s)" in err
+
+
+def test_the_request_says_what_the_flags_asked_for(tmp_path):
+    args = launch.parse_args(["--exp", "a", "b", "--dry-run", "--json", "train.epochs=2"])
+    request = request_from(args)
+    assert (request.action, request.experiments, request.overrides, request.as_json) == (
+        "dry_run",
+        ("a", "b"),
+        ("train.epochs=2",),
+        True,
+    )
+    assert not request.submits and request_from(launch.parse_args(["--all"])).action == "launch"
