@@ -6,7 +6,7 @@ python launch.py --exp NAME --dry-run train.learning_rate=1e-4
 python launch.py --all --pack 4 --budget 6:00:00 # one 4-GPU allocation, if the estimates fit
 python launch.py --exp NAME --calibrate       # time a few dozen steps on the real GPUs for the estimates
 python launch.py --all --preflight [--json]  # trainable %, token lengths, GPU memory; run before every submit
-python launch.py --status | --tail EXP[/STAGE] [--rank K] | --cancel [EXP ...] | --report | --sync
+python launch.py --status | --tail EXP[/STAGE] [--rank K] | --cancel [--exp NAME ...] | --report | --sync
 """
 
 from __future__ import annotations

@@ -7,11 +7,12 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
-from rich.console import Console
 from rich.live import Live
 
 from slurm.estimate import record_exact_tokens
@@ -25,27 +26,45 @@ from slurm.launcher import (
     run_locally,
     submit_pack,
     submit_to_slurm,
+    weigh,
     with_dependents,
 )
-from slurm.pack import Packing, pack_plan, pack_resources
+from slurm.pack import pack_plan, pack_resources
 from slurm.plan import Plan, build_plan, calibration_plan, estimated_again
 from slurm.profile import load_profile
-from slurm.render import edges_text, packing_text, plan_table, problem_lines, status_table, totals_text
-from slurm.request import LaunchRequest, backend_here, request_from
+from slurm.render import (
+    console,
+    edges_text,
+    fit,
+    packing_text,
+    plan_table,
+    problem_lines,
+    status_table,
+    totals_text,
+)
+from slurm.request import LaunchRequest, action_of, backend_here, nothing_done, request_from
 from slurm.states import State
 from slurm.status import plan_status
 from slurm.yamlfile import find_inherited
 from spec.files import forget_warnings
 from spec.problems import ConfigError, Problem
-from spec.rundir import current_job, done_hash
+from spec.rundir import current_job
 
-# Tables stay readable when piped to a file or a CI log (rich would fold them to 80 columns).
-out = Console(width=max(160, Console().width))
-err = Console(stderr=True, width=max(160, Console().width))
+out = console()  # the terminal's width (tables fit it), or 160 columns into a file or a CI log
+err = console(stderr=True)
 SKIPPED = {
     "done": "COMPLETED (done)",
     "queued": "already queued",
     "running": "still running (an earlier launch)",
+    "held": "not retried",
+}
+# A job's state in a dry run, as a relaunch would decide it (slurm/launcher.py weigh).
+DRY_RUN_STATES = {
+    "submit": "PLANNED",
+    "done": "COMPLETED (done)",
+    "queued": "queued as SLURM job",
+    "running": "still running, pid",
+    "refused": "REFUSED (see below)",
     "held": "not retried",
 }
 POLL_S = float(os.environ.get("LAUNCH_POLL_S", "5"))
@@ -85,7 +104,8 @@ def run(args) -> int:
             err.print(f"[yellow]warning:[/] {problem}", highlight=False, soft_wrap=True)
         for problem in exc.problems:
             err.print(f"[red]error:[/] {problem}", highlight=False, soft_wrap=True)
-        err.print(f"{len(exc.problems)} problem(s); nothing was submitted.", highlight=False)
+        undone = nothing_done(action_of(args))
+        err.print(f"{len(exc.problems)} problem(s)" + (f"; {undone}." if undone else "."), highlight=False)
         return 2
     except LaunchError as exc:  # Interrupted (Ctrl-C) too: what was left queued or stopped, exit 130
         err.print(f"[red]error:[/] {exc}", highlight=False, soft_wrap=True)
@@ -115,10 +135,7 @@ def launch(request: LaunchRequest, profile) -> int:
     plan = planned(experiments, profile, request)
     pack = requested_pack(request, profile)
     if request.action == "dry_run":
-        # What a pack would run now: every job without its DONE (no scheduler call: dry runs stay fast).
-        return show_plan(
-            plan, request.as_json, pack_plan(still_to_run(plan), *pack, profile) if pack else None
-        )
+        return dry_run(plan, profile, request, pack)
     if request.action != "preflight" and backend_of(request) == "local":
         from slurm.local_gpus import refuse_too_many_gpus  # before preflight: it may take minutes
 
@@ -191,7 +208,7 @@ def preflight(plan: Plan, experiments, profile, show: bool, as_json: bool) -> in
     if as_json:
         print(json.dumps([r.as_json() for r in results], indent=1))
     elif show:
-        out.print(preflight_table(results))
+        out.print(fit(preflight_table(results), out.width, PREFLIGHT_PRIORITY))
     if not fetching and (fetch := list(dict.fromkeys(c for r in results for c in r.fetch))):
         err.print(fetch_note(fetch), highlight=False, soft_wrap=True)  # fetching: they are problems
     if problems:
@@ -207,6 +224,19 @@ def fetch_note(commands: list[str]) -> str:
         "[yellow]warning:[/] not in this machine's Hugging Face cache, so jobs on nodes without network "
         f"would fail at their start; fetch into the shared cache (HF_HOME) first:\n{lines}"
     )
+
+
+# preflight_table's columns, most important first (slurm/render.py fit).
+PREFLIGHT_PRIORITY = (
+    "job",
+    "fits",
+    "memory/GPU",
+    "trainable",
+    "max_length",
+    "cut at max_length",
+    "tokens/epoch",
+    "lengths p50/p90/p99/max",
+)
 
 
 def preflight_table(results):
@@ -295,21 +325,38 @@ def report(plan: Plan, experiments, profile, config_dir: Path) -> list[Path]:
 def show_status(plan: Plan, profile) -> int:
     rows = plan_status(plan, profile.log_dir)
     cancel_stuck(rows, profile.log_dir)
-    out.print(status_table(rows))
+    out.print(status_table(rows, out.width))
     for line in problem_lines(rows):
         out.print(line, highlight=False, soft_wrap=True)
     return 0
 
 
-def show_plan(plan: Plan, as_json: bool, packing: Packing | None = None) -> int:
-    if as_json:
-        print(json.dumps({**plan.to_json(), **({"packing": packing.to_json()} if packing else {})}, indent=1))
+def dry_run(plan: Plan, profile, request: LaunchRequest, pack: tuple[int, str] | None) -> int:
+    """The plan, each job in the state a relaunch would give it (done, queued, still running, refused,
+    or planned: to be submitted), with the makespan and GPU-hours of what is left and, for a pack, the
+    lanes of what is left. Reads the run folders and asks squeue once (only if some job was queued)."""
+    decisions, refusals = weigh(plan, force=request.force)
+    states = {d.job.id: d.action if d.action != "submit" else "planned" for d in decisions}
+    left = plan.left(states)
+    packing = pack_plan(list(left.jobs), *pack, profile) if pack and left.jobs else None
+    if request.as_json:
+        extra = {"packing": packing.to_json()} if packing else {}
+        print(json.dumps({**plan.to_json(states), **extra}, indent=1))
+        return 0
+    shown = {
+        d.job.id: DRY_RUN_STATES[d.action] + (f" {d.scheduler_id}" if d.scheduler_id else "")
+        for d in decisions
+    }
+    out.print(plan_table(plan, shown, out.width))
+    if left.jobs:
+        out.print(totals_text(left), highlight=False, soft_wrap=True)
     else:
-        out.print(plan_table(plan))
-        out.print(totals_text(plan), highlight=False, soft_wrap=True)
-        if packing:
-            out.print(packing_text(packing), highlight=False, soft_wrap=True)
-        out.print(edges_text(plan), highlight=False)
+        out.print("Nothing left to run: every job is done.", highlight=False)
+    if packing:
+        out.print(packing_text(packing), highlight=False, soft_wrap=True)
+    out.print(edges_text(plan), highlight=False)
+    for problem in refusals:
+        err.print(f"[yellow]a launch would refuse:[/] {problem}", highlight=False, soft_wrap=True)
     return 0
 
 
@@ -323,11 +370,6 @@ def requested_pack(request: LaunchRequest, profile) -> tuple[int, str] | None:
     if not gpus or (request.submits and backend_of(request) == "local"):  # --pack 0: no pack
         return None
     return gpus, request.budget or profile.budget or profile.max_time
-
-
-def still_to_run(plan: Plan) -> list:
-    """The plan's jobs without a matching DONE: what a pack would run (no scheduler call: dry runs too)."""
-    return [job for job in plan.jobs if done_hash(Path(job.run_dir)) != job.config_hash]
 
 
 def submit(plan: Plan, profile, request: LaunchRequest, pack: tuple[int, str] | None = None) -> int:
@@ -357,7 +399,7 @@ def submit(plan: Plan, profile, request: LaunchRequest, pack: tuple[int, str] | 
         # A local job an earlier launch left running is waited for here, as if this launch had started it.
         adopting = backend_name == "local" and any(d.action == "running" for d in decisions)
         if not todo and not adopting:
-            out.print(plan_table(plan, skipped))
+            out.print(plan_table(plan, skipped, out.width))
             out.print("Nothing to submit: every job is done, already queued or still running.")
         elif backend_name == "local":
             return run_here(plan, profile, decisions, take_snapshot(Path(profile.log_dir)))
@@ -373,7 +415,7 @@ def queue(plan: Plan, profile, decisions, skipped: dict[str, str], code) -> None
 
     ids = submit_to_slurm(decisions, SlurmBackend(profile, Path.cwd(), code))
     states = {d.job.id: f"submitted {ids[d.job.id]}" for d in decisions if d.action == "submit"}
-    out.print(plan_table(plan, {**skipped, **states}))
+    out.print(plan_table(plan, {**skipped, **states}, out.width))
     out.print(f"Submitted {len(states)} job(s). Watch: squeue --me, python launch.py --status, --tail EXP")
 
 
@@ -385,7 +427,7 @@ def queue_pack(plan: Plan, profile, decisions, skipped: dict[str, str], pack, co
     resources = pack_resources(todo, packing, profile)
     ids = submit_pack(decisions, SlurmBackend(profile, Path.cwd(), code), resources)
     states = {job.id: f"packed in {ids[job.id]}" for job in todo}
-    out.print(plan_table(plan, {**skipped, **states}))
+    out.print(plan_table(plan, {**skipped, **states}, out.width))
     out.print(packing_text(packing), highlight=False, soft_wrap=True)
     out.print(
         f"Submitted {len(todo)} job(s) as one allocation ({ids[todo[0].id]}: {resources.gpus} GPU(s), "
@@ -412,9 +454,36 @@ def run_here(plan: Plan, profile, decisions, code) -> int:
         highlight=False,
         soft_wrap=True,
     )
-    states = run_locally(decisions, backend, report)
-    out.print(status_table(plan_status(plan, profile.log_dir)))
+    with live_status(plan, profile):
+        states = run_locally(decisions, backend, report)
+    out.print(status_table(plan_status(plan, profile.log_dir), out.width))
     return 1 if any(s is not State.COMPLETED for s in states.values()) else 0
+
+
+@contextmanager
+def live_status(plan: Plan, profile):
+    """In a terminal, the status table (state, step/total, loss, ETA) under the launcher's own lines,
+    refreshed every POLL_S while a local run goes on, as --wait shows it on SLURM (before: minutes of
+    nothing while a job trained). Into a file or a pipe, only the lines."""
+    if not out.is_terminal:
+        yield
+        return
+    stop = threading.Event()
+    with Live(
+        status_table(plan_status(plan, profile.log_dir), out.width), console=out, transient=True
+    ) as live:
+
+        def refresh() -> None:
+            while not stop.wait(POLL_S):
+                live.update(status_table(plan_status(plan, profile.log_dir), out.width))
+
+        updater = threading.Thread(target=refresh, name="live-status", daemon=True)
+        updater.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            updater.join()
 
 
 def wait(plan: Plan, profile) -> int:
@@ -423,7 +492,7 @@ def wait(plan: Plan, profile) -> int:
         while True:
             rows = plan_status(plan, profile.log_dir)
             cancel_stuck(rows, profile.log_dir)
-            live.update(status_table(rows))
+            live.update(status_table(rows, out.width))
             if not any(r.state.live for r in rows):
                 break
             time.sleep(POLL_S)

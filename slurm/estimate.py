@@ -50,6 +50,9 @@ CHARS_PER_TOKEN = 4.0
 # time: auto = estimate x MARGIN + the job's signal delay (it checkpoints that long before the limit)
 # + SLACK_S, rounded up to ROUND_S. The margin covers a guess that is off by a third and a slower node.
 MARGIN = 1.3
+# A speed guessed from the model's size on an assumed GPU at an assumed MFU was 7x off for a real 135M
+# model (on a CPU): a limit from a guess takes 4x, until a measured row (a finished stage, --calibrate).
+GUESS_MARGIN = 4.0
 SLACK_S = 300
 ROUND_S = 300
 
@@ -342,7 +345,9 @@ def nearest_record(
 ) -> tuple[SpeedRecord, str | None] | None:
     """(row, the GPU model the job is estimated for): a row of the same model, method, precision,
     gradient checkpointing and kind of device, of the job's GPU model first (by_gpu_model); then nearest
-    in batch size and max length (by ratio: 8 is as far from 16 as 16 from 32); then the newest."""
+    in batch size and max length (by ratio: 8 is as far from 16 as 16 from 32); of the rows as near as that,
+    the one of median speed (the slower of two): one noisy row, or a short calibration's, does not swing
+    the estimate, as taking the newest did."""
     wanted = runs_as(spec.train.precision, gpus)
     matching = [
         r
@@ -357,13 +362,17 @@ def nearest_record(
     matching, target = by_gpu_model(matching, gpus, gpu)
     length = spec.data.max_length if isinstance(spec.data.max_length, int) else None
 
-    def distance(record: SpeedRecord) -> tuple[float, float]:
+    def distance(record: SpeedRecord) -> float:
         far = abs(math.log(record.batch_size / spec.train.batch_size))
         if length:
             far += abs(math.log(record.max_length / length))
-        return far, -record.time
+        return round(far, 9)
 
-    return (min(matching, key=distance), target) if matching else None
+    if not matching:
+        return None
+    nearest = min(map(distance, matching))
+    tied = sorted((r for r in matching if distance(r) == nearest), key=lambda r: (r.tokens_per_s, r.time))
+    return tied[(len(tied) - 1) // 2], target
 
 
 def nearest_eval_record(
@@ -385,12 +394,15 @@ def nearest_eval_record(
     return nearest, target
 
 
-def auto_time_limit_s(estimate_s: float | None, signal_delay_s: int, max_time_s: int) -> int:
-    """`time: auto`: estimate x MARGIN + signal delay + SLACK_S, rounded up to ROUND_S, at most max_time
-    (the cluster's longest; also what a job without an estimate gets)."""
+def auto_time_limit_s(
+    estimate_s: float | None, signal_delay_s: int, max_time_s: int, guessed: bool = False
+) -> int:
+    """`time: auto`: estimate x MARGIN (GUESS_MARGIN when the speed is a guess) + signal delay + SLACK_S,
+    rounded up to ROUND_S, at most max_time (the cluster's longest; also what a job without an estimate
+    gets)."""
     if estimate_s is None:
         return max_time_s
-    wanted = estimate_s * MARGIN + signal_delay_s + SLACK_S
+    wanted = estimate_s * (GUESS_MARGIN if guessed else MARGIN) + signal_delay_s + SLACK_S
     return min(max_time_s, math.ceil(wanted / ROUND_S) * ROUND_S)
 
 

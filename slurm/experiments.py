@@ -106,6 +106,7 @@ def load_experiments(
     """
     problems: list[Problem] = []
     loaded: list[LoadedExperiment] = []
+    written: set[str] = set()  # every name a file gives, valid or not
     files = experiment_files(config_dir)
     if not files:
         raise ConfigError([Problem(str(config_dir), "", "holds no experiment YAML files (*.yaml)")])
@@ -115,6 +116,7 @@ def load_experiments(
         except YamlProblem as exc:
             problems.append(exc.problem)
             continue
+        written.add(str(raw.get("name")))
         experiment, found = validate_experiment(raw, chain)
         problems += found
         if experiment is not None:
@@ -126,7 +128,7 @@ def load_experiments(
                 + check_auto_time(experiment, stages, chain)
             )
             loaded.append(LoadedExperiment(experiment, path, tuple(stages)))
-    problems += check_names(loaded, names)
+    problems += check_names(loaded, names, written)
     if any(not p.warning for p in problems):
         raise ConfigError(problems)
     selected = [e for e in loaded if not names or e.name in names]
@@ -139,20 +141,21 @@ def load_watchable_experiments(
     """For --status, --tail, --cancel and --report: every experiment whose files parse and validate, and
     the problems of the others as warnings. A broken neighbour must not stop anyone from watching or
     cancelling what runs; data files and resource limits are not checked (nothing is submitted)."""
-    loaded, problems = [], []
+    loaded, problems, written = [], [], set()
     for path in experiment_files(config_dir):
         try:
             raw, chain = load_with_overrides(path, config_dir, overrides)
         except YamlProblem as exc:
             problems.append(exc.problem)
             continue
+        written.add(str(raw.get("name")))
         experiment, found = validate_experiment(raw, chain)
         stages, more = resolve_stages(experiment, raw, chain) if experiment else ([], [])
         problems += found + more
         if experiment is not None and not more:
             loaded.append(LoadedExperiment(experiment, path, tuple(stages)))
     known = [e.name for e in loaded]
-    for name in set(names or []) - set(known):
+    for name in set(names or []) - set(known) - written:  # one that is there but broken: its own problem
         message = f"no experiment named '{name}' loads" + did_you_mean(name, known)
         problems.append(Problem("command line", "--exp", message))
     selected = [e for e in loaded if not names or e.name in names]
@@ -172,12 +175,24 @@ def to_problem(error: dict, chain: list[YamlFile], prefix: tuple = ()) -> Proble
     file, line = where(chain, key)
     kind, message = error["type"], error["msg"].removeprefix("Value error, ")
     if kind == "extra_forbidden":
-        message = "unknown key" + did_you_mean(str(key[-1]), known_keys(key[:-1]))
+        message = "unknown key" + (
+            NOT_A_KEY.get(str(key[-1])) or did_you_mean(str(key[-1]), known_keys(key[:-1]))
+        )
     elif kind == "missing":
         message = "is required but missing"
     elif "input" in error and kind not in ("value_error", "assertion_error"):
         message = f"{message} (got {error['input']!r})"
     return Problem(file, ".".join(map(str, key)), message, line)
+
+
+# Keys people reach for that the schema has no place for, and why.
+NOT_A_KEY = {
+    "init_from": (
+        ": a stage always starts from the adapter of the stage before it (the first from the base model), "
+        "so there is nothing to set; to start from another experiment's adapter, make its stages this "
+        "experiment's first ones"
+    ),
+}
 
 
 def known_keys(section: tuple) -> list[str]:
@@ -401,8 +416,11 @@ def over_node_limits(section: tuple, res, profile: ClusterProfile, chain: list[Y
     return problems
 
 
-def check_names(loaded: list[LoadedExperiment], selected: list[str] | None) -> list[Problem]:
-    """Duplicate names, unknown `after:` targets, cycles, unknown --exp names."""
+def check_names(
+    loaded: list[LoadedExperiment], selected: list[str] | None, written: set[str] = frozenset()
+) -> list[Problem]:
+    """Duplicate names, unknown `after:` targets, cycles, unknown --exp names (`written`: every name a
+    file gives; one that did not load has its own problem, and is no unknown name)."""
     problems: list[Problem] = []
     by_name: dict[str, LoadedExperiment] = {}
     for item in loaded:
@@ -423,7 +441,7 @@ def check_names(loaded: list[LoadedExperiment], selected: list[str] | None) -> l
             )
         )
     for name in selected or []:
-        if name not in by_name:
+        if name not in by_name and name not in written:
             problems.append(
                 Problem(
                     "command line", "--exp", f"no experiment named '{name}'" + did_you_mean(name, by_name)

@@ -182,7 +182,7 @@ class Lanes:
             log.info("lane %d (GPU %s): started %s", lane, self.devices[lane], unit.id)
 
     def start(self, unit: Unit, lane: int) -> subprocess.Popen:
-        folder = Path(unit.log_folder)
+        folder = Path(unit.log_folder).absolute()  # the unit's process starts in the code snapshot
         folder.mkdir(parents=True, exist_ok=True)
         order = folder / f"{self.job_id}_unit.json"  # what the unit runs; read by slurm/unit.py
         write_atomic(order, unit.order(self.workdir))

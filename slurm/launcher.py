@@ -40,7 +40,8 @@ from spec.rundir import (
 
 # queued: a live SLURM job; running: a local job an earlier launch started, still running (its launcher
 # may be gone: killed, a dropped SSH session); both are never started again.
-Action = Literal["submit", "done", "queued", "running", "held"]
+# refused: a launch would stop on it (weigh); decide raises before any such decision leaves it.
+Action = Literal["submit", "done", "queued", "running", "held", "refused"]
 LIVE_AS = {"queued": "is queued as SLURM job", "running": "is still running on this machine as pid"}
 
 
@@ -65,6 +66,15 @@ class Interrupted(LaunchError):
 
 def decide(plan: Plan, force: bool = False) -> list[Decision]:
     """Raise ConfigError if a finished stage's config changed (unless force); else say what to do per job."""
+    decisions, refusals = weigh(plan, force)
+    if refusals:
+        raise ConfigError(refusals)
+    return decisions
+
+
+def weigh(plan: Plan, force: bool = False) -> tuple[list[Decision], list[Problem]]:
+    """What a launch would do with each job, and why it would refuse some (their action: "refused"):
+    decide's reasoning, for a dry run too. One squeue call when some job was queued on SLURM."""
     records = {job.id: current_job(Path(job.run_dir)) for job in plan.jobs}
     slurm_ids = [r["job_id"] for r in records.values() if r and r.get("backend") == "slurm"]
     live = {k: v for k, v in query_slurm(slurm_ids).items() if v.state.live}
@@ -80,6 +90,7 @@ def decide(plan: Plan, force: bool = False) -> list[Decision]:
                 decisions.append(Decision(job, live_as, record["job_id"]))
             else:
                 refusals.append(refusal(job, f"{LIVE_AS[live_as]} {record['job_id']}", "--cancel it first"))
+                decisions.append(Decision(job, "refused", record["job_id"]))
         elif finished and not force:
             refusals.append(
                 refusal(
@@ -88,11 +99,10 @@ def decide(plan: Plan, force: bool = False) -> list[Decision]:
                     "rerun with --force to keep the old run as an archive and run it again",
                 )
             )
+            decisions.append(Decision(job, "refused"))
         else:
             decisions.append(Decision(job, "submit"))
-    if refusals:
-        raise ConfigError(refusals)
-    return decisions
+    return decisions, refusals
 
 
 def live_action(log_root: str, job: PlannedJob, record: dict | None, live_slurm) -> Action | None:

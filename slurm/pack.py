@@ -126,6 +126,14 @@ def usable_s(jobs: list[PlannedJob], budget_s: int) -> float:
 
 def over_budget(jobs: list[PlannedJob], packing: Packing, profile: ClusterProfile) -> str:
     makespan, budget = packing.makespan_s, usable_s(jobs, packing.budget_s)
+    if budget <= 0:  # before: "over the -1-23:59:30 the budget leaves"
+        delay = max((j.resources.signal_delay_s for j in jobs), default=0)
+        return (
+            f"{slurm_time(packing.budget_s)} leaves no time to work: SLURM's stop signal comes "
+            f"signal_delay_s ({delay} s) and up to {SLURM_TIMER_S} s before the end, so a budget must be "
+            f"longer than {slurm_time(delay + SLURM_TIMER_S)}; the {len(jobs)} job(s) need about "
+            f"{slurm_time(round(makespan))} on {packing.gpus} GPU(s)"
+        )
     message = (
         f"the {len(jobs)} job(s) need about {slurm_time(round(makespan))} on {packing.gpus} GPU(s), "
         f"{slurm_time(round(makespan - budget))} over the {slurm_time(round(budget))} the budget "

@@ -109,17 +109,30 @@ class Plan:
     def unestimated(self) -> list[str]:
         return [j.id for j in self.jobs if j.estimate.seconds is None]
 
-    def to_json(self) -> dict:
-        unknown = bool(self.unestimated())  # then makespan and GPU-hours would be lower bounds: say nothing
+    def only(self, job_ids) -> Plan:
+        """The plan's jobs in `job_ids`, in order; their dependencies on the others count as met."""
+        return replace(self, jobs=tuple(j for j in self.jobs if j.id in job_ids))
+
+    def left(self, states: dict[str, str]) -> Plan:
+        """What is left to run: every job whose state (as a relaunch decides it) is not `done`."""
+        return self.only({j.id for j in self.jobs if states.get(j.id, "planned") != "done"})
+
+    def to_json(self, states: dict[str, str] | None = None) -> dict:
+        """`states`: plan id → what a relaunch would do (planned, done, queued, running, refused);
+        makespan and GPU-hours are those of what is left."""
+        states = states or {}
+        left = self.left(states)
+        unknown = bool(left.unestimated())  # then makespan and GPU-hours would be lower bounds: say nothing
         return {
             "run_root": self.run_root,
             "log_root": self.log_root,
-            "makespan_s": None if unknown else round(self.critical_path()[0]),
-            "gpu_hours": None if unknown else round(self.gpu_hours(), 3),
+            "makespan_s": None if unknown else round(left.critical_path()[0]),
+            "gpu_hours": None if unknown else round(left.gpu_hours(), 3),
             "experiments": {name: self.experiment_path(name) for name in self.experiments()},
             "jobs": [
                 {
                     "id": j.id,
+                    "state": states.get(j.id, "planned"),
                     "experiment": j.experiment,
                     "stage": j.stage,
                     "kind": j.kind,
@@ -198,7 +211,8 @@ def estimated(job: PlannedJob, estimator: Estimator, profile: ClusterProfile, fi
     estimate = estimator(job.spec, job.resources.gpus, guesses.job_gpu(job.resources, profile.partition))
     resources = job.resources
     if job.time_auto:
-        limit = auto_time_limit_s(estimate.seconds, resources.signal_delay_s, profile.max_time_s)
+        guessed = estimate.source == "guess"
+        limit = auto_time_limit_s(estimate.seconds, resources.signal_delay_s, profile.max_time_s, guessed)
         try:  # validated again: the signal delay must fit inside the limit, as for a written time
             resources = Resources.model_validate({**resources.model_dump(), "time": slurm_time(limit)})
         except ValidationError as exc:

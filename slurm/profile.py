@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from typing import Annotated, Literal
@@ -106,13 +107,22 @@ def find_profile(config_dir: Path) -> Path | None:
     return find_inherited("cluster.yaml", config_dir.resolve(), Path(config_dir.resolve().anchor))
 
 
+def at_the_door(profile: ClusterProfile) -> ClusterProfile:
+    """`log_dir` made absolute once, against the directory launch.py runs in: a job, a pack's lanes and a
+    unit's process each start in another directory (the code snapshot, the user's), where a relative
+    folder names another place (the shipped `log_dir: logs` sent every unit of a pack to a missing order
+    file). `run_dir` stays as written: it is part of each stage's identity (a finished stage keeps its
+    hash), and every job runs in the directory it was launched from, where it names the same folder."""
+    return profile.model_copy(update={"log_dir": os.path.abspath(profile.log_dir)})
+
+
 def load_profile(config_dir: Path) -> tuple[ClusterProfile, Path | None]:
     path = find_profile(config_dir)
     if path is None:
-        return ClusterProfile(), None
+        return at_the_door(ClusterProfile()), None
     try:
         yf = read_yaml(path)
-        return ClusterProfile.model_validate(yf.data), path
+        return at_the_door(ClusterProfile.model_validate(yf.data)), path
     except YamlProblem as exc:
         raise ConfigError([exc.problem]) from None
     except ValidationError as exc:

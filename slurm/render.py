@@ -2,14 +2,69 @@
 
 from __future__ import annotations
 
+from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
-from slurm.estimate import format_duration
+from slurm.estimate import GUESS_MARGIN, format_duration
 from slurm.pack import Packing
 from slurm.plan import Plan, PlannedJob
 from slurm.states import State
 from slurm.status import JobStatus, format_eta
 from spec.config import slurm_time
+
+WIDE = 160  # columns, when output goes to a file or a CI log: no terminal to fit
+# Each table's columns, most important first: in a narrow terminal the last ones are left out.
+PLAN_PRIORITY = ("job", "state", "estimate", "resources", "depends on", "eff. batch", "kind", "tasks", "wave")
+STATUS_PRIORITY = ("job", "state", "reason", "step", "eta", "loss", "slurm id", "elapsed", "gpu", "gpu mem")
+
+
+def console(stderr: bool = False) -> Console:
+    """A console as wide as the terminal it writes to (a table wider than that is wrapped by the terminal
+    into broken boxes); WIDE when it writes to a file or a pipe."""
+    probe = Console(stderr=stderr)
+    return Console(stderr=stderr, width=probe.width if probe.is_terminal else WIDE)
+
+
+def fit(table: Table, width: int, priority: tuple[str, ...]) -> Table:
+    """`table` without its least important columns (the end of `priority`) until it fits `width`; the
+    caption names what was left out. Cells may still fold inside their box, which never breaks."""
+    columns = list(table.columns)
+    needed = {id(c): natural_width(c) for c in columns}
+    rank = {name: k for k, name in enumerate(priority)}
+    dropping = sorted(columns[1:], key=lambda c: rank.get(str(c.header), len(priority)), reverse=True)
+    kept = list(columns)
+    while dropping and 1 + sum(needed[id(c)] for c in kept) > width:
+        kept.remove(dropping.pop(0))
+    if len(kept) == len(columns):
+        return table
+    left_out = [str(c.header) for c in columns if c not in kept]
+    fitted = Table(
+        title=table.title,
+        title_justify=table.title_justify,
+        caption=f"left out to fit {width} columns: {', '.join(left_out)} (a wider terminal shows them)",
+        caption_justify="left",
+    )
+    for column in kept:
+        fitted.add_column(column.header, no_wrap=column.no_wrap)
+    for row in range(table.row_count):
+        fitted.add_row(*(column._cells[row] for column in kept))
+    return fitted
+
+
+def natural_width(column) -> int:
+    """Cells' widest line (markup left out), with the column's padding and border."""
+    cells = [column.header, *column._cells]
+    texts = [Text.from_markup(c) if isinstance(c, str) else c for c in cells]
+    return 3 + max(
+        (
+            max((Text(line).cell_len for line in t.plain.splitlines()), default=0)
+            for t in texts
+            if isinstance(t, Text)
+        ),
+        default=0,
+    )
+
 
 STATE_STYLE = {
     State.COMPLETED: "green",
@@ -61,6 +116,12 @@ def totals_text(plan: Plan) -> str:
     for name in plan.experiments():
         seconds, path = plan.critical_path(name)
         lines.append(f"  {name}: ~{format_duration(seconds)} ({' -> '.join(path)})")
+    guessed = [j.id for j in plan.jobs if j.estimate.source == "guess"]
+    if guessed:
+        lines.append(
+            f"On a guessed speed (nothing measured yet; `time: auto` gives them {GUESS_MARGIN:g}x their "
+            f"estimate; `--calibrate` measures it): {', '.join(guessed)}"
+        )
     return "\n".join(lines)
 
 
@@ -84,7 +145,7 @@ def depends_text(job: PlannedJob) -> str:
     return ", ".join(f"{d.job_id} ({d.kind})" for d in job.depends_on) or "-"
 
 
-def plan_table(plan: Plan, states: dict[str, str] | None = None) -> Table:
+def plan_table(plan: Plan, states: dict[str, str] | None = None, width: int = WIDE) -> Table:
     # Every run folder is RUN_ROOT/JOB: named once in the title, not in a column of its own.
     title = f"Plan: {len(plan.jobs)} jobs, run folders {plan.run_root}/JOB"
     table = Table(title=title, title_justify="left")
@@ -114,7 +175,7 @@ def plan_table(plan: Plan, states: dict[str, str] | None = None) -> Table:
             batch_text(job),
             state,
         )
-    return table
+    return fit(table, width, PLAN_PRIORITY)
 
 
 def edges_text(plan: Plan) -> str:
@@ -122,7 +183,7 @@ def edges_text(plan: Plan) -> str:
     return "Dependency edges:\n" + ("\n".join(lines) if lines else "  (none)")
 
 
-def status_table(rows: list[JobStatus]) -> Table:
+def status_table(rows: list[JobStatus], width: int = WIDE) -> Table:
     table = Table(title="Status", title_justify="left")
     for column in ("job", "slurm id", "state", "reason", "elapsed", "step", "loss", "eta", "gpu", "gpu mem"):
         table.add_column(column)
@@ -143,7 +204,7 @@ def status_table(rows: list[JobStatus]) -> Table:
             eta,
             *(gpu_texts(row) if running else ("", "")),
         )
-    return table
+    return fit(table, width, STATUS_PRIORITY)
 
 
 def gpu_texts(row: JobStatus) -> tuple[str, str]:

@@ -66,12 +66,22 @@ class LaunchRequest:
         return self.action in SUBMITTING
 
 
+def action_of(args) -> Action:
+    named = [flag for flag in ACTION_FLAGS if getattr(args, flag)]
+    return named[0] if named else "launch"
+
+
+def nothing_done(action: Action) -> str:
+    """What a refused command did not do, for its last line: a read-only command submits nothing anyway."""
+    if action == "cancel":
+        return "nothing was cancelled"
+    return "nothing was submitted" if action in SUBMITTING else ""
+
+
 def request_from(args) -> LaunchRequest:
     """argparse's namespace → a LaunchRequest, or ConfigError (exit 2) naming every flag that is wrong."""
-    named = [flag for flag in ACTION_FLAGS if getattr(args, flag)]
-    action: Action = named[0] if named else "launch"
     request = LaunchRequest(
-        action=action,
+        action=action_of(args),
         config_dir=args.config_dir,
         experiments=tuple(args.exp) if args.exp else None,
         overrides=tuple(args.overrides),

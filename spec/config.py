@@ -434,6 +434,11 @@ class Experiment(Section):
         description="experiments that must end first (ordering only)",
     )
 
+    @field_validator("after", mode="before")
+    @classmethod
+    def _one_name_is_a_list_of_one(cls, value):
+        return [value] if isinstance(value, str) else value  # `after: x` means what `after: [x]` does
+
     @field_validator("name")
     @classmethod
     def _safe(cls, value):

@@ -68,6 +68,20 @@ def token_cache(tmp_path_factory) -> Path:
         os.environ["LORA_CACHE_DIR"] = previous
 
 
+@pytest.fixture(autouse=True, scope="session")
+def repository_left_alone():
+    """No test writes into the repository's own runs/ or logs/: they hold what `make demo` and a user ran,
+    which the suite must neither change nor read (each test keeps its runs and logs under its tmp_path)."""
+
+    def listing() -> set[Path]:
+        return {path for folder in ("runs", "logs") for path in (ROOT / folder).rglob("*")}
+
+    before = listing()
+    yield
+    written = sorted(str(path.relative_to(ROOT)) for path in listing() - before)
+    assert not written, f"tests wrote into the repository: {written[:10]}"
+
+
 def pytest_collection_modifyitems(config, items):
     """`cluster` marks every test that needs the dev SLURM cluster: `make test-fast` leaves them out."""
     for item in items:

@@ -179,3 +179,26 @@ def test_pack_on_a_machine_without_slurm_is_refused_before_any_experiment_is_loa
     assert (
         code == 2 and "broken.yaml" in capsys.readouterr().err
     )  # a dry run still shows what a pack would do
+
+
+@pytest.mark.slow
+def test_a_dry_run_after_the_run_shows_what_a_relaunch_would_do_and_only_what_is_left(
+    repo_root, tmp_path, tiny, monkeypatch, capsys
+):
+    # Before: every job PLANNED after it had completed, and the makespan counted the finished jobs.
+    monkeypatch.chdir(repo_root)
+    folder = configs(tmp_path, repo_root, a={}, b={})
+    assert launch.main(["--exp", "a", "--backend", "local", "--config-dir", str(folder)]) == 0
+    capsys.readouterr()
+    assert launch.main(["--all", "--dry-run", "--json", "--config-dir", str(folder)]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert {job["id"]: job["state"] for job in plan["jobs"]} == {"a/train": "done", "b/train": "planned"}
+    only_b = next(job for job in plan["jobs"] if job["id"] == "b/train")["estimate"]["seconds"]
+    assert plan["makespan_s"] == round(only_b)  # what is left: b alone
+    assert launch.main(["--exp", "a", "--dry-run", "--config-dir", str(folder)]) == 0
+    out = capsys.readouterr().out
+    assert "COMPLETED (done)" in out and "Nothing left to run" in out and "PLANNED" not in out
+    (folder / "a.yaml").write_text((folder / "a.yaml").read_text().replace("1.0e-3", "2.0e-3"))
+    assert launch.main(["--exp", "a", "--dry-run", "--config-dir", str(folder)]) == 0
+    out, err = capsys.readouterr()
+    assert "REFUSED" in out and "a launch would refuse" in err and "train.learning_rate" in err

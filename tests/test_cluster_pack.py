@@ -190,3 +190,21 @@ def test_cancelling_one_experiment_of_a_pack_refuses_to_stop_the_others(
     assert launch.main(["--cancel", "--exp", "a", "b", "--config-dir", str(folder)]) == 0
     assert "Cancelled 2 job(s)" in capsys.readouterr().out
     wait_until(lambda: pack_id not in squeue_ids(tmp_path), "the pack to leave the queue", 60)
+
+
+def test_the_shipped_relative_run_and_log_folders_work_packed_plain_and_local(
+    repo_root, tmp_path, slurm_cluster, tiny, monkeypatch
+):
+    # Before: with configs/cluster.yaml's `run_dir: runs` and `log_dir: logs`, every unit of a pack died at
+    # once (FileNotFoundError: logs/EXP/STAGE/<job>_unit.json: its process starts in the code snapshot).
+    limits = "max_gpus_per_node: 4\nmax_cpus_per_node: 8\nmax_mem_gb_per_node: 15\n"
+    for how, extra in (("packed", ["--pack", "2", "--budget", "00:20:00"]), ("plain", []), ("local", [])):
+        folder = scenario(repo_root, tmp_path / how, {"one": "", "two": ""})
+        (folder / "cluster.yaml").write_text(f"run_dir: runs\nlog_dir: logs\n{limits}")  # as shipped
+        monkeypatch.chdir(tmp_path / how)  # where the user runs launch.py
+        argv = ["--all", "--config-dir", "configs", "--no-preflight", *extra]
+        backend = ["--backend", "local"] if how == "local" else ["--backend", "slurm", "--wait"]
+        assert launch.main([*argv, *backend]) == 0, how
+        for name in ("one", "two"):
+            assert (tmp_path / how / "runs" / name / "train" / "DONE").is_file(), (how, name)
+        assert list((tmp_path / how / "logs" / "one" / "train").glob("*_log.out")), how

@@ -32,6 +32,21 @@ def state(job_id: str) -> str:
     return done.stdout.strip()
 
 
+def of_this_cluster(pids: list[int], state: Path) -> list[int]:
+    """The processes among `pids` that this test cluster's slurmd started: their environment names its
+    slurm.conf (a slurmstepd is reparented to PID 1, so its parent says nothing). Another cluster's, or
+    a real one's on the same machine, are not this test's to kill."""
+    conf = f"SLURM_CONF={state / 'etc' / 'slurm.conf'}".encode()
+    found = []
+    for pid in pids:
+        try:
+            if conf in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+                found.append(pid)
+        except OSError:
+            continue
+    return found
+
+
 def live_pids(name: str) -> list[int]:
     """Pids of processes called `name` that are not zombies (PID 1 here does not reap)."""
     found = []
@@ -62,10 +77,11 @@ def test_a_restart_after_the_daemons_died_frees_the_node_of_the_jobs_of_their_pr
     os.kill(int((slurm_cluster / "run" / "slurmctld.pid").read_text()), signal.SIGTERM)
     wait_until(lambda: not live_pids("slurmctld"), "slurmctld to save its state and stop")
     slurmd = int((slurm_cluster / "run" / "slurmd.pid").read_text())
-    for pid in [slurmd, *live_pids("slurmstepd"), *job_pids]:
+    for pid in [slurmd, *of_this_cluster(live_pids("slurmstepd"), slurm_cluster), *job_pids]:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-    wait_until(lambda: not any(live_pids(name) for name in ("slurmd", "slurmstepd")), "the node to die")
+    ours = lambda name: of_this_cluster(live_pids(name), slurm_cluster)  # noqa: E731
+    wait_until(lambda: not any(ours(name) for name in ("slurmd", "slurmstepd")), "the node to die")
 
     up = subprocess.run(
         ["bash", str(ROOT / "slurm" / "dev-cluster" / "up.sh"), str(slurm_cluster)],

@@ -347,9 +347,16 @@ def test_a_model_config_missing_here_is_refused_with_the_command_that_fetches_it
     "action, expected_rc",
     [(["--all", "--dry-run"], 0), (["--status"], 0), (["--tail", "sql-t5-lora"], 1)],  # 1: not submitted
 )
-def test_the_dry_run_and_the_watching_commands_import_no_torch(repo_root, tiny, action, expected_rc):
+def test_the_dry_run_and_the_watching_commands_import_no_torch(
+    repo_root, tiny, action, expected_rc, tmp_path
+):
+    # The demo's configs with runs and logs under tmp: after `make demo` the repository's own runs/ holds
+    # a submitted sql-t5-lora, and the suite must not read it (before: --tail found it, rc 0, not 1).
+    from tests.test_e2e_demo import demo_configs
+
+    folder = demo_configs(repo_root, tmp_path)
     code = (
-        f"import sys, launch; rc = launch.main(['--config-dir', 'configs/demo', *{action!r}]); "
+        f"import sys, launch; rc = launch.main(['--config-dir', {str(folder)!r}, *{action!r}]); "
         "print('torch imported' if 'torch' in sys.modules else 'torch-free', rc)"
     )
     done = subprocess.run([sys.executable, "-c", code], cwd=repo_root, capture_output=True, text=True)

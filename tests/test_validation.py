@@ -584,3 +584,43 @@ def test_a_time_that_is_no_duration_is_refused_the_same_way_everywhere(where, va
     code, err = dry_run_json(config_dir, capsys, "--no-preflight", *extra)
     assert code == 2 and "must look like HH:MM:SS or D-HH:MM:SS" in err, err
     assert (where if where == "--budget" else "a.yaml:7") in err, err
+
+
+def test_after_one_name_is_after_a_list_of_it(config_dir, capsys):
+    # Before: "after: a" was refused (a list was expected) with no hint; it means after: [a].
+    edit(config_dir / "b.yaml", "name: b\n", "name: b\nafter: a\n")
+    code, plan = dry_run_json(config_dir, capsys, "--no-preflight")
+    assert code == 0, plan
+    assert {"from": "a/eval", "to": "b/train", "kind": "afterany"} in plan["edges"]
+
+
+def test_init_from_says_that_stages_start_from_the_stage_before(config_dir, capsys):
+    edit(config_dir / "a.yaml", "train: {epochs", "init_from: runs/x/adapter\ntrain: {epochs")
+    code, err = dry_run_json(config_dir, capsys, "--no-preflight")
+    assert code == 2 and "a.yaml:5: init_from: unknown key: a stage always starts from the adapter" in err, (
+        err
+    )
+
+
+def test_a_bad_override_is_one_problem_not_also_an_unknown_experiment(config_dir, capsys):
+    # Before: a second, bogus error "--exp: no experiment named 'a'" (a did not load, for the override).
+    code, err = dry_run_json(config_dir, capsys, "train.epochs=0", "--exp", "a")
+    assert code == 2 and "train.epochs" in err and "no experiment named" not in err, err
+
+
+def test_a_read_only_command_does_not_say_nothing_was_submitted(config_dir, capsys):
+    edit(config_dir / "a.yaml", "epochs: 1,", "epochs: 0,")
+    code, err = dry_run_json(config_dir, capsys, "--no-preflight")
+    assert code == 2 and err.rstrip().endswith("1 problem(s).") and "submitted" not in err, err
+
+
+def test_a_budget_shorter_than_the_stop_signal_says_so_without_a_negative_time(config_dir, capsys):
+    code, err = dry_run_json(config_dir, capsys, "--no-preflight", "--pack", "1", "--budget", "00:01:00")
+    assert code == 2 and "00:01:00 leaves no time to work" in err and "-1-" not in err, err
+
+
+def test_help_shows_cancel_with_the_flag_that_names_experiments():
+    import launch as entry
+
+    text = entry.__doc__
+    assert "--cancel [--exp NAME ...]" in text and "--cancel [EXP" not in text
