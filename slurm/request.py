@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Literal, get_args
 
 from spec.config import slurm_duration
 from spec.problems import ConfigError, Problem
@@ -27,17 +27,7 @@ Action = Literal[
     "sync",
 ]
 # The flags that name an action (argparse keeps them mutually exclusive); none of them: a launch.
-ACTION_FLAGS: tuple[Action, ...] = (
-    "dry_run",
-    "preflight",
-    "calibrate",
-    "retry_failed",
-    "status",
-    "tail",
-    "cancel",
-    "report",
-    "sync",
-)
+ACTION_FLAGS: tuple[Action, ...] = tuple(action for action in get_args(Action) if action != "launch")
 WATCHING: tuple[Action, ...] = ("status", "tail", "cancel", "report")
 SUBMITTING: tuple[Action, ...] = ("launch", "calibrate", "retry_failed")
 # Actions that need experiments named (--all or --exp); the others take every experiment when none is.
