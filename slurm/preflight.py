@@ -9,8 +9,11 @@ that differ only in learning rate or name, cost one preflight and no torch impor
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import sys
+from contextlib import contextmanager
 from dataclasses import fields, replace
 from functools import lru_cache
 from pathlib import Path
@@ -19,6 +22,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from spec.config import TrainJob
 from spec.files import read_json, warn_unreadable, write_json_atomic
+from spec.layout import PREFLIGHT_LOG
 from spec.preflight import JobPreflight
 from spec.problems import Problem
 from train import data as data_lib
@@ -74,7 +78,7 @@ def cache_key(job: TrainJob, gpu_mem_gb: float | None) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:20]
 
 
-def cached_preflight(job: TrainJob, gpu_mem_gb: float | None) -> JobPreflight:
+def cached_preflight(job: TrainJob, gpu_mem_gb: float | None, log: Path | None = None) -> JobPreflight:
     """From the disk cache when nothing it depends on changed; the job name is this job's. A result whose
     token lengths were skipped for want of tokenizer files is kept (their arrival changes the key); one
     skipped for an `hf:` dataset is not (its arrival does not), so the next launch has the lengths."""
@@ -83,9 +87,10 @@ def cached_preflight(job: TrainJob, gpu_mem_gb: float | None) -> JobPreflight:
     kept = read_json(path, expected=dict)  # None when missing or unreadable (named in a warning)
     if kept is not None and kept.keys() == JOB_PREFLIGHT_FIELDS and (found := cached_result(kept, path)):
         return replace(found, job=name)
-    from train.preflight import preflight_job  # torch: only on a miss
+    with library_output_into(log):
+        from train.preflight import preflight_job  # torch: only on a miss
 
-    result = preflight_job(job, gpu_mem_gb)
+        result = preflight_job(job, gpu_mem_gb)
     if result.tokens_skipped is None or not tokenizer_identity(job.model):
         try:  # launches in parallel may write it; each write is whole
             write_json_atomic(path, result.as_json())
@@ -113,6 +118,20 @@ def cached_result(kept: dict, path: Path) -> JobPreflight | None:
 JOB_PREFLIGHT_FIELDS = {f.name for f in fields(JobPreflight)}
 
 
+@contextmanager
+def library_output_into(log: Path | None):
+    """What torch, transformers, datasets and bitsandbytes print while preflight computes (import notices,
+    deprecation warnings, progress bars) goes to LOG_DIR/preflight.log, not among the launcher's own
+    lines; preflight's findings are returned as data and shown after. No log: left as it is."""
+    if log is None:
+        yield
+        return
+    from slurm.backends import stderr_into
+
+    with stderr_into(log), contextlib.redirect_stdout(sys.stderr):
+        yield
+
+
 # ---- a whole plan ---------------------------------------------------------------------------------------
 def preflight_plan(
     plan, files: dict[str, str], gpu_mem_for, fetch: bool = False
@@ -135,7 +154,8 @@ def preflight_plan(
         lacking = unfetched(planned.id, where, "model.name_or_path", missing or {})
         problems += lacking
         try:
-            result = cached_preflight(planned.spec, gpu_mem_for(planned.resources))
+            log = Path(plan.log_root) / PREFLIGHT_LOG
+            result = cached_preflight(planned.spec, gpu_mem_for(planned.resources), log)
         except OSError as exc:
             if not lacking:  # else said already, with its fetch command
                 problems.append(Problem(where, "model.name_or_path", unavailable(planned.spec, exc)))

@@ -403,3 +403,29 @@ def test_preflight_counts_what_the_trainer_counts(case, tiny, tmp_path):
     )
     assert predicted.trainable_by_module == recipe.params.by_module
     assert predicted.max_length == recipe.lengths.max_length
+
+
+@pytest.mark.slow
+def test_what_the_libraries_print_while_preflight_computes_goes_to_its_log_not_the_screen(
+    repo_root, tmp_path
+):
+    # Before: bitsandbytes' import notice, transformers' FutureWarnings and datasets' progress bars were
+    # mixed into the launcher's own lines on every preflight that computed (a fresh process: imports happen).
+    from tests.test_e2e_demo import demo_configs
+
+    folder = demo_configs(repo_root, tmp_path)
+    env = os.environ | {"LORA_CACHE_DIR": str(tmp_path / "cache")}
+    command = [
+        sys.executable,
+        "launch.py",
+        "--exp",
+        "sql-t5-lora",
+        "--preflight",
+        "--config-dir",
+        str(folder),
+    ]
+    done = subprocess.run(command, cwd=repo_root, env=env, capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr
+    assert "examples/s" not in done.stderr and "Warning" not in done.stderr, done.stderr
+    assert "sql-t5-lora/train" in done.stdout  # preflight's own table is still shown
+    assert "examples/s" in (tmp_path / "logs" / "preflight.log").read_text()
