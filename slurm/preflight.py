@@ -22,7 +22,6 @@ from pydantic import TypeAdapter, ValidationError
 
 from spec.config import TrainJob
 from spec.files import read_json, warn_unreadable, write_json_atomic
-from spec.layout import PREFLIGHT_LOG
 from spec.preflight import JobPreflight
 from spec.problems import Problem
 from train import data as data_lib
@@ -118,11 +117,16 @@ def cached_result(kept: dict, path: Path) -> JobPreflight | None:
 JOB_PREFLIGHT_FIELDS = {f.name for f in fields(JobPreflight)}
 
 
+def preflight_log() -> Path:
+    """LORA_CACHE_DIR/preflight/preflight.log, beside the results it was printed while computing."""
+    return data_lib.cache_root() / "preflight" / "preflight.log"
+
+
 @contextmanager
 def library_output_into(log: Path | None):
     """What torch, transformers, datasets and bitsandbytes print while preflight computes (import notices,
-    deprecation warnings, progress bars) goes to LOG_DIR/preflight.log, not among the launcher's own
-    lines; preflight's findings are returned as data and shown after. No log: left as it is."""
+    deprecation warnings, progress bars) goes to `log`, not among the launcher's own lines; preflight's
+    findings are returned as data and shown after. No log: left as it is."""
     if log is None:
         yield
         return
@@ -154,8 +158,7 @@ def preflight_plan(
         lacking = unfetched(planned.id, where, "model.name_or_path", missing or {})
         problems += lacking
         try:
-            log = Path(plan.log_root) / PREFLIGHT_LOG
-            result = cached_preflight(planned.spec, gpu_mem_for(planned.resources), log)
+            result = cached_preflight(planned.spec, gpu_mem_for(planned.resources), preflight_log())
         except OSError as exc:
             if not lacking:  # else said already, with its fetch command
                 problems.append(Problem(where, "model.name_or_path", unavailable(planned.spec, exc)))

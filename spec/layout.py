@@ -28,12 +28,7 @@ RUN_ROOT = {
 # LOG_DIR/: folders beside the experiments' log folders.
 PACKS = "packs"  # slurm/backends.py: packed allocations' submitit folders
 CODE_SNAPSHOTS = ".code"  # slurm/snapshot.py
-PREFLIGHT_LOG = "preflight.log"  # slurm/preflight.py: what the libraries print while preflight computes
-LOG_ROOT = {
-    PACKS: "the packed allocations' logs",
-    CODE_SNAPSHOTS: "the code snapshots",
-    PREFLIGHT_LOG: "preflight's log",
-}
+LOG_ROOT = {PACKS: "the packed allocations' logs", CODE_SNAPSHOTS: "the code snapshots"}
 
 # RUN_ROOT/EXP/: what shares an experiment's folder with its stages.
 EVAL = "eval"  # the eval of the last stage; the others' are eval-STAGE (eval_folder)

@@ -124,7 +124,13 @@ def test_a_failing_unit_blocks_only_the_units_that_need_its_adapter(
     doomed.unlink()  # a fault the launcher could not see: the file vanished after validation
     pack_id = slurm_id(tmp_path, "ok/train")
     wait_until(lambda: pack_id not in squeue_ids(tmp_path), "the packed job to end", 300)
-    assert query_slurm([pack_id])[pack_id].state is State.FAILED  # it says that units failed
+    # Accounting records the end a moment after squeue lets the job go: wait for sacct to have it too.
+    ended = wait_until(
+        lambda: (info := query_slurm([pack_id])[pack_id]).state.live is False and info,
+        "sacct to record it",
+        60,
+    )
+    assert ended.state is State.FAILED  # it says that units failed
     doomed.write_text(text)  # back, so that --status loads bad.yaml again
     capsys.readouterr()
     states = {job: (tmp_path / "runs" / job / "DONE").exists() for job in ("ok/train", "other/train")}

@@ -428,4 +428,4 @@ def test_what_the_libraries_print_while_preflight_computes_goes_to_its_log_not_t
     assert done.returncode == 0, done.stderr
     assert "examples/s" not in done.stderr and "Warning" not in done.stderr, done.stderr
     assert "sql-t5-lora/train" in done.stdout  # preflight's own table is still shown
-    assert "examples/s" in (tmp_path / "logs" / "preflight.log").read_text()
+    assert "examples/s" in (tmp_path / "cache" / "preflight" / "preflight.log").read_text()
