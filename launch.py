@@ -55,7 +55,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument(
         "--calibrate-steps", type=int, default=30, metavar="N", help="with --calibrate: steps to time"
     )
-    parser.add_argument("--config-dir", type=Path, default=Path("configs/experiments"))
+    parser.add_argument(
+        "--config-dir",
+        type=Path,
+        help="the folder of experiment YAMLs (default configs/experiments); with --status, --tail, --cancel "
+        "and --report, it narrows them to that folder's experiments (default: all the run root holds)",
+    )
     parser.add_argument("--backend", choices=["auto", "slurm", "local"], default="auto")
     parser.add_argument("--json", action="store_true", help="with --dry-run or --preflight: as JSON")
     parser.add_argument("--no-preflight", action="store_true", help="submit without the preflight checks")

@@ -180,6 +180,10 @@ def status_text(jobs, states: dict[str, str], has_results: bool) -> str:
 class BaselinesError(ValueError):
     """baselines.yaml is not as documented (configs/README.md)."""
 
+    def __init__(self, message: str, path: Path):
+        super().__init__(message)
+        self.path = path
+
 
 def baseline_sets(path: Path | None) -> dict[str, tuple[list[dict], str]]:
     """{task: (rows, source)} from baselines.yaml: one set (`task`, `source`, `baselines`) or a list of
@@ -193,7 +197,8 @@ def baseline_sets(path: Path | None) -> dict[str, tuple[list[dict], str]]:
         if not isinstance(entry, dict) or not entry.get("task"):
             raise BaselinesError(
                 f"set {number} has no `task`: name the task its numbers were measured on "
-                "(an experiment's `task:` key), so they are shown only beside experiments on that task"
+                "(an experiment's `task:` key), so they are shown only beside experiments on that task",
+                path,
             )
         rows = [{"experiment": b["name"], "status": "published", **b} for b in entry.get("baselines", [])]
         found[entry["task"]] = (rows, entry.get("source", ""))
@@ -215,7 +220,7 @@ def write_report(
     plan,
     run_root: Path,
     states: dict[str, str] | None = None,
-    baselines: Path | None = None,
+    baselines: Path | list[Path] | None = None,
     tasks: dict[str, str | None] | None = None,
     gpu_hour_cost: float | None = None,
     usage=None,
@@ -232,7 +237,9 @@ def write_report(
     if gpu_hour_cost is not None:
         for row in rows:
             row["cost"] = round(row["gpu_hours"] * gpu_hour_cost, 2) if row["gpu_hours"] is not None else None
-    published = baseline_sets(baselines)
+    published: dict[str, tuple[list[dict], str]] = {}
+    for path in [baselines] if isinstance(baselines, Path) else baselines or []:
+        published = baseline_sets(path) | published  # the first file naming a task wins
     groups = list(dict.fromkeys(row["task"] for row in rows))
     extra = [b | {"task": task} for task in groups if task in published for b in published[task][0]]
     columns = [c for c in COLUMNS if c in ("experiment", "status") or any(r.get(c) is not None for r in rows)]

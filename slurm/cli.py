@@ -16,7 +16,7 @@ from pathlib import Path
 from rich.live import Live
 
 from slurm.estimate import record_exact_tokens
-from slurm.experiments import load_experiments, load_watchable_experiments, parse_overrides
+from slurm.experiments import load_experiments, parse_overrides
 from slurm.launcher import (
     LaunchError,
     adopt_unrecorded,
@@ -42,13 +42,14 @@ from slurm.render import (
     status_table,
     totals_text,
 )
-from slurm.request import LaunchRequest, action_of, backend_here, nothing_done, request_from
+from slurm.request import LaunchRequest, action_of, nothing_done, request_from
 from slurm.states import State
 from slurm.status import plan_status
+from slurm.watched import Watched, watched_experiments
 from slurm.yamlfile import find_inherited
 from spec.files import forget_warnings
-from spec.problems import ConfigError, Problem
-from spec.rundir import current_job
+from spec.problems import ConfigError, Problem, short_path
+from spec.rundir import current_job, record_origin
 
 out = console()  # the terminal's width (tables fit it), or 160 columns into a file or a CI log
 err = console(stderr=True)
@@ -136,7 +137,7 @@ def launch(request: LaunchRequest, profile) -> int:
     pack = requested_pack(request, profile)
     if request.action == "dry_run":
         return dry_run(plan, profile, request, pack)
-    if request.action != "preflight" and backend_of(request) == "local":
+    if request.action != "preflight" and request.backend == "local":
         from slurm.local_gpus import refuse_too_many_gpus  # before preflight: it may take minutes
 
         refuse_too_many_gpus(plan.jobs, {e.name: str(e.file) for e in experiments})
@@ -148,16 +149,16 @@ def launch(request: LaunchRequest, profile) -> int:
         plan = estimated_again(
             plan, profile, {e.name: str(e.file) for e in experiments}
         )  # preflight's tokens
-    code = submit(plan, profile, request, pack)
+    code = submit(plan, profile, request, pack, {e.name: e.file for e in experiments})
     if request.action == "calibrate":
         out.print(
             f"Calibration runs write their speed to {profile.run_dir}/speeds.jsonl as they end; then "
             "--dry-run estimates these experiments from it (source: calibrated).",
             highlight=False,
         )
-    elif code == 0 and (request.wait or backend_of(request) == "local"):
-        # The run ended here, every job completed: the comparison the user ran it for.
-        written = report(plan, experiments, profile, request.config_dir)
+    elif code == 0 and (request.wait or request.backend == "local"):
+        # The run ended here, every job completed: the comparison the user ran it for (beside the rest).
+        written = report(profile, request)
         out.print(f"All {len(plan.jobs)} job(s) completed. Report: {written[0]}", highlight=False)
     return code
 
@@ -186,10 +187,6 @@ def sync_wandb(run_root: Path) -> int:
         )
         return 1
     return 0
-
-
-def backend_of(request: LaunchRequest) -> str:
-    return backend_here(request.backend)
 
 
 def preflight(plan: Plan, experiments, profile, show: bool, as_json: bool) -> int:
@@ -276,50 +273,104 @@ def preflight_table(results):
 
 
 def watch(request: LaunchRequest, profile) -> int:
-    """--status, --tail, --cancel, --report: on the experiments that load; broken files are warned about."""
-    experiments, warnings = load_watchable_experiments(
-        request.config_dir, parse_overrides(list(request.overrides)), request.experiments
-    )
-    if request.action == "cancel" and (unknown := [p for p in warnings if p.file == "command line"]):
+    """--status, --tail, --cancel, --report: on what the run root holds (slurm/watched.py), narrowed by
+    --config-dir and --exp; files that do not load are warned about."""
+    watched = watched_of(request, profile, request.experiments)
+    unknown = [p for p in watched.warnings if p.file == "command line"]
+    if request.action == "cancel" and unknown:
         raise ConfigError([replace(p, warning=False) for p in unknown])  # a cancel that cancels nothing
-    for problem in warnings:
-        err.print(f"[yellow]warning:[/] {problem} (skipped)", highlight=False, soft_wrap=True)
-    plan = build_plan(experiments, profile)
-    if request.action in (
-        "status",
-        "cancel",
-    ):  # a submission whose launch died before recording it: seen, cancellable
+    for problem in watched.warnings:
+        skipped = "" if problem in unknown else " (skipped)"
+        err.print(f"[yellow]warning:[/] {problem}{skipped}", highlight=False, soft_wrap=True)
+    if request.action == "report":
+        return write_run_root_report(request, profile)
+    plan = build_plan(watched.experiments, profile)
+    if not plan.jobs and not watched.gone and not unknown:
+        out.print(
+            f"Nothing has been launched under {profile.run_dir}/ yet: `--dry-run --all` shows what would run, "
+            "and --config-dir picks another folder of experiments.",
+            highlight=False,
+        )
+        return 0
+    if request.action in ("status", "cancel"):  # a submission whose launch died before recording it
         for line in adopt_unrecorded(plan, forget_missing=False):
             err.print(line, highlight=False, soft_wrap=True)
     if request.action == "status":
-        return show_status(plan, profile)
+        code = show_status(plan, profile)
+        for line in origin_lines(watched, profile):
+            out.print(line, highlight=False, soft_wrap=True)
+        return code
     if request.action == "tail":
         from slurm.tail import follow
 
         return follow(plan, request.tail, profile.log_dir, out, rank=request.rank)
-    if request.action == "cancel":
-        return cancel(plan, profile.log_dir, sharing_packs(request, profile, plan))
-    written = report(plan, experiments, profile, request.config_dir)
+    return cancel(plan, profile.log_dir, sharing_packs(request, profile, plan))
+
+
+def watched_of(request: LaunchRequest, profile, names) -> Watched:
+    overrides = parse_overrides(list(request.overrides))
+    return watched_experiments(
+        Path(profile.run_dir), request.config_dir, request.config_dir_named, overrides, names
+    )
+
+
+def origin_lines(watched: Watched, profile) -> list[str]:
+    """Where the experiments shown came from, and what the run root holds that no config has any more."""
+    folders: dict[Path, int] = {}
+    for folder in watched.folders.values():
+        folders[folder] = folders.get(folder, 0) + 1
+    lines = [
+        "From " + ", ".join(f"{short_path(str(f))}/ ({n} experiment(s))" for f, n in folders.items()) + "."
+    ]
+    if watched.gone:
+        lines.append(
+            f"{profile.run_dir}/ also holds {', '.join(watched.gone)}: no longer in any config folder "
+            "(their run folders are kept; a relaunch does not touch them)."
+        )
+    return lines if folders or watched.gone else []
+
+
+def write_run_root_report(request: LaunchRequest, profile) -> int:
+    written = report(profile, request)
     out.print("wrote " + ", ".join(str(p) for p in written))
+    if request.experiments or request.config_dir_named:
+        out.print(
+            f"The report covers every experiment {profile.run_dir}/ holds: --exp and --config-dir narrow "
+            "--status, --tail and --cancel, never the report (one report per run root, never replaced by a part).",
+            highlight=False,
+        )
     out.print(f"Curves: tensorboard --logdir {profile.run_dir}", highlight=False)
     return 0
 
 
-def report(plan: Plan, experiments, profile, config_dir: Path) -> list[Path]:
-    """runs/report.md, report.csv and the loss curves, with the baselines of each experiment's task."""
+def report(profile, request: LaunchRequest) -> list[Path]:
+    """runs/report.md, report.csv and the loss curves of every experiment the run root holds (and, with a
+    named --config-dir, that folder's experiments not run yet), with the baselines of each one's task."""
     from eval.report import BaselinesError, write_report
     from slurm.usage import plan_usage
 
+    held = watched_experiments(Path(profile.run_dir), request.config_dir, False, parse_overrides(list(request.overrides)))
+    experiments = {e.name: e for e in held.experiments}
+    folders = dict(held.folders)
+    if request.config_dir_named:
+        named = watched_of(request, profile, None)
+        experiments.update({e.name: e for e in named.experiments if e.name not in experiments})
+        folders.update({k: v for k, v in named.folders.items() if k not in folders})
+    plan = build_plan(list(experiments.values()), profile)
     states = {row.job.id: row.state.value for row in plan_status(plan, profile.log_dir)}
-    baselines = find_inherited("baselines.yaml", config_dir.resolve(), Path("/"))
-    tasks = {e.name: e.experiment.task for e in experiments}
+    baselines = [
+        found
+        for folder in dict.fromkeys(folders.values())
+        if (found := find_inherited("baselines.yaml", folder, Path("/"))) is not None
+    ]
+    tasks = {name: e.experiment.task for name, e in experiments.items()}
     usage = plan_usage(plan, profile.log_dir)  # what each job held: sacct, or a local job's own clock
     try:
         return write_report(
             plan, Path(profile.run_dir), states, baselines, tasks, profile.gpu_hour_cost, usage
         )
     except BaselinesError as exc:
-        raise ConfigError([Problem(str(baselines), "task", str(exc))]) from None
+        raise ConfigError([Problem(str(exc.path), "task", str(exc))]) from None
 
 
 def show_status(plan: Plan, profile) -> int:
@@ -367,21 +418,28 @@ def requested_pack(request: LaunchRequest, profile) -> tuple[int, str] | None:
         message = "is the time of a packed allocation: add --pack G (its GPUs)"
         raise ConfigError([Problem("command line", "--budget", message)])
     gpus = request.pack if request.pack is not None else profile.pack
-    if not gpus or (request.submits and backend_of(request) == "local"):  # --pack 0: no pack
+    if not gpus or (request.submits and request.backend == "local"):  # --pack 0: no pack
         return None
     return gpus, request.budget or profile.budget or profile.max_time
 
 
-def submit(plan: Plan, profile, request: LaunchRequest, pack: tuple[int, str] | None = None) -> int:
+def submit(
+    plan: Plan,
+    profile,
+    request: LaunchRequest,
+    pack: tuple[int, str] | None = None,
+    files: dict[str, Path] | None = None,
+) -> int:
     """Decide and submit under the run root's launch lock (a second launch waits, then finds the jobs
-    queued); a local run keeps it until its jobs end. --wait follows SLURM jobs after letting it go."""
+    queued); a local run keeps it until its jobs end. --wait follows SLURM jobs after letting it go.
+    `files`: each experiment's YAML, recorded as its origin (watching finds it there)."""
     from slurm.lock import launch_lock
     from slurm.snapshot import take_snapshot
 
     def waiting(holder: str) -> None:
         err.print(f"waiting for the launch lock of {profile.run_dir}/: held by {holder}", highlight=False)
 
-    backend_name = backend_of(request)
+    backend_name = request.backend
     with launch_lock(Path(profile.run_dir), waiting):
         for line in adopt_unrecorded(plan, forget_missing=True):
             err.print(line, highlight=False, soft_wrap=True)
@@ -396,6 +454,8 @@ def submit(plan: Plan, profile, request: LaunchRequest, pack: tuple[int, str] | 
         refuse_crossing_backends(decisions, backend_name)
         todo = [d for d in decisions if d.action == "submit"]
         skipped = {d.job.id: SKIPPED[d.action] for d in decisions if d.action != "submit"}
+        for name, file in (files or {}).items():
+            record_origin(Path(plan.run_root) / name, file, request.config_dir)
         # A local job an earlier launch left running is waited for here, as if this launch had started it.
         adopting = backend_name == "local" and any(d.action == "running" for d in decisions)
         if not todo and not adopting:
@@ -516,8 +576,9 @@ def sharing_packs(request: LaunchRequest, profile, plan: Plan) -> dict[str, list
     """Packed job id → the live units of other experiments in it: cancelling the pack would stop them."""
     if not request.experiments:
         return {}
-    overrides = parse_overrides(list(request.overrides))
-    everything, _ = load_watchable_experiments(request.config_dir, overrides, None)
+    everything = watched_experiments(
+        Path(profile.run_dir), request.config_dir, False, parse_overrides(list(request.overrides))
+    ).experiments
     chosen = {job.id for job in plan.jobs}
     others: dict[str, list[str]] = {}
     for row in plan_status(build_plan(everything, profile), profile.log_dir):

@@ -136,11 +136,12 @@ def load_experiments(
 
 
 def load_watchable_experiments(
-    config_dir: Path, overrides: dict | None = None, names: list[str] | None = None
-) -> tuple[list[LoadedExperiment], list[Problem]]:
-    """For --status, --tail, --cancel and --report: every experiment whose files parse and validate, and
-    the problems of the others as warnings. A broken neighbour must not stop anyone from watching or
-    cancelling what runs; data files and resource limits are not checked (nothing is submitted)."""
+    config_dir: Path, overrides: dict | None = None
+) -> tuple[list[LoadedExperiment], list[Problem], set[str]]:
+    """For --status, --tail, --cancel and --report (slurm/watched.py): every experiment whose files parse
+    and validate, the problems of the others as warnings, and every name a file gives (loaded or not). A
+    broken neighbour must not stop anyone from watching or cancelling what runs; data files and resource
+    limits are not checked (nothing is submitted)."""
     loaded, problems, written = [], [], set()
     for path in experiment_files(config_dir):
         try:
@@ -154,13 +155,8 @@ def load_watchable_experiments(
         problems += found + more
         if experiment is not None and not more:
             loaded.append(LoadedExperiment(experiment, path, tuple(stages)))
-    known = [e.name for e in loaded]
-    for name in set(names or []) - set(known) - written:  # one that is there but broken: its own problem
-        message = f"no experiment named '{name}' loads" + did_you_mean(name, known)
-        problems.append(Problem("command line", "--exp", message))
-    selected = [e for e in loaded if not names or e.name in names]
     # A broken fragment is one warning, not one per experiment file that inherits it.
-    return selected, [replace(p, warning=True) for p in dict.fromkeys(problems) if not p.warning]
+    return loaded, [replace(p, warning=True) for p in dict.fromkeys(problems) if not p.warning], written
 
 
 def validate_experiment(raw: dict, chain: list[YamlFile]) -> tuple[Experiment | None, list[Problem]]:

@@ -32,6 +32,7 @@ WATCHING: tuple[Action, ...] = ("status", "tail", "cancel", "report")
 SUBMITTING: tuple[Action, ...] = ("launch", "calibrate", "retry_failed")
 # Actions that need experiments named (--all or --exp); the others take every experiment when none is.
 NAMING: tuple[Action, ...] = ("launch", "calibrate", "preflight")
+DEFAULT_CONFIG_DIR = Path("configs/experiments")
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,10 @@ class LaunchRequest:
     config_dir: Path
     experiments: tuple[str, ...] | None  # --exp NAME...; None: every experiment of config_dir
     overrides: tuple[str, ...] = ()  # KEY=VALUE
+    # A submitting action's is resolved once at the door (`auto` asks sinfo): never `auto` there.
     backend: Literal["auto", "slurm", "local"] = "auto"
+    # --config-dir was given: watching shows that folder's experiments; without it, what the run root holds.
+    config_dir_named: bool = True
     as_json: bool = False  # --json (dry run, preflight)
     preflight: bool = True  # before submitting (--no-preflight: False)
     wait: bool = False
@@ -70,12 +74,14 @@ def nothing_done(action: Action) -> str:
 
 def request_from(args) -> LaunchRequest:
     """argparse's namespace → a LaunchRequest, or ConfigError (exit 2) naming every flag that is wrong."""
+    action = action_of(args)
     request = LaunchRequest(
-        action=action_of(args),
-        config_dir=args.config_dir,
+        action=action,
+        config_dir=args.config_dir or DEFAULT_CONFIG_DIR,
+        config_dir_named=args.config_dir is not None,
         experiments=tuple(args.exp) if args.exp else None,
         overrides=tuple(args.overrides),
-        backend=args.backend,
+        backend=backend_here(args.backend) if action in SUBMITTING else args.backend,
         as_json=args.json,
         preflight=not args.no_preflight,
         wait=args.wait,
@@ -114,7 +120,7 @@ def door_problems(request: LaunchRequest, chose: bool) -> list[Problem]:
             slurm_duration(request.budget)
         except ValueError as exc:
             found.append(problem("--budget", str(exc)))
-    if request.pack and request.submits and backend_here(request.backend) == "local":
+    if request.pack and request.submits and request.backend == "local":
         found.append(
             problem(
                 "--pack",

@@ -34,10 +34,12 @@ LOG_ROOT = {PACKS: "the packed allocations' logs", CODE_SNAPSHOTS: "the code sna
 EVAL = "eval"  # the eval of the last stage; the others' are eval-STAGE (eval_folder)
 EXPORT = "export"  # the export job's folder
 EXPERIMENT_LOSS_PLOT = "loss.png"  # eval/report.py
+ORIGIN = "origin.json"  # spec/rundir.py: the config file and folder the experiment was launched from
 EXPERIMENT_FOLDER = {
     EVAL: "the eval job's folder",
     EXPORT: "the export job's folder",
     EXPERIMENT_LOSS_PLOT: "the report's loss plot of the experiment",
+    ORIGIN: "where the experiment was launched from",
 }
 EVAL_PREFIX = f"{EVAL}-"
 CALIBRATION_SUFFIX = "-calibrate"

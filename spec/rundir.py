@@ -13,6 +13,9 @@ lane.json      for a unit of a packed allocation: its lane, GPU and how it ended
 predictions.jsonl, predictions.partial.jsonl, results.json   an eval's (eval/job.py, eval/predictions.py)
 DONE           the config hash, written last: a stage with a matching DONE never runs again
 
+Beside the stages, RUN_ROOT/EXP/origin.json says which config file and folder the experiment was launched
+from (`Origin`), so watching finds what the run root holds, not only what one config folder names.
+
 Its readers tolerate what a crash, a full disk or a hand edit leaves (spec/files.py): the file is named
 in a warning and read as absent, except DONE, which is never taken for absent (the stage would run twice).
 """
@@ -29,6 +32,7 @@ from pathlib import Path
 import yaml
 
 from spec.files import is_kind, read_json, read_text, warn_unreadable, write_atomic
+from spec.layout import ORIGIN
 from spec.names import REPORT_COLUMNS
 
 # What the readers take from the trainer's and the eval's files, and the kind each must hold: a file or
@@ -147,6 +151,42 @@ class RunDir:
     def read_lane(self) -> dict:
         """What a packed unit's lane wrote; {} when nothing readable."""
         return read_json(self.lane, {}, expected=dict, fields=LANE_FIELDS)
+
+
+@dataclass(frozen=True)
+class Origin:
+    """Where an experiment of the run root was launched from (RUN_ROOT/EXP/origin.json, written at each
+    launch that submits it): --status, --tail and --report find its config there, whatever --config-dir is."""
+
+    file: Path
+    config_dir: Path
+
+
+def record_origin(experiment_dir: Path, file: Path, config_dir: Path) -> None:
+    body = {"file": str(Path(file).resolve()), "config_dir": str(Path(config_dir).resolve())}
+    path = Path(experiment_dir) / ORIGIN
+    if read_json(path, {}, expected=dict) != body:
+        write_atomic(path, json.dumps(body, indent=1) + "\n")
+
+
+def run_root_experiments(run_root: Path) -> dict[str, Origin | None]:
+    """Every experiment the run root holds (a folder with an origin, or with a job's record in one of its
+    folders), by name, with where it was launched from: None when that was not recorded (launched before
+    origins were) or cannot be read (warned about)."""
+    found: dict[str, Origin | None] = {}
+    try:
+        folders = sorted(p for p in Path(run_root).iterdir() if p.is_dir() and not p.name.startswith("."))
+    except OSError:
+        return found
+    for folder in folders:
+        origin = folder / ORIGIN
+        if origin.exists():
+            record = read_json(origin, {}, expected=dict, fields={"file": str, "config_dir": str})
+            has = {"file", "config_dir"} <= set(record)
+            found[folder.name] = Origin(Path(record["file"]), Path(record["config_dir"])) if has else None
+        elif any((stage / "job.json").exists() for stage in folder.iterdir() if stage.is_dir()):
+            found[folder.name] = None
+    return found
 
 
 # done_hash of a DONE that is there but cannot be read: matches no config hash, and is not None (absent).

@@ -135,7 +135,8 @@ def test_cancel_naming_an_experiment_that_does_not_exist_fails_instead_of_cancel
     monkeypatch.chdir(repo_root)
     folder = configs(tmp_path, repo_root, real={})
     assert launch.main(["--cancel", "--exp", "rael", "--config-dir", str(folder)]) == 2
-    assert "--exp: no experiment named 'rael' loads (did you mean 'real'?)" in capsys.readouterr().err
+    shown = capsys.readouterr().err
+    assert f"--exp: no experiment named 'rael' in {folder}/ (did you mean 'real'?)" in shown
 
 
 @pytest.mark.slow
@@ -202,3 +203,49 @@ def test_a_dry_run_after_the_run_shows_what_a_relaunch_would_do_and_only_what_is
     assert launch.main(["--exp", "a", "--dry-run", "--config-dir", str(folder)]) == 0
     out, err = capsys.readouterr()
     assert "REFUSED" in out and "a launch would refuse" in err and "train.learning_rate" in err
+
+
+def test_watching_shows_what_the_run_root_holds_not_only_the_default_config_folder(
+    repo_root, tmp_path, tiny, monkeypatch, capsys
+):
+    # Before: a plain --status listed the default folder's experiments as PLANNED and nothing that had run
+    # from another folder, and each folder's --report replaced runs/report.md with its own experiments.
+    monkeypatch.chdir(tmp_path)
+    root = tmp_path / "configs"
+    root.mkdir()
+    write_cluster_yaml(root, tmp_path)  # one run root for every folder below (found by inheritance)
+    for folder, name in (("experiments", "never-run"), ("demo", "a"), ("other", "b")):
+        (root / folder).mkdir()
+        fields = {"model": repo_root / "models" / "tiny-llama", "epochs": 1}
+        (root / folder / f"{name}.yaml").write_text(EXPERIMENT.format(name=name, root=repo_root, **fields))
+    for folder in ("demo", "other"):
+        assert launch.main(["--all", "--config-dir", f"configs/{folder}", "--backend", "local"]) == 0
+    report = (tmp_path / "runs" / "report.md").read_text()
+    assert "| a |" in report and "| b |" in report  # the second launch's report kept the first's row
+    capsys.readouterr()
+
+    assert launch.main(["--status"]) == 0
+    shown = capsys.readouterr().out
+    assert "a/train" in shown and "b/train" in shown and "never-run" not in shown
+    assert "From configs/demo/ (1 experiment(s)), configs/other/ (1 experiment(s))." in shown
+    assert launch.main(["--status", "--config-dir", "configs/experiments"]) == 0  # a filter: its own
+    shown = capsys.readouterr().out
+    assert "never-run/train" in shown and "PLANNED" in shown and "a/train" not in shown
+    assert launch.main(["--status", "--exp", "b"]) == 0
+    shown = capsys.readouterr().out
+    assert "b/train" in shown and "a/train" not in shown
+    assert launch.main(["--tail", "a"]) == 0
+    assert "a/train: COMPLETED" in capsys.readouterr().out
+
+    assert launch.main(["--report", "--config-dir", "configs/demo"]) == 0
+    report = (tmp_path / "runs" / "report.md").read_text()
+    assert "| a |" in report and "| b |" in report  # a folder's --report is not a part replacing the whole
+    assert "| never-run |" not in report  # nothing of it ran, and --config-dir did not name it
+
+    (root / "other" / "b.yaml").unlink()
+    capsys.readouterr()
+    assert launch.main(["--status"]) == 0
+    shown = capsys.readouterr().out
+    assert "runs/ also holds b: no longer in any config folder" in " ".join(shown.split())
+    assert launch.main(["--exp", "b", "--status"]) == 0
+    assert "'b' has a run folder in" in " ".join(capsys.readouterr().err.split())

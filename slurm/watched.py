@@ -1,0 +1,82 @@
+"""Which experiments --status, --tail, --cancel and --report look at: what the run root holds.
+
+Every experiment with a run folder is loaded from the config folder it was launched from
+(RUN_ROOT/EXP/origin.json, spec/rundir.py), so a `make demo` is seen by a plain `--status` and a plain
+`--report` covers it, whatever folder the default --config-dir names. `--config-dir` and `--exp` narrow
+that; a named --config-dir also shows its experiments that have not run yet (as PLANNED).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from slurm.experiments import LoadedExperiment, load_watchable_experiments
+from spec.problems import Problem, did_you_mean
+from spec.rundir import Origin, run_root_experiments
+
+
+@dataclass(frozen=True)
+class Watched:
+    experiments: list[LoadedExperiment]
+    warnings: list[Problem]  # files that do not load, unknown --exp names (file "command line")
+    gone: list[str]  # experiments the run root holds that no config folder loads any more
+    folders: dict[str, Path]  # experiment name → the config folder it was loaded from
+
+
+def watched_experiments(
+    run_root: Path,
+    config_dir: Path,
+    config_dir_named: bool,
+    overrides: dict | None = None,
+    names: list[str] | None = None,
+) -> Watched:
+    """With `config_dir_named`, that folder's experiments (those not run yet too); without, every
+    experiment the run root holds, each from the folder it was launched from (one launched before origins
+    were recorded: from `config_dir`, if it has it). `names` (--exp) narrows either."""
+    held = run_root_experiments(run_root)
+    here = config_dir.resolve()
+    if config_dir_named:
+        folders = [here]
+    else:
+        recorded = [origin.config_dir for origin in held.values() if origin is not None]
+        folders = list(dict.fromkeys([*recorded, *([here] if None in held.values() else [])]))
+    loaded: list[LoadedExperiment] = []
+    warnings: list[Problem] = []
+    came_from: dict[str, Path] = {}
+    written: set[str] = set()  # names files give, loaded or not: a broken one has its own warning
+    for folder in folders:
+        if not folder.is_dir():
+            continue  # its experiments are gone (below)
+        found, problems, names_given = load_watchable_experiments(folder, overrides)
+        warnings += problems
+        written |= names_given
+        for experiment in found:
+            if config_dir_named or launched_from(held.get(experiment.name, False), folder, here):
+                loaded.append(experiment)
+                came_from[experiment.name] = folder
+    known = {e.name for e in loaded}
+    gone = [] if config_dir_named else [name for name in held if name not in written]
+    where = config_dir if config_dir_named else run_root
+    for name in dict.fromkeys(names or []):
+        if name not in known and name not in written:
+            warnings.append(unknown_name(name, known, gone, where))
+    selected = [e for e in loaded if not names or e.name in names]
+    return Watched(selected, warnings, [n for n in gone if not names or n in names], came_from)
+
+
+def launched_from(origin: Origin | None | bool, folder: Path, default: Path) -> bool:
+    """Whether the run root's experiment (`False`: the run root has none of that name) came from `folder`."""
+    if origin is False:
+        return False
+    if origin is None:  # no record: the default folder's experiment of that name
+        return folder == default
+    return origin.config_dir.resolve() == folder
+
+
+def unknown_name(name: str, known: set[str], gone: list[str], where: Path) -> Problem:
+    if name in gone:
+        message = f"'{name}' has a run folder in {where}/, but no config folder has it any more"
+    else:
+        message = f"no experiment named '{name}' in {where}/" + did_you_mean(name, known)
+    return replace(Problem("command line", "--exp", message), warning=True)
