@@ -204,7 +204,7 @@ def preflight(plan: Plan, experiments, profile, show: bool, as_json: bool) -> in
     )
     if as_json:
         print(json.dumps([r.as_json() for r in results], indent=1))
-    elif show:
+    elif show and results:  # no empty box when nothing could be computed (the errors below say why)
         out.print(fit(preflight_table(results), out.width, PREFLIGHT_PRIORITY))
     if not fetching and (fetch := list(dict.fromkeys(c for r in results for c in r.fetch))):
         err.print(fetch_note(fetch), highlight=False, soft_wrap=True)  # fetching: they are problems
@@ -349,7 +349,9 @@ def report(profile, request: LaunchRequest) -> list[Path]:
     from eval.report import BaselinesError, write_report
     from slurm.usage import plan_usage
 
-    held = watched_experiments(Path(profile.run_dir), request.config_dir, False, parse_overrides(list(request.overrides)))
+    held = watched_experiments(
+        Path(profile.run_dir), request.config_dir, False, parse_overrides(list(request.overrides))
+    )
     experiments = {e.name: e for e in held.experiments}
     folders = dict(held.folders)
     if request.config_dir_named:

@@ -26,7 +26,14 @@ from spec.preflight import JobPreflight
 from spec.problems import Problem
 from train import data as data_lib
 from train import hub_cache
-from train.hub_cache import TOKENIZER_FILES, fetch_command, first_line, missing_for, model_file
+from train.hub_cache import (
+    TOKENIZER_FILES,
+    fetch_command,
+    first_line,
+    hub_unreachable,
+    missing_for,
+    model_file,
+)
 
 CACHE_VERSION = 3  # bump whenever what a preflight computes changes
 
@@ -51,6 +58,8 @@ def config_text(name_or_path: str, revision: str | None) -> str:
     if path is None and not Path(name_or_path).is_dir():
         from huggingface_hub import hf_hub_download
 
+        if unreachable := hub_unreachable():  # one quick try, not five with backoff
+            raise OSError(f"{name_or_path}: {unreachable}")
         path = hf_hub_download(name_or_path, "config.json", revision=revision)
     if path is None:
         raise FileNotFoundError(f"no config.json in {name_or_path}")
@@ -145,6 +154,8 @@ def preflight_plan(
     partition or constraint, or None. `fetch` (hub_downloads: login): download what the jobs need first,
     and refuse what could not be had, since the jobs will run offline."""
     results, problems = [], []
+    if any(not Path(j.spec.model.name_or_path).is_dir() for j in plan.jobs if j.kind == "train"):
+        hub_unreachable()  # one quick request: without a hub, what follows runs offline, without retries
     for planned in plan.jobs:
         where = files.get(planned.experiment, planned.experiment)
         if planned.kind != "train":

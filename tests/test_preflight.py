@@ -319,6 +319,29 @@ def test_jobs_that_run_offline_refuse_what_this_machine_could_not_fetch(repo_roo
     ) in " ".join(done.stderr.split())
 
 
+@pytest.mark.slow
+def test_a_hub_that_does_not_answer_is_tried_once_not_retried_for_minutes(repo_root, tmp_path):
+    """Network allowed (no HF_HUB_OFFLINE) but the hub refuses connections (a closed local port): before,
+    huggingface_hub retried every request five times with backoff, ~40 s per repo (142 s of `Retrying in
+    8s` lines for the shipped configs); now one request for the whole launch, then each repo's error."""
+    env = {k: v for k, v in os.environ.items() if not k.endswith("_OFFLINE")}
+    env |= {
+        "HF_HUB_CACHE": str(hub_cache(tmp_path / "hub")),
+        "LORA_CACHE_DIR": str(tmp_path),
+        "HF_ENDPOINT": "http://127.0.0.1:9",  # the discard port: nothing listens there
+    }
+    command = [sys.executable, "launch.py", "data.max_length=512", "--exp", "qwen-random", "--preflight"]
+    done = subprocess.run(command, cwd=repo_root, env=env, capture_output=True, text=True, check=False)
+    assert done.returncode == 2, done.stderr
+    said = " ".join(done.stderr.split())
+    assert "hf download Qwen/Qwen2.5-0.5B (cannot reach http://127.0.0.1:9:" in said
+    assert (
+        "hf download b-mc2/sql-create-context --repo-type dataset (cannot reach http://127.0.0.1:9:" in said
+    )
+    library_log = tmp_path / "preflight" / "preflight.log"
+    assert "Retrying" not in done.stderr + (library_log.read_text() if library_log.exists() else "")
+
+
 def test_an_eval_scoring_model_that_could_not_be_fetched_refuses_the_launch(
     repo_root, tiny, tmp_path, monkeypatch, capsys
 ):

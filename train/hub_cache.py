@@ -8,6 +8,8 @@ into the cache the nodes share, and SLURM jobs run offline. What cannot be fetch
 
 from __future__ import annotations
 
+import os
+import sys
 from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
@@ -123,8 +125,41 @@ def fetch_scorer(name_or_path: str) -> dict[str, str]:
 # Once per repo and launch: the experiments of a plan often share a model and a dataset, and without
 # network each try would wait on it again.
 @cache
+def hub_unreachable() -> str | None:
+    """Why the hub cannot be reached, from one quick request per process; None when it answers (or when
+    offline mode is set: every hub call then fails at once by itself). Unreachable, the process goes
+    offline (HF_HUB_OFFLINE) for the libraries' later calls too: else huggingface_hub retries each request
+    five times with backoff, and a preflight without network spent minutes in `Retrying in 8s` lines (for
+    each repo, then again for each tokenizer it loads) before its error."""
+    from huggingface_hub import constants
+    from huggingface_hub.utils import get_session
+
+    if constants.HF_HUB_OFFLINE:
+        return None
+    try:
+        get_session().head(constants.ENDPOINT, timeout=10)
+    except Exception as exc:  # noqa: BLE001  DNS, refused, timed out, TLS: each means no hub from here
+        go_offline()
+        return f"cannot reach {constants.ENDPOINT}: {first_line(exc)[:80]}"
+    return None
+
+
+def go_offline() -> None:
+    """HF_HUB_OFFLINE for this process, as if it had been set at its start: in the environment (libraries
+    imported later), in huggingface_hub (what transformers asks) and in datasets, if imported (its copy)."""
+    from huggingface_hub import constants
+
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    constants.HF_HUB_OFFLINE = True
+    if datasets_config := sys.modules.get("datasets.config"):
+        datasets_config.HF_HUB_OFFLINE = datasets_config.HF_DATASETS_OFFLINE = True
+
+
+@cache
 def tried_model(name: str, revision: str | None) -> str | None:
     """fetch_model; why it failed, or None."""
+    if unreachable := hub_unreachable():
+        return unreachable
     try:
         fetch_model(name, revision)
     except Exception as exc:  # noqa: BLE001  no network, no such repo, a gated one: said to the user
@@ -137,6 +172,8 @@ def tried_dataset(source: str) -> str | None:
     """The job's own load_hf, which prepares the dataset in the cache; why it failed, or None."""
     from train.data import load_hf
 
+    if unreachable := hub_unreachable():
+        return unreachable
     try:
         load_hf(source)
     except Exception as exc:  # noqa: BLE001
