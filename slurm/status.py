@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from slurm.plan import Plan, PlannedJob
-from slurm.states import State, from_slurm, parent_verdict
+from slurm.states import LANE_STATES, State, from_slurm, parent_verdict
 from spec.config import TIME_FORMAT, slurm_seconds
 from spec.rundir import PROGRESS_FIELDS, UNREADABLE, RunDir, current_job, done_hash, read_lane
 
@@ -222,13 +222,13 @@ def packed_unit_info(run_dir: Path, pack_id: str, pack: SchedulerInfo) -> Schedu
     where = f"packed job {pack_id}"
     if lane.get("lane") is not None:
         where = f"lane {lane['lane']} (GPU {lane.get('gpu')}) of {where}"
-    ended = lane.get("state")
-    if ended == "failed":
+    said = LANE_STATES.get(str(lane.get("state")))  # None: the lane wrote nothing (yet), or a word unknown
+    if said is State.FAILED:
         return SchedulerInfo(State.FAILED, f"{lane.get('reason', '')} ({where})")
-    if ended == "blocked":
+    if said is State.BLOCKED:
         return SchedulerInfo(State.BLOCKED, lane.get("reason", "a parent failed"))
     if pack.state is State.RUNNING:
-        if ended == "running":
+        if said is State.RUNNING:
             return SchedulerInfo(State.RUNNING, where)
         return SchedulerInfo(State.PENDING, f"waiting for a lane of packed job {pack_id}")
     if pack.state.live:

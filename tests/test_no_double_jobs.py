@@ -245,16 +245,21 @@ def queued_as(name: str, under: Path) -> list[str]:
     )
 
 
+def launch_killed_right_after_sbatch(folder: Path, tmp: Path) -> list[str]:
+    """A launch of `one` SIGKILLed by its sbatch once the job is queued (held): what it queued."""
+    killed = start_launcher(
+        folder, tmp / "first.log", "--backend", "slurm", env=holding_sbatch(tmp / "kill", True)
+    )
+    assert killed.wait(timeout=300) == -signal.SIGKILL
+    return queued_as("one/train", tmp)
+
+
 def test_a_launch_killed_right_after_sbatch_leaves_a_job_the_relaunch_records_instead_of_queueing_it_again(
     repo_root, tmp_path, tiny, slurm_cluster, monkeypatch, capsys
 ):
     monkeypatch.chdir(repo_root)
     folder = configs(tmp_path, repo_root, one={})
-    killed = start_launcher(
-        folder, tmp_path / "first.log", "--backend", "slurm", env=holding_sbatch(tmp_path / "kill", True)
-    )
-    assert killed.wait(timeout=300) == -signal.SIGKILL
-    queued = queued_as("one/train", tmp_path)
+    queued = launch_killed_right_after_sbatch(folder, tmp_path)
     assert len(queued) == 1  # sbatch queued it; its launcher died before writing it down
 
     relaunch = start_launcher(
@@ -274,11 +279,7 @@ def test_status_and_cancel_find_a_job_whose_launch_was_killed_right_after_sbatch
 ):
     monkeypatch.chdir(repo_root)
     folder = configs(tmp_path, repo_root, one={})
-    killed = start_launcher(
-        folder, tmp_path / "first.log", "--backend", "slurm", env=holding_sbatch(tmp_path / "kill", True)
-    )
-    assert killed.wait(timeout=300) == -signal.SIGKILL
-    queued = queued_as("one/train", tmp_path)
+    queued = launch_killed_right_after_sbatch(folder, tmp_path)
     assert launch.main(["--status", "--config-dir", str(folder)]) == 0
     assert queued[0] in capsys.readouterr().out
     assert launch.main(["--cancel", "--all", "--config-dir", str(folder)]) == 0
