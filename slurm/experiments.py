@@ -27,6 +27,7 @@ from slurm.yamlfile import (
 from spec.config import DataSpec, Experiment, StageSpec, TrainSpec
 from spec.examples import ExampleError, TextSize, check_file, needed_fields
 from spec.problems import ConfigError, Problem, did_you_mean
+from spec.sweep import SweepError, SweepMember, expand, nested, source_of
 
 # Sections whose keys a "did you mean" can suggest from, by their place in the file.
 SECTIONS: dict[str, type[BaseModel]] = {
@@ -50,6 +51,7 @@ class LoadedExperiment:
     experiment: Experiment
     file: Path
     stages: tuple[Stage, ...]
+    sweep: SweepMember | None = None  # a point of the file's `sweep:` block
 
     @property
     def name(self) -> str:
@@ -117,22 +119,99 @@ def load_experiments(
             problems.append(exc.problem)
             continue
         written.add(str(raw.get("name")))
-        experiment, found = validate_experiment(raw, chain)
+        points, found = expanded(raw, chain)
         problems += found
-        if experiment is not None:
-            stages, found = resolve_stages(experiment, raw, chain)
-            problems += (
-                found
-                + check_files(experiment, stages, chain)
-                + check_resources(experiment, profile, chain)
-                + check_auto_time(experiment, stages, chain)
-            )
-            loaded.append(LoadedExperiment(experiment, path, tuple(stages)))
+        for raw, chain, member in points:
+            experiment, found = validate_experiment(raw, chain)
+            problems += of_point(found, member)
+            if experiment is not None:
+                stages, found = resolve_stages(experiment, raw, chain)
+                found += (
+                    check_files(experiment, stages, chain)
+                    + check_resources(experiment, profile, chain)
+                    + check_auto_time(experiment, stages, chain)
+                )
+                problems += of_point(found, member)
+                loaded.append(LoadedExperiment(experiment, path, tuple(stages), member))
+    loaded = after_whole_sweeps(loaded)
     problems += check_names(loaded, names, written)
     if any(not p.warning for p in problems):
         raise ConfigError(problems)
-    selected = [e for e in loaded if not names or e.name in names]
-    return selected
+    return [e for e in loaded if chosen(e, names)]
+
+
+def chosen(loaded: LoadedExperiment, names: list[str] | None) -> bool:
+    """--exp NAME: the experiment of that name, or every point of the sweep of that name."""
+    return not names or loaded.name in names or (loaded.sweep is not None and loaded.sweep.sweep in names)
+
+
+def expanded(
+    raw: dict, chain: list[YamlFile]
+) -> tuple[list[tuple[dict, list[YamlFile], SweepMember | None]], list[Problem]]:
+    """An experiment file's config → the experiments it stands for: itself, or one per point of its
+    `sweep:` block (spec/sweep.py), each the config with the point's values merged in, named
+    EXP-SUFFIX; a point's value is blamed on the line of the sweep that gave it."""
+    block = raw.get("sweep")
+    if block is None:
+        return [(raw, chain, None)], []
+    name = str(raw.get("name"))
+    try:
+        sweep = expand(block, name)
+    except SweepError as exc:
+        return [], [sweep_problem(chain, path, message) for path, message in exc.problems]
+    base = {key: value for key, value in raw.items() if key != "sweep"}
+    points = []
+    for point in sweep.points:
+        given = [
+            YamlFile(Path(file), nested({key: value}), {tuple(key.split(".")): line})
+            for key, value in point.values.items()
+            for file, line in [where(chain, ("sweep", *source_of(block, key, point.seed is not None)))]
+        ]
+        values = {k: v for k, v in point.values.items() if k in sweep.swept}
+        member = SweepMember(name, point.point, values, point.seed, sweep.swept, sweep.select)
+        config = deep_merge(base, nested(point.values)) | {"name": f"{name}-{point.suffix}"}
+        points.append((config, [*given, *chain], member))
+    return points, []
+
+
+def sweep_problem(chain: list[YamlFile], path: tuple, message: str) -> Problem:
+    file, line = where(chain, ("sweep", *path))
+    return Problem(file, ".".join(map(str, ("sweep", *path))), message, line)
+
+
+def of_point(problems: list[Problem], member: SweepMember | None) -> list[Problem]:
+    """A problem with a swept value names the point; the others are the same for every point (one
+    problem, not one per point)."""
+    if member is None:
+        return problems
+    swept = [*member.values, *(["train.seed"] if member.seed is not None else [])]
+    return [
+        replace(p, message=f"{p.message} (sweep point {member.sweep}-{member.point or 's'})")
+        if any(p.key == key or p.key.startswith(key + ".") for key in swept)
+        else p
+        for p in problems
+    ]
+
+
+def after_whole_sweeps(loaded: list[LoadedExperiment]) -> list[LoadedExperiment]:
+    """`after: [SWEEP]` waits for every point of that sweep."""
+    points: dict[str, list[str]] = {}
+    for item in loaded:
+        if item.sweep is not None:
+            points.setdefault(item.sweep.sweep, []).append(item.name)
+    if not points:
+        return loaded
+    return [
+        replace(
+            item,
+            experiment=item.experiment.model_copy(
+                update={"after": [n for t in item.experiment.after for n in points.get(t, [t])]}
+            ),
+        )
+        if any(t in points for t in item.experiment.after)
+        else item
+        for item in loaded
+    ]
 
 
 def load_watchable_experiments(
@@ -150,13 +229,16 @@ def load_watchable_experiments(
             problems.append(exc.problem)
             continue
         written.add(str(raw.get("name")))
-        experiment, found = validate_experiment(raw, chain)
-        stages, more = resolve_stages(experiment, raw, chain) if experiment else ([], [])
-        problems += found + more
-        if experiment is not None and not more:
-            loaded.append(LoadedExperiment(experiment, path, tuple(stages)))
+        points, found = expanded(raw, chain)
+        problems += found
+        for raw, chain, member in points:
+            experiment, found = validate_experiment(raw, chain)
+            stages, more = resolve_stages(experiment, raw, chain) if experiment else ([], [])
+            problems += of_point(found + more, member)
+            if experiment is not None and not more:
+                loaded.append(LoadedExperiment(experiment, path, tuple(stages), member))
     # A broken fragment is one warning, not one per experiment file that inherits it.
-    return loaded, [replace(p, warning=True) for p in dict.fromkeys(problems) if not p.warning], written
+    return after_whole_sweeps(loaded), [replace(p, warning=True) for p in dict.fromkeys(problems) if not p.warning], written
 
 
 def validate_experiment(raw: dict, chain: list[YamlFile]) -> tuple[Experiment | None, list[Problem]]:

@@ -46,6 +46,7 @@ class PlannedJob:
     wave: int  # how many jobs must end before this one can start, along the longest chain
     estimate: Estimate = Estimate(None, "unknown", "not estimated")
     time_auto: bool = False  # `time: auto`: resources.time is set from the estimate (estimated)
+    sweep: str | None = None  # the sweep its experiment is a point of (spec/sweep.py)
 
     @property
     def run_dir(self) -> str:
@@ -95,6 +96,15 @@ class Plan:
             last = before[last]
         return (end[path[0]] if path else 0.0), path[::-1]
 
+    def sweep_totals(self, points: list[str]) -> dict:
+        """A sweep's points, and the GPU-hours and makespan (every point at once) of what is left of it."""
+        unknown = bool(self.unestimated())
+        return {
+            "points": len(points),
+            "gpu_hours": None if unknown else round(self.gpu_hours(), 3),
+            "makespan_s": None if unknown else round(self.critical_path()[0]),
+        }
+
     def experiments(self) -> list[str]:
         return list(dict.fromkeys(j.experiment for j in self.jobs))
 
@@ -105,6 +115,17 @@ class Plan:
 
     def gpu_hours(self) -> float:
         return sum((j.estimate.seconds or 0.0) * j.resources.gpus for j in self.jobs) / 3600
+
+    def sweeps(self) -> dict[str, list[str]]:
+        """Sweep name → the experiments of its points, in plan order."""
+        found: dict[str, list[str]] = {}
+        for job in self.jobs:
+            if job.sweep is not None and job.experiment not in found.setdefault(job.sweep, []):
+                found[job.sweep].append(job.experiment)
+        return found
+
+    def of_sweep(self, sweep: str) -> Plan:
+        return replace(self, jobs=tuple(j for j in self.jobs if j.sweep == sweep))
 
     def unestimated(self) -> list[str]:
         return [j.id for j in self.jobs if j.estimate.seconds is None]
@@ -129,10 +150,12 @@ class Plan:
             "makespan_s": None if unknown else round(left.critical_path()[0]),
             "gpu_hours": None if unknown else round(left.gpu_hours(), 3),
             "experiments": {name: self.experiment_path(name) for name in self.experiments()},
+            "sweeps": {name: left.of_sweep(name).sweep_totals(points) for name, points in self.sweeps().items()},
             "jobs": [
                 {
                     "id": j.id,
                     "state": states.get(j.id, "planned"),
+                    "sweep": j.sweep,
                     "experiment": j.experiment,
                     "stage": j.stage,
                     "kind": j.kind,
@@ -163,8 +186,9 @@ def build_plan(
     last_job: dict[str, str] = {}
     for loaded in order_by_after(experiments):
         chained = [Dependency(last_job[t], "afterany") for t in loaded.experiment.after if t in last_job]
+        sweep = loaded.sweep.sweep if loaded.sweep is not None else None
         for job in experiment_jobs(loaded, profile, chained, jobs):
-            jobs[job.id] = estimated(job, estimator, profile, str(loaded.file))
+            jobs[job.id] = replace(estimated(job, estimator, profile, str(loaded.file)), sweep=sweep)
         last_job[loaded.name] = job.id
     return Plan(tuple(jobs.values()), profile.run_dir, profile.log_dir)
 

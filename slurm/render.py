@@ -113,14 +113,24 @@ def totals_text(plan: Plan) -> str:
         lines.append(
             f"  not estimated (data fetched on the node, not in the speed book): {', '.join(unknown)}"
         )
+    sweep_of = {point: sweep for sweep, points in plan.sweeps().items() for point in points}
     for name in plan.experiments():
-        seconds, path = plan.critical_path(name)
-        lines.append(f"  {name}: ~{format_duration(seconds)} ({' -> '.join(path)})")
+        if name not in sweep_of:
+            seconds, path = plan.critical_path(name)
+            lines.append(f"  {name}: ~{format_duration(seconds)} ({' -> '.join(path)})")
+        elif name == plan.sweeps()[sweep_of[name]][0]:  # a sweep is one line, where its first point is
+            sweep = plan.of_sweep(sweep_of[name])
+            seconds, path = sweep.critical_path()
+            lines.append(
+                f"  sweep {sweep_of[name]}: {len(sweep.experiments())} point(s), {sweep.gpu_hours():.1f} "
+                f"GPU-hours, ~{format_duration(seconds)} with every point at once ({' -> '.join(path)})"
+            )
     guessed = [j.id for j in plan.jobs if j.estimate.source == "guess"]
     if guessed:
+        shown = ", ".join(guessed[:6]) + (f" and {len(guessed) - 6} more" if len(guessed) > 6 else "")
         lines.append(
             f"On a guessed speed (nothing measured yet; `time: auto` gives them {GUESS_MARGIN:g}x their "
-            f"estimate; `--calibrate` measures it): {', '.join(guessed)}"
+            f"estimate; `--calibrate` measures it): {shown}"
         )
     return "\n".join(lines)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from slurm.experiments import LoadedExperiment, load_watchable_experiments
+from slurm.experiments import LoadedExperiment, chosen, load_watchable_experiments
 from spec.problems import Problem, did_you_mean
 from spec.rundir import Origin, run_root_experiments
 
@@ -56,12 +56,12 @@ def watched_experiments(
                 loaded.append(experiment)
                 came_from[experiment.name] = folder
     known = {e.name for e in loaded}
-    gone = [] if config_dir_named else [name for name in held if name not in written]
+    gone = [] if config_dir_named else [n for n in held if n not in written and n not in known]
     where = config_dir if config_dir_named else run_root
     for name in dict.fromkeys(names or []):
         if name not in known and name not in written:
             warnings.append(unknown_name(name, known, gone, where))
-    selected = [e for e in loaded if not names or e.name in names]
+    selected = [e for e in loaded if chosen(e, names)]
     return Watched(selected, warnings, [n for n in gone if not names or n in names], came_from)
 
 
