@@ -117,6 +117,28 @@ def pack_plan(jobs: list[PlannedJob], gpus: int, budget: str, profile: ClusterPr
     return packing
 
 
+def points_that_fit(jobs: list[PlannedJob], gpus: int, budget_s: float) -> str:
+    """For a plan with sweep points: how many of them fit on `gpus` lanes within the budget when the most
+    expensive (GPU-seconds of all its jobs) are dropped first, and which; "" without sweeps."""
+    cost: dict[str, float] = {}
+    for job in jobs:
+        if job.sweep is not None:
+            cost[job.experiment] = cost.get(job.experiment, 0.0) + unit_seconds(job) * max(1, job.resources.gpus)
+    if not cost:
+        return ""
+    dearest = sorted(cost, key=lambda name: (-cost[name], name))
+    for dropped in range(1, len(dearest)):
+        gone = set(dearest[:dropped])
+        kept = [j for j in jobs if j.experiment not in gone]
+        if simulate(kept, gpus).makespan_s <= budget_s:
+            named = ", ".join(dearest[:dropped][:6]) + (f" and {dropped - 6} more" if dropped > 6 else "")
+            return (
+                f"; {len(dearest) - dropped} of the {len(dearest)} sweep points fit on {gpus} GPU(s): drop "
+                f"the most expensive first ({named}), e.g. fewer values or seeds in the sweep"
+            )
+    return ""
+
+
 def usable_s(jobs: list[PlannedJob], budget_s: int) -> float:
     """The part of the budget units can work in: SLURM signals the allocation signal_delay_s before its
     limit (and up to SLURM_TIMER_S earlier), and the units then stop to checkpoint."""
@@ -139,6 +161,7 @@ def over_budget(jobs: list[PlannedJob], packing: Packing, profile: ClusterProfil
         f"{slurm_time(round(makespan - budget))} over the {slurm_time(round(budget))} the budget "
         f"{slurm_time(packing.budget_s)} leaves before SLURM's stop signal"
     )
+    message += points_that_fit(jobs, packing.gpus, budget)
     for gpus in range(packing.gpus + 1, profile.max_gpus_per_node + 1):
         if simulate(jobs, gpus).makespan_s <= budget:
             return f"{message}; they would fit on {gpus} GPUs (--pack {gpus})"

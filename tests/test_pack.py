@@ -252,3 +252,35 @@ def test_a_requeued_allocation_skips_done_keeps_failed_and_runs_the_rest_again(t
     other = Lanes(units, ["0"], "78", str(tmp_path), str(tmp_path))  # another allocation: a fresh try
     other.resume_states()
     assert other.state == {"lone": "done"}
+
+
+SWEEP = """\
+name: grid
+model: {name_or_path: org/some-model, kind: causal}
+data: {train: DATA}
+eval: {metrics: []}
+resources: {gpus: 1, cpus: 1, mem_gb: 4, time: "02:00:00"}
+sweep:
+  grid: {train.epochs: [1, 4, 2, 3]}
+"""
+
+
+def test_a_sweep_over_the_budget_is_told_how_many_points_fit_dropping_the_dearest_first(tmp_path):
+    folder = folder_with(tmp_path, grid=SWEEP)
+    profile, _ = load_profile(folder)
+
+    def by_epochs(spec, gpus, gpu=None) -> Estimate:  # 1000 s per epoch
+        return Estimate(1000.0 * spec.train.epochs, "measured", "fixed by the test")
+
+    plan = build_plan(load_experiments(folder, profile, parse_overrides([]), None), profile, by_epochs)
+    # 10000 s of work on one lane; usable 6000 s (6150 less the stop signal's 120 + 30): without the
+    # 4000 s point, 6000 s fit; dropping the cheapest first would keep it and never fit.
+    with pytest.raises(ConfigError) as refused:
+        pack_plan(list(plan.jobs), 1, "01:42:30", profile)
+    message = str(refused.value.problems[0])
+    assert "3 of the 4 sweep points fit on 1 GPU(s): drop the most expensive first (grid-ep4)" in message
+    with pytest.raises(ConfigError) as tighter:
+        pack_plan(list(plan.jobs), 1, "01:09:10", profile)  # 4000 s usable: ep4, then ep3 go (3000 s left)
+    assert "2 of the 4 sweep points fit on 1 GPU(s): drop the most expensive first (grid-ep4, grid-ep3)" in str(
+        tighter.value.problems[0]
+    )
