@@ -1,0 +1,92 @@
+"""A sweep is experiments: the loader expands a `sweep:` block into ordinary experiments that are validated,
+selected and planned like any other, and a wrong value is blamed on the sweep's own line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import launch
+from slurm.experiments import load_experiments
+from slurm.profile import load_profile
+from tests.conftest import write_cluster_yaml
+
+SWEPT = """\
+name: lr
+model: {{name_or_path: org/model, kind: causal}}
+data: {{train: {data}, input_field: q, target_field: a}}
+eval: {{metrics: []}}
+resources: {{mem_gb: 4, cpus: 1}}
+sweep:
+  grid:
+    train.learning_rate: [1.0e-4, {second_lr}]
+    adapter.rank: [4, 8]
+  seeds: [1, 2, 3]
+  select: {{metric: eval_loss, mode: min}}
+"""
+AFTER = """\
+name: after-all
+model: {{name_or_path: org/model, kind: causal}}
+data: {{train: {data}, input_field: q, target_field: a}}
+eval: {{metrics: []}}
+resources: {{mem_gb: 4, cpus: 1}}
+after: [lr]
+"""
+
+
+def folder_of(tmp_path: Path, second_lr: str = "3.0e-4", **more: str) -> Path:
+    folder = tmp_path / "configs"
+    folder.mkdir()
+    write_cluster_yaml(folder, tmp_path)
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"q": "x", "a": "y"}\n')
+    (folder / "lr.yaml").write_text(SWEPT.format(data=data, second_lr=second_lr))
+    for name, text in more.items():
+        (folder / f"{name}.yaml").write_text(text.format(data=data))
+    return folder
+
+
+def test_a_sweep_of_two_rates_two_ranks_and_three_seeds_is_twelve_ordinary_experiments(tmp_path):
+    folder = folder_of(tmp_path)
+    profile, _ = load_profile(folder)
+    loaded = load_experiments(folder, profile)
+    assert len(loaded) == 12
+    first = loaded[0]
+    assert first.name == "lr-lr1e-04-r4-s1"
+    assert (first.experiment.train.learning_rate, first.experiment.adapter.rank) == (1e-4, 4)
+    assert first.experiment.train.seed == 1
+    assert first.sweep.values == {"train.learning_rate": 1e-4, "adapter.rank": 4} and first.sweep.seed == 1
+    points = {e.sweep.point for e in loaded}
+    assert points == {"lr1e-04-r4", "lr1e-04-r8", "lr3e-04-r4", "lr3e-04-r8"}
+    # The seed is a hyperparameter of the job: replicates are different configs, hence different hashes.
+    assert len({(e.experiment.train.seed, e.sweep.point) for e in loaded}) == 12
+
+
+def test_a_bad_swept_value_is_blamed_on_the_sweeps_line_and_names_the_point(tmp_path, capsys):
+    folder = folder_of(tmp_path, second_lr="0.5")  # a learning rate that diverges: refused by validation
+    assert launch.main(["--all", "--dry-run", "--config-dir", str(folder)]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "lr.yaml:8: train.learning_rate:" in err  # line 8: the grid's learning_rate list
+    assert "(sweep point lr-lr0.5-r4)" in err and "(sweep point lr-lr0.5-r8)" in err
+    assert "lr1e-04" not in err  # the good points are not blamed
+
+
+def test_a_malformed_sweep_is_refused_at_its_key_before_anything_is_planned(tmp_path, capsys):
+    folder = folder_of(tmp_path)
+    text = (folder / "lr.yaml").read_text().replace("seeds: [1, 2, 3]", "seeds: [1, 1]")
+    (folder / "lr.yaml").write_text(text)
+    assert launch.main(["--all", "--dry-run", "--config-dir", str(folder)]) == 2
+    assert "lr.yaml:10: sweep.seeds:" in capsys.readouterr().err
+
+
+def test_exp_names_a_whole_sweep_or_one_point_and_after_a_sweep_waits_for_every_point(tmp_path, capsys):
+    folder = folder_of(tmp_path, **{"after-all": AFTER})
+    assert launch.main(["--exp", "lr", "--dry-run", "--json", "--config-dir", str(folder)]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert len(plan["jobs"]) == 12 and {j["sweep"] for j in plan["jobs"]} == {"lr"}
+    assert plan["sweeps"]["lr"]["points"] == 12
+    assert launch.main(["--exp", "lr-lr1e-04-r8-s2", "--dry-run", "--json", "--config-dir", str(folder)]) == 0
+    assert [j["id"] for j in json.loads(capsys.readouterr().out)["jobs"]] == ["lr-lr1e-04-r8-s2/train"]
+    assert launch.main(["--all", "--dry-run", "--json", "--config-dir", str(folder)]) == 0
+    waits = next(j for j in json.loads(capsys.readouterr().out)["jobs"] if j["id"] == "after-all/train")
+    assert len(waits["depends_on"]) == 12  # every point's last job, not a dangling name
