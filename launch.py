@@ -77,6 +77,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="with --pack: the allocation's time limit; a plan whose estimates do not fit is refused",
     )
     parser.add_argument("--force", action="store_true", help="rerun finished stages whose config changed")
+    parser.add_argument(
+        "--removed",
+        action="store_true",
+        help="with --cancel: the live jobs of experiments (sweep points) no config folder has any more",
+    )
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="e.g. train.learning_rate=1e-4")
     return parser.parse_args(argv)
 

@@ -7,12 +7,17 @@ jobs and a pack's idle lanes included, as the launcher found them (`usage`: slur
 a local job's own clock). A job without such a figure (run by hand, unknown to the scheduler) counts its
 Trainer clock x its GPUs, and the report says so; a CPU run (device "cpu") costs no GPU-hours.
 An experiment that failed or never ran is a row that says so, never a silent gap.
+
+The points of a `sweep:` block (spec/sweep.py) are compared like with like: one table per sweep, a row per
+point, its replicates (one per seed) as mean ± sample standard deviation; a point whose seeds have not all
+finished says so instead of averaging fewer. report.csv keeps one row per replicate.
 """
 
 from __future__ import annotations
 
 import csv
 import io
+import statistics
 from pathlib import Path
 
 import yaml
@@ -20,6 +25,7 @@ import yaml
 from spec.files import read_jsonl, write_atomic
 from spec.names import REPORT_COLUMNS
 from spec.rundir import METRICS_FIELDS, RunDir
+from spec.sweep import SweepMember
 
 COLUMNS = (
     "experiment",
@@ -165,12 +171,17 @@ def split_marker(results: dict) -> str | None:
     return "TRAIN (scored on training data)" if split == "train" else split
 
 
+UNCHANGED = "complete (adapter did not change outputs!)"  # done, but the adapter changed no prediction
+
+
 def status_text(jobs, states: dict[str, str], has_results: bool) -> str:
     if has_results:
         flagged = any(
             read_results(j.run_dir).get("adapter_changes_output") is False for j in jobs if j.kind == "eval"
         )
-        return "complete (adapter did not change outputs!)" if flagged else "complete"
+        return UNCHANGED if flagged else "complete"
+    if all(j.kind == "train" for j in jobs) and all(states.get(j.id) == "COMPLETED" for j in jobs):
+        return "complete (no eval asked)"  # before: "missing: not run yet" for a trained experiment
     bad = [
         f"{j.stage} {states[j.id]}" for j in jobs if states.get(j.id) not in (None, "COMPLETED", "PLANNED")
     ]
@@ -224,12 +235,14 @@ def write_report(
     tasks: dict[str, str | None] | None = None,
     gpu_hour_cost: float | None = None,
     usage=None,
+    sweeps: dict[str, SweepMember] | None = None,
 ) -> list[Path]:
-    """report.md (one table per task, each with the published baselines of that task), report.csv (every
-    row, with its task) and the loss curves. `tasks`: experiment name → its `task:` (None: not set);
-    `gpu_hour_cost` (cluster.yaml) adds a cost per experiment and in total; `usage` (a PlanUsage of
-    slurm/usage.py) is what each job held, without it every job counts its Trainer clock."""
-    states, tasks = states or {}, tasks or {}
+    """report.md (one table per task, each with the published baselines of that task, then one table per
+    sweep), report.csv (every row, with its task) and the loss curves. `tasks`: experiment name → its
+    `task:` (None: not set); `gpu_hour_cost` (cluster.yaml) adds a cost per experiment and in total;
+    `usage` (a PlanUsage of slurm/usage.py) is what each job held, without it every job counts its
+    Trainer clock; `sweeps`: experiment name → the sweep point it is (absent: not a sweep point)."""
+    states, tasks, sweeps = states or {}, tasks or {}, sweeps or {}
     used = usage.jobs if usage is not None else {}
     experiments = list(dict.fromkeys(j.experiment for j in plan.jobs))
     job_rows = {j.id: job_row(j, states, used.get(j.id)) for j in plan.jobs}
@@ -242,28 +255,187 @@ def write_report(
         published = baseline_sets(path) | published  # the first file naming a task wins
     groups = list(dict.fromkeys(row["task"] for row in rows))
     extra = [b | {"task": task} for task in groups if task in published for b in published[task][0]]
-    columns = [c for c in COLUMNS if c in ("experiment", "status") or any(r.get(c) is not None for r in rows)]
+    plain = [r for r in rows if r["experiment"] not in sweeps]  # sweep points get their sweep's table
+    columns = present_columns(plain)
     extra_columns = sorted({k for r in extra for k in r} - set(columns) - {"name", "task"})
     run_root.mkdir(parents=True, exist_ok=True)
-    written = [*plot_losses(plan, experiments, run_root)]
+    written = [*plot_losses(plan, experiments, run_root, sweeps)]
     md = ["# Experiment report", ""]
     for task in groups:
         if len(groups) > 1:
             md += [f"## Task: {task or '(no task set)'}", ""]
-        members = [r for r in rows if r["task"] == task] + [r for r in extra if r["task"] == task]
-        md += [to_markdown(members, columns + extra_columns), ""]
+        members = [r for r in plain if r["task"] == task] + [r for r in extra if r["task"] == task]
+        if members or not sweeps:
+            md += [to_markdown(members, columns + extra_columns), ""]
         if task in published and published[task][1]:
             md += [f"Published baselines ({task}): {published[task][1]}.", ""]
+        for sweep, points in sweep_points([r for r in rows if r["task"] == task], sweeps).items():
+            md += sweep_section(sweep, points, sweeps)
     md += ["## Jobs", "", to_markdown(list(job_rows.values()), list(JOB_COLUMNS)), ""]
     md += [totals_text(list(job_rows.values()), usage, gpu_hour_cost), ""]
     md += [f"![loss curves]({p.relative_to(run_root)})" for p in written[:1]]
     write_atomic(run_root / "report.md", "\n".join(md) + "\n")
-    buffer = io.StringIO()
-    writer = csv.DictWriter(buffer, fieldnames=columns + extra_columns + ["task"], extrasaction="ignore")
-    writer.writeheader()
-    writer.writerows(rows + extra)
-    write_atomic(run_root / "report.csv", buffer.getvalue())
+    write_atomic(run_root / "report.csv", csv_text(rows, extra, sweeps))
     return [run_root / "report.md", run_root / "report.csv", *written]
+
+
+def present_columns(rows: list[dict]) -> list[str]:
+    """COLUMNS that some row has a value for (experiment and status always)."""
+    return [c for c in COLUMNS if c in ("experiment", "status") or any(r.get(c) is not None for r in rows)]
+
+
+def csv_text(rows: list[dict], extra: list[dict], sweeps: dict[str, SweepMember]) -> str:
+    """Every experiment's row (each replicate of a sweep point its own, with its sweep, point, seed and
+    swept values: the means of report.md can be recomputed from them) and the published baselines.
+    No mean or std rows: a sum over the file (of gpu_hours, cost) would count a point twice."""
+    columns = present_columns(rows)
+    fields = columns + sorted({k for r in extra for k in r} - set(columns) - {"name", "task"}) + ["task"]
+    members = [sweeps[r["experiment"]] for r in rows if r["experiment"] in sweeps]
+    if members:
+        fields += ["sweep", "point", "seed", *dict.fromkeys(key for m in members for key in m.swept)]
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=fields, extrasaction="ignore")
+    writer.writeheader()
+    writer.writerows([row | sweep_fields(sweeps.get(row["experiment"])) for row in rows] + extra)
+    return buffer.getvalue()
+
+
+def sweep_fields(member: SweepMember | None) -> dict:
+    if member is None:
+        return {}
+    return {"sweep": member.sweep, "point": member.point, "seed": member.seed, **member.values}
+
+
+# Sweeps: a table per sweep, a row per point, its replicates' numbers as mean ± standard deviation.
+
+# The numbers a sweep's points are compared on: losses, scores, and what a point cost.
+SWEEP_METRICS = ("best_eval_loss", *REPORT_COLUMNS.values(), "train_min", "gpu_hours", "cost")
+INCOMPLETE = "incomplete"
+EVAL_LOSS = "best_eval_loss"  # the in-training eval on the eval split, the best of all stages
+
+
+def sweep_points(rows: list[dict], sweeps: dict[str, SweepMember]) -> dict[str, dict[str, list[dict]]]:
+    """Sweep name → point → the rows of its replicates, in plan order."""
+    found: dict[str, dict[str, list[dict]]] = {}
+    for row in rows:
+        member = sweeps.get(row["experiment"])
+        if member is not None:
+            found.setdefault(member.sweep, {}).setdefault(member.point, []).append(row)
+    return found
+
+
+def finished(row: dict) -> bool:
+    return row["status"].startswith("complete")
+
+
+def sweep_section(name: str, points: dict[str, list[dict]], sweeps: dict[str, SweepMember]) -> list[str]:
+    """### Sweep: NAME, its table, which point is best by its `select` (and why none is), and which
+    replicates did not finish."""
+    first = sweeps[next(iter(points.values()))[0]["experiment"]]
+    replicates = [r for reps in points.values() for r in reps]
+    metrics = [c for c in SWEEP_METRICS if any(r.get(c) is not None for r in replicates)]
+    table = [point_row(point, reps, sweeps, metrics) for point, reps in points.items()]
+    columns = ["point", *first.swept, "seeds"]
+    columns += ["eval_split"] if any(r.get("eval_split") for r in replicates) else []
+    lines = [f"### Sweep: {name}", ""]
+    best, verdict = None, None
+    if first.select is not None:
+        best, verdict = best_point(points, first.select)
+    if best is not None:
+        columns.append("best")
+        next(row for row in table if row["point"] == best)["best"] = "✓"
+    lines += [to_markdown(table, columns + metrics), ""]
+    lines += [verdict, ""] if verdict else []
+    unfinished = [f"{r['experiment']} ({r['status']})" for r in replicates if not finished(r)]
+    if unfinished:
+        lines += [f"Replicates not complete: {', '.join(unfinished)}.", ""]
+    flagged = [
+        f"{r['experiment']} ({r['status']})" for r in replicates if finished(r) and r["status"] == UNCHANGED
+    ]
+    if flagged:  # counted as done, but a mean hides what its row would have said
+        lines += [f"Replicates complete with a warning: {', '.join(flagged)}.", ""]
+    return lines
+
+
+def point_row(point: str, replicates: list[dict], sweeps: dict[str, SweepMember], metrics: list[str]) -> dict:
+    """One point: its swept values, how many of its seeds are done, and each metric over its replicates."""
+    done = sum(finished(r) for r in replicates)
+    complete = done == len(replicates)
+    splits = dict.fromkeys(r["eval_split"] for r in replicates if r.get("eval_split"))
+    return {
+        "point": point,
+        **sweeps[replicates[0]["experiment"]].values,
+        "seeds": f"{done}/{len(replicates)} done",
+        "eval_split": ", ".join(splits) or None,
+        "best": "",
+        **{c: replicates_cell([r.get(c) for r in replicates]) if complete else INCOMPLETE for c in metrics},
+    }
+
+
+def replicates_cell(values: list) -> str | None:
+    """`mean ± std` (sample standard deviation) of the replicates' values, the value itself for one;
+    `incomplete` when some replicate has none: a mean of fewer would compare unlike with like."""
+    known = [float(v) for v in values if v is not None]
+    if not known:
+        return None
+    if len(known) < len(values):
+        return INCOMPLETE
+    if len(known) == 1:
+        return f"{known[0]:.4g}"
+    return f"{statistics.mean(known):.4g} ± {statistics.stdev(known):.4g}"
+
+
+def select_field(metric: str) -> str | None:
+    """The row field `select.metric` names: eval_loss is the in-training eval's (summary.json, on the
+    eval split); a score is the eval job's, named by its key (bertscore_f1) or its column (bertscore)."""
+    if metric in ("eval_loss", EVAL_LOSS):
+        return EVAL_LOSS
+    if metric in REPORT_COLUMNS:
+        return REPORT_COLUMNS[metric]
+    return metric if metric in REPORT_COLUMNS.values() else None
+
+
+def best_point(points: dict[str, list[dict]], select) -> tuple[str | None, str]:
+    """The point `select` picks (the best mean over its replicates) and the line that says so, or None and
+    the line saying why none is picked. Only points with every seed done and scored compete, and only on
+    the eval split: a point chosen on test scores makes those scores an optimistic estimate."""
+    head = f"Best by {select.metric} ({select.mode}"
+    field = select_field(select.metric)
+    if field is None:
+        known = ", ".join(["eval_loss", *REPORT_COLUMNS])
+        return None, f"{head}): none marked: the report has no metric {select.metric!r} (it has {known})."
+    if field != EVAL_LOSS:
+        refused = split_refusal(field, [r for reps in points.values() for r in reps])
+        if refused:
+            return None, f"{head}): none marked: {refused}"
+    means = {
+        point: statistics.mean(r[field] for r in reps)
+        for point, reps in points.items()
+        if all(finished(r) and r.get(field) is not None for r in reps)
+    }
+    if not means:
+        return None, f"{head}, eval split): none yet: no point has every seed done with a {field}."
+    best = (min if select.mode == "min" else max)(means, key=means.__getitem__)  # a tie: the first point
+    return best, f"{head}, eval split): {best}"
+
+
+def split_refusal(field: str, replicates: list[dict]) -> str | None:
+    """Why `field` (an eval job's score) cannot select a point: some replicate scored another split than
+    the eval data. A results.json without `split` predates the setting, when only the eval data was
+    scored."""
+    for row in replicates:
+        marker = row.get("eval_split")
+        if row.get(field) is None or marker in (None, "eval"):
+            continue
+        if marker == split_marker({"split": "train"}):
+            where, what = "the training data", "on the training data"
+        else:
+            where, what = f"split {marker!r}", "on a test split"
+        return (
+            f"the selection cannot be made {what} ({row['experiment']}'s {field} was scored on {where}); "
+            "select on eval_loss or on scores of the eval split."
+        )
+    return None
 
 
 def totals_text(job_rows: list[dict], usage, gpu_hour_cost: float | None) -> str:
@@ -309,21 +481,26 @@ def loss_series(plan, experiment: str) -> tuple[list, list, list]:
     return train, evals, boundaries[:-1]
 
 
-def plot_losses(plan, experiments: list[str], run_root: Path) -> list[Path]:
+def plot_losses(
+    plan, experiments: list[str], run_root: Path, sweeps: dict[str, SweepMember] | None = None
+) -> list[Path]:
+    """loss_curves.png (every experiment; a sweep point's replicates as one mean line with a band) and
+    each experiment's own loss.png (a replicate's included)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    sweeps = sweeps or {}
     series = {name: loss_series(plan, name) for name in experiments}
     series = {k: v for k, v in series.items() if v[0] or v[1]}
     if not series:
         return []
     paths = [run_root / "loss_curves.png"]
     fig, ax = plt.subplots(figsize=(9, 5))
-    for name, (train, evals, boundaries) in series.items():
-        draw(ax, name, train, evals, boundaries)
-    finish(ax, "Loss of every experiment (dotted lines: stage boundaries)")
+    draw_all(ax, series, experiments, sweeps)
+    banded = "; sweep points: mean of their seeds, band min–max" if sweeps.keys() & series.keys() else ""
+    finish(ax, f"Loss of every experiment (dotted lines: stage boundaries{banded})")
     fig.savefig(paths[0], dpi=110, bbox_inches="tight")
     plt.close(fig)
     for name, (train, evals, boundaries) in series.items():
@@ -335,6 +512,63 @@ def plot_losses(plan, experiments: list[str], run_root: Path) -> list[Path]:
         fig.savefig(paths[-1], dpi=110, bbox_inches="tight")
         plt.close(fig)
     return paths
+
+
+def draw_all(ax, series: dict[str, tuple], experiments: list[str], sweeps: dict[str, SweepMember]) -> None:
+    """Each experiment's curves, except a sweep point's replicates: drawn together as their mean, at the
+    first replicate's place in plan order. `series`: loss_series of the experiments that logged any."""
+    points: dict[tuple, list[str]] = {}  # (sweep, point) → its replicates in the plan
+    for name in experiments:
+        if name in sweeps:
+            points.setdefault((sweeps[name].sweep, sweeps[name].point), []).append(name)
+    drawn: set[tuple] = set()
+    for name, (train, evals, boundaries) in series.items():
+        member = sweeps.get(name)
+        if member is None:
+            draw(ax, name, train, evals, boundaries)
+            continue
+        key = (member.sweep, member.point)
+        if key not in drawn:
+            drawn.add(key)
+            logged = [series[n] for n in points[key] if n in series]
+            draw_mean(ax, f"{member.sweep}-{member.point}", logged, len(points[key]))
+
+
+def draw_mean(ax, label: str, replicates: list[tuple], total: int) -> None:
+    """A sweep point: the mean training loss of its replicates with a min–max band, and their mean eval
+    loss, at the steps every replicate that logged has; the label says how many of its `total` seeds."""
+    line = None
+    train = mean_band([t for t, _, _ in replicates if t])
+    seeds = f"mean of {sum(bool(t) for t, _, _ in replicates)}/{total} seeds"
+    if train:
+        steps, means, lows, highs = zip(*train, strict=True)
+        (line,) = ax.plot(steps, means, label=f"{label} train ({seeds}, band min–max)")
+        ax.fill_between(steps, lows, highs, color=line.get_color(), alpha=0.2, linewidth=0)
+    evaluated = [e for _, e, _ in replicates if e]
+    evals = mean_band(evaluated)
+    if evals:
+        steps, means, _, _ = zip(*evals, strict=True)
+        color = line.get_color() if line else None
+        ax.plot(
+            steps, means, "o--", color=color, label=f"{label} eval (mean of {len(evaluated)}/{total} seeds)"
+        )
+    shared = [b for b in replicates[0][2] if all(b in r[2] for r in replicates)]
+    for step, _ in shared:
+        ax.axvline(step, color=line.get_color() if line else "grey", linestyle=":", alpha=0.7)
+
+
+def mean_band(curves: list[list[tuple]]) -> list[tuple]:
+    """(step, mean, min, max) of the curves' values at each step they all have: a mean over fewer
+    replicates at the tail of the longest would jump where a shorter one ends."""
+    by_step = [dict(curve) for curve in curves]
+    if not by_step:
+        return []
+    steps = sorted(set.intersection(*(set(values) for values in by_step)))
+    band = []
+    for step in steps:
+        values = [v[step] for v in by_step]
+        band.append((step, statistics.fmean(values), min(values), max(values)))
+    return band
 
 
 def draw(ax, name, train, evals, boundaries, label_stages=False) -> None:

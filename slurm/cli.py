@@ -45,11 +45,11 @@ from slurm.render import (
 from slurm.request import LaunchRequest, action_of, nothing_done, request_from
 from slurm.states import State
 from slurm.status import plan_status
-from slurm.watched import Watched, watched_experiments
+from slurm.watched import Watched, removed_from, removed_text, watched_experiments
 from slurm.yamlfile import find_inherited
 from spec.files import forget_warnings
 from spec.problems import ConfigError, Problem, short_path
-from spec.rundir import current_job, record_origin
+from spec.rundir import RunDir, current_job, mark_cancelled, record_origin
 
 out = console()  # the terminal's width (tables fit it), or 160 columns into a file or a CI log
 err = console(stderr=True)
@@ -134,6 +134,8 @@ def launch(request: LaunchRequest, profile) -> int:
     overrides = parse_overrides(list(request.overrides))
     experiments = load_experiments(request.config_dir, profile, overrides, request.experiments)
     plan = planned(experiments, profile, request)
+    if removed := removed_from(Path(profile.run_dir), request.config_dir, overrides):
+        err.print(removed_text(removed, Path(profile.run_dir)), highlight=False, soft_wrap=True)
     pack = requested_pack(request, profile)
     if request.action == "dry_run":
         return dry_run(plan, profile, request, pack)
@@ -275,6 +277,8 @@ def preflight_table(results):
 def watch(request: LaunchRequest, profile) -> int:
     """--status, --tail, --cancel, --report: on what the run root holds (slurm/watched.py), narrowed by
     --config-dir and --exp; files that do not load are warned about."""
+    if request.action == "cancel" and request.removed:
+        return cancel_removed(request, profile)
     watched = watched_of(request, profile, request.experiments)
     unknown = [p for p in watched.warnings if p.file == "command line"]
     if request.action == "cancel" and unknown:
@@ -369,7 +373,14 @@ def report(profile, request: LaunchRequest) -> list[Path]:
     usage = plan_usage(plan, profile.log_dir)  # what each job held: sacct, or a local job's own clock
     try:
         return write_report(
-            plan, Path(profile.run_dir), states, baselines, tasks, profile.gpu_hour_cost, usage
+            plan,
+            Path(profile.run_dir),
+            states,
+            baselines,
+            tasks,
+            profile.gpu_hour_cost,
+            usage,
+            sweeps={name: e.sweep for name, e in experiments.items() if e.sweep is not None},
         )
     except BaselinesError as exc:
         raise ConfigError([Problem(str(exc.path), "task", str(exc))]) from None
@@ -588,6 +599,57 @@ def sharing_packs(request: LaunchRequest, profile, plan: Plan) -> dict[str, list
         if record.get("pack") and row.state.live and row.job.id not in chosen:
             others.setdefault(row.scheduler_id, []).append(row.job.id)
     return others
+
+
+def cancel_removed(request: LaunchRequest, profile) -> int:
+    """--cancel --removed: the queued or running jobs of experiments the run root holds that no config
+    folder has any more (points removed from a sweep). Their configs are gone, so their job records are
+    all there is: each unfinished stage's last job, if the scheduler still has it live."""
+    from slurm.scheduler import cancel as cancel_jobs
+    from slurm.scheduler import local_alive, scheduler_job
+    from slurm.status import query_slurm
+
+    overrides = parse_overrides(list(request.overrides))
+    gone = watched_experiments(Path(profile.run_dir), request.config_dir, False, overrides).gone
+    records = {
+        f"{name}/{stage.name}": record
+        for name in gone
+        for stage in sorted(p for p in (Path(profile.run_dir) / name).iterdir() if p.is_dir())
+        if (record := current_job(stage)) and not RunDir(stage).done.exists()
+    }
+    packed = sorted(job for job, record in records.items() if record.get("pack"))
+    live_slurm = query_slurm([r["job_id"] for r in records.values() if r.get("backend") != "local"])
+    jobs = {
+        job: scheduler_job(profile.log_dir, job, record)
+        for job, record in records.items()
+        if job not in packed
+    }
+
+    def still_live(job: str) -> bool:
+        record = records[job]
+        if record.get("backend") == "local":
+            return local_alive(jobs[job])
+        return record["job_id"] in live_slurm and live_slurm[record["job_id"]].state.live
+
+    live = {job: handle for job, handle in jobs.items() if still_live(job)}
+    for job in live:
+        if records[job].get("backend") == "local":
+            mark_cancelled(Path(profile.run_dir) / job, records[job]["job_id"])
+    still = set(cancel_jobs(list(live.values())))
+    done = [job for job, handle in live.items() if str(handle.job_id) not in still]
+    out.print(
+        f"Cancelled {len(done)} job(s) of experiments no config folder has any more: "
+        + (", ".join(done) or "none was live")
+        + (f" ({len(gone)} such experiment(s) in {profile.run_dir}/)" if gone else ""),
+        highlight=False,
+        soft_wrap=True,
+    )
+    if packed:
+        err.print(
+            f"[yellow]warning:[/] not cancelled, units of a packed allocation: {', '.join(packed)}",
+            highlight=False,
+        )
+    return 1 if still else 0
 
 
 def cancel(plan: Plan, log_root: str, sharing: dict[str, list[str]] | None = None) -> int:

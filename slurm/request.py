@@ -51,6 +51,7 @@ class LaunchRequest:
     pack: int | None = None  # --pack G; None: cluster.yaml's `pack`, if any
     budget: str | None = None  # --pack's time limit, a SLURM duration
     force: bool = False
+    removed: bool = False  # --cancel --removed
     tail: str | None = None  # EXP[/STAGE]
     rank: int = 0  # with --tail
     calibrate_steps: int = 30
@@ -88,6 +89,7 @@ def request_from(args) -> LaunchRequest:
         pack=args.pack,
         budget=args.budget,
         force=args.force,
+        removed=args.removed,
         tail=args.tail,
         rank=args.rank,
         calibrate_steps=args.calibrate_steps,
@@ -105,6 +107,8 @@ def door_problems(request: LaunchRequest, chose: bool) -> list[Problem]:
     found = []
     if request.action in NAMING and not chose:
         found.append(problem("", "say which experiments: --all or --exp NAME [NAME ...]"))
+    if request.removed and request.action != "cancel":
+        found.append(problem("--removed", "picks what --cancel stops: add --cancel"))
     if request.calibrate_steps < 1:
         found.append(problem("--calibrate-steps", "must be at least 1"))
     if request.rank != 0 and request.action != "tail":

@@ -80,3 +80,27 @@ def unknown_name(name: str, known: set[str], gone: list[str], where: Path) -> Pr
     else:
         message = f"no experiment named '{name}' in {where}/" + did_you_mean(name, known)
     return replace(Problem("command line", "--exp", message), warning=True)
+
+
+def removed_from(run_root: Path, config_dir: Path, overrides: dict | None = None) -> list[str]:
+    """Experiments the run root holds that were launched from `config_dir` and that it no longer has (a
+    file deleted, a point dropped from a sweep): a launch of that folder lists them, and leaves them be."""
+    here = config_dir.resolve()
+    launched = [
+        name
+        for name, origin in run_root_experiments(run_root).items()
+        if origin is not None and origin.config_dir.resolve() == here
+    ]
+    if not launched:
+        return []
+    found, _, written = load_watchable_experiments(config_dir, overrides)
+    has = {e.name for e in found} | written
+    return [name for name in launched if name not in has]
+
+
+def removed_text(names: list[str], run_root: Path) -> str:
+    shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+    return (
+        f"{run_root}/ also holds {len(names)} experiment(s) launched from this folder that it no longer has "
+        f"(no longer in any config): {shown}; left as they are (`--cancel --removed` cancels their live jobs)"
+    )

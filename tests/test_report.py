@@ -376,3 +376,180 @@ def test_report_reads_what_each_job_held_from_the_dev_clusters_sacct(slurm_clust
     assert launch.main(["--config-dir", str(tmp_path / "configs"), "--report"]) == 0
     report = (tmp_path / "runs" / "report.md").read_text()
     assert "| real/one | COMPLETED | 2 | 1 | " in report and "| real/eval | COMPLETED | 1 | 1 | " in report
+
+
+SWEEP = "sweep: {{grid: {{train.learning_rate: [1.0e-4, 3.0e-4], adapter.rank: [8]}}{more}}}\n"
+
+
+def sweep_plan(tmp_path: Path, more: str = ", seeds: [1, 2, 3], select: {metric: eval_loss, mode: min}"):
+    """The plan of an ordinary experiment `plain` and of sweep `lr` (one stage: two points, lr1e-04-r8
+    and lr3e-04-r8, with the `seeds`, `select`... of `more`), and the sweep members by experiment name."""
+    plan_of(tmp_path, "plain")
+    configs = tmp_path / "configs"
+    text = EXPERIMENT.format(name="lr", data=tmp_path / "d.jsonl")
+    text = text.replace("stages: [{name: one}, {name: two}]", "stages: [{name: one}]")
+    (configs / "lr.yaml").write_text(text + SWEEP.format(more=more))
+    profile, _ = load_profile(configs)
+    loaded = load_experiments(configs, profile)
+    return build_plan(loaded, profile), {e.name: e.sweep for e in loaded if e.sweep}
+
+
+def write_replicate(runs: Path, name: str, eval_loss: float, scores: dict, split: str = "eval") -> None:
+    """A finished replicate: one stage of 60 s on one GPU (train_min 1, gpu_hours 0.0167) and its scores."""
+    write_stage(runs / name / "one", [3.0, 2.0], 60, eval_loss)
+    (runs / name / "eval").mkdir()
+    results = {"n": 10, "split": split, **scores}
+    (runs / name / "eval" / "results.json").write_text(json.dumps(results))
+
+
+def md_line(report: str, start: str) -> str:
+    return next(line for line in report.splitlines() if line.startswith(start))
+
+
+def test_a_sweep_is_one_row_per_point_with_mean_and_sample_std_of_its_seeds_and_the_best_marked(tmp_path):
+    # Before: every replicate was its own row of the task's table, six rows to compare by eye.
+    plan, sweeps = sweep_plan(tmp_path)
+    runs = tmp_path / "runs"
+    for seed, loss, em in ((1, 1.0, 0.5), (2, 1.2, 0.6), (3, 1.4, 0.7)):
+        write_replicate(runs, f"lr-lr1e-04-r8-s{seed}", loss, {"exact_match": em})
+    for seed, loss, em in ((1, 2.0, 0.2), (2, 2.5, 0.3), (3, 3.0, 0.4)):
+        write_replicate(runs, f"lr-lr3e-04-r8-s{seed}", loss, {"exact_match": em})
+
+    write_report(plan, runs, {}, sweeps=sweeps)
+
+    report = (runs / "report.md").read_text()
+    task_table, sweep_part = report.split("### Sweep: lr")
+    assert "| plain | missing: not run yet |" in task_table and "| lr-lr" not in task_table
+    head = "| point | train.learning_rate | adapter.rank | seeds | eval_split | best | best_eval_loss "
+    assert md_line(sweep_part, "| point ") == head + "| exact_match | train_min | gpu_hours |"
+    # Sample standard deviation (n - 1): 1.0, 1.2, 1.4 -> 0.2 (the population's would be 0.1633).
+    assert md_line(sweep_part, "| lr1e-04-r8 ") == (
+        "| lr1e-04-r8 | 0.0001 | 8 | 3/3 done | eval | ✓ | 1.2 ± 0.2 | 0.6 ± 0.1 | 1 ± 0 | 0.0167 ± 0 |"
+    )
+    assert md_line(sweep_part, "| lr3e-04-r8 ") == (
+        "| lr3e-04-r8 | 0.0003 | 8 | 3/3 done | eval |  | 2.5 ± 0.5 | 0.3 ± 0.1 | 1 ± 0 | 0.0167 ± 0 |"
+    )
+    assert "Best by eval_loss (min, eval split): lr1e-04-r8" in sweep_part
+    assert "not complete" not in sweep_part
+
+
+def test_a_point_with_a_failed_seed_says_2_of_3_done_and_is_not_selected_on_a_mean_of_fewer(tmp_path):
+    plan, sweeps = sweep_plan(tmp_path)
+    runs = tmp_path / "runs"
+    for seed, loss in ((1, 1.0), (2, 1.2), (3, 1.4)):
+        # Seed 2's eval job scored no exact_match: that column cannot be a mean of the other two either.
+        write_replicate(runs, f"lr-lr1e-04-r8-s{seed}", loss, {"exact_match": 0.5} if seed != 2 else {})
+    # Seeds 1 and 2 of lr3e-04-r8 beat every seed of lr1e-04-r8 (mean 0.6); seed 3 failed.
+    write_replicate(runs, "lr-lr3e-04-r8-s1", 0.5, {"exact_match": 0.9})
+    write_replicate(runs, "lr-lr3e-04-r8-s2", 0.7, {"exact_match": 0.9})
+    states = {"lr-lr3e-04-r8-s3/one": "FAILED", "lr-lr3e-04-r8-s3/eval": "BLOCKED"}
+
+    write_report(plan, runs, states, sweeps=sweeps)
+
+    report = (runs / "report.md").read_text()
+    assert md_line(report, "| lr3e-04-r8 ") == (
+        "| lr3e-04-r8 | 0.0003 | 8 | 2/3 done | eval |  | incomplete | incomplete | incomplete | incomplete |"
+    )
+    assert "0.6 ± 0.1414" not in report
+    assert md_line(report, "| lr1e-04-r8 ").startswith("| lr1e-04-r8 | 0.0001 | 8 | 3/3 done | eval | ✓ |")
+    assert "| ✓ | 1.2 ± 0.2 | incomplete | 1 ± 0 |" in md_line(report, "| lr1e-04-r8 ")
+    assert "Best by eval_loss (min, eval split): lr1e-04-r8" in report
+    assert "Replicates not complete: lr-lr3e-04-r8-s3 (missing: one FAILED, eval BLOCKED)." in report
+
+
+def test_a_sweep_is_never_selected_on_a_test_split(tmp_path):
+    # No `seeds:`: each point is one run, its cells the value itself (no ± of one number).
+    plan, sweeps = sweep_plan(tmp_path, ", select: {metric: exact_match, mode: max}")
+    runs = tmp_path / "runs"
+    write_replicate(runs, "lr-lr1e-04-r8", 1.0, {"exact_match": 0.6})
+    write_replicate(runs, "lr-lr3e-04-r8", 2.0, {"exact_match": 0.4})
+
+    write_report(plan, runs, sweeps=sweeps)
+
+    report = (runs / "report.md").read_text()
+    assert md_line(report, "| lr1e-04-r8 ").startswith(
+        "| lr1e-04-r8 | 0.0001 | 8 | 1/1 done | eval | ✓ | 1 | 0.6 |"
+    )
+    assert "Best by exact_match (max, eval split): lr1e-04-r8" in report
+
+    # The same scores on a test split: choosing by them would make them an optimistic estimate.
+    for name in ("lr-lr1e-04-r8", "lr-lr3e-04-r8"):
+        (runs / name / "eval" / "results.json").write_text(json.dumps({"exact_match": 0.5, "split": "test"}))
+    write_report(plan, runs, sweeps=sweeps)
+
+    report = (runs / "report.md").read_text()
+    assert "✓" not in report and "| best |" not in report
+    assert (
+        "Best by exact_match (max): none marked: the selection cannot be made on a test split "
+        "(lr-lr1e-04-r8's exact_match was scored on split 'test'); select on eval_loss or on scores of "
+        "the eval split."
+    ) in report
+    # Nor on the training data (eval.split: train), which the row already flags.
+    for name in ("lr-lr1e-04-r8", "lr-lr3e-04-r8"):
+        (runs / name / "eval" / "results.json").write_text(json.dumps({"exact_match": 0.5, "split": "train"}))
+    write_report(plan, runs, sweeps=sweeps)
+    report = (runs / "report.md").read_text()
+    assert "✓" not in report and "none marked: the selection cannot be made on the training data" in report
+
+
+def test_report_csv_keeps_each_seeds_row_with_its_sweep_point_seed_and_swept_values(tmp_path):
+    plan, sweeps = sweep_plan(tmp_path)
+    runs = tmp_path / "runs"
+    for seed, loss in ((1, 1.0), (2, 1.2), (3, 1.4)):
+        write_replicate(runs, f"lr-lr1e-04-r8-s{seed}", loss, {"exact_match": 0.5})
+
+    write_report(plan, runs, sweeps=sweeps)
+
+    reader = csv.DictReader((runs / "report.csv").open())
+    rows = {r["experiment"]: r for r in reader}
+    assert reader.fieldnames[-6:] == ["task", "sweep", "point", "seed", "train.learning_rate", "adapter.rank"]
+    assert len(rows) == 7  # six replicates and plain: no mean or std rows
+    seed_2 = rows["lr-lr1e-04-r8-s2"]
+    assert (seed_2["sweep"], seed_2["point"], seed_2["seed"]) == ("lr", "lr1e-04-r8", "2")
+    assert (seed_2["train.learning_rate"], seed_2["adapter.rank"], seed_2["best_eval_loss"]) == (
+        "0.0001",
+        "8",
+        "1.2",
+    )
+    assert rows["lr-lr3e-04-r8-s3"]["status"] == "missing: not run yet"
+    assert (rows["plain"]["sweep"], rows["plain"]["seed"], rows["plain"]["adapter.rank"]) == ("", "", "")
+    # Without `sweeps` (a caller that does not pass them) the report is as before: a row per experiment.
+    write_report(plan, runs)
+    reader = csv.DictReader((runs / "report.csv").open())
+    assert "sweep" not in reader.fieldnames and "### Sweep" not in (runs / "report.md").read_text()
+    assert "| lr-lr1e-04-r8-s2 | complete |" in (runs / "report.md").read_text()
+
+
+def test_a_sweep_points_loss_curves_are_one_mean_line_with_a_min_max_band_over_shared_steps(tmp_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from eval.report import draw_all, loss_series
+
+    plan, sweeps = sweep_plan(tmp_path)
+    runs = tmp_path / "runs"
+    # Steps 5, 10, 15; seed 3 stopped after step 10, so the mean ends there (3.0 and 2.0, band 2-4 and 2-2).
+    for seed, losses in ((1, [3.0, 2.0, 1.0]), (2, [4.0, 2.0, 0.0]), (3, [2.0, 2.0])):
+        write_stage(runs / f"lr-lr1e-04-r8-s{seed}" / "one", losses, 60, 1.0)
+    write_stage(runs / "plain" / "one", [5.0], 60, 1.0)
+    experiments = plan.experiments()
+    series = {name: loss_series(plan, name) for name in experiments}
+    series = {name: s for name, s in series.items() if s[0]}
+
+    fig, ax = plt.subplots()
+    draw_all(ax, series, experiments, sweeps)
+
+    labels = [line.get_label() for line in ax.lines if not line.get_label().startswith("_")]
+    # The seeds' eval losses share no step (15, 15, 10): no eval mean rather than one over fewer.
+    assert labels == ["lr-lr1e-04-r8 train (mean of 3/3 seeds, band min–max)", "plain train", "plain eval"]
+    mean = next(line for line in ax.lines if line.get_label().startswith("lr-lr1e-04-r8"))
+    assert list(zip(mean.get_xdata(), mean.get_ydata(), strict=True)) == [(5, 3.0), (10, 2.0)]
+    (band,) = ax.collections
+    vertices = band.get_paths()[0].vertices
+    assert (vertices[:, 0].min(), vertices[:, 0].max()) == (5, 10)
+    assert (vertices[:, 1].min(), vertices[:, 1].max()) == (2.0, 4.0)
+    plt.close(fig)
+    written = write_report(plan, runs, sweeps=sweeps)
+    assert runs / "loss_curves.png" in written and runs / "lr-lr1e-04-r8-s3" / "loss.png" in written

@@ -1,0 +1,114 @@
+"""A sweep of 2 learning rates x 2 ranks x 3 seeds, one YAML, run for real (locally, and on the dev
+cluster): twelve trainings, a report of four points with mean ± std over three seeds and a marked best, a
+relaunch that queues nothing, and a learning rate removed from the file listed as six removed points."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+import launch
+from tests.conftest import squeue_ids, write_cluster_yaml
+
+SWEEP = """\
+name: sweep
+model: {{name_or_path: {root}/models/tiny-llama, kind: causal}}
+adapter: {{rank: 4, alpha: 8, dropout: 0.0, max_trainable_percent: 40}}
+data:
+  train: {root}/data/demo/sql/easy.jsonl
+  eval: {root}/data/demo/sql/dev.jsonl
+  input_field: question
+  target_field: sql
+  prompt_template: "{{schema}} | {{question}} | SQL: "
+train: {{epochs: 1, batch_size: 16, eval_every_epochs: 1, logging_steps: 1}}
+eval: {{metrics: []}}
+resources: {{gpus: 0, cpus: 1, mem_gb: 1, time: "00:15:00"}}
+sweep:
+  grid:
+    train.learning_rate: [{rates}]
+    adapter.rank: [4, 8]
+  seeds: [1, 2, 3]
+  select: {{metric: eval_loss, mode: min}}
+"""
+
+
+def sweep_folder(tmp: Path, repo_root: Path, rates: str = "1.0e-3, 3.0e-3") -> Path:
+    folder = tmp / "configs"
+    folder.mkdir(exist_ok=True)
+    write_cluster_yaml(folder, tmp, local_parallel_jobs=2)
+    (folder / "sweep.yaml").write_text(SWEEP.format(root=repo_root, rates=rates))
+    return folder
+
+
+def sweep_table(report: str) -> list[str]:
+    section = report.split("### Sweep: sweep", 1)[1]
+    return [line for line in section.splitlines() if line.startswith("| lr")]
+
+
+def check_the_report_and_the_removed_points(tmp: Path, repo_root: Path, folder: Path, capsys) -> None:
+    rows = sweep_table((tmp / "runs" / "report.md").read_text())
+    assert len(rows) == 4  # one row per point, its three seeds collapsed
+    assert all("3/3 done" in row and "±" in row for row in rows), rows
+    assert sum("✓" in row for row in rows) == 1  # the best point by eval_loss, marked once
+    sweep_folder(tmp, repo_root, rates="1.0e-3")  # one learning rate removed from the file
+    capsys.readouterr()
+    assert launch.main(["--all", "--dry-run", "--config-dir", str(folder)]) == 0
+    said = " ".join(capsys.readouterr().err.split())
+    removed = re.search(r"holds (\d+) experiment\(s\) launched from this folder that it no longer has", said)
+    assert removed and removed.group(1) == "6", said
+    assert "sweep-lr0.003-r4-s1" in said and "sweep-lr0.001-r4-s1" not in said
+    assert launch.main(["--status"]) == 0  # from tmp: the run root holds them
+    assert "also holds sweep-lr0.003-r4-s1" in " ".join(capsys.readouterr().out.split())
+
+
+@pytest.mark.slow
+def test_a_sweep_runs_locally_reports_mean_and_spread_and_relaunches_nothing(
+    repo_root, tmp_path, tiny, monkeypatch, capsys
+):
+    monkeypatch.chdir(tmp_path)
+    folder = sweep_folder(tmp_path, repo_root)
+    (tmp_path / "configs" / "experiments").mkdir()  # the default folder of a plain --status
+    assert launch.main(["--all", "--config-dir", str(folder), "--backend", "local"]) == 0
+    assert "All 12 job(s) completed" in capsys.readouterr().out
+    assert launch.main(["--all", "--config-dir", str(folder), "--backend", "local"]) == 0
+    assert "Nothing to submit" in capsys.readouterr().out
+    check_the_report_and_the_removed_points(tmp_path, repo_root, folder, capsys)
+
+
+def test_a_sweep_runs_on_the_cluster_and_a_relaunch_queues_nothing(
+    repo_root, tmp_path, tiny, slurm_cluster, monkeypatch, capsys
+):
+    monkeypatch.chdir(tmp_path)
+    folder = sweep_folder(tmp_path, repo_root)
+    (tmp_path / "configs" / "experiments").mkdir()
+    argv = ["--all", "--config-dir", str(folder), "--backend", "slurm", "--no-preflight"]
+    assert launch.main([*argv, "--wait"]) == 0
+    assert "Submitted 12 job(s)" in capsys.readouterr().out
+    assert launch.main(argv) == 0
+    assert "Nothing to submit" in capsys.readouterr().out and not squeue_ids(under=tmp_path)
+    assert launch.main(["--report", "--config-dir", str(folder)]) == 0
+    check_the_report_and_the_removed_points(tmp_path, repo_root, folder, capsys)
+
+
+def test_cancel_removed_stops_the_queued_points_a_sweep_no_longer_has_and_only_those(
+    repo_root, tmp_path, tiny, slurm_cluster, monkeypatch, capsys
+):
+    monkeypatch.chdir(tmp_path)
+    folder = sweep_folder(tmp_path, repo_root)
+    long = ["train.epochs=500", "--backend", "slurm", "--no-preflight"]  # queued or running for minutes
+    try:
+        assert launch.main(["--all", "--config-dir", str(folder), *long]) == 0
+        queued = squeue_ids(under=tmp_path)
+        assert len(queued) == 12
+        sweep_folder(tmp_path, repo_root, rates="1.0e-3")
+        capsys.readouterr()
+        assert launch.main(["--cancel", "--removed", "--config-dir", str(folder)]) == 0
+        said = " ".join(capsys.readouterr().out.split())
+        assert "Cancelled 6 job(s) of experiments no config folder has any more" in said
+        assert "sweep-lr0.003-r8-s3/train" in said and "sweep-lr0.001" not in said
+        left = squeue_ids(under=tmp_path)
+        assert len(left) == 6 and left < queued
+    finally:
+        launch.main(["--cancel", "--all", "--config-dir", str(folder), "train.epochs=500"])
