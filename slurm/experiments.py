@@ -238,7 +238,11 @@ def load_watchable_experiments(
             if experiment is not None and not more:
                 loaded.append(LoadedExperiment(experiment, path, tuple(stages), member))
     # A broken fragment is one warning, not one per experiment file that inherits it.
-    return after_whole_sweeps(loaded), [replace(p, warning=True) for p in dict.fromkeys(problems) if not p.warning], written
+    return (
+        after_whole_sweeps(loaded),
+        [replace(p, warning=True) for p in dict.fromkeys(problems) if not p.warning],
+        written,
+    )
 
 
 def validate_experiment(raw: dict, chain: list[YamlFile]) -> tuple[Experiment | None, list[Problem]]:

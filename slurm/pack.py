@@ -123,7 +123,9 @@ def points_that_fit(jobs: list[PlannedJob], gpus: int, budget_s: float) -> str:
     cost: dict[str, float] = {}
     for job in jobs:
         if job.sweep is not None:
-            cost[job.experiment] = cost.get(job.experiment, 0.0) + unit_seconds(job) * max(1, job.resources.gpus)
+            cost[job.experiment] = cost.get(job.experiment, 0.0) + unit_seconds(job) * max(
+                1, job.resources.gpus
+            )
     if not cost:
         return ""
     dearest = sorted(cost, key=lambda name: (-cost[name], name))

@@ -150,7 +150,9 @@ class Plan:
             "makespan_s": None if unknown else round(left.critical_path()[0]),
             "gpu_hours": None if unknown else round(left.gpu_hours(), 3),
             "experiments": {name: self.experiment_path(name) for name in self.experiments()},
-            "sweeps": {name: left.of_sweep(name).sweep_totals(points) for name, points in self.sweeps().items()},
+            "sweeps": {
+                name: left.of_sweep(name).sweep_totals(points) for name, points in self.sweeps().items()
+            },
             "jobs": [
                 {
                     "id": j.id,

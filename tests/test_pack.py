@@ -281,6 +281,7 @@ def test_a_sweep_over_the_budget_is_told_how_many_points_fit_dropping_the_deares
     assert "3 of the 4 sweep points fit on 1 GPU(s): drop the most expensive first (grid-ep4)" in message
     with pytest.raises(ConfigError) as tighter:
         pack_plan(list(plan.jobs), 1, "01:09:10", profile)  # 4000 s usable: ep4, then ep3 go (3000 s left)
-    assert "2 of the 4 sweep points fit on 1 GPU(s): drop the most expensive first (grid-ep4, grid-ep3)" in str(
-        tighter.value.problems[0]
+    assert (
+        "2 of the 4 sweep points fit on 1 GPU(s): drop the most expensive first (grid-ep4, grid-ep3)"
+        in str(tighter.value.problems[0])
     )
