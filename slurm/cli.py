@@ -43,7 +43,7 @@ from slurm.render import (
     totals_text,
 )
 from slurm.request import LaunchRequest, action_of, nothing_done, request_from
-from slurm.states import State
+from slurm.states import NEVER_STARTS_MARK, State
 from slurm.status import plan_status
 from slurm.watched import Watched, removed_from, removed_text, watched_experiments
 from slurm.yamlfile import find_inherited
@@ -477,27 +477,29 @@ def submit(
         elif backend_name == "local":
             return run_here(plan, profile, decisions, take_snapshot(Path(profile.log_dir)))
         elif pack:
-            queue_pack(plan, profile, decisions, skipped, pack, take_snapshot(Path(profile.log_dir)))
+            queue_pack(plan, profile, decisions, skipped, pack, take_snapshot(Path(profile.log_dir)), files)
         else:
-            queue(plan, profile, decisions, skipped, take_snapshot(Path(profile.log_dir)))
+            queue(plan, profile, decisions, skipped, take_snapshot(Path(profile.log_dir)), files)
     return wait(plan, profile) if request.wait and backend_name == "slurm" else 0
 
 
-def queue(plan: Plan, profile, decisions, skipped: dict[str, str], code) -> None:
+def queue(plan: Plan, profile, decisions, skipped: dict[str, str], code, files) -> None:
     from slurm.backends import SlurmBackend
 
+    refuse_never_starting([d.job for d in decisions if d.action == "submit"], files, profile)
     ids = submit_to_slurm(decisions, SlurmBackend(profile, Path.cwd(), code))
     states = {d.job.id: f"submitted {ids[d.job.id]}" for d in decisions if d.action == "submit"}
     out.print(plan_table(plan, {**skipped, **states}, out.width))
     out.print(f"Submitted {len(states)} job(s). Watch: squeue --me, python launch.py --status, --tail EXP")
 
 
-def queue_pack(plan: Plan, profile, decisions, skipped: dict[str, str], pack, code) -> None:
+def queue_pack(plan: Plan, profile, decisions, skipped: dict[str, str], pack, code, files) -> None:
     from slurm.backends import SlurmBackend
 
     todo = [d.job for d in decisions if d.action == "submit"]
     packing = pack_plan(todo, *pack, profile)  # what is not queued elsewhere already
     resources = pack_resources(todo, packing, profile)
+    refuse_never_starting(todo, files, profile, pack=resources)
     ids = submit_pack(decisions, SlurmBackend(profile, Path.cwd(), code), resources)
     states = {job.id: f"packed in {ids[job.id]}" for job in todo}
     out.print(plan_table(plan, {**skipped, **states}, out.width))
@@ -507,6 +509,19 @@ def queue_pack(plan: Plan, profile, decisions, skipped: dict[str, str], pack, co
         f"{resources.time}). Watch: python launch.py --status, --tail EXP",
         highlight=False,
     )
+
+
+def refuse_never_starting(jobs, files, profile, pack=None) -> None:
+    """The cluster's limits (slurm/limits.py), read now: a job SLURM would leave pending forever, or a
+    launch it would refuse halfway, is refused whole before the first sbatch."""
+    from slurm.limits import cluster_problems
+
+    def say(line: str) -> None:
+        err.print(f"[yellow]warning:[/] {line}", highlight=False, soft_wrap=True)
+
+    names = {name: str(file) for name, file in (files or {}).items()}
+    if problems := cluster_problems(jobs, names, profile, say, pack=pack):
+        raise ConfigError(problems)
 
 
 def run_here(plan: Plan, profile, decisions, code) -> int:
@@ -566,8 +581,8 @@ def wait(plan: Plan, profile) -> int:
             rows = plan_status(plan, profile.log_dir)
             cancel_stuck(rows, profile.log_dir)
             live.update(status_table(rows, out.width))
-            if not any(r.state.live for r in rows):
-                break
+            if not any(r.state.live and not r.reason.startswith(NEVER_STARTS_MARK) for r in rows):
+                break  # what is left can never start: waiting longer would be forever
             time.sleep(POLL_S)
     for line in problem_lines(rows):
         err.print(line, highlight=False, soft_wrap=True)

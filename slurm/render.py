@@ -9,7 +9,7 @@ from rich.text import Text
 from slurm.estimate import GUESS_MARGIN, format_duration
 from slurm.pack import Packing
 from slurm.plan import Plan, PlannedJob
-from slurm.states import State
+from slurm.states import NEVER_STARTS, NEVER_STARTS_MARK, State
 from slurm.status import JobStatus, format_eta
 from spec.config import slurm_time
 
@@ -233,7 +233,14 @@ def problem_lines(rows: list[JobStatus], tail_lines: int = 5) -> list[str]:
     """For each job that did not complete: why, where its log is, and the log's last lines."""
     lines = []
     for row in rows:
-        if row.state is State.BLOCKED:
+        if row.reason.startswith(NEVER_STARTS_MARK):
+            cause = row.reason.partition(": ")[2]
+            lines.append(
+                f"{row.job.id}: PENDING, {NEVER_STARTS_MARK} (slurm job {row.scheduler_id}, {cause}: "
+                f"{NEVER_STARTS.get(cause, 'a limit it is over')}); cancel it (--cancel --exp "
+                f"{row.job.experiment}) and relaunch within the limit"
+            )
+        elif row.state is State.BLOCKED:
             lines.append(f"{row.job.id}: BLOCKED, will not run: {row.reason}")
         elif row.state.failed or row.state is State.UNKNOWN:
             which = (

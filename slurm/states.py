@@ -57,6 +57,22 @@ LANE_STATES: dict[str, State] = {
 }
 
 
+# Pending reasons that never resolve by waiting, with what they mean (--status shows them as such).
+NEVER_STARTS_MARK = "will never start"  # --status: the reason column of such a job starts with it
+NEVER_STARTS = {
+    "PartitionTimeLimit": "its time limit is above the partition's MaxTime",
+    "QOSMaxGRESPerUser": "it asks more GPUs than the QOS lets a user hold at once",
+    "QOSMaxGRESPerJob": "it asks more GPUs than the QOS allows one job",
+    "AssocMaxGRESPerJob": "it asks more GPUs than your association allows one job",
+    "AssocGrpGRES": "it asks more GPUs than your association's group limit",
+    "QOSMaxWallDurationPerJobLimit": "its time limit is above the QOS's MaxWall",
+    "AssocMaxWallDurationPerJobLimit": "its time limit is above your association's MaxWall",
+    "QOSMaxCpuPerJobLimit": "it asks more CPUs than the QOS allows one job",
+    "QOSMaxNodePerJobLimit": "it asks more nodes than the QOS allows one job",
+    "PartitionNodeLimit": "it asks more nodes than the partition allows",
+}
+
+
 SLURM_STATES: dict[str, State] = {
     "PENDING": State.PENDING,
     "CONFIGURING": State.PENDING,

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from slurm.plan import Plan, PlannedJob
-from slurm.states import LANE_STATES, State, from_slurm, parent_verdict
+from slurm.states import LANE_STATES, NEVER_STARTS, NEVER_STARTS_MARK, State, from_slurm, parent_verdict
 from spec.config import TIME_FORMAT, slurm_seconds
 from spec.rundir import PROGRESS_FIELDS, UNREADABLE, RunDir, current_job, done_hash, read_lane
 
@@ -206,6 +206,8 @@ def job_status(job, record, scheduler, earlier: dict[str, JobStatus], log_root: 
         if record.get("pack"):
             info = packed_unit_info(run_dir, scheduler_id, info)
     state, reason = info.state, info.reason
+    if state is State.PENDING and reason in NEVER_STARTS:  # a limit the job is over: waiting cannot help
+        reason = f"{NEVER_STARTS_MARK}: {reason}"  # what it means: a line under the table (render.py)
     stuck = state.live and "DependencyNeverSatisfied" in reason
     if stuck or (failed_parent and state in (State.CANCELLED, State.UNKNOWN)):
         parent = failed_parent or "a parent"

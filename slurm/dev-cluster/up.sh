@@ -7,6 +7,10 @@
 #   SLURM_WITH_DBD=1 (0 = no slurmdbd/MariaDB; sacct then only works as `sacct -c`)
 #   SLURM_PORT_BASE=6817 (ctld=BASE, slurmd=BASE+1, dbd=BASE+2, mariadb=BASE+3)
 #   SLURM_PARTITION=debug
+# With slurmdbd, limits are enforced as on a real cluster (AccountingStorageEnforce=associations,limits,qos):
+# the user gets an association (account `lab`) with QOS `normal` (default, no limits) and `limited`
+# (MaxSubmitJobsPerUser=3, MaxTRESPerUser=gres/gpu=2); partition `short` (MaxTime=10 min) shares the node.
+# Jobs asking `--qos limited` or `-p short` meet the limits that strand jobs (tests/test_cluster_limits.py).
 set -euo pipefail
 STATE=${1:?usage: up.sh STATE_DIR}
 mkdir -p "$STATE"; STATE=$(cd "$STATE" && pwd)
@@ -49,7 +53,8 @@ if [ "$WITH_DBD" = 1 ]; then
 AccountingStorageHost=127.0.0.1
 AccountingStoragePort=$DBD_PORT
 AccountingStoragePass=$MSOCK
-AccountingStorageTRES=gres/gpu"
+AccountingStorageTRES=gres/gpu
+AccountingStorageEnforce=associations,limits,qos"
 fi
 GRESNODE=""; GRESTYPES=""
 if [ "$GPUS" -gt 0 ]; then
@@ -99,6 +104,7 @@ Waittime=0
 $GRESTYPES
 NodeName=$NODE NodeAddr=127.0.0.1 CPUs=$CPUS RealMemory=$MEM $GRESNODE State=UNKNOWN
 PartitionName=$PART Nodes=$NODE Default=YES MaxTime=INFINITE State=UP
+PartitionName=short Nodes=$NODE Default=NO MaxTime=10 State=UP
 EOF
 export SLURM_CONF="$STATE/etc/slurm.conf"
 CHANGED=0; [ "$OLDSUM" = "$(cat "$STATE/etc/slurm.conf" "$STATE/etc/gres.conf" | md5sum)" ] || CHANGED=1
@@ -176,6 +182,7 @@ EOF
   chmod 600 "$STATE/etc/slurmdbd.conf"   # slurmdbd refuses a world-readable conf
   if ! alive "$STATE/run/slurmdbd.pid" slurmdbd; then slurmdbd; fi   # finds slurmdbd.conf next to $SLURM_CONF
   waitfor 30 slurmdbd sacctmgr -n list cluster
+  sacctmgr -n -P list cluster format=Cluster | grep -qx testcluster || sacctmgr -i add cluster testcluster >/dev/null
 fi
 
 # ---- 6. slurmctld + slurmd ---------------------------------------------------------
@@ -185,6 +192,22 @@ elif [ $CHANGED = 1 ]; then
   scontrol reconfigure || true
 fi
 waitfor 30 slurmctld scontrol ping
+
+# ---- 7. accounts and limits (after slurmctld has registered gres/gpu with slurmdbd) ---------
+if [ "$WITH_DBD" = 1 ]; then
+  waitfor 30 "gres/gpu in accounting" bash -c "sacctmgr -n -P list tres format=Type,Name | grep -qx 'gres|gpu'"
+  # Enforced associations: every user who submits needs one (slurmctld gets them from slurmdbd as made).
+  ME=$(id -un)
+  sacctmgr -n -P list qos format=Name | grep -qx limited \
+    || sacctmgr -i add qos limited MaxSubmitJobsPerUser=3 MaxTRESPerUser=gres/gpu=2 >/dev/null
+  sacctmgr -n -P list account format=Account | grep -qx lab \
+    || sacctmgr -i add account lab cluster=testcluster >/dev/null
+  sacctmgr -n -P list assoc where user="$ME" account=lab format=User | grep -qx "$ME" \
+    || sacctmgr -i add user "$ME" account=lab cluster=testcluster qos=normal,limited defaultqos=normal >/dev/null
+  # root has an association of account root already (slurmdbd makes it), without `limited`: lab is the default.
+  [ "$(sacctmgr -n -P list user "$ME" format=DefaultAccount)" = lab ] \
+    || sacctmgr -i modify user where name="$ME" set defaultaccount=lab >/dev/null
+fi
 LEFTOVERS=0
 if ! alive "$STATE/run/slurmd.pid" slurmd; then
   # No slurmd and no slurmstepd: no job of this node can be alive, yet slurmctld recovers the jobs of the

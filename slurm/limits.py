@@ -1,0 +1,273 @@
+"""What the cluster lets this user do, read once per launch, and the jobs of a plan that could never run.
+
+Some limits make sbatch refuse a job (a user's MaxSubmitJobs: a plan is then refused halfway through
+submitting); others let it in and leave it pending forever (more GPUs than the QOS allows a user,
+`QOSMaxGRESPerUser`; a time limit above the partition's MaxTime, `PartitionTimeLimit`, under SLURM's
+default EnforcePartLimits=NO), and `sbatch --test-only` passes both. So the limits themselves are read
+(sacctmgr: the user's association and QOS; scontrol: partitions and nodes), torch-free, and every job is
+checked against them before anything is queued. Where they cannot be read, the launch says so and goes on.
+"""
+
+from __future__ import annotations
+
+import getpass
+import re
+import subprocess
+from dataclasses import dataclass, field
+
+from spec.config import slurm_time
+from spec.problems import Problem
+
+
+@dataclass(frozen=True)
+class Cap:
+    """One limit and where it comes from, for the message: `QOS limited MaxTRESPerUser gres/gpu=2`."""
+
+    value: int
+    source: str
+    reason: str  # the pending reason SLURM would give (or the refusal)
+
+
+@dataclass(frozen=True)
+class ClusterLimits:
+    qos: str
+    gpus_per_user: Cap | None = None
+    gpus_per_job: Cap | None = None
+    max_submit: Cap | None = None
+    max_wall_s: Cap | None = None
+    queued: int = 0  # this user's jobs in the queue under that QOS now
+    partition_time_s: dict[str, Cap] = field(default_factory=dict)  # partition → MaxTime
+    default_partition: str | None = None
+
+
+def run(command: list[str]) -> str | None:
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=30, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return done.stdout if done.returncode == 0 else None
+
+
+def read_limits(account: str | None, qos: str | None) -> tuple[ClusterLimits | None, str]:
+    """The limits that bind this user (their association under `account`, or their default one; `qos`,
+    or the association's default QOS) and every partition's MaxTime; (None, why) when sacctmgr or
+    scontrol do not answer (no accounting, another cluster's client)."""
+    user = getpass.getuser()
+    account = account or first_line(
+        run(["sacctmgr", "-n", "-P", "show", "user", user, "format=DefaultAccount"])
+    )
+    assoc_text = run(
+        [
+            "sacctmgr",
+            "-n",
+            "-P",
+            "show",
+            "assoc",
+            "where",
+            f"user={user}",
+            *([f"account={account}"] if account else []),
+            "format=Partition,MaxSubmit,MaxJobs,GrpTRES,MaxTRES,MaxWall,DefaultQOS",
+        ]
+    )
+    partitions = run(["scontrol", "show", "partition", "-o"])
+    if assoc_text is None or partitions is None:
+        return None, "sacctmgr or scontrol did not answer"
+    assoc = next((row for row in rows(assoc_text, 7) if not row[0]), None)  # the association of no partition
+    qos = qos or (assoc[6] if assoc and assoc[6] else "normal")
+    qos_row = next(
+        iter(
+            rows(
+                run(
+                    [
+                        "sacctmgr",
+                        "-n",
+                        "-P",
+                        "show",
+                        "qos",
+                        qos,
+                        "format=Name,MaxSubmitPU,MaxTRESPU,MaxTRES,MaxWall",
+                    ]
+                )
+                or "",
+                5,
+            )
+        ),
+        None,
+    )
+    caps: dict[str, Cap] = {}
+    if qos_row:
+        _, submit, per_user, per_job, wall = qos_row
+        put(
+            caps,
+            "max_submit",
+            number(submit),
+            f"QOS {qos} MaxSubmitJobsPerUser",
+            "QOSMaxSubmitJobPerUserLimit",
+        )
+        put(
+            caps,
+            "gpus_per_user",
+            gpus_of(per_user),
+            f"QOS {qos} MaxTRESPerUser gres/gpu",
+            "QOSMaxGRESPerUser",
+        )
+        put(caps, "gpus_per_job", gpus_of(per_job), f"QOS {qos} MaxTRESPerJob gres/gpu", "QOSMaxGRESPerJob")
+        put(caps, "max_wall_s", seconds(wall), f"QOS {qos} MaxWall", "QOSMaxWallDurationPerJobLimit")
+    if assoc:
+        where = f"association {user}/{account or 'default'}"
+        _, submit, _, group, per_job, wall, _ = assoc
+        put(caps, "max_submit", number(submit), f"{where} MaxSubmitJobs", "AssocMaxSubmitJobLimit")
+        put(caps, "gpus_per_user", gpus_of(group), f"{where} GrpTRES gres/gpu", "AssocGrpGRES")
+        put(caps, "gpus_per_job", gpus_of(per_job), f"{where} MaxTRES gres/gpu", "AssocMaxGRESPerJob")
+        put(caps, "max_wall_s", seconds(wall), f"{where} MaxWall", "AssocMaxWallDurationPerJobLimit")
+    times, default = partition_times(partitions)
+    queued = run(["squeue", "-h", "-u", user, "-q", qos, "-o", "%i"]) or ""
+    limits = ClusterLimits(
+        qos, **caps, queued=len(queued.split()), partition_time_s=times, default_partition=default
+    )
+    return limits, ""
+
+
+def put(caps: dict[str, Cap], name: str, value: int | None, source: str, reason: str) -> None:
+    """Keep the tighter of two limits of the same kind (QOS and association)."""
+    if value is not None and (name not in caps or value < caps[name].value):
+        caps[name] = Cap(value, source, reason)
+
+
+def partition_times(text: str) -> tuple[dict[str, Cap], str | None]:
+    times, default = {}, None
+    for line in text.splitlines():
+        fields = dict(re.findall(r"(\w+)=(\S*)", line))
+        name = fields.get("PartitionName")
+        if not name:
+            continue
+        if fields.get("Default") == "YES":
+            default = name
+        if (limit := seconds(fields.get("MaxTime", ""))) is not None:
+            times[name] = Cap(limit, f"partition {name} MaxTime", "PartitionTimeLimit")
+    return times, default
+
+
+def rows(text: str, width: int) -> list[list[str]]:
+    return [(line.split("|") + [""] * width)[:width] for line in text.splitlines() if line.strip()]
+
+
+def first_line(text: str | None) -> str | None:
+    return text.strip().splitlines()[0].strip() or None if text and text.strip() else None
+
+
+def number(text: str) -> int | None:
+    return int(text) if text.strip().isdigit() else None
+
+
+def gpus_of(tres: str) -> int | None:
+    """`cpu=16,gres/gpu=2` → 2 (a typed `gres/gpu:a100=2` counts too); None without a GPU limit."""
+    found = [int(n) for n in re.findall(r"gres/gpu(?::[^=,]+)?=(\d+)", tres)]
+    return min(found) if found else None
+
+
+def seconds(text: str) -> int | None:
+    """SLURM's durations as sacctmgr and scontrol print them: `D-HH:MM:SS`, `HH:MM:SS`, `MM:SS`,
+    `MM`; None for UNLIMITED, INFINITE or nothing."""
+    text = text.strip()
+    match = re.fullmatch(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?", text)
+    if not match:
+        return None
+    days, first, second, third = match.groups()
+    if third is not None:
+        clock = int(first) * 3600 + int(second) * 60 + int(third)
+    elif second is not None:
+        clock = int(first) * 3600 + int(second) * 60 if days else int(first) * 60 + int(second)
+    else:
+        clock = int(first) * 3600 if days else int(first) * 60
+    return int(days or 0) * 86400 + clock
+
+
+def never_starting(jobs, limits: ClusterLimits, files: dict[str, str]) -> list[Problem]:
+    """Every job SLURM would accept and then leave pending forever, at its file and key, with the limit
+    and the fix. `jobs`: planned jobs (or a pack's allocation, as one)."""
+    problems = []
+    for job in jobs:
+        file = files.get(job.experiment, job.experiment)
+        section = "resources" if job.kind == "train" else "eval.resources"
+        gpus, time_s = job.resources.gpus, job.resources.time_s
+        for cap in (limits.gpus_per_user, limits.gpus_per_job):
+            if cap is not None and gpus > cap.value:
+                problems.append(
+                    Problem(
+                        file,
+                        f"{section}.gpus",
+                        f"{job.id} asks {gpus} GPU(s), over the {cap.source}={cap.value}: SLURM would accept "
+                        f"it and leave it pending forever ({cap.reason}); ask {cap.value} or fewer, or "
+                        "another qos in cluster.yaml",
+                    )
+                )
+        partition = job.resources.partition or limits.default_partition
+        for cap, fix in (
+            (limits.partition_time_s.get(partition or ""), "or another partition"),
+            (limits.max_wall_s, "or another qos"),
+        ):
+            if cap is not None and time_s > cap.value:
+                problems.append(
+                    Problem(
+                        file,
+                        f"{section}.time",
+                        f"{job.id} asks {slurm_time(time_s)}, over the {cap.source} {slurm_time(cap.value)}: "
+                        f"SLURM would accept it and leave it pending forever ({cap.reason}); set "
+                        f"{section}.time to {slurm_time(cap.value)} or less (a stage resumes from its "
+                        f"checkpoint when requeued), {fix}",
+                    )
+                )
+    return problems
+
+
+def over_submit_limit(count: int, limits: ClusterLimits) -> Problem | None:
+    """A plan of `count` jobs that the user may not queue whole: refused before the first, never halfway."""
+    cap = limits.max_submit
+    if cap is None or limits.queued + count <= cap.value:
+        return None
+    room = max(0, cap.value - limits.queued)
+    return Problem(
+        "command line",
+        "",
+        f"this launch queues {count} job(s) and you have {limits.queued} queued under QOS {limits.qos}; "
+        f"the {cap.source} is {cap.value}, so SLURM would refuse the rest halfway ({cap.reason}). "
+        f"You may queue {room} now: launch fewer experiments (--exp), or run them packed as one job "
+        "(--pack G --budget T)",
+    )
+
+
+def pack_never_starting(resources, limits: ClusterLimits) -> list[Problem]:
+    """The same for a packed allocation: its GPUs (--pack) and its time limit (--budget)."""
+    problems = []
+    for cap in (limits.gpus_per_user, limits.gpus_per_job):
+        if cap is not None and resources.gpus > cap.value:
+            message = f"the allocation asks {resources.gpus} GPU(s), over the {cap.source}={cap.value}"
+            problems.append(
+                Problem("command line", "--pack", f"{message} ({cap.reason}): --pack {cap.value}")
+            )
+    partition = resources.partition or limits.default_partition
+    for cap in (limits.partition_time_s.get(partition or ""), limits.max_wall_s):
+        if cap is not None and resources.time_s > cap.value:
+            message = f"{slurm_time(resources.time_s)} is over the {cap.source} {slurm_time(cap.value)}"
+            problems.append(
+                Problem(
+                    "command line",
+                    "--budget",
+                    f"{message} ({cap.reason}): --budget {slurm_time(cap.value)} or less",
+                )
+            )
+    return problems
+
+
+def cluster_problems(jobs, files: dict[str, str], profile, say, pack=None) -> list[Problem]:
+    """What would keep `jobs` (or `pack`, their one allocation) from ever running here, before any is
+    queued; `say(line)` tells that the limits could not be read (then none are checked)."""
+    limits, why = read_limits(profile.account, profile.qos)
+    if limits is None:
+        say(f"the cluster's limits could not be read ({why}); queueing without checking them")
+        return []
+    problems = pack_never_starting(pack, limits) if pack is not None else never_starting(jobs, limits, files)
+    if (over := over_submit_limit(1 if pack is not None else len(jobs), limits)) is not None:
+        problems.append(over)
+    return problems
