@@ -9,7 +9,7 @@ import subprocess
 import sys
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import replace
 from pathlib import Path
 
@@ -575,15 +575,19 @@ def live_status(plan: Plan, profile):
 
 
 def wait(plan: Plan, profile) -> int:
-    """Refresh the status table until no job is queued or running; non-zero if any job did not complete."""
-    with Live(console=out, refresh_per_second=1) as live:
+    """Refresh the status table until no job is queued or running; non-zero if any job did not complete.
+    Into a file or a pipe, the table once at the end (a live display there ran into the next line)."""
+    with Live(console=out, refresh_per_second=1) if out.is_terminal else nullcontext() as live:
         while True:
             rows = plan_status(plan, profile.log_dir)
             cancel_stuck(rows, profile.log_dir)
-            live.update(status_table(rows, out.width))
+            if live is not None:
+                live.update(status_table(rows, out.width))
             if not any(r.state.live and not r.reason.startswith(NEVER_STARTS_MARK) for r in rows):
                 break  # what is left can never start: waiting longer would be forever
             time.sleep(POLL_S)
+    if live is None:
+        out.print(status_table(rows, out.width))
     for line in problem_lines(rows):
         err.print(line, highlight=False, soft_wrap=True)
     return 1 if any(r.state is not State.COMPLETED for r in rows) else 0
