@@ -14,21 +14,23 @@ from spec.config import EvalJob, EvalSpec
 from spec.rundir import RunDir
 from train import vl
 from train.device import Hardware, Placement, decide, ranks
-from train.model import load_trained
+from train.model import load_base, load_tokenizer, load_trained
 
 log = logging.getLogger("eval.generate")
 # What frames an output, kept from the model's own generation_config; every other setting is the eval's.
 FRAMING = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id")
 
 
-def trained_precision(adapter_dir: str) -> str:
+def trained_precision(adapter_dir: str | None) -> str:
     """The precision the stage ran in, from its summary.json next to the adapter; "auto" when absent
-    (an adapter from elsewhere)."""
+    (an adapter from elsewhere, or none: a base-model eval)."""
+    if adapter_dir is None:
+        return "auto"
     summary = RunDir.of_adapter(adapter_dir).read_summary()
     return summary.get("precision", "auto")  # an unreadable summary is named in a warning (spec/files.py)
 
 
-def eval_placement(adapter_dir: str, hardware: Hardware | None = None) -> Placement:
+def eval_placement(adapter_dir: str | None, hardware: Hardware | None = None) -> Placement:
     """This process's device, and the precision the adapter was trained in (train/device.py decides)."""
     placement = decide(hardware or Hardware.detect(), trained_precision(adapter_dir), **ranks())
     for warning in placement.warnings:
@@ -37,10 +39,15 @@ def eval_placement(adapter_dir: str, hardware: Hardware | None = None) -> Placem
 
 
 def load_for_eval(job: EvalJob, placement: Placement):
-    """(model, tokenizer) of the job's adapter on `placement.device`, in eval mode."""
-    model, tokenizer = load_trained(
-        job.model, job.adapter_dir, quantize=job.adapter, placement=placement, data=job.data
-    )
+    """(model, tokenizer) of the job's adapter on `placement.device`, in eval mode; without an adapter
+    (a base-model eval), the base as the adapter's eval loads it (4-bit for QLoRA), with its own tokenizer."""
+    if job.adapter_dir is None:
+        tokenizer = load_tokenizer(job.model.name_or_path, job.model, job.data)
+        model = load_base(job.model, job.adapter, placement)
+    else:
+        model, tokenizer = load_trained(
+            job.model, job.adapter_dir, quantize=job.adapter, placement=placement, data=job.data
+        )
     log.info("generating on %s (%s) in %s", placement.device, placement.device_name, placement.precision)
     return model.eval(), tokenizer
 

@@ -52,7 +52,7 @@ def run_eval(job: EvalJob, stop: threading.Event | None = None) -> dict | None:
     if batches is None:
         return None
     generated = time.time()
-    changed = adapter_check(model, tokenizer, job, prompts, images)
+    changed = adapter_check(model, tokenizer, job, prompts, images) if job.adapter_dir else None
     write_final(out, list(made.values()))
     results = score_job(job, [made[i]["prediction"] for i in range(len(prompts))], references)
     results |= {
@@ -138,8 +138,8 @@ def fingerprint(job: EvalJob, placement) -> str:
     """What an eval's predictions depend on: a partial file written under another fingerprint is not
     resumed. The adapter by its files (a stage run again writes new ones), the device and precision (a
     requeue onto other hardware could decode differently)."""
-    adapter = Path(job.adapter_dir)
-    files = sorted(adapter.iterdir()) if adapter.is_dir() else []
+    adapter = Path(job.adapter_dir) if job.adapter_dir else None
+    files = sorted(adapter.iterdir()) if adapter and adapter.is_dir() else []
     parts = {
         "job": job.model_dump(include={"model", "adapter", "data", "adapter_dir"}),
         "eval": job.eval.model_dump(

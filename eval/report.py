@@ -11,6 +11,11 @@ An experiment that failed or never ran is a row that says so, never a silent gap
 The points of a `sweep:` block (spec/sweep.py) are compared like with like: one table per sweep, a row per
 point, its replicates (one per seed) as mean ± sample standard deviation; a point whose seeds have not all
 finished says so instead of averaging fewer. report.csv keeps one row per replicate.
+
+Did fine-tuning help? An experiment may have a base-model eval (`base_evals`): a job that scored the base
+model, without any adapter, on the same prompts, metrics, generation settings and split. Its row heads the
+task's table (`base (no adapter)`), and each experiment gets a Δ per score: its own score minus its own
+base's (in report.csv: delta_<metric>). An experiment whose base was left out says why under the table.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from __future__ import annotations
 import csv
 import io
 import statistics
+from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
@@ -43,6 +49,20 @@ COLUMNS = (
     "eval_split",
     *REPORT_COLUMNS.values(),
 )
+
+
+# The score columns a Δ is computed for (not losses, time or cost: "did it help" is a question of scores).
+SCORE_COLUMNS = tuple(REPORT_COLUMNS.values())
+DELTA = "delta_"  # report.csv's name of a score's Δ column: delta_rouge_l; report.md shows "Δ rouge_l"
+BASE_LABEL = "base (no adapter)"
+
+
+@dataclass(frozen=True)
+class BaseEval:
+    job_id: str  # the plan job that scores the base (its state is states.get(job_id))
+    out_dir: str  # where its results.json is
+    model: str  # the base model (name_or_path), for the row's label
+    left_out: str | None = None  # why this experiment has no base row; then job_id/out_dir are ""
 
 
 def read_summary(run_dir: str | Path) -> dict:
@@ -188,6 +208,93 @@ def status_text(jobs, states: dict[str, str], has_results: bool) -> str:
     return ("missing: " + ", ".join(bad)) if bad else "missing: not run yet"
 
 
+# Base-model evals: the base model without any adapter, scored as the experiments are; their rows and Δs.
+
+
+def base_row(base: BaseEval, states: dict[str, str], job_rows: dict[str, dict]) -> dict:
+    """A base eval's numbers, in the experiment rows' columns (labelled by task_base_rows). `job_rows`: its
+    GPU-hours, when the job is in the plan."""
+    results = read_results(base.out_dir)
+    scores = {column: results.get(key) for key, column in REPORT_COLUMNS.items()}
+    has_scores = any(v is not None for v in scores.values())
+    return {
+        "job_id": base.job_id,
+        "status": "complete" if has_scores else base_status(states.get(base.job_id)),
+        "model": base.model,
+        "gpu_hours": job_rows.get(base.job_id, {}).get("gpu_hours"),
+        "eval_split": split_marker(results),
+        **scores,
+    }
+
+
+def base_status(state: str | None) -> str:
+    """What a base eval without scores is: as status_text says of an experiment's eval job. A COMPLETED
+    job without scores is said as such, not 'not run yet': it ran, and its results.json is missing."""
+    return "missing: not run yet" if state in (None, "PLANNED") else f"missing: eval {state}"
+
+
+def deltas(row: dict, base: dict | None) -> dict:
+    """delta_<score>: the experiment's score minus its base's, for every score column; None where either
+    is missing, where there is no base (`base` None: left out), or where they scored different splits (a
+    results.json without `split` predates the setting, when only the eval data was scored)."""
+    comparable = base is not None and (base.get("eval_split") or "eval") == (row.get("eval_split") or "eval")
+    found = {}
+    for column in SCORE_COLUMNS:
+        mine, theirs = row.get(column), base.get(column) if base else None
+        ok = comparable and mine is not None and theirs is not None
+        # Rounded to 10 places: 0.6 - 0.5 is 0.09999999999999998 in floats, and report.csv shows it raw.
+        found[DELTA + column] = round(float(mine) - float(theirs), 10) if ok else None
+    return found
+
+
+def tasks_of(rows: list[dict]) -> list:
+    """The rows' tasks, in plan order: a table each."""
+    return list(dict.fromkeys(row["task"] for row in rows))
+
+
+def task_base_rows(task, rows: list[dict], base_evals: dict[str, BaseEval], scored: dict[str, dict]) -> list:
+    """The base rows heading `task`'s table: one per distinct base eval of its experiments (a sweep
+    point's included: its Δs are against them), `base (no adapter)`, or with the model when there are
+    several (and the job when two score one model: two eval sets of one task)."""
+    jobs = [
+        base_evals[r["experiment"]].job_id
+        for r in rows
+        if r["task"] == task and r["experiment"] in base_evals
+    ]
+    jobs = list(dict.fromkeys(job for job in jobs if job in scored))
+    models = [scored[job]["model"] for job in jobs]
+    found = []
+    for job, model in zip(jobs, models, strict=True):
+        label = BASE_LABEL if len(jobs) == 1 else f"{BASE_LABEL}: {model}"
+        label += f" ({job})" if models.count(model) > 1 else ""
+        found.append(scored[job] | {"experiment": label, "task": task})
+    return found
+
+
+def with_deltas(columns: list[str], rows: list[dict]) -> list[str]:
+    """`columns` with each score's Δ column after it, where some row has a base eval (its delta_ key)."""
+    found = []
+    for column in columns:
+        found.append(column)
+        if column in SCORE_COLUMNS and any(DELTA + column in r for r in rows):
+            found.append(DELTA + column)
+    return found
+
+
+def left_out_lines(experiments: list[str], base_evals: dict[str, BaseEval]) -> list[str]:
+    """`No base row for EXP: REASON.`, experiments left out for one reason on one line."""
+    reasons: dict[str, list[str]] = {}
+    for name in experiments:
+        base = base_evals.get(name)
+        if base is not None and base.left_out:
+            reasons.setdefault(base.left_out.rstrip(". "), []).append(name)
+    return [
+        line
+        for reason, names in reasons.items()
+        for line in (f"No base row for {', '.join(names)}: {reason}.", "")
+    ]
+
+
 class BaselinesError(ValueError):
     """baselines.yaml is not as documented (configs/README.md)."""
 
@@ -217,14 +324,21 @@ def baseline_sets(path: Path | None) -> dict[str, tuple[list[dict], str]]:
 
 
 def to_markdown(rows: list[dict], columns: list[str]) -> str:
-    def cell(value) -> str:
+    def cell(value, signed: bool) -> str:
         if value is None:
             return "–"
-        return f"{value:.4g}" if isinstance(value, float) else str(value)
+        if isinstance(value, float):
+            return f"{value:+.4g}" if signed else f"{value:.4g}"
+        return str(value)
 
-    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    lines += ["| " + " | ".join(cell(r.get(c)) for c in columns) + " |" for r in rows]
+    lines = ["| " + " | ".join(header(c) for c in columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cell(r.get(c), c.startswith(DELTA)) for c in columns) + " |" for r in rows]
     return "\n".join(lines)
+
+
+def header(column: str) -> str:
+    """A column's heading in report.md: delta_rouge_l is shown as Δ rouge_l."""
+    return f"Δ {column.removeprefix(DELTA)}" if column.startswith(DELTA) else column
 
 
 def write_report(
@@ -236,27 +350,40 @@ def write_report(
     gpu_hour_cost: float | None = None,
     usage=None,
     sweeps: dict[str, SweepMember] | None = None,
+    base_evals: dict[str, BaseEval] | None = None,
 ) -> list[Path]:
     """report.md (one table per task, each with the published baselines of that task, then one table per
     sweep), report.csv (every row, with its task) and the loss curves. `tasks`: experiment name → its
     `task:` (None: not set); `gpu_hour_cost` (cluster.yaml) adds a cost per experiment and in total;
     `usage` (a PlanUsage of slurm/usage.py) is what each job held, without it every job counts its
-    Trainer clock; `sweeps`: experiment name → the sweep point it is (absent: not a sweep point)."""
-    states, tasks, sweeps = states or {}, tasks or {}, sweeps or {}
+    Trainer clock; `sweeps`: experiment name → the sweep point it is (absent: not a sweep point);
+    `base_evals`: experiment name → its base-model eval (absent: none planned, no Δ)."""
+    states, tasks, sweeps, base_evals = states or {}, tasks or {}, sweeps or {}, base_evals or {}
     used = usage.jobs if usage is not None else {}
-    experiments = list(dict.fromkeys(j.experiment for j in plan.jobs))
+    # Only experiments with a training job get a row: a base-model eval job is a plan job of its own
+    # (experiment "baselines"), with no adapter to describe; it shows as its own row via base_evals.
+    experiments = list(dict.fromkeys(j.experiment for j in plan.jobs if j.kind == "train"))
     job_rows = {j.id: job_row(j, states, used.get(j.id)) for j in plan.jobs}
     rows = [experiment_row(plan, name, states, job_rows) | {"task": tasks.get(name)} for name in experiments]
+    scored = {  # each base eval's row, by its job id: one job may serve many experiments
+        base.job_id: base_row(base, states, job_rows) for base in base_evals.values() if not base.left_out
+    }
+    for row in rows:
+        if row["experiment"] in base_evals:
+            base = base_evals[row["experiment"]]
+            row.update(deltas(row, None if base.left_out else scored[base.job_id]))
+    bases = {task: task_base_rows(task, rows, base_evals, scored) for task in tasks_of(rows)}
     if gpu_hour_cost is not None:
-        for row in rows:
+        for row in rows + [b for task_bases in bases.values() for b in task_bases]:
             row["cost"] = round(row["gpu_hours"] * gpu_hour_cost, 2) if row["gpu_hours"] is not None else None
     published: dict[str, tuple[list[dict], str]] = {}
     for path in [baselines] if isinstance(baselines, Path) else baselines or []:
         published = baseline_sets(path) | published  # the first file naming a task wins
-    groups = list(dict.fromkeys(row["task"] for row in rows))
+    groups = tasks_of(rows)
     extra = [b | {"task": task} for task in groups if task in published for b in published[task][0]]
     plain = [r for r in rows if r["experiment"] not in sweeps]  # sweep points get their sweep's table
-    columns = present_columns(plain)
+    base_rows = [b for task in groups for b in bases[task]]
+    columns = with_deltas(present_columns(plain + base_rows), plain)
     extra_columns = sorted({k for r in extra for k in r} - set(columns) - {"name", "task"})
     run_root.mkdir(parents=True, exist_ok=True)
     written = [*plot_losses(plan, experiments, run_root, sweeps)]
@@ -264,18 +391,21 @@ def write_report(
     for task in groups:
         if len(groups) > 1:
             md += [f"## Task: {task or '(no task set)'}", ""]
-        members = [r for r in plain if r["task"] == task] + [r for r in extra if r["task"] == task]
+        members = (
+            bases[task] + [r for r in plain if r["task"] == task] + [r for r in extra if r["task"] == task]
+        )
         if members or not sweeps:
             md += [to_markdown(members, columns + extra_columns), ""]
+        md += left_out_lines([r["experiment"] for r in plain if r["task"] == task], base_evals)
         if task in published and published[task][1]:
             md += [f"Published baselines ({task}): {published[task][1]}.", ""]
         for sweep, points in sweep_points([r for r in rows if r["task"] == task], sweeps).items():
-            md += sweep_section(sweep, points, sweeps)
+            md += sweep_section(sweep, points, sweeps, base_evals)
     md += ["## Jobs", "", to_markdown(list(job_rows.values()), list(JOB_COLUMNS)), ""]
     md += [totals_text(list(job_rows.values()), usage, gpu_hour_cost), ""]
     md += [f"![loss curves]({p.relative_to(run_root)})" for p in written[:1]]
     write_atomic(run_root / "report.md", "\n".join(md) + "\n")
-    write_atomic(run_root / "report.csv", csv_text(rows, extra, sweeps))
+    write_atomic(run_root / "report.csv", csv_text(rows, extra, sweeps, base_rows))
     return [run_root / "report.md", run_root / "report.csv", *written]
 
 
@@ -284,11 +414,19 @@ def present_columns(rows: list[dict]) -> list[str]:
     return [c for c in COLUMNS if c in ("experiment", "status") or any(r.get(c) is not None for r in rows)]
 
 
-def csv_text(rows: list[dict], extra: list[dict], sweeps: dict[str, SweepMember]) -> str:
+def csv_text(
+    rows: list[dict], extra: list[dict], sweeps: dict[str, SweepMember], base_rows: list[dict] = ()
+) -> str:
     """Every experiment's row (each replicate of a sweep point its own, with its sweep, point, seed and
-    swept values: the means of report.md can be recomputed from them) and the published baselines.
-    No mean or std rows: a sum over the file (of gpu_hours, cost) would count a point twice."""
-    columns = present_columns(rows)
+    swept values: the means of report.md can be recomputed from them, and its delta_<score> columns), the
+    base-model evals' rows and the published baselines. No mean or std rows: a sum over the file (of
+    gpu_hours, cost) would count a point twice; for the same reason a base eval shared by two tasks'
+    experiments is one row, under the first task."""
+    first: dict[str, dict] = {}
+    for base in base_rows:
+        first.setdefault(base["job_id"], base)
+    rows = list(first.values()) + rows
+    columns = with_deltas(present_columns(rows), rows)
     fields = columns + sorted({k for r in extra for k in r} - set(columns) - {"name", "task"}) + ["task"]
     members = [sweeps[r["experiment"]] for r in rows if r["experiment"] in sweeps]
     if members:
@@ -328,12 +466,19 @@ def finished(row: dict) -> bool:
     return row["status"].startswith("complete")
 
 
-def sweep_section(name: str, points: dict[str, list[dict]], sweeps: dict[str, SweepMember]) -> list[str]:
-    """### Sweep: NAME, its table, which point is best by its `select` (and why none is), and which
-    replicates did not finish."""
+def sweep_section(
+    name: str,
+    points: dict[str, list[dict]],
+    sweeps: dict[str, SweepMember],
+    base_evals: dict[str, BaseEval] | None = None,
+) -> list[str]:
+    """### Sweep: NAME, its table (a Δ per score where its replicates have a base eval), which point is
+    best by its `select` (and why none is), which replicates did not finish or have no base row."""
     first = sweeps[next(iter(points.values()))[0]["experiment"]]
     replicates = [r for reps in points.values() for r in reps]
-    metrics = [c for c in SWEEP_METRICS if any(r.get(c) is not None for r in replicates)]
+    metrics = with_deltas(
+        [c for c in SWEEP_METRICS if any(r.get(c) is not None for r in replicates)], replicates
+    )
     table = [point_row(point, reps, sweeps, metrics) for point, reps in points.items()]
     columns = ["point", *first.swept, "seeds"]
     columns += ["eval_split"] if any(r.get("eval_split") for r in replicates) else []
@@ -354,7 +499,7 @@ def sweep_section(name: str, points: dict[str, list[dict]], sweeps: dict[str, Sw
     ]
     if flagged:  # counted as done, but a mean hides what its row would have said
         lines += [f"Replicates complete with a warning: {', '.join(flagged)}.", ""]
-    return lines
+    return lines + left_out_lines([r["experiment"] for r in replicates], base_evals or {})
 
 
 def point_row(point: str, replicates: list[dict], sweeps: dict[str, SweepMember], metrics: list[str]) -> dict:
@@ -368,8 +513,19 @@ def point_row(point: str, replicates: list[dict], sweeps: dict[str, SweepMember]
         "seeds": f"{done}/{len(replicates)} done",
         "eval_split": ", ".join(splits) or None,
         "best": "",
-        **{c: replicates_cell([r.get(c) for r in replicates]) if complete else INCOMPLETE for c in metrics},
+        **{c: cell_of(c, [r.get(c) for r in replicates]) if complete else INCOMPLETE for c in metrics},
     }
+
+
+def cell_of(column: str, values: list) -> str | None:
+    """A point's cell: a Δ column's mean of its replicates' Δs (signed; their spread is the score's own,
+    shown beside it), any other column's mean ± std."""
+    if not column.startswith(DELTA):
+        return replicates_cell(values)
+    known = [float(v) for v in values if v is not None]
+    if not known:
+        return None
+    return INCOMPLETE if len(known) < len(values) else f"{statistics.fmean(known):+.4g}"
 
 
 def replicates_cell(values: list) -> str | None:

@@ -381,9 +381,21 @@ def report(profile, request: LaunchRequest) -> list[Path]:
             profile.gpu_hour_cost,
             usage,
             sweeps={name: e.sweep for name, e in experiments.items() if e.sweep is not None},
+            base_evals=base_evals(plan),
         )
     except BaselinesError as exc:
         raise ConfigError([Problem(str(exc.path), "task", str(exc))]) from None
+
+
+def base_evals(plan: Plan) -> dict:
+    """Experiment → the eval of its base model (eval.baseline), or why it has none, for the report."""
+    from eval.report import BaseEval
+
+    found = {
+        name: BaseEval(job_id, plan.job(job_id).run_dir, plan.job(job_id).spec.model.name_or_path)
+        for name, job_id in plan.base_of.items()
+    }
+    return found | {name: BaseEval("", "", "", left_out=why) for name, why in plan.base_left_out.items()}
 
 
 def show_status(plan: Plan, profile) -> int:

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass, replace
+import re
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from pydantic import ValidationError
@@ -21,7 +22,7 @@ from slurm.estimate import Estimate, Estimator, auto_time_limit_s
 from slurm.experiments import LoadedExperiment
 from slurm.profile import ClusterProfile
 from spec import layout
-from spec.config import EvalJob, Resources, TrainJob, slurm_time
+from spec.config import AdapterSpec, EvalJob, Resources, TrainJob, slurm_time
 from spec.problems import ConfigError, Problem
 
 DependencyKind = Literal["afterok", "afterany"]
@@ -70,6 +71,9 @@ class Plan:
     jobs: tuple[PlannedJob, ...]
     run_root: str
     log_root: str
+    # experiment → the job that scores its base model (eval.baseline), or why it has none
+    base_of: dict[str, str] = field(default_factory=dict)
+    base_left_out: dict[str, str] = field(default_factory=dict)
 
     def job(self, job_id: str) -> PlannedJob:
         return next(j for j in self.jobs if j.id == job_id)
@@ -115,6 +119,15 @@ class Plan:
 
     def gpu_hours(self) -> float:
         return sum((j.estimate.seconds or 0.0) * j.resources.gpus for j in self.jobs) / 3600
+
+    def file_of(self, job: PlannedJob, files: dict[str, str]) -> str:
+        """The YAML a job's problems are reported in: its experiment's; a base-model eval's is that of the
+        first experiment it is the base of."""
+        if job.experiment in files:
+            return files[job.experiment]
+        return next(
+            (files[e] for e, base in self.base_of.items() if base == job.id and e in files), job.experiment
+        )
 
     def sweeps(self) -> dict[str, list[str]]:
         """Sweep name → the experiments of its points, in plan order."""
@@ -186,13 +199,59 @@ def build_plan(
     estimator = estimator or Estimator.for_run_root(profile.run_dir)
     jobs: dict[str, PlannedJob] = {}
     last_job: dict[str, str] = {}
+    base_of: dict[str, str] = {}
+    base_left_out: dict[str, str] = {}
     for loaded in order_by_after(experiments):
         chained = [Dependency(last_job[t], "afterany") for t in loaded.experiment.after if t in last_job]
         sweep = loaded.sweep.sweep if loaded.sweep is not None else None
         for job in experiment_jobs(loaded, profile, chained, jobs):
             jobs[job.id] = replace(estimated(job, estimator, profile, str(loaded.file)), sweep=sweep)
         last_job[loaded.name] = job.id
-    return Plan(tuple(jobs.values()), profile.run_dir, profile.log_dir)
+        exp = loaded.experiment
+        if exp.eval.metrics and exp.eval.baseline:
+            if exp.model.added_tokens:
+                base_left_out[exp.name] = (
+                    "it adds tokens (model.added_tokens) the base model has no embeddings for, so the base "
+                    "would be scored with another tokenizer than the adapter"
+                )
+                continue
+            base = base_eval_job(loaded, profile)
+            if base.id not in jobs:  # shared: planned once for every experiment it is the base of
+                jobs[base.id] = estimated(base, estimator, profile, str(loaded.file))
+            base_of[exp.name] = base.id
+    return Plan(tuple(jobs.values()), profile.run_dir, profile.log_dir, base_of, base_left_out)
+
+
+def base_eval_job(loaded: LoadedExperiment, profile: ClusterProfile) -> PlannedJob:
+    """The eval of the experiment's base model without an adapter, on the prompts, metrics, generation
+    settings and split of its own eval (after its last stage): one job per distinct such eval, named by
+    its content, so every experiment and sweep point that shares it shares one job, planned and hashed
+    like any other. A QLoRA experiment's base is scored 4-bit, as its adapter is: the difference is the
+    adapter's alone."""
+    exp, stage = loaded.experiment, loaded.stages[-1]
+    scored = stage.data.eval if exp.eval.split == "eval" else stage.data.train
+    # What only training reads is left at its default: a curriculum's `order` makes no other base row.
+    data = stage.data.model_copy(update={"train": scored, "order": "shuffle", "num_workers": "auto"})
+    adapter = AdapterSpec(
+        method=exp.adapter.method, quant_type=exp.adapter.quant_type, double_quant=exp.adapter.double_quant
+    )
+    content = EvalJob(
+        experiment=layout.BASE_EVAL_PREFIX,
+        stage=layout.EVAL,
+        model=exp.model,
+        adapter=adapter,
+        data=data,
+        eval=exp.eval.model_copy(update={"after_each_stage": False}),
+        adapter_dir=None,
+        out_dir="",
+    )
+    model = re.sub(r"[^A-Za-z0-9_.]+", "_", exp.model.name_or_path.rstrip("/").rsplit("/", 1)[-1])[:24]
+    name = f"{layout.BASE_EVAL_PREFIX}{model}-{config_hash(content.model_dump())[:6]}"
+    spec = content.model_copy(
+        update={"experiment": name, "out_dir": f"{profile.run_dir}/{name}/{layout.EVAL}"}
+    )
+    resources = exp.eval.resources.for_training(with_profile_defaults(exp.resources, profile), spec.source)
+    return make_job(f"{name}/{layout.EVAL}", "eval", spec, resources, [], {})
 
 
 def calibration_plan(plan: Plan, steps: int, estimator: Estimator | None = None) -> Plan:
@@ -202,7 +261,9 @@ def calibration_plan(plan: Plan, steps: int, estimator: Estimator | None = None)
     estimator = estimator or Estimator.for_run_root(plan.run_root)
     jobs = []
     for name in plan.experiments():
-        first = next(j for j in plan.jobs if j.experiment == name and j.kind == "train")
+        first = next((j for j in plan.jobs if j.experiment == name and j.kind == "train"), None)
+        if first is None:  # a base-model eval: nothing trains
+            continue
         stage = layout.calibration_folder(first.stage)
         train = first.spec.train.model_copy(
             update={"max_steps": steps, "eval_every_epochs": None, "early_stopping": None}
@@ -228,7 +289,7 @@ def estimated_again(plan: Plan, profile: ClusterProfile, files: dict[str, str]) 
     book grown meanwhile): estimates and `time: auto` limits change, not the jobs. `files`: experiment →
     its YAML, where a limit that does not fit is reported."""
     estimator = Estimator.for_run_root(plan.run_root)
-    jobs = tuple(estimated(job, estimator, profile, files[job.experiment]) for job in plan.jobs)
+    jobs = tuple(estimated(job, estimator, profile, plan.file_of(job, files)) for job in plan.jobs)
     return replace(plan, jobs=jobs)
 
 

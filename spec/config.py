@@ -367,6 +367,9 @@ class EvalSpec(Section):
         exclude_if=lambda rescale: rescale is False,
     )
     after_each_stage: bool = False
+    # The base model scored without an adapter on the same prompts, one shared job per base + eval data +
+    # settings (slurm/plan.py): the report's "base (no adapter)" row. Not the eval's identity.
+    baseline: bool = Field(False, exclude=True)
     split: Literal[SPLITS] = Field(
         "eval",
         description="the data scored: data.eval, or `train` to knowingly score on the training data",
@@ -514,7 +517,7 @@ class EvalJob(Section):
     adapter: AdapterSpec  # QLoRA adapters are evaluated on the same 4-bit base they were trained on
     data: DataSpec
     eval: EvalSpec
-    adapter_dir: str
+    adapter_dir: str | None  # None: the base model alone, scored as the experiments' base row (slurm/plan.py)
     out_dir: str
 
     @model_validator(mode="after")

@@ -42,6 +42,9 @@ EXPERIMENT_FOLDER = {
     ORIGIN: "where the experiment was launched from",
 }
 EVAL_PREFIX = f"{EVAL}-"
+# RUN_ROOT/_base-MODEL-KEY/eval: a base-model eval, shared by the experiments it is the base row of. No
+# experiment's name starts with '_' (spec/config.py SAFE_NAME), so it cannot take an experiment's folder.
+BASE_EVAL_PREFIX = "_base-"
 CALIBRATION_SUFFIX = "-calibrate"
 ARCHIVE_INFIX = ".old-"
 

@@ -12,6 +12,7 @@ summary.json   what the stage did: steps, runtime, tokens, device, precision, wo
 lane.json      for a unit of a packed allocation: its lane, GPU and how it ended (slurm/lanes.py)
 predictions.jsonl, predictions.partial.jsonl, results.json   an eval's (eval/job.py, eval/predictions.py)
 DONE           the config hash, written last: a stage with a matching DONE never runs again
+EXPORT_DONE    an export's identity, its files and self-check figures, written last (train/export.py)
 
 Beside the stages, RUN_ROOT/EXP/origin.json says which config file and folder the experiment was launched
 from (`Origin`), so watching finds what the run root holds, not only what one config folder names.
@@ -59,6 +60,8 @@ SUMMARY_FIELDS = {  # the report, the eval (precision), the next stage (steps), 
 }
 RESULTS_FIELDS = {"split": str, "adapter_changes_output": bool, **dict.fromkeys(REPORT_COLUMNS, float)}
 METRICS_FIELDS = {"step": int, "loss": float, "eval_loss": float, "gpu_util_percent": float}
+# EXPORT_DONE as train/export.py writes it (identity None: an export that was being moved in)
+EXPORT_DONE_FIELDS = {"identity": str, "files": list, "result": dict}
 # lane.json as slurm/lanes.py writes it
 LANE_FIELDS = {
     "pack_job": (str, int),
@@ -139,6 +142,10 @@ class RunDir:
     def done(self) -> Path:
         return self.path / "DONE"
 
+    @property
+    def export_done(self) -> Path:
+        return self.path / "EXPORT_DONE"
+
     def read_progress(self) -> dict:
         return read_json(self.progress, {}, expected=dict, fields=PROGRESS_FIELDS)
 
@@ -151,6 +158,10 @@ class RunDir:
     def read_lane(self) -> dict:
         """What a packed unit's lane wrote; {} when nothing readable."""
         return read_json(self.lane, {}, expected=dict, fields=LANE_FIELDS)
+
+    def read_export_done(self) -> dict:
+        """An export folder's marker; {} when absent or unreadable (the export is then redone)."""
+        return read_json(self.export_done, {}, expected=dict, fields=EXPORT_DONE_FIELDS)
 
 
 @dataclass(frozen=True)
@@ -175,7 +186,8 @@ def run_root_experiments(run_root: Path) -> dict[str, Origin | None]:
     origins were) or cannot be read (warned about)."""
     found: dict[str, Origin | None] = {}
     try:
-        folders = sorted(p for p in Path(run_root).iterdir() if p.is_dir() and not p.name.startswith("."))
+        # Not experiments: hidden folders, and the base-model evals (`_base-*`, spec/layout.py)
+        folders = sorted(p for p in Path(run_root).iterdir() if p.is_dir() and p.name[0] not in "._")
     except OSError:
         return found
     for folder in folders:

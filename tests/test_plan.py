@@ -278,7 +278,30 @@ def test_eval_after_each_stage_adds_intermediate_evals():
         "qwen-curriculum3/eval-part2",
         "qwen-curriculum3/part3",
         "qwen-curriculum3/eval",
+        plan.base_of["qwen-curriculum3"],  # its base model, scored once (base.yaml: eval.baseline)
     ]
+
+
+def test_a_base_model_eval_is_planned_once_for_every_experiment_that_shares_it():
+    # The five Qwen QLoRA experiments share the base, the eval data, metrics and generation: one job.
+    plan = plan_for([], names=None)
+    qwen = ["qwen-curriculum2", "qwen-curriculum3", "qwen-random", "qwen-sequential"]
+    bases = {plan.base_of[name] for name in qwen}
+    assert len(bases) == 1
+    (base,) = bases
+    job = plan.job(base)
+    assert [j.id for j in plan.jobs].count(base) == 1
+    assert job.kind == "eval" and job.depends_on == () and job.spec.adapter_dir is None
+    assert job.spec.adapter.method == "qlora"  # scored 4-bit, as its adapters are: the delta is theirs alone
+    evals = [plan.job(f"{name}/eval").spec for name in qwen]
+    assert {e.source for e in evals} == {job.spec.source}
+    assert all(e.eval == job.spec.eval for e in evals)
+    # Not part of any experiment's identity: turning the base row off reruns nothing.
+    off = plan_for(["eval.baseline=false"], names=None)
+    assert off.base_of == {} and not any(j.id.startswith("_base-") for j in off.jobs)
+    assert {j.id: j.config_hash for j in off.jobs} == {
+        j.id: j.config_hash for j in plan.jobs if not j.id.startswith("_base-")
+    }
 
 
 def test_dry_run_imports_no_torch(repo_root):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import os
 import shutil
@@ -15,7 +16,7 @@ import submitit
 from submitit.core.utils import DelayedSubmission, JobPaths
 
 import launch
-from eval.report import write_report
+from eval.report import BaseEval, write_report
 from slurm.experiments import load_experiments
 from slurm.lanes import PackJob
 from slurm.pack import unit_of
@@ -553,3 +554,202 @@ def test_a_sweep_points_loss_curves_are_one_mean_line_with_a_min_max_band_over_s
     plt.close(fig)
     written = write_report(plan, runs, sweeps=sweeps)
     assert runs / "loss_curves.png" in written and runs / "lr-lr1e-04-r8-s3" / "loss.png" in written
+
+
+# Did fine-tuning help? The base model without an adapter, scored on the same prompts, as a row of its own,
+# and each experiment's Δ against it.
+
+
+def with_base_job(plan, template: str, stage: str, model: str = "org/model"):
+    """`plan` with a base-model eval job as the plan side adds one (experiment `baselines`, no train job:
+    a copy of eval job `template` writing to RUN_ROOT/baselines/STAGE), and the BaseEval naming it."""
+    job = plan.job(template)
+    out_dir = str(Path(plan.run_root) / "baselines" / stage)
+    spec = job.spec.model_copy(update={"out_dir": out_dir, "experiment": "baselines", "stage": stage})
+    base = dataclasses.replace(
+        job, id=f"baselines/{stage}", experiment="baselines", stage=stage, spec=spec, depends_on=()
+    )
+    return dataclasses.replace(plan, jobs=(*plan.jobs, base)), BaseEval(base.id, out_dir, model)
+
+
+def write_scores(folder: str | Path, **scores: float) -> None:
+    """An eval job's results.json (an experiment's or a base's: the same keys) on the eval split."""
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    (Path(folder) / "results.json").write_text(json.dumps({"n": 4, "split": "eval", **scores}))
+
+
+def table_of(report: str) -> list[str]:
+    """The first table of report.md: its header, then its rows (the separator left out)."""
+    lines = [line for line in report.split("## Jobs")[0].splitlines() if line.startswith("|")]
+    return [lines[0], *lines[2:]]
+
+
+def scored_plan(tmp_path: Path):
+    """Experiment `good` (exact_match 0.75, bleu 0.2) and its base eval (0.5, 0.3), which held 2 GPUs
+    for 3 s (sacct's job 1): the plan, its BaseEval and the usage the launcher would find."""
+    plan, base = with_base_job(plan_of(tmp_path, "good"), "good/eval", "abc123")
+    write_scores(tmp_path / "runs" / "good" / "eval", exact_match=0.75, bleu=0.2)
+    write_scores(base.out_dir, exact_match=0.5, bleu=0.3)
+    submitted(Path(base.out_dir), "1")
+    return plan, base, recorded_usage(plan, tmp_path / "logs")
+
+
+def test_base_model_row_heads_its_task_table_with_its_own_scores_and_gpu_hours(tmp_path):
+    # Before: no row said what the base model scores, so nobody could tell whether fine-tuning helped.
+    plan, base, usage = scored_plan(tmp_path)
+    runs = tmp_path / "runs"
+
+    write_report(plan, runs, usage=usage, gpu_hour_cost=2.5, base_evals={"good": base})
+
+    header, first, second = table_of((runs / "report.md").read_text())
+    assert header == (
+        "| experiment | status | model | method | stages | gpu_hours | cost | eval_split | exact_match "
+        "| Δ exact_match | bleu | Δ bleu |"
+    )
+    # 3 s on 2 GPUs = 0.0017 GPU-hours (sacct), cost 0.0017 x 2.5 = 0.00 (rounded to cents as for rows).
+    assert (
+        first
+        == "| base (no adapter) | complete | org/model | – | – | 0.0017 | 0 | eval | 0.5 | – | 0.3 | – |"
+    )
+    assert second.startswith("| good | complete | org/model | lora |")
+    assert (
+        "| baselines/abc123 | COMPLETED | 2 | 1 | 0.05 | – | 0.0017 | sacct | – | – |"
+        in (runs / "report.md").read_text()
+    )
+
+
+def test_delta_is_the_adapters_score_minus_the_bases_not_the_reverse(tmp_path):
+    plan, base, usage = scored_plan(tmp_path)
+    runs = tmp_path / "runs"
+
+    write_report(plan, runs, usage=usage, base_evals={"good": base})
+
+    good = table_of((runs / "report.md").read_text())[2]
+    # exact_match 0.75 - 0.5 = +0.25; bleu 0.2 - 0.3 = -0.1 (not -0.09999999999999998 in the csv).
+    assert good.endswith("| eval | 0.75 | +0.25 | 0.2 | -0.1 |")
+    rows = {r["experiment"]: r for r in csv.DictReader((runs / "report.csv").open())}
+    assert (rows["good"]["delta_exact_match"], rows["good"]["delta_bleu"]) == ("0.25", "-0.1")
+
+
+def test_experiments_sharing_a_base_are_compared_with_it_and_another_base_model_gets_its_own_row(tmp_path):
+    plan_of(tmp_path, "a", "b")
+    configs = tmp_path / "configs"
+    other = EXPERIMENT.format(name="c", data=tmp_path / "d.jsonl").replace("org/model", "org/other")
+    (configs / "c.yaml").write_text(other)
+    profile, _ = load_profile(configs)
+    plan = build_plan(load_experiments(configs, profile), profile)
+    plan, shared = with_base_job(plan, "a/eval", "m1")
+    plan, own = with_base_job(plan, "c/eval", "m2", model="org/other")
+    runs = tmp_path / "runs"
+    for name, em in (("a", 0.75), ("b", 0.625), ("c", 0.25)):
+        write_scores(runs / name / "eval", exact_match=em)
+    write_scores(shared.out_dir, exact_match=0.5)
+    write_scores(own.out_dir, exact_match=0.2)
+
+    write_report(plan, runs, base_evals={"a": shared, "b": shared, "c": own})
+
+    table = table_of((runs / "report.md").read_text())
+    assert table[0].endswith("| eval_split | exact_match | Δ exact_match |")
+    # One row per distinct base (a and b share one), both on top, each labelled with its model.
+    assert table[1] == "| base (no adapter): org/model | complete | org/model | – | – | eval | 0.5 | – |"
+    assert table[2] == "| base (no adapter): org/other | complete | org/other | – | – | eval | 0.2 | – |"
+    assert [line.split(" | ")[0] for line in table[3:]] == ["| a", "| b", "| c"]
+    # a: 0.75 - 0.5, b: 0.625 - 0.5, c against its own base: 0.25 - 0.2 (not 0.25 - 0.5 = -0.25).
+    assert table[3].endswith("| org/model | lora | one → two | eval | 0.75 | +0.25 |")
+    assert table[4].endswith("| org/model | lora | one → two | eval | 0.625 | +0.125 |")
+    assert table[5].endswith("| org/other | lora | one → two | eval | 0.25 | +0.05 |")
+
+
+def test_a_base_eval_not_run_yet_says_so_and_its_experiments_get_no_delta(tmp_path):
+    plan, base = with_base_job(plan_of(tmp_path, "good"), "good/eval", "abc123")
+    runs = tmp_path / "runs"
+    write_scores(runs / "good" / "eval", exact_match=0.75)
+
+    write_report(plan, runs, base_evals={"good": base})
+
+    base_line, good = table_of((runs / "report.md").read_text())[1:]
+    assert base_line == "| base (no adapter) | missing: not run yet | org/model | – | – | – | – | – |"
+    assert good.endswith("| eval | 0.75 | – |")  # not 0.75 - 0 = +0.75
+
+    write_report(plan, runs, {"baselines/abc123": "FAILED"}, base_evals={"good": base})
+    assert table_of((runs / "report.md").read_text())[1].startswith(
+        "| base (no adapter) | missing: eval FAILED |"
+    )
+
+
+def test_a_left_out_base_says_why_under_the_table_and_gives_no_delta(tmp_path):
+    plan, base = with_base_job(plan_of(tmp_path, "good", "tokens"), "good/eval", "abc123")
+    runs = tmp_path / "runs"
+    write_scores(runs / "good" / "eval", exact_match=0.75)
+    write_scores(runs / "tokens" / "eval", exact_match=0.9)
+    write_scores(base.out_dir, exact_match=0.5)
+    left_out = BaseEval("", "", "org/model", left_out="it adds tokens the base model lacks")
+
+    write_report(plan, runs, base_evals={"good": base, "tokens": left_out})
+
+    report = (runs / "report.md").read_text()
+    table = table_of(report)
+    assert [line.split(" | ")[0] for line in table[1:]] == ["| base (no adapter)", "| good", "| tokens"]
+    assert table[2].endswith("| 0.75 | +0.25 |")
+    assert table[3].endswith("| 0.9 | – |")  # not against good's base: 0.9 - 0.5
+    assert "\n\nNo base row for tokens: it adds tokens the base model lacks.\n\n## Jobs" in report
+
+
+def test_report_csv_has_the_base_row_and_a_delta_column_after_each_score(tmp_path):
+    plan, base, usage = scored_plan(tmp_path)
+    runs = tmp_path / "runs"
+
+    write_report(plan, runs, usage=usage, tasks={"good": "qa"}, base_evals={"good": base})
+
+    reader = csv.DictReader((runs / "report.csv").open())
+    rows = {r["experiment"]: r for r in reader}
+    assert reader.fieldnames[-5:] == ["exact_match", "delta_exact_match", "bleu", "delta_bleu", "task"]
+    assert list(rows) == ["base (no adapter)", "good"]
+    base_row = rows["base (no adapter)"]
+    assert (base_row["status"], base_row["model"], base_row["task"]) == ("complete", "org/model", "qa")
+    assert (base_row["exact_match"], base_row["bleu"], base_row["gpu_hours"]) == ("0.5", "0.3", "0.0017")
+    assert (base_row["delta_exact_match"], base_row["delta_bleu"]) == ("", "")
+    assert (rows["good"]["delta_exact_match"], rows["good"]["task"]) == ("0.25", "qa")
+
+
+def test_a_baselines_eval_job_without_a_train_job_does_not_crash_the_report(tmp_path):
+    # Before: every experiment of the plan got a row, and experiment_row took train_jobs[0] of `baselines`.
+    plan, base = with_base_job(plan_of(tmp_path, "good"), "good/eval", "abc123")
+    runs = tmp_path / "runs"
+    write_scores(base.out_dir, exact_match=0.5)
+
+    write_report(plan, runs)  # a caller that passes no base_evals: the report as before
+
+    report = (runs / "report.md").read_text()
+    rows = [r["experiment"] for r in csv.DictReader((runs / "report.csv").open())]
+    assert rows == ["good"] and "| baselines |" not in report and "Δ" not in report
+    assert "| baselines/abc123 | COMPLETED |" in report  # the job itself is in the job table
+
+
+def test_a_sweep_points_delta_is_the_mean_of_its_seeds_minus_the_base(tmp_path):
+    plan, sweeps = sweep_plan(tmp_path)
+    plan, base = with_base_job(plan, "plain/eval", "abc123")
+    runs = tmp_path / "runs"
+    for seed, loss, em in ((1, 1.0, 0.5), (2, 1.2, 0.6), (3, 1.4, 0.7)):
+        write_replicate(runs, f"lr-lr1e-04-r8-s{seed}", loss, {"exact_match": em})
+    for seed, loss, em in ((1, 2.0, 0.2), (2, 2.5, 0.3), (3, 3.0, 0.4)):
+        write_replicate(runs, f"lr-lr3e-04-r8-s{seed}", loss, {"exact_match": em})
+    write_scores(base.out_dir, exact_match=0.25)
+
+    write_report(plan, runs, {}, sweeps=sweeps, base_evals=dict.fromkeys(plan.experiments(), base))
+
+    report = (runs / "report.md").read_text()
+    task_table, sweep_part = report.split("### Sweep: lr")
+    assert "| base (no adapter) | complete | org/model | – | – | eval | 0.25 | – |" in task_table
+    assert md_line(sweep_part, "| point ").endswith("| exact_match | Δ exact_match | train_min | gpu_hours |")
+    # Means 0.6 and 0.3 against the base's 0.25: +0.35 and +0.05 (the spread is the score's, beside it).
+    assert "| 0.6 ± 0.1 | +0.35 | 1 ± 0 |" in md_line(sweep_part, "| lr1e-04-r8 ")
+    assert "| 0.3 ± 0.1 | +0.05 | 1 ± 0 |" in md_line(sweep_part, "| lr3e-04-r8 ")
+    # Without a base for the point: no number, and the reason, once for all its seeds.
+    gone = BaseEval("", "", "org/model", left_out="it adds tokens")
+    left_out = {name: gone for name in plan.experiments() if name.startswith("lr-lr3e-04")}
+    write_report(plan, runs, {}, sweeps=sweeps, base_evals=dict.fromkeys(plan.experiments(), base) | left_out)
+    report = (runs / "report.md").read_text()
+    assert "| 0.3 ± 0.1 | – | 1 ± 0 |" in md_line(report, "| lr3e-04-r8 ")
+    names = ", ".join(f"lr-lr3e-04-r8-s{seed}" for seed in (1, 2, 3))
+    assert f"No base row for {names}: it adds tokens." in report

@@ -1,0 +1,60 @@
+"""The base model scored without an adapter (eval.baseline): one real eval job shared by the experiments
+that need the same one, run once, beside their own evals; its results are what the report's base row and
+deltas read."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import launch
+from spec.rundir import RunDir, job_records
+from tests.conftest import write_cluster_yaml
+
+EXPERIMENT = """\
+name: {name}
+model: {{name_or_path: {root}/models/tiny-llama, kind: causal}}
+adapter: {{rank: {rank}, alpha: 8, dropout: 0.0, max_trainable_percent: 40}}
+data:
+  train: {root}/data/demo/sql/easy.jsonl
+  eval: {root}/data/demo/sql/dev.jsonl
+  input_field: question
+  target_field: sql
+  prompt_template: "{{schema}} | {{question}} | SQL: "
+train: {{epochs: 1, batch_size: 16, eval_every_epochs: null, learning_rate: 3.0e-3}}
+eval: {{metrics: [exact_match, rouge_l], limit: 8, max_new_tokens: 16, baseline: true}}
+resources: {{gpus: 0, cpus: 1, mem_gb: 1, time: "00:15:00"}}
+"""
+
+
+@pytest.mark.slow
+def test_one_base_eval_runs_for_the_experiments_that_share_it_and_scores_the_base_alone(
+    repo_root, tmp_path, tiny, monkeypatch, capsys
+):
+    monkeypatch.chdir(repo_root)
+    folder = tmp_path / "configs"
+    folder.mkdir()
+    write_cluster_yaml(folder, tmp_path, local_parallel_jobs=2)
+    for name, rank in (("r4", 4), ("r8", 8)):  # same base, same eval data and settings: one base job
+        (folder / f"{name}.yaml").write_text(EXPERIMENT.format(name=name, root=repo_root, rank=rank))
+    assert launch.main(["--all", "--dry-run", "--json", "--config-dir", str(folder)]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    bases = [j["id"] for j in plan["jobs"] if j["id"].startswith("_base-")]
+    assert len(bases) == 1 and len(plan["jobs"]) == 5  # 2 trainings, 2 evals, 1 base eval
+    assert launch.main(["--all", "--config-dir", str(folder), "--backend", "local"]) == 0
+    capsys.readouterr()
+    base_dir = tmp_path / "runs" / bases[0]
+    results = RunDir(base_dir).read_results()
+    assert results["adapter_dir"] is None and "exact_match" in results and "rouge_l" in results
+    assert len(job_records(base_dir)) == 1  # ran once
+    # The adapters' evals scored the same prompts: the same number of predictions, the same references.
+    ours = (tmp_path / "runs" / "r4" / "eval" / "predictions.jsonl").read_text().splitlines()
+    base = (base_dir / "predictions.jsonl").read_text().splitlines()
+    assert [json.loads(r)["reference"] for r in ours] == [json.loads(r)["reference"] for r in base]
+    assert launch.main(["--all", "--config-dir", str(folder), "--backend", "local"]) == 0
+    assert "Nothing to submit" in capsys.readouterr().out and len(job_records(base_dir)) == 1
+    report = (tmp_path / "runs" / "report.md").read_text()
+    assert "base (no adapter)" in report
+    assert Path(tmp_path / "runs" / "report.csv").read_text().count("base (no adapter)") >= 1
