@@ -117,15 +117,19 @@ def test_demo_on_the_dev_cluster(repo_root, tmp_path, slurm_cluster, tiny, capsy
     assert launch.main(["--report", "--config-dir", str(config_dir)]) == 0
     assert f"Curves: tensorboard --logdir {tmp_path / 'runs'}" in capsys.readouterr().out
     report = (tmp_path / "runs" / "report.md").read_text()
-    assert report.count("| complete") == 5
+    # The base models, each scored once without adapter (base.yaml: eval.baseline): the T5, the tiny Llama
+    # (chain-first and chain-second share it), the same 4-bit for the QLoRA curriculum, the VL model.
+    bases = sorted(p.parent.name for p in (tmp_path / "runs").glob("_base-*/eval/DONE"))
+    assert len(bases) == 4, bases
+    assert report.count("| complete") == 5 + 4 and report.count("| base (no adapter)") == 4
     assert "T5-p" not in report  # SocratiQ baselines belong to another task than the demo's text-to-SQL
     assert (tmp_path / "runs" / "loss_curves.png").stat().st_size > 10_000
 
     logs = list((tmp_path / "logs").rglob("*_log.out"))  # one per job: stdout and stderr together
-    assert len(logs) == len(DEMO_JOBS) and all(p.stat().st_size > 0 for p in logs)
+    assert len(logs) == len(DEMO_JOBS) + len(bases) and all(p.stat().st_size > 0 for p in logs)
     # hub_downloads: login (the default): every job ran offline, from what preflight had here.
     scripts = [p.read_text() for p in (tmp_path / "logs").rglob("*_submission.sh")]
-    assert len(scripts) == len(DEMO_JOBS)
+    assert len(scripts) == len(DEMO_JOBS) + len(bases)
     assert all("export HF_HUB_OFFLINE=1\nexport HF_DATASETS_OFFLINE=1\n" in text for text in scripts)
     written = [p for p in tmp_path.rglob("*") if p.is_file()]
     assert not [p for p in written if TOKEN.encode() in p.read_bytes()]
@@ -141,7 +145,8 @@ def test_demo_runs_locally_without_slurm(repo_root, tmp_path, tiny, monkeypatch,
     assert launch.main(["--exp", *experiments, "--config-dir", str(config_dir), "--backend", "local"]) == 0
     # Every job completed here: the report is written without a second command, and its path printed.
     report = tmp_path / "runs" / "report.md"
-    assert f"All 4 job(s) completed. Report: {report}" in capsys.readouterr().out
+    # Four jobs, and the one eval of their shared base model (base.yaml: eval.baseline).
+    assert f"All 5 job(s) completed. Report: {report}" in capsys.readouterr().out
     assert "| chain-second | complete" in report.read_text()
     for plan_id in ("chain-first/train", "chain-first/eval", "chain-second/train", "chain-second/eval"):
         assert (tmp_path / "runs" / plan_id / "DONE").is_file()
@@ -159,7 +164,7 @@ def test_demo_runs_locally_without_slurm(repo_root, tmp_path, tiny, monkeypatch,
 
     # Each eval job timed itself into the speed book: the next plan estimates eval jobs from it.
     eval_rows = read_eval_book(tmp_path / "runs" / "speeds.jsonl")
-    assert len(eval_rows) == 2 and all(r.decode_step_s > 0 and r.startup_s > 0 for r in eval_rows)
+    assert len(eval_rows) == 3 and all(r.decode_step_s > 0 and r.startup_s > 0 for r in eval_rows)
 
     # An eval job reruns by hand from its run folder alone, to the same scores (greedy decoding).
     eval_dir = tmp_path / "runs" / "chain-second" / "eval"
