@@ -45,6 +45,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     action.add_argument("--report", action="store_true", help="write runs/report.md, .csv and loss plots")
     action.add_argument("--sync", action="store_true", help="upload offline W&B runs (from a login node)")
     action.add_argument(
+        "--export",
+        nargs="*",
+        metavar="EXP[/STAGE]",
+        help="merge the adapter into its base as a model to serve (runs/EXP/export/); with --all, every one",
+    )
+    action.add_argument(
         "--retry-failed",
         action="store_true",
         help="resubmit only failed jobs and the jobs that depend on them",
@@ -77,6 +83,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="with --pack: the allocation's time limit; a plan whose estimates do not fit is refused",
     )
     parser.add_argument("--force", action="store_true", help="rerun finished stages whose config changed")
+    parser.add_argument(
+        "--export-format",
+        choices=["safetensors", "gguf"],
+        default="safetensors",
+        help="with --export: gguf also runs llama.cpp's converter (or says the command to run)",
+    )
     parser.add_argument(
         "--removed",
         action="store_true",

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import submitit
 
-from slurm.jobs import EvalStage, TrainStage
+from slurm.jobs import EvalStage, ExportStage, TrainStage
 from slurm.lanes import PackJob
 from slurm.local_gpus import GpuPool, VisibleGpus, gpus_needed, too_many_gpus
 from slurm.pack import Unit
@@ -53,7 +53,7 @@ def pick_backend(name: str) -> str:
 
 
 def job_callable(job: PlannedJob):
-    return TrainStage() if job.kind == "train" else EvalStage()
+    return {"train": TrainStage, "eval": EvalStage, "export": ExportStage}[job.kind]()
 
 
 def job_args(job: PlannedJob, workdir: Path) -> tuple:

@@ -30,7 +30,7 @@ from slurm.launcher import (
     with_dependents,
 )
 from slurm.pack import pack_plan, pack_resources
-from slurm.plan import Plan, build_plan, calibration_plan, estimated_again
+from slurm.plan import Plan, build_plan, calibration_plan, estimated_again, with_exports
 from slurm.profile import load_profile
 from slurm.render import (
     console,
@@ -162,6 +162,26 @@ def launch(request: LaunchRequest, profile) -> int:
         # The run ended here, every job completed: the comparison the user ran it for (beside the rest).
         written = report(profile, request)
         out.print(f"All {len(plan.jobs)} job(s) completed. Report: {written[0]}", highlight=False)
+    return code
+
+
+def export(request: LaunchRequest, profile) -> int:
+    """--export [EXP[/STAGE] ...] (or --exp, --all): each stage's adapter merged into its base as a job
+    (on SLURM, or here with --backend local), after whatever of its training and evals is not done yet;
+    an export already made from the same adapter is skipped (eval/export.py)."""
+    targets = [(t.partition("/")[0], t.partition("/")[2] or None) for t in request.export]
+    names = list(dict.fromkeys(name for name, _ in targets)) or (
+        list(request.experiments) if request.experiments else None
+    )
+    overrides = parse_overrides(list(request.overrides))
+    experiments = load_experiments(request.config_dir, profile, overrides, names)
+    plan = build_plan(experiments, profile)
+    targets = targets or [(e.name, None) for e in experiments]
+    plan = with_exports(plan, targets, request.export_format == "gguf")
+    code = submit(plan, profile, request, None, {e.name: e.file for e in experiments})
+    exports = [j for j in plan.jobs if j.kind == "export"]
+    if code == 0 and request.backend == "local":
+        out.print("Exported: " + ", ".join(f"{j.run_dir}/" for j in exports), highlight=False, soft_wrap=True)
     return code
 
 
@@ -736,4 +756,5 @@ ACTIONS = {
     "cancel": watch,
     "report": watch,
     "sync": sync,
+    "export": export,
 }

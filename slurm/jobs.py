@@ -96,6 +96,25 @@ class EvalStage(StageJob):
         return job.out_dir
 
 
+class ExportStage(StageJob):
+    """Merge a trained stage's adapter into its base, check the merged model against the adapter, write the
+    export (eval/export.py); a failed check fails the job with its figures. Idempotent: an export already
+    made from the same adapter and settings is skipped."""
+
+    def run(self, spec: dict, config_hash: str) -> str:
+        from eval.export import eval_inputs, export_stage
+        from spec.config import ExportJob
+
+        job = ExportJob.model_validate(spec)
+        ran = [Path(c) for c in job.eval_configs if Path(c).is_file()]  # an eval never submitted has none
+        eval_spec, rows = eval_inputs(ran)
+        export_stage(
+            Path(job.stage_dir), Path(job.out_dir), eval_spec=eval_spec, eval_rows=rows, gguf=job.gguf
+        )
+        mark_done(Path(job.out_dir), config_hash)
+        return job.out_dir
+
+
 class StopRequest:
     """Turns SLURM's signals into a flag the trainer checks at each step end."""
 

@@ -22,7 +22,7 @@ from slurm.estimate import Estimate, Estimator, auto_time_limit_s
 from slurm.experiments import LoadedExperiment
 from slurm.profile import ClusterProfile
 from spec import layout
-from spec.config import AdapterSpec, EvalJob, Resources, TrainJob, slurm_time
+from spec.config import AdapterSpec, EvalJob, ExportJob, Resources, TrainJob, slurm_time
 from spec.problems import ConfigError, Problem
 
 DependencyKind = Literal["afterok", "afterany"]
@@ -39,8 +39,8 @@ class PlannedJob:
     id: str  # "EXP/STAGE" or "EXP/eval": also the SLURM job name and the run/log sub-folder
     experiment: str
     stage: str
-    kind: Literal["train", "eval"]
-    spec: TrainJob | EvalJob
+    kind: Literal["train", "eval", "export"]
+    spec: TrainJob | EvalJob | ExportJob
     config_hash: str
     resources: Resources
     depends_on: tuple[Dependency, ...]
@@ -252,6 +252,55 @@ def base_eval_job(loaded: LoadedExperiment, profile: ClusterProfile) -> PlannedJ
     )
     resources = exp.eval.resources.for_training(with_profile_defaults(exp.resources, profile), spec.source)
     return make_job(f"{name}/{layout.EVAL}", "eval", spec, resources, [], {})
+
+
+EXPORT_GUESS = Estimate(600.0, "guess", "an export: load the base, merge, check a few prompts, save")
+
+
+def with_exports(plan: Plan, targets: list[tuple[str, str | None]], gguf: bool) -> Plan:
+    """The plan and, for each (experiment, stage or None: its last), the export of that stage
+    (launch.py --export): after its training (afterok: it needs the adapter) and after the stage's eval
+    and its base-model eval (afterany: their scores make the model card's table, when they have them)."""
+    jobs = list(plan.jobs)
+    known = {j.id: j for j in jobs}
+    problems = []
+    for experiment, stage in targets:
+        stages = [j.stage for j in jobs if j.experiment == experiment and j.kind == "train"]
+        if (stage or stages[-1]) not in stages:
+            listed = ", ".join(stages)
+            problems.append(
+                Problem(
+                    "command line", "--export", f"{experiment} has no stage '{stage}' (its stages: {listed})"
+                )
+            )
+            continue
+        stage = stage or stages[-1]
+        trained = known[f"{experiment}/{stage}"]
+        last = stage == stages[-1]
+        evals = [known[i] for i in (f"{experiment}/{layout.eval_folder(stage, last)}",) if i in known]
+        if last and experiment in plan.base_of:
+            evals.insert(0, known[plan.base_of[experiment]])
+        name = layout.export_folder(stage, last)
+        spec = ExportJob(
+            experiment=experiment,
+            stage=stage,
+            stage_dir=trained.run_dir,
+            out_dir=f"{plan.run_root}/{experiment}/{name}",
+            eval_configs=[f"{e.run_dir}/config.yaml" for e in evals],
+            gguf=gguf,
+        )
+        deps = [Dependency(trained.id, "afterok"), *(Dependency(e.id, "afterany") for e in evals)]
+        resources = (evals[-1] if evals else trained).resources.model_copy(
+            update={"gpus": min(1, trained.resources.gpus)}
+        )
+        job = replace(
+            make_job(f"{experiment}/{name}", "export", spec, resources, deps, known), estimate=EXPORT_GUESS
+        )
+        known[job.id] = job
+        jobs.append(job)
+    if problems:
+        raise ConfigError(problems)
+    return replace(plan, jobs=tuple(jobs))
 
 
 def calibration_plan(plan: Plan, steps: int, estimator: Estimator | None = None) -> Plan:

@@ -158,6 +158,8 @@ def preflight_plan(
         hub_unreachable()  # one quick request: without a hub, what follows runs offline, without retries
     for planned in plan.jobs:
         where = files.get(planned.experiment, planned.experiment)
+        if planned.kind == "export":  # loads what the training loads, after it
+            continue
         if planned.kind != "train":
             scorer = planned.spec.eval.bertscore_model
             if fetch and scorer and "bertscore" in planned.spec.eval.metrics:

@@ -25,13 +25,14 @@ Action = Literal[
     "cancel",
     "report",
     "sync",
+    "export",
 ]
 # The flags that name an action (argparse keeps them mutually exclusive); none of them: a launch.
 ACTION_FLAGS: tuple[Action, ...] = tuple(action for action in get_args(Action) if action != "launch")
 WATCHING: tuple[Action, ...] = ("status", "tail", "cancel", "report")
-SUBMITTING: tuple[Action, ...] = ("launch", "calibrate", "retry_failed")
+SUBMITTING: tuple[Action, ...] = ("launch", "calibrate", "retry_failed", "export")
 # Actions that need experiments named (--all or --exp); the others take every experiment when none is.
-NAMING: tuple[Action, ...] = ("launch", "calibrate", "preflight")
+NAMING: tuple[Action, ...] = ("launch", "calibrate", "preflight", "export")
 DEFAULT_CONFIG_DIR = Path("configs/experiments")
 
 
@@ -52,6 +53,8 @@ class LaunchRequest:
     budget: str | None = None  # --pack's time limit, a SLURM duration
     force: bool = False
     removed: bool = False  # --cancel --removed
+    export: tuple[str, ...] = ()  # --export EXP[/STAGE] ...: what to export (with --all: every experiment)
+    export_format: Literal["safetensors", "gguf"] = "safetensors"
     tail: str | None = None  # EXP[/STAGE]
     rank: int = 0  # with --tail
     calibrate_steps: int = 30
@@ -62,7 +65,7 @@ class LaunchRequest:
 
 
 def action_of(args) -> Action:
-    named = [flag for flag in ACTION_FLAGS if getattr(args, flag)]
+    named = [flag for flag in ACTION_FLAGS if getattr(args, flag, None) not in (None, False)]
     return named[0] if named else "launch"
 
 
@@ -90,11 +93,13 @@ def request_from(args) -> LaunchRequest:
         budget=args.budget,
         force=args.force,
         removed=args.removed,
+        export=tuple(args.export or ()),
+        export_format=args.export_format,
         tail=args.tail,
         rank=args.rank,
         calibrate_steps=args.calibrate_steps,
     )
-    problems = door_problems(request, chose=bool(args.all or args.exp))
+    problems = door_problems(request, chose=bool(args.all or args.exp or args.export))
     if problems:
         raise ConfigError(problems)
     return request

@@ -535,6 +535,18 @@ class EvalJob(Section):
         return self.data.eval if self.eval.split == "eval" else self.data.train
 
 
+class ExportJob(Section):
+    """What one export job needs (eval/export.py): the trained stage, where the merged model goes, and the
+    eval jobs whose scores make its model card's table (the base-model eval's first)."""
+
+    experiment: str
+    stage: str
+    stage_dir: str
+    out_dir: str
+    eval_configs: list[str] = Field(default_factory=list)  # their config.yaml; those not run yet are left out
+    gguf: bool = False
+
+
 def safe_name(value: str) -> str:
     if not SAFE_NAME.fullmatch(value):
         raise ValueError(

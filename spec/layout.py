@@ -42,6 +42,7 @@ EXPERIMENT_FOLDER = {
     ORIGIN: "where the experiment was launched from",
 }
 EVAL_PREFIX = f"{EVAL}-"
+EXPORT_PREFIX = f"{EXPORT}-"
 # RUN_ROOT/_base-MODEL-KEY/eval: a base-model eval, shared by the experiments it is the base row of. No
 # experiment's name starts with '_' (spec/config.py SAFE_NAME), so it cannot take an experiment's folder.
 BASE_EVAL_PREFIX = "_base-"
@@ -52,6 +53,11 @@ ARCHIVE_INFIX = ".old-"
 def eval_folder(stage: str, last: bool) -> str:
     """The eval job of `stage`: `eval` after the last stage, `eval-STAGE` after the others."""
     return EVAL if last else f"{EVAL_PREFIX}{stage}"
+
+
+def export_folder(stage: str, last: bool) -> str:
+    """The export of `stage` (launch.py --export): `export` for the last stage, `export-STAGE` for another."""
+    return EXPORT if last else f"{EXPORT_PREFIX}{stage}"
 
 
 def calibration_folder(stage: str) -> str:
@@ -86,6 +92,8 @@ def taken_stage_name(name: str) -> str | None:
         return f"{EXPERIMENT_FOLDER[folded]} (RUN_ROOT/EXP/{folded})"
     if folded.startswith(EVAL_PREFIX):
         return f"the folder of the eval after a stage '{name[len(EVAL_PREFIX) :]}' (RUN_ROOT/EXP/eval-STAGE)"
+    if folded.startswith(EXPORT_PREFIX):
+        return f"the export of a stage '{name[len(EXPORT_PREFIX) :]}' (RUN_ROOT/EXP/export-STAGE)"
     if folded.endswith(CALIBRATION_SUFFIX):
         stage = name[: -len(CALIBRATION_SUFFIX)]
         return (

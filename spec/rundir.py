@@ -12,7 +12,7 @@ summary.json   what the stage did: steps, runtime, tokens, device, precision, wo
 lane.json      for a unit of a packed allocation: its lane, GPU and how it ended (slurm/lanes.py)
 predictions.jsonl, predictions.partial.jsonl, results.json   an eval's (eval/job.py, eval/predictions.py)
 DONE           the config hash, written last: a stage with a matching DONE never runs again
-EXPORT_DONE    an export's identity, its files and self-check figures, written last (train/export.py)
+EXPORT_DONE    an export's identity, its files and self-check figures, written last (eval/export.py)
 
 Beside the stages, RUN_ROOT/EXP/origin.json says which config file and folder the experiment was launched
 from (`Origin`), so watching finds what the run root holds, not only what one config folder names.
@@ -60,7 +60,7 @@ SUMMARY_FIELDS = {  # the report, the eval (precision), the next stage (steps), 
 }
 RESULTS_FIELDS = {"split": str, "adapter_changes_output": bool, **dict.fromkeys(REPORT_COLUMNS, float)}
 METRICS_FIELDS = {"step": int, "loss": float, "eval_loss": float, "gpu_util_percent": float}
-# EXPORT_DONE as train/export.py writes it (identity None: an export that was being moved in)
+# EXPORT_DONE as eval/export.py writes it (identity None: an export that was being moved in)
 EXPORT_DONE_FIELDS = {"identity": str, "files": list, "result": dict}
 # lane.json as slurm/lanes.py writes it
 LANE_FIELDS = {

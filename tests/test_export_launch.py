@@ -1,0 +1,71 @@
+"""launch.py --export as a user runs it: the experiments' missing jobs first, then one export job per
+experiment (here with --backend local), a merged model that loads with the plain Auto class and predicts
+what the adapter's own eval predicted, a model card whose table is the report's rows, and a second
+--export that does nothing."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import launch
+from eval.generate import explicit_decoding, generate
+from spec.config import EvalJob
+from spec.rundir import job_records, read_spec
+from tests.conftest import write_cluster_yaml
+from train.data import prompts_and_targets
+
+EXPERIMENT = """\
+name: {name}
+model: {{name_or_path: {root}/models/tiny-llama, kind: causal}}
+adapter: {{method: {method}, rank: 8, alpha: 16, dropout: 0.0, max_trainable_percent: 40}}
+data:
+  train: {root}/data/demo/sql/easy.jsonl
+  eval: {root}/data/demo/sql/dev.jsonl
+  input_field: question
+  target_field: sql
+  prompt_template: "{{schema}} | {{question}} | SQL: "
+train: {{epochs: 2, batch_size: 8, eval_every_epochs: null, learning_rate: 5.0e-3}}
+eval: {{metrics: [exact_match, rouge_l], limit: 8, max_new_tokens: 16, baseline: true}}
+resources: {{gpus: 0, cpus: 1, mem_gb: 2, time: "00:15:00"}}
+"""
+
+
+@pytest.mark.slow
+def test_export_merges_each_adapter_into_a_model_that_predicts_as_its_eval_did(
+    repo_root, tmp_path, tiny, monkeypatch, capsys
+):
+    monkeypatch.chdir(repo_root)
+    folder = tmp_path / "configs"
+    folder.mkdir()
+    write_cluster_yaml(folder, tmp_path, local_parallel_jobs=2)
+    for name, method in (("lora", "lora"), ("qlora", "qlora")):
+        (folder / f"{name}.yaml").write_text(EXPERIMENT.format(name=name, root=repo_root, method=method))
+    # Nothing trained yet: --export runs the trainings, evals and base evals first, then the exports.
+    assert launch.main(["--export", "--all", "--config-dir", str(folder), "--backend", "local"]) == 0
+    assert "Exported: " in capsys.readouterr().out
+    assert launch.main(["--report", "--config-dir", str(folder)]) == 0
+    report = {row["experiment"]: row for row in csv.DictReader((tmp_path / "runs" / "report.csv").open())}
+    for name in ("lora", "qlora"):
+        out = tmp_path / "runs" / name / "export"
+        eval_job = EvalJob.model_validate(read_spec(tmp_path / "runs" / name / "eval"))
+        prompts = prompts_and_targets(eval_job.source, eval_job.data, limit=8)[0]
+        merged = AutoModelForCausalLM.from_pretrained(out).eval()  # no peft: a plain model
+        tokenizer = AutoTokenizer.from_pretrained(out)
+        explicit_decoding(merged, eval_job.eval)
+        options = {"num_beams": 1, "max_new_tokens": eval_job.eval.max_new_tokens, "batch_size": 8}
+        ours = generate(merged, tokenizer, prompts, kind="causal", **options)
+        rows = (tmp_path / "runs" / name / "eval" / "predictions.jsonl").read_text().splitlines()
+        assert ours == [json.loads(row)["prediction"] for row in rows][:8], name
+        card = (out / "README.md").read_text()
+        scores = f"{float(report[name]['rouge_l']):.4g}"
+        assert scores in card and "base (no adapter)" in card, card
+        if name == "qlora":
+            assert "dequantized" in card  # merged into the 4-bit weights it trained on
+    records = {name: job_records(tmp_path / "runs" / name / "export") for name in ("lora", "qlora")}
+    assert launch.main(["--export", "--all", "--config-dir", str(folder), "--backend", "local"]) == 0
+    assert "Nothing to submit" in capsys.readouterr().out
+    assert records == {name: job_records(tmp_path / "runs" / name / "export") for name in ("lora", "qlora")}
