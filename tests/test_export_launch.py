@@ -69,3 +69,20 @@ def test_export_merges_each_adapter_into_a_model_that_predicts_as_its_eval_did(
     assert launch.main(["--export", "--all", "--config-dir", str(folder), "--backend", "local"]) == 0
     assert "Nothing to submit" in capsys.readouterr().out
     assert records == {name: job_records(tmp_path / "runs" / name / "export") for name in ("lora", "qlora")}
+
+
+def test_export_runs_as_a_slurm_job_after_the_training_it_needs(
+    repo_root, tmp_path, tiny, slurm_cluster, monkeypatch, capsys
+):
+    monkeypatch.chdir(repo_root)
+    folder = tmp_path / "configs"
+    folder.mkdir()
+    write_cluster_yaml(folder, tmp_path)
+    (folder / "lora.yaml").write_text(EXPERIMENT.format(name="lora", root=repo_root, method="lora"))
+    argv = ["--export", "lora", "--config-dir", str(folder), "--backend", "slurm", "--no-preflight"]
+    assert launch.main([*argv, "--wait"]) == 0
+    out = tmp_path / "runs" / "lora" / "export"
+    assert (out / "model.safetensors").is_file() and (out / "DONE").is_file()
+    (record,) = job_records(out)
+    assert record["backend"] == "slurm"  # a job of its own, queued after lora/train (afterok)
+    assert AutoModelForCausalLM.from_pretrained(out) is not None
