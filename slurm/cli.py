@@ -167,22 +167,40 @@ def launch(request: LaunchRequest, profile) -> int:
 
 def export(request: LaunchRequest, profile) -> int:
     """--export [EXP[/STAGE] ...] (or --exp, --all): each stage's adapter merged into its base as a job
-    (on SLURM, or here with --backend local), after whatever of its training and evals is not done yet;
-    an export already made from the same adapter is skipped (eval/export.py)."""
-    targets = [(t.partition("/")[0], t.partition("/")[2] or None) for t in request.export]
-    names = list(dict.fromkeys(name for name, _ in targets)) or (
+    (on SLURM, or here with --backend local), after whatever of its training and evals is not done yet,
+    which is checked as a launch checks it (preflight, the GPUs here); an export already made from the same
+    adapter is skipped (eval/export.py). A sweep's name exports each of its points."""
+    asked = [(t.partition("/")[0], t.partition("/")[2] or None) for t in request.export]
+    names = list(dict.fromkeys(name for name, _ in asked)) or (
         list(request.experiments) if request.experiments else None
     )
     overrides = parse_overrides(list(request.overrides))
     experiments = load_experiments(request.config_dir, profile, overrides, names)
-    plan = build_plan(experiments, profile)
-    targets = targets or [(e.name, None) for e in experiments]
-    plan = with_exports(plan, targets, request.export_format == "gguf")
+    files = {e.name: str(e.file) for e in experiments}
+    targets = export_targets(asked, experiments)
+    plan = with_exports(build_plan(experiments, profile), targets, request.export_format == "gguf")
+    if request.backend == "local":
+        from slurm.local_gpus import refuse_too_many_gpus
+
+        refuse_too_many_gpus(plan.jobs, files)
+    if request.preflight:  # what is not trained yet is checked as a launch checks it
+        preflight(plan, experiments, profile, show=False, as_json=False)
     code = submit(plan, profile, request, None, {e.name: e.file for e in experiments})
     exports = [j for j in plan.jobs if j.kind == "export"]
     if code == 0 and request.backend == "local":
         out.print("Exported: " + ", ".join(f"{j.run_dir}/" for j in exports), highlight=False, soft_wrap=True)
     return code
+
+
+def export_targets(asked: list[tuple[str, str | None]], experiments) -> list[tuple[str, str | None]]:
+    """(experiment, stage or None) for each EXP[/STAGE] asked, a sweep's name standing for each of its
+    points; nothing asked: every experiment loaded."""
+    return [
+        (e.name, stage)
+        for name, stage in asked or [(e.name, None) for e in experiments]
+        for e in experiments
+        if e.name == name or (e.sweep is not None and e.sweep.sweep == name)
+    ]
 
 
 def planned(experiments, profile, request: LaunchRequest) -> Plan:
@@ -328,7 +346,22 @@ def watch(request: LaunchRequest, profile) -> int:
         from slurm.tail import follow
 
         return follow(plan, request.tail, profile.log_dir, out, rank=request.rank)
-    return cancel(plan, profile.log_dir, sharing_packs(request, profile, plan))
+    return cancel(
+        without_shared_bases(request, profile, plan), profile.log_dir, sharing_packs(request, profile, plan)
+    )
+
+
+def without_shared_bases(request: LaunchRequest, profile, plan: Plan) -> Plan:
+    """--cancel --exp A: A's jobs, less the base-model evals an experiment it did not name also needs
+    (its base row and its export read them)."""
+    if not request.experiments or not plan.base_of:
+        return plan
+    everything = watched_experiments(
+        Path(profile.run_dir), request.config_dir, False, parse_overrides(list(request.overrides))
+    ).experiments
+    chosen = set(plan.experiments())
+    needed = {job for name, job in build_plan(everything, profile).base_of.items() if name not in chosen}
+    return plan.only({j.id for j in plan.jobs} - needed)
 
 
 def watched_of(request: LaunchRequest, profile, names) -> Watched:
@@ -500,7 +533,15 @@ def submit(
         todo = [d for d in decisions if d.action == "submit"]
         skipped = {d.job.id: SKIPPED[d.action] for d in decisions if d.action != "submit"}
         for name, file in (files or {}).items():
-            record_origin(Path(plan.run_root) / name, file, request.config_dir)
+            try:  # a convenience for watching: never a reason to stop a launch
+                record_origin(Path(plan.run_root) / name, file, request.config_dir)
+            except OSError as exc:
+                err.print(
+                    f"[yellow]warning:[/] cannot record where {name} came from ({exc.strerror}): "
+                    "--status finds it only with --config-dir",
+                    highlight=False,
+                    soft_wrap=True,
+                )
         # A local job an earlier launch left running is waited for here, as if this launch had started it.
         adopting = backend_name == "local" and any(d.action == "running" for d in decisions)
         if not todo and not adopting:
@@ -615,7 +656,7 @@ def wait(plan: Plan, profile) -> int:
             cancel_stuck(rows, profile.log_dir)
             if live is not None:
                 live.update(status_table(rows, out.width))
-            if not any(r.state.live and not r.reason.startswith(NEVER_STARTS_MARK) for r in rows):
+            if not any(r.state.live and r.job.id not in never_starting(rows) for r in rows):
                 break  # what is left can never start: waiting longer would be forever
             time.sleep(POLL_S)
     if live is None:
@@ -623,6 +664,16 @@ def wait(plan: Plan, profile) -> int:
     for line in problem_lines(rows):
         err.print(line, highlight=False, soft_wrap=True)
     return 1 if any(r.state is not State.COMPLETED for r in rows) else 0
+
+
+def never_starting(rows) -> set[str]:
+    """Jobs pending on a limit they are over, and every job that waits for one of them (rows come in plan
+    order: parents first)."""
+    never: set[str] = set()
+    for row in rows:
+        if row.reason.startswith(NEVER_STARTS_MARK) or any(d.job_id in never for d in row.job.depends_on):
+            never.add(row.job.id)
+    return never
 
 
 def cancel_stuck(rows, log_root: str) -> None:

@@ -510,6 +510,10 @@ def check_names(
             other = by_name[item.name].file
             problems.append(Problem(str(item.file), "name", f"'{item.name}' is also the name in {other}"))
         by_name[item.name] = item
+    sweeps = {item.sweep.sweep: item.file for item in loaded if item.sweep is not None}
+    for name in sweeps.keys() & by_name.keys():  # --exp and after: would mean both
+        message = f"'{name}' is also a sweep's name (in {sweeps[name]}): --exp {name} would mean both"
+        problems.append(Problem(str(by_name[name].file), "name", message))
     for item in loaded:
         for target in item.experiment.after:
             if target not in by_name:

@@ -91,7 +91,7 @@ def weigh(plan: Plan, force: bool = False) -> tuple[list[Decision], list[Problem
             else:
                 refusals.append(refusal(job, f"{LIVE_AS[live_as]} {record['job_id']}", "--cancel it first"))
                 decisions.append(Decision(job, "refused", record["job_id"]))
-        elif finished and not force:
+        elif finished and not force and job.kind != "export":  # an export redoes itself in place (below)
             refusals.append(
                 refusal(
                     job,
@@ -228,6 +228,9 @@ def archive_stale(job: PlannedJob) -> Path | None:
     old = read_spec(run_dir)
     if not run_dir.exists() or old is None or old == job.spec.model_dump():
         return None
+    if job.kind == "export":  # rebuilt from its adapter in place, atomically (eval/export.py): a new
+        return None  # format or table is no loss, and a multi-GB copy per change would be
+
     stamp = time.strftime("%Y%m%d-%H%M%S")
     target, n = run_dir.with_name(archive_folder(run_dir.name, stamp)), 1
     while target.exists() or target.is_symlink():  # --force twice in a second, or a name already taken

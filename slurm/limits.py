@@ -14,6 +14,7 @@ import getpass
 import re
 import subprocess
 from dataclasses import dataclass, field
+from functools import cache
 
 from spec.config import slurm_time
 from spec.problems import Problem
@@ -126,6 +127,28 @@ def read_limits(account: str | None, qos: str | None) -> tuple[ClusterLimits | N
         qos, **caps, queued=len(queued.split()), partition_time_s=times, default_partition=default
     )
     return limits, ""
+
+
+# Reasons SLURM gives when a job's GPUs plus what the user's (or group's) other jobs hold pass a cap: they
+# resolve as those jobs end, unless the job alone asks more than the cap.
+UNTIL_OTHERS_END = {"QOSMaxGRESPerUser": "gpus_per_user", "AssocGrpGRES": "gpus_per_user"}
+
+
+@cache
+def limits_of(account: str | None, qos: str | None) -> ClusterLimits | None:
+    """read_limits, once per command for each account and qos (--status asks only for jobs that pend
+    on such a reason)."""
+    return read_limits(account, qos)[0]
+
+
+def never_starts(reason: str, resources) -> bool:
+    """Whether a job pending for `reason` can never start: its own request is over a limit, not only its
+    request on top of what other jobs hold (known only if the limits can be read)."""
+    if reason not in UNTIL_OTHERS_END:
+        return True
+    limits = limits_of(resources.account, resources.qos)
+    cap = getattr(limits, UNTIL_OTHERS_END[reason], None) if limits is not None else None
+    return cap is not None and resources.gpus > cap.value
 
 
 def put(caps: dict[str, Cap], name: str, value: int | None, source: str, reason: str) -> None:

@@ -162,7 +162,8 @@ def preflight_plan(
             continue
         if planned.kind != "train":
             scorer = planned.spec.eval.bertscore_model
-            if fetch and scorer and "bertscore" in planned.spec.eval.metrics:
+            # A base-model eval scores with its experiments' eval settings: their eval says it once.
+            if fetch and scorer and "bertscore" in planned.spec.eval.metrics and planned.spec.adapter_dir:
                 problems += unfetched(
                     planned.id, where, "eval.bertscore_model", hub_cache.fetch_scorer(scorer)
                 )

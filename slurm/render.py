@@ -12,6 +12,7 @@ from slurm.plan import Plan, PlannedJob
 from slurm.states import NEVER_STARTS, NEVER_STARTS_MARK, State
 from slurm.status import JobStatus, format_eta
 from spec.config import slurm_time
+from spec.layout import BASE_EVAL_PREFIX
 
 WIDE = 160  # columns, when output goes to a file or a CI log: no terminal to fit
 # Each table's columns, most important first: in a narrow terminal the last ones are left out.
@@ -237,8 +238,8 @@ def problem_lines(rows: list[JobStatus], tail_lines: int = 5) -> list[str]:
             cause = row.reason.partition(": ")[2]
             lines.append(
                 f"{row.job.id}: PENDING, {NEVER_STARTS_MARK} (slurm job {row.scheduler_id}, {cause}: "
-                f"{NEVER_STARTS.get(cause, 'a limit it is over')}); cancel it (--cancel --exp "
-                f"{row.job.experiment}) and relaunch within the limit"
+                f"{NEVER_STARTS.get(cause, 'a limit it is over')}); cancel it ({cancel_hint(row)}) and "
+                "relaunch within the limit"
             )
         elif row.state is State.BLOCKED:
             lines.append(f"{row.job.id}: BLOCKED, will not run: {row.reason}")
@@ -252,6 +253,13 @@ def problem_lines(rows: list[JobStatus], tail_lines: int = 5) -> list[str]:
     if any(r.state.failed for r in rows):
         lines.append("Fix the cause, then: python launch.py --retry-failed (same --config-dir)")
     return lines
+
+
+def cancel_hint(row: JobStatus) -> str:
+    """How to cancel one job: its experiment; a base-model eval (no experiment of its own) by its id."""
+    if row.job.experiment.startswith(BASE_EVAL_PREFIX):
+        return f"scancel {row.scheduler_id}"
+    return f"--cancel --exp {row.job.experiment}"
 
 
 def last_lines(path: str, count: int) -> list[str]:

@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from slurm.limits import never_starts
 from slurm.plan import Plan, PlannedJob
 from slurm.states import LANE_STATES, NEVER_STARTS, NEVER_STARTS_MARK, State, from_slurm, parent_verdict
 from spec.config import TIME_FORMAT, slurm_seconds
@@ -206,7 +207,7 @@ def job_status(job, record, scheduler, earlier: dict[str, JobStatus], log_root: 
         if record.get("pack"):
             info = packed_unit_info(run_dir, scheduler_id, info)
     state, reason = info.state, info.reason
-    if state is State.PENDING and reason in NEVER_STARTS:  # a limit the job is over: waiting cannot help
+    if state is State.PENDING and reason in NEVER_STARTS and never_starts(reason, job.resources):
         reason = f"{NEVER_STARTS_MARK}: {reason}"  # what it means: a line under the table (render.py)
     stuck = state.live and "DependencyNeverSatisfied" in reason
     if stuck or (failed_parent and state in (State.CANCELLED, State.UNKNOWN)):

@@ -56,7 +56,11 @@ def watched_experiments(
                 loaded.append(experiment)
                 came_from[experiment.name] = folder
     known = {e.name for e in loaded}
-    gone = [] if config_dir_named else [n for n in held if n not in written and n not in known]
+    # Gone: launched from a recorded folder that no longer has it. One without a record (launched before
+    # origins were kept, perhaps from another folder) is never called gone: --cancel --removed acts on it.
+    gone = (
+        [] if config_dir_named else [n for n, o in held.items() if o and n not in written and n not in known]
+    )
     where = config_dir if config_dir_named else run_root
     for name in dict.fromkeys(names or []):
         if name not in known and name not in written:

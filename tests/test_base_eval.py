@@ -58,3 +58,30 @@ def test_one_base_eval_runs_for_the_experiments_that_share_it_and_scores_the_bas
     report = (tmp_path / "runs" / "report.md").read_text()
     assert "base (no adapter)" in report
     assert Path(tmp_path / "runs" / "report.csv").read_text().count("base (no adapter)") >= 1
+
+
+def test_cancelling_one_experiment_keeps_the_base_eval_another_still_needs(
+    repo_root, tmp_path, tiny, slurm_cluster, monkeypatch, capsys
+):
+    from tests.conftest import squeue_ids
+    from tests.test_no_double_jobs import holding_sbatch, start_launcher
+
+    monkeypatch.chdir(repo_root)
+    folder = tmp_path / "configs"
+    folder.mkdir()
+    write_cluster_yaml(folder, tmp_path)
+    for name, rank in (("r4", 4), ("r8", 8)):
+        (folder / f"{name}.yaml").write_text(EXPERIMENT.format(name=name, root=repo_root, rank=rank))
+    first = start_launcher(
+        folder, tmp_path / "first.log", "--backend", "slurm", env=holding_sbatch(tmp_path / "hold")
+    )
+    assert first.wait(timeout=300) == 0, (tmp_path / "first.log").read_text()
+    try:
+        (base,) = [p.parent.name for p in (tmp_path / "runs").glob("_base-*/eval")]
+        base_job = job_records(tmp_path / "runs" / base / "eval")[-1]["job_id"]
+        assert launch.main(["--cancel", "--exp", "r4", "--config-dir", str(folder)]) == 0
+        said = capsys.readouterr().out
+        assert "r4/train" in said and base not in said  # r8's base row still needs it
+        assert base_job in squeue_ids(under=tmp_path)
+    finally:
+        launch.main(["--cancel", "--all", "--config-dir", str(folder)])

@@ -243,9 +243,14 @@ def test_watching_shows_what_the_run_root_holds_not_only_the_default_config_fold
     assert "| never-run |" not in report  # nothing of it ran, and --config-dir did not name it
 
     (root / "other" / "b.yaml").unlink()
+    # A run folder from before origins were recorded (no origin.json), of a folder the default one lacks:
+    # not called gone, since --cancel --removed would stop its jobs.
+    (tmp_path / "runs" / "legacy" / "train").mkdir(parents=True)
+    (tmp_path / "runs" / "legacy" / "train" / "job.json").write_text('{"jobs": []}')
     capsys.readouterr()
     assert launch.main(["--status"]) == 0
     shown = capsys.readouterr().out
     assert "runs/ also holds b: no longer in any config folder" in " ".join(shown.split())
+    assert "legacy" not in shown
     assert launch.main(["--exp", "b", "--status"]) == 0
     assert "'b' has a run folder in" in " ".join(capsys.readouterr().err.split())

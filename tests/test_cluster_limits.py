@@ -106,3 +106,27 @@ def test_a_job_pending_on_a_limit_it_is_over_shows_as_will_never_start(
     finally:
         subprocess.run(["scontrol", "update", "PartitionName=short", "MaxTime=10"], check=True)
         subprocess.run(["scancel", job_id], check=False)
+
+
+def test_a_job_waiting_for_the_users_other_gpus_is_not_called_never_starting(
+    repo_root, tmp_path, tiny, slurm_cluster, capsys
+):
+    # Three one-GPU jobs under a 2-GPU cap per user: the third pends on QOSMaxGRESPerUser until one of the
+    # others ends. Before: --status said it would never start, and --wait gave up on it.
+    folder = folder_with(tmp_path, repo_root, {"qos": "limited"}, a={"gpus": 1}, b={"gpus": 1}, c={"gpus": 1})
+    code, said = launched(folder, capsys)
+    assert code == 0, said
+    try:
+
+        def reasons() -> list[str]:
+            done = subprocess.run(
+                ["squeue", "-h", "-q", "limited", "-o", "%r"], capture_output=True, text=True
+            )
+            return done.stdout.split()
+
+        wait_until(lambda: "QOSMaxGRESPerUser" in reasons(), "a job to wait for the user's GPUs", 60)
+        assert launch.main(["--status", "--config-dir", str(folder)]) == 0
+        shown = " ".join(capsys.readouterr().out.split())
+        assert "QOSMaxGRESPerUser" in shown and "will never start" not in shown, shown
+    finally:
+        launch.main(["--cancel", "--all", "--config-dir", str(folder)])

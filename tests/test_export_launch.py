@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import csv
 import json
+from pathlib import Path
 
 import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -86,3 +87,30 @@ def test_export_runs_as_a_slurm_job_after_the_training_it_needs(
     (record,) = job_records(out)
     assert record["backend"] == "slurm"  # a job of its own, queued after lora/train (afterok)
     assert AutoModelForCausalLM.from_pretrained(out) is not None
+
+
+def test_a_finished_export_asked_again_in_another_format_is_redone_in_place_not_refused(repo_root, tmp_path):
+    # Before: --export-format gguf after a safetensors export was "already finished: rerun with --force",
+    # and --force archived the whole export folder (gigabytes for a 7B) before making it again.
+    from slurm.experiments import load_experiments
+    from slurm.launcher import archive_stale, weigh
+    from slurm.plan import build_plan, with_exports
+    from slurm.profile import load_profile
+    from spec.rundir import mark_done, write_spec
+
+    folder = tmp_path / "configs"
+    folder.mkdir()
+    write_cluster_yaml(folder, tmp_path)
+    (folder / "lora.yaml").write_text(EXPERIMENT.format(name="lora", root=repo_root, method="lora"))
+    profile, _ = load_profile(folder)
+    plan = build_plan(load_experiments(folder, profile), profile)
+    first = with_exports(plan, [("lora", None)], gguf=False)
+    again = with_exports(plan, [("lora", None)], gguf=True)
+    export, asked = first.job("lora/export"), again.job("lora/export")
+    assert export.config_hash != asked.config_hash
+    write_spec(Path(export.run_dir), export.spec.model_dump())
+    mark_done(Path(export.run_dir), export.config_hash)
+    (Path(export.run_dir) / "model.safetensors").write_text("the earlier export")
+    decisions, refusals = weigh(again)
+    assert {d.job.id: d.action for d in decisions}["lora/export"] == "submit" and refusals == []
+    assert archive_stale(asked) is None and (Path(export.run_dir) / "model.safetensors").is_file()

@@ -59,15 +59,17 @@ def test_two_concurrent_launches_queue_each_job_once(repo_root, tmp_path, slurm_
     assert first.wait(timeout=300) == 0, (tmp_path / "first.log").read_text()
     assert second.wait(timeout=300) == 0, second_log.read_text()
 
-    assert count(calls) == len(DEMO_JOBS)  # 9 submissions for a 9-job plan, not 18
-    records = [json.loads((tmp_path / "runs" / p / "job.json").read_text())["jobs"] for p in DEMO_JOBS]
+    # One submission per job of the plan (the demo's and its base-model evals'), not two.
+    jobs = {*DEMO_JOBS, *(f"{p.parent.name}/eval" for p in (tmp_path / "runs").glob("_base-*/eval"))}
+    assert len(jobs) == len(DEMO_JOBS) + 4 and count(calls) == len(jobs)
+    records = [json.loads((tmp_path / "runs" / p / "job.json").read_text())["jobs"] for p in jobs]
     assert all(len(r) == 1 for r in records)
     queued = {r[0]["job_id"] for r in records}
-    assert len(queued) == len(DEMO_JOBS) and queued <= squeue_ids()
+    assert len(queued) == len(jobs) and queued <= squeue_ids()
     said = second_log.read_text()
     assert f"held by pid {first.pid} on " in said and "Nothing to submit" in said
 
     capsys.readouterr()
     assert launch.main(["--cancel", "--config-dir", str(config_dir)]) == 0
-    assert f"Cancelled {len(DEMO_JOBS)} job(s)" in capsys.readouterr().out
+    assert f"Cancelled {len(jobs)} job(s)" in capsys.readouterr().out
     wait_until(lambda: not queued & squeue_ids(), "the held jobs to leave the queue", 60)

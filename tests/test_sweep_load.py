@@ -90,3 +90,26 @@ def test_exp_names_a_whole_sweep_or_one_point_and_after_a_sweep_waits_for_every_
     assert launch.main(["--all", "--dry-run", "--json", "--config-dir", str(folder)]) == 0
     waits = next(j for j in json.loads(capsys.readouterr().out)["jobs"] if j["id"] == "after-all/train")
     assert len(waits["depends_on"]) == 12  # every point's last job, not a dangling name
+
+
+def test_a_sweeps_name_taken_by_another_experiment_is_refused(tmp_path, capsys):
+    # Before: --exp lr and after: [lr] meant the experiment and every point of the sweep at once.
+    folder = folder_of(
+        tmp_path, plain=AFTER.replace("name: after-all", "name: lr").replace("after: [lr]\n", "")
+    )
+    assert launch.main(["--all", "--dry-run", "--config-dir", str(folder)]) == 2
+    assert "plain.yaml: name: 'lr' is also a sweep's name" in " ".join(capsys.readouterr().err.split())
+
+
+def test_export_of_a_sweep_exports_each_of_its_points_not_a_missing_experiment(tmp_path):
+    # Before: --export lr (a sweep) looked for an experiment named lr: an IndexError traceback.
+    from slurm.cli import export_targets
+    from slurm.plan import build_plan, with_exports
+
+    folder = folder_of(tmp_path)
+    profile, _ = load_profile(folder)
+    loaded = load_experiments(folder, profile, None, ["lr"])
+    targets = export_targets([("lr", None)], loaded)
+    assert len(targets) == 12 and targets[0] == ("lr-lr1e-04-r4-s1", None)
+    plan = with_exports(build_plan(loaded, profile), targets, gguf=False)
+    assert sum(j.kind == "export" for j in plan.jobs) == 12

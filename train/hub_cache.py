@@ -8,7 +8,6 @@ into the cache the nodes share, and SLURM jobs run offline. What cannot be fetch
 
 from __future__ import annotations
 
-import os
 import sys
 from contextlib import contextmanager
 from functools import cache
@@ -145,11 +144,11 @@ def hub_unreachable() -> str | None:
 
 
 def go_offline() -> None:
-    """HF_HUB_OFFLINE for this process, as if it had been set at its start: in the environment (libraries
-    imported later), in huggingface_hub (what transformers asks) and in datasets, if imported (its copy)."""
+    """Offline for this process's libraries: huggingface_hub (what transformers asks, and what datasets
+    copies when imported later) and datasets, if imported already (its copy). Not the environment: sbatch
+    hands that to the jobs, which may have the network this login node lacks (hub_downloads: nodes)."""
     from huggingface_hub import constants
 
-    os.environ["HF_HUB_OFFLINE"] = "1"
     constants.HF_HUB_OFFLINE = True
     if datasets_config := sys.modules.get("datasets.config"):
         datasets_config.HF_HUB_OFFLINE = datasets_config.HF_DATASETS_OFFLINE = True
