@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 
 import pytest
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer
 
 import launch
 from eval.generate import explicit_decoding, generate
@@ -35,41 +35,60 @@ resources: {{gpus: 0, cpus: 1, mem_gb: 2, time: "00:15:00"}}
 """
 
 
+DEMO_EXPORTS = {  # the demo's LoRA and QLoRA experiments: their kind, and their last stage's folder
+    "sql-t5-lora": ("seq2seq", AutoModelForSeq2SeqLM),
+    "sql-llama-qlora-curriculum": ("causal", AutoModelForCausalLM),
+}
+
+
+def card_rows(card: str) -> dict[str, dict[str, str]]:
+    """The model card's eval table: label → column → cell."""
+    lines = [line for line in card.splitlines() if line.startswith("| ")]
+    header = [c.strip() for c in lines[0].strip("|").split("|")]
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in lines[1:]]
+    return {row[0]: dict(zip(header[1:], row[1:], strict=True)) for row in rows}
+
+
 @pytest.mark.slow
-def test_export_merges_each_adapter_into_a_model_that_predicts_as_its_eval_did(
+def test_the_demos_lora_and_qlora_exports_load_without_peft_and_predict_as_their_evals_did(
     repo_root, tmp_path, tiny, monkeypatch, capsys
 ):
+    from tests.test_e2e_demo import demo_configs
+
     monkeypatch.chdir(repo_root)
-    folder = tmp_path / "configs"
-    folder.mkdir()
-    write_cluster_yaml(folder, tmp_path, local_parallel_jobs=2)
-    for name, method in (("lora", "lora"), ("qlora", "qlora")):
-        (folder / f"{name}.yaml").write_text(EXPERIMENT.format(name=name, root=repo_root, method=method))
+    folder = demo_configs(repo_root, tmp_path)
+    write_cluster_yaml(folder.parent, tmp_path, local_parallel_jobs=2)
+    argv = ["--export", "--exp", *DEMO_EXPORTS, "--config-dir", str(folder), "--backend", "local"]
     # Nothing trained yet: --export runs the trainings, evals and base evals first, then the exports.
-    assert launch.main(["--export", "--all", "--config-dir", str(folder), "--backend", "local"]) == 0
+    assert launch.main(argv) == 0
     assert "Exported: " in capsys.readouterr().out
     assert launch.main(["--report", "--config-dir", str(folder)]) == 0
     report = {row["experiment"]: row for row in csv.DictReader((tmp_path / "runs" / "report.csv").open())}
-    for name in ("lora", "qlora"):
+    for name, (kind, auto) in DEMO_EXPORTS.items():
         out = tmp_path / "runs" / name / "export"
         eval_job = EvalJob.model_validate(read_spec(tmp_path / "runs" / name / "eval"))
         prompts = prompts_and_targets(eval_job.source, eval_job.data, limit=8)[0]
-        merged = AutoModelForCausalLM.from_pretrained(out).eval()  # no peft: a plain model
+        merged = auto.from_pretrained(out).eval()  # no peft: a plain model
         tokenizer = AutoTokenizer.from_pretrained(out)
         explicit_decoding(merged, eval_job.eval)
         options = {"num_beams": 1, "max_new_tokens": eval_job.eval.max_new_tokens, "batch_size": 8}
-        ours = generate(merged, tokenizer, prompts, kind="causal", **options)
+        ours = generate(merged, tokenizer, prompts, kind=kind, **options)
         rows = (tmp_path / "runs" / name / "eval" / "predictions.jsonl").read_text().splitlines()
         assert ours == [json.loads(row)["prediction"] for row in rows][:8], name
-        card = (out / "README.md").read_text()
-        scores = f"{float(report[name]['rouge_l']):.4g}"
-        assert scores in card and "base (no adapter)" in card, card
-        if name == "qlora":
-            assert "dequantized" in card  # merged into the 4-bit weights it trained on
-    records = {name: job_records(tmp_path / "runs" / name / "export") for name in ("lora", "qlora")}
-    assert launch.main(["--export", "--all", "--config-dir", str(folder), "--backend", "local"]) == 0
+        # The card's table is the report's: the adapter's row and the base row, score by score.
+        table = card_rows((out / "README.md").read_text())
+        ours_row = next(row for label, row in table.items() if label.startswith(f"{name}/"))
+        scores = [c for c in ours_row if report[name].get(c)]
+        assert scores and all(ours_row[c] == f"{float(report[name][c]):.4g}" for c in scores), name
+        assert "base (no adapter)" in table
+    assert (
+        "dequantized"
+        in (tmp_path / "runs" / "sql-llama-qlora-curriculum" / "export" / "README.md").read_text()
+    )
+    records = {name: job_records(tmp_path / "runs" / name / "export") for name in DEMO_EXPORTS}
+    assert launch.main(argv) == 0
     assert "Nothing to submit" in capsys.readouterr().out
-    assert records == {name: job_records(tmp_path / "runs" / name / "export") for name in ("lora", "qlora")}
+    assert records == {name: job_records(tmp_path / "runs" / name / "export") for name in DEMO_EXPORTS}
 
 
 def test_export_runs_as_a_slurm_job_after_the_training_it_needs(
