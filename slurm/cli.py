@@ -346,21 +346,29 @@ def watch(request: LaunchRequest, profile) -> int:
         from slurm.tail import follow
 
         return follow(plan, request.tail, profile.log_dir, out, rank=request.rank)
+    # --cancel --exp A: what else the run root holds, loaded and planned once for both checks below.
+    everything = run_root_plan(request, profile) if request.experiments else None
     return cancel(
-        without_shared_bases(request, profile, plan), profile.log_dir, sharing_packs(request, profile, plan)
+        without_shared_bases(plan, everything),
+        profile.log_dir,
+        sharing_packs(plan, everything, profile.log_dir),
     )
 
 
-def without_shared_bases(request: LaunchRequest, profile, plan: Plan) -> Plan:
+def run_root_plan(request: LaunchRequest, profile) -> Plan:
+    """The plan of every experiment the run root holds, whatever --exp and --config-dir narrow."""
+    overrides = parse_overrides(list(request.overrides))
+    held = watched_experiments(Path(profile.run_dir), request.config_dir, False, overrides).experiments
+    return build_plan(held, profile)
+
+
+def without_shared_bases(plan: Plan, everything: Plan | None) -> Plan:
     """--cancel --exp A: A's jobs, less the base-model evals an experiment it did not name also needs
-    (its base row and its export read them)."""
-    if not request.experiments or not plan.base_of:
+    (its base row and its export read them); `everything`: the run root's plan (None: nothing narrowed)."""
+    if everything is None or not plan.base_of:
         return plan
-    everything = watched_experiments(
-        Path(profile.run_dir), request.config_dir, False, parse_overrides(list(request.overrides))
-    ).experiments
     chosen = set(plan.experiments())
-    needed = {job for name, job in build_plan(everything, profile).base_of.items() if name not in chosen}
+    needed = {job for name, job in everything.base_of.items() if name not in chosen}
     return plan.only({j.id for j in plan.jobs} - needed)
 
 
@@ -687,16 +695,14 @@ def cancel_stuck(rows, log_root: str) -> None:
         )
 
 
-def sharing_packs(request: LaunchRequest, profile, plan: Plan) -> dict[str, list[str]]:
-    """Packed job id → the live units of other experiments in it: cancelling the pack would stop them."""
-    if not request.experiments:
+def sharing_packs(plan: Plan, everything: Plan | None, log_root: str) -> dict[str, list[str]]:
+    """Packed job id → the live units of other experiments in it: cancelling the pack would stop them;
+    `everything`: the run root's plan (None: nothing narrowed, nothing else to stop)."""
+    if everything is None:
         return {}
-    everything = watched_experiments(
-        Path(profile.run_dir), request.config_dir, False, parse_overrides(list(request.overrides))
-    ).experiments
     chosen = {job.id for job in plan.jobs}
     others: dict[str, list[str]] = {}
-    for row in plan_status(build_plan(everything, profile), profile.log_dir):
+    for row in plan_status(everything, log_root):
         record = current_job(Path(row.job.run_dir)) or {}
         if record.get("pack") and row.state.live and row.job.id not in chosen:
             others.setdefault(row.scheduler_id, []).append(row.job.id)
