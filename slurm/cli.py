@@ -15,7 +15,7 @@ from pathlib import Path
 
 from rich.live import Live
 
-from slurm.estimate import record_exact_tokens
+from slurm.estimate import record_exact_tokens, record_splits
 from slurm.experiments import load_experiments, parse_overrides
 from slurm.launcher import (
     LaunchError,
@@ -50,6 +50,7 @@ from slurm.yamlfile import find_inherited
 from spec.files import forget_warnings
 from spec.problems import ConfigError, Problem, short_path
 from spec.rundir import RunDir, current_job, mark_cancelled, record_origin
+from spec.split import Split
 
 out = console()  # the terminal's width (tables fit it), or 160 columns into a file or a CI log
 err = console(stderr=True)
@@ -242,6 +243,8 @@ def preflight(plan: Plan, experiments, profile, show: bool, as_json: bool) -> in
         plan.run_root,
         [(specs[r.job], r.examples, r.tokens_per_epoch) for r in results if r.tokens_per_epoch],
     )
+    chosen = [(specs[r.job], r.gpu_mem_gb, r.split) for r in results if r.split and r.split["how"] == "auto"]
+    record_splits(plan.run_root, chosen)
     if as_json:
         print(json.dumps([r.as_json() for r in results], indent=1))
     elif show and results:  # no empty box when nothing could be computed (the errors below say why)
@@ -268,6 +271,7 @@ PREFLIGHT_PRIORITY = (
     "job",
     "fits",
     "memory/GPU",
+    "micro-batch",
     "trainable",
     "max_length",
     "cut at max_length",
@@ -288,6 +292,7 @@ def preflight_table(results):
         "cut at max_length",
         "memory/GPU",
         "fits",
+        "micro-batch",
     )
     for r in results:
         memory = (
@@ -308,8 +313,16 @@ def preflight_table(results):
             str(r.truncated_inputs) if r.truncated_inputs is not None else "-",
             memory,
             {True: "yes", False: f"no (batch {r.largest_batch} fits)", None: "-"}[r.fits],
+            split_text(r.split),
         )
     return table
+
+
+def split_text(split: dict | None) -> str:
+    """`32x1 (auto)`: the micro-batch x accumulation the job runs with on this partition's GPU."""
+    if not split:
+        return "-"
+    return f"{Split.from_json(split).short()} ({split['how']})"
 
 
 def watch(request: LaunchRequest, profile) -> int:

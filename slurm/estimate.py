@@ -31,7 +31,7 @@ import json
 import math
 import os
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
 
@@ -42,6 +42,7 @@ from spec.config import DataSpec, EvalJob, TrainJob, TrainSpec
 from spec.examples import TextSize
 from spec.files import is_kind, read_json, warn_unreadable, write_json_atomic
 from spec.speeds import FILE, EvalSpeedRecord, SpeedRecord, read_book, read_eval_book
+from spec.split import Split, asked
 from train.hub_cache import TOKENIZER_FILES
 
 # The usual rule of thumb for English under BPE or SentencePiece vocabularies; code and SQL run nearer 3,
@@ -60,6 +61,7 @@ ROUND_S = 300
 # " (scaled from MODEL)".
 Source = str
 TOKENS_FILE = layout.PREFLIGHT_TOKENS
+SPLITS_FILE = layout.PREFLIGHT_SPLITS
 
 
 @dataclass(frozen=True)
@@ -132,16 +134,69 @@ def record_exact_tokens(run_root: str | Path, counted: Iterable[tuple[TrainJob, 
         write_json_atomic(Path(run_root) / TOKENS_FILE, book | new)
 
 
+# ---- the batch split preflight chose (spec/split.py), for the dry run and the estimate ------------------
+def split_key(spec: TrainJob, gpu_mem_gb: float | None) -> str:
+    """What the split a job chooses depends on, found without torch: the training file and model
+    (exact_key), the adapter, the train keys the memory model reads, an eval's presence, the GPU's memory."""
+    train = spec.train.model_dump(
+        include={"batch_size", "grad_accum", "micro_batch", "gradient_checkpointing", "precision"}
+    )
+    evaluating = bool(spec.data.eval) and spec.train.eval_every_epochs is not None
+    parts = [exact_key(spec), spec.adapter.model_dump(), train, evaluating, gpu_mem_gb]
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:20]
+
+
+def read_splits(run_root: str | Path) -> dict[str, Split]:
+    """Preflight's splits by split_key; entries of another shape are left out, the file named."""
+    path = Path(run_root) / SPLITS_FILE
+    kept, found = read_json(path, {}, expected=dict), {}
+    for key, value in kept.items():
+        try:
+            found[key] = Split.from_json(value)
+        except TypeError:
+            continue
+    if len(found) < len(kept):
+        warn_unreadable(path, f"{len(kept) - len(found)} entries are not a batch split")
+    return found
+
+
+def record_splits(run_root: str | Path, chosen: Iterable[tuple[TrainJob, float | None, dict]]) -> None:
+    """Keep the split preflight chose for each job (on its partition's gpu_mem_gb) for later dry runs."""
+    book = {k: v.as_json() for k, v in read_splits(run_root).items()}
+    new = {split_key(spec, gpu_mem): split for spec, gpu_mem, split in chosen}
+    if new and any(book.get(k) != v for k, v in new.items()):
+        os.makedirs(run_root, exist_ok=True)
+        write_json_atomic(Path(run_root) / SPLITS_FILE, book | new)
+
+
+def known_split(spec: TrainJob, splits: Mapping[str, Split], gpu_mem_gb: float | None) -> Split | None:
+    """The split the job will run with, where known on the login node: an explicit micro_batch, or what
+    preflight chose for `auto` on this GPU memory; None: chosen at the job's start."""
+    train = spec.train
+    if train.micro_batch != "auto":
+        return asked(
+            train.micro_batch, train.batch_size * train.grad_accum, train.gradient_checkpointing, None, None
+        )
+    return splits.get(split_key(spec, gpu_mem_gb))
+
+
 @dataclass(frozen=True)
 class Estimate:
     seconds: float | None  # None: nothing to count (an `hf:` dataset)
     source: Source
     basis: str  # how it was reached, for people
     tokens: Literal["preflight", "characters", "speed book"] | None = None  # where the data's size came from
+    split: str | None = None  # the micro-batch x accumulation it is estimated at (Split.short); None: auto
 
     def to_json(self) -> dict:
         seconds = round(self.seconds) if self.seconds is not None else None
-        return {"seconds": seconds, "source": self.source, "basis": self.basis, "tokens": self.tokens}
+        return {
+            "seconds": seconds,
+            "source": self.source,
+            "basis": self.basis,
+            "tokens": self.tokens,
+            "split": self.split,
+        }
 
 
 @dataclass(frozen=True)
@@ -168,19 +223,29 @@ class Estimator:
         count: TokenCounter = tokens_from_characters,
         eval_book: list[EvalSpeedRecord] = (),
         exact: Mapping[str, DataTokens] | None = None,
+        splits: Mapping[str, Split] | None = None,
     ):
         self.book, self.count, self.eval_book = book, count, list(eval_book)
         self.exact = dict(exact or {})  # exact_key → preflight's count of a training file
+        self.splits = dict(splits or {})  # split_key → the split preflight chose
 
     @classmethod
     def for_run_root(cls, run_root: str | Path) -> Estimator:
         book = Path(run_root) / FILE
-        return cls(read_book(book), eval_book=read_eval_book(book), exact=read_exact_tokens(run_root))
+        return cls(
+            read_book(book),
+            eval_book=read_eval_book(book),
+            exact=read_exact_tokens(run_root),
+            splits=read_splits(run_root),
+        )
 
-    def __call__(self, spec: TrainJob | EvalJob, gpus: int, gpu: str | None = None) -> Estimate:
-        """`gpu`: the GPU model the job will get (guesses.job_gpu of its resources), None: unknown."""
+    def __call__(
+        self, spec: TrainJob | EvalJob, gpus: int, gpu: str | None = None, gpu_mem_gb: float | None = None
+    ) -> Estimate:
+        """`gpu`: the GPU model the job will get (guesses.job_gpu of its resources), None: unknown;
+        `gpu_mem_gb`: its memory (cluster.yaml gpu_mem_gb), which the batch split depends on."""
         if isinstance(spec, TrainJob):
-            return self.training(spec, gpus, gpu)
+            return self.training(spec, gpus, gpu, gpu_mem_gb)
         return self.evaluation(spec, gpus, gpu)
 
     def tokens(self, source: str, spec: DataSpec, model: str) -> DataTokens | None:
@@ -196,7 +261,23 @@ class Estimator:
             return None, None
         return DataTokens(rows[-1].examples, rows[-1].examples * rows[-1].tokens_per_example), "speed book"
 
-    def training(self, spec: TrainJob, gpus: int, gpu: str | None = None) -> Estimate:
+    def training(
+        self, spec: TrainJob, gpus: int, gpu: str | None = None, gpu_mem_gb: float | None = None
+    ) -> Estimate:
+        split = known_split(spec, self.splits, gpu_mem_gb) if gpus else None
+        if split is not None:  # the speed of the micro-batch it will run at; the same steps and tokens
+            train = spec.train.model_copy(
+                update={
+                    "batch_size": split.micro_batch,
+                    "grad_accum": split.grad_accum,
+                    "gradient_checkpointing": split.gradient_checkpointing,
+                }
+            )
+            spec = spec.model_copy(update={"train": train})
+        estimate = self.training_at(spec, gpus, gpu)
+        return replace(estimate, split=split.short() if split else None)
+
+    def training_at(self, spec: TrainJob, gpus: int, gpu: str | None = None) -> Estimate:
         data, sized_by = (self.exact.get(exact_key(spec)), "preflight") if self.exact else (None, None)
         if data is None:
             data, sized_by = self.sized(spec.data.train, spec.data, spec.model.name_or_path)

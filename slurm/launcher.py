@@ -21,7 +21,7 @@ from slurm.pack import unit_of
 from slurm.plan import Plan, PlannedJob
 from slurm.states import State
 from slurm.status import query_slurm
-from spec.config import Resources
+from spec.config import Resources, what_it_computes
 from spec.layout import archive_folder
 from spec.problems import ConfigError, Problem
 from spec.rundir import (
@@ -86,7 +86,7 @@ def weigh(plan: Plan, force: bool = False) -> tuple[list[Decision], list[Problem
         if finished == job.config_hash:
             decisions.append(Decision(job, "done"))
         elif live_as:
-            if (read_spec(run_dir) or {}) == job.spec.model_dump():
+            if what_it_computes(read_spec(run_dir) or {}) == what_it_computes(job.spec.model_dump()):
                 decisions.append(Decision(job, live_as, record["job_id"]))
             else:
                 refusals.append(refusal(job, f"{LIVE_AS[live_as]} {record['job_id']}", "--cancel it first"))
@@ -204,7 +204,8 @@ def hold_all_but(decisions: list[Decision], job_ids: set[str]) -> list[Decision]
 def refusal(job: PlannedJob, what: str, hint: str) -> Problem:
     run_dir, parents = Path(job.run_dir), any(d.kind == "afterok" for d in job.depends_on)
     old = read_spec(run_dir)  # None: missing or unreadable (named in a warning)
-    keys = changed_keys(old, job.spec.model_dump()) if old is not None else []
+    new = what_it_computes(job.spec.model_dump())
+    keys = changed_keys(what_it_computes(old), new) if old is not None else []
     changed = bool(keys) or old is None
     foreign = foreign_done(run_dir, job.resources.tasks, parents, changed) if done_hash(run_dir) else None
     if foreign:  # a damaged or foreign DONE is no changed config: say so, and how to get past it
@@ -226,7 +227,11 @@ def archive_stale(job: PlannedJob) -> Path | None:
     crash or mislead on resume) is moved aside, never deleted."""
     run_dir = Path(job.run_dir)
     old = read_spec(run_dir)
-    if not run_dir.exists() or old is None or old == job.spec.model_dump():
+    if (
+        not run_dir.exists()
+        or old is None
+        or what_it_computes(old) == what_it_computes(job.spec.model_dump())
+    ):
         return None
     if job.kind == "export":  # rebuilt from its adapter in place, atomically (eval/export.py): a new
         return None  # format or table is no loss, and a multi-GB copy per change would be

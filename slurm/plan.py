@@ -22,7 +22,7 @@ from slurm.estimate import Estimate, Estimator, auto_time_limit_s
 from slurm.experiments import LoadedExperiment
 from slurm.profile import ClusterProfile
 from spec import layout
-from spec.config import AdapterSpec, EvalJob, ExportJob, Resources, TrainJob, slurm_time
+from spec.config import AdapterSpec, EvalJob, ExportJob, Resources, TrainJob, slurm_time, what_it_computes
 from spec.problems import ConfigError, Problem
 
 DependencyKind = Literal["afterok", "afterany"]
@@ -344,7 +344,8 @@ def estimated_again(plan: Plan, profile: ClusterProfile, files: dict[str, str]) 
 
 def estimated(job: PlannedJob, estimator: Estimator, profile: ClusterProfile, file: str) -> PlannedJob:
     """The job with its estimate, and `time: auto` replaced by the limit that estimate sets."""
-    estimate = estimator(job.spec, job.resources.gpus, guesses.job_gpu(job.resources, profile.partition))
+    gpu = guesses.job_gpu(job.resources, profile.partition)
+    estimate = estimator(job.spec, job.resources.gpus, gpu, profile.gpu_mem_for(job.resources))
     resources = job.resources
     if job.time_auto:
         guessed = estimate.source == "guess"
@@ -435,8 +436,8 @@ def make_job(job_id, kind, spec, resources, deps, known: dict[str, PlannedJob]) 
     parents = [known[d.job_id] for d in deps]
     # A job's identity covers what it starts from: a changed stage 1 means stage 2 must run again.
     data_parents = sorted(p.config_hash for p, d in zip(parents, deps, strict=True) if d.kind == "afterok")
-    # How a run is watched does not change what it computes: tracking is left out.
-    identity = {"spec": spec.model_dump(exclude={"tracking"}), "parents": data_parents}
+    # How a run is watched or split into micro-batches does not change what it computes: left out.
+    identity = {"spec": what_it_computes(spec.model_dump()), "parents": data_parents}
     # The ranks a training stage runs on set its global batch, its steps per epoch and its schedule: the
     # same YAML on 1 and on 2 GPUs trains two different adapters. One rank is left out, so every stage
     # that finished before the world size counted keeps its hash.

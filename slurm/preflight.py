@@ -35,7 +35,7 @@ from train.hub_cache import (
     model_file,
 )
 
-CACHE_VERSION = 3  # bump whenever what a preflight computes changes
+CACHE_VERSION = 4  # bump whenever what a preflight computes changes
 
 
 # ---- the cache ----------------------------------------------------------------------------------------
@@ -78,7 +78,14 @@ def cache_key(job: TrainJob, gpu_mem_gb: float | None) -> str:
         job.data.model_dump(exclude={"eval", "order", "num_workers"}),
         job.adapter.model_dump(),
         job.train.model_dump(
-            include={"batch_size", "grad_accum", "gradient_checkpointing", "precision", "eval_every_epochs"}
+            include={
+                "batch_size",
+                "grad_accum",
+                "micro_batch",
+                "gradient_checkpointing",
+                "precision",
+                "eval_every_epochs",
+            }
         ),
         job.data.eval is not None,  # an in-training eval has its own peak
         gpu_mem_gb,

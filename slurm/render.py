@@ -17,7 +17,19 @@ from spec.layout import BASE_EVAL_PREFIX
 WIDE = 160  # columns, when output goes to a file or a CI log: no terminal to fit
 # Each table's columns, most important first: in a narrow terminal the last ones are left out.
 PLAN_PRIORITY = ("job", "state", "estimate", "resources", "depends on", "eff. batch", "kind", "tasks", "wave")
-STATUS_PRIORITY = ("job", "state", "reason", "step", "eta", "loss", "slurm id", "elapsed", "gpu", "gpu mem")
+STATUS_PRIORITY = (
+    "job",
+    "state",
+    "reason",
+    "step",
+    "eta",
+    "loss",
+    "slurm id",
+    "elapsed",
+    "gpu",
+    "gpu mem",
+    "micro",
+)
 
 
 def console(stderr: bool = False) -> Console:
@@ -86,11 +98,14 @@ def resources_text(job: PlannedJob) -> str:
 
 
 def batch_text(job: PlannedJob) -> str:
-    """`32 (8x2x2)`: examples per optimizer step = batch_size x grad_accum x tasks."""
+    """`32 (8x2x2, micro 16x1)`: examples per optimizer step = batch_size x grad_accum x tasks, and how each
+    task splits its part: known (an explicit micro_batch, or preflight's choice on this GPU) or `auto`
+    (chosen at the job's start; a CPU job keeps the written split)."""
     if job.effective_batch is None:
         return "-"
     train = job.spec.train
-    return f"{job.effective_batch} ({train.batch_size}x{train.grad_accum}x{job.tasks})"
+    split = job.estimate.split or ("auto" if job.resources.gpus else "as written")
+    return f"{job.effective_batch} ({train.batch_size}x{train.grad_accum}x{job.tasks}, micro {split})"
 
 
 def estimate_text(job: PlannedJob) -> str:
@@ -196,7 +211,20 @@ def edges_text(plan: Plan) -> str:
 
 def status_table(rows: list[JobStatus], width: int = WIDE) -> Table:
     table = Table(title="Status", title_justify="left")
-    for column in ("job", "slurm id", "state", "reason", "elapsed", "step", "loss", "eta", "gpu", "gpu mem"):
+    columns = (
+        "job",
+        "slurm id",
+        "state",
+        "reason",
+        "elapsed",
+        "step",
+        "loss",
+        "eta",
+        "gpu",
+        "gpu mem",
+        "micro",
+    )
+    for column in columns:
         table.add_column(column)
     for row in rows:
         style = STATE_STYLE.get(row.state, "")
@@ -214,6 +242,7 @@ def status_table(rows: list[JobStatus], width: int = WIDE) -> Table:
             loss,
             eta,
             *(gpu_texts(row) if running else ("", "")),
+            (row.split or "") if running else "",  # micro-batch x accumulation the job chose
         )
     return fit(table, width, STATUS_PRIORITY)
 

@@ -37,6 +37,7 @@ class JobStatus:
     gpu_util_percent: float | None = None  # progress.json: the trainer's latest NVML samples
     gpu_mem_gb: float | None = None
     gpu_mem_total_gb: float | None = None
+    split: str | None = None  # progress.json: micro-batch x accumulation the trainer chose (spec/split.py)
     log_path: str = ""
     backend: str = ""  # "slurm" or "local": what scheduler_id is (a SLURM job id or a local pid)
     stuck: bool = False  # queued in SLURM but waiting on a dependency that can never be satisfied

@@ -157,6 +157,10 @@ class TrainSpec(Section):
     learning_rate: Annotated[float, Field(gt=0)] = 2e-4
     batch_size: Annotated[int, Field(ge=1)] = 8
     grad_accum: Annotated[int, Field(ge=1)] = 1
+    # How the effective batch (batch_size x grad_accum per rank) is split on a GPU: auto chooses the
+    # largest micro-batch that fits (spec/split.py); N is honoured as written. Not part of a stage's
+    # identity: the split does not change what is computed.
+    micro_batch: Literal["auto"] | Annotated[int, Field(ge=1)] = "auto"
     warmup_ratio: Annotated[float, Field(ge=0, le=0.5)] = 0.03
     weight_decay: Annotated[float, Field(ge=0, le=1)] = 0.0
     scheduler: Literal["linear", "cosine", "constant", "constant_with_warmup"] = "linear"
@@ -176,6 +180,17 @@ class TrainSpec(Section):
                 f"{value:g} is far too high for LoRA and diverges; use 1e-5 to 5e-4 (2e-4 is a good start)"
             )
         return value
+
+    @model_validator(mode="after")
+    def _micro_batch_divides(self):
+        effective = self.batch_size * self.grad_accum
+        if self.micro_batch != "auto" and effective % self.micro_batch:
+            fitting = ", ".join(str(d) for d in range(1, effective + 1) if effective % d == 0)
+            raise ValueError(
+                f"micro_batch {self.micro_batch} does not divide the effective batch batch_size x grad_accum"
+                f" = {effective} (the loss is the same for any exact split): use one of {fitting}, or auto"
+            )
+        return self
 
     @model_validator(mode="after")
     def _early_stopping_needs_eval(self):
@@ -506,6 +521,20 @@ class TrainJob(Section):
         if self.train.early_stopping and not self.data.eval:
             raise ValueError("train.early_stopping needs data.eval: it stops on the eval loss")
         return self
+
+
+# Keys that change how a stage runs, not what it computes: left out of its identity (slurm/plan.py) and of
+# the "changed config" comparisons, so changing them reruns nothing.
+HOW_IT_RUNS = {"tracking": True, "train": {"micro_batch"}}
+
+
+def what_it_computes(spec: dict) -> dict:
+    """A resolved spec (a model_dump, or a config.yaml read back) without HOW_IT_RUNS's keys."""
+    kept = {k: v for k, v in spec.items() if HOW_IT_RUNS.get(k) is not True}
+    for section, keys in HOW_IT_RUNS.items():
+        if isinstance(keys, set) and isinstance(kept.get(section), dict):
+            kept[section] = {k: v for k, v in kept[section].items() if k not in keys}
+    return kept
 
 
 class EvalJob(Section):

@@ -12,6 +12,7 @@ from __future__ import annotations
 # RUN_ROOT/: files of the whole run root.
 SPEED_BOOK = "speeds.jsonl"  # spec/speeds.py
 PREFLIGHT_TOKENS = "preflight-tokens.json"  # slurm/estimate.py
+PREFLIGHT_SPLITS = "preflight-splits.json"  # slurm/estimate.py
 REPORT_MD = "report.md"  # eval/report.py
 REPORT_CSV = "report.csv"  # eval/report.py
 LOSS_CURVES = "loss_curves.png"  # eval/report.py
@@ -19,6 +20,7 @@ LAUNCH_LOCK = ".launch.lock"  # slurm/lock.py
 RUN_ROOT = {
     SPEED_BOOK: "the speed book",
     PREFLIGHT_TOKENS: "preflight's token counts",
+    PREFLIGHT_SPLITS: "preflight's batch splits",
     REPORT_MD: "the report",
     REPORT_CSV: "the report's table",
     LOSS_CURVES: "the report's loss curves",

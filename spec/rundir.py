@@ -8,6 +8,8 @@ progress.json  step / total / loss / ETA / GPU use (the trainer's rank 0, while 
 metrics.jsonl  one row per logging step and per in-training eval (the trainer's rank 0)
 checkpoints/   the trainer's checkpoints, each committed by a marker (train/checkpoints.py)
 adapter/       the trained adapter and its tokenizer (the trainer, at its end)
+split.json     how the effective batch was split (micro-batch, accumulation, checkpointing, why): the
+               trainer's rank 0 at a fresh start; a resumed run keeps it (spec/split.py)
 summary.json   what the stage did: steps, runtime, tokens, device, precision, world size (the trainer, last)
 lane.json      for a unit of a packed allocation: its lane, GPU and how it ended (slurm/lanes.py)
 predictions.jsonl, predictions.partial.jsonl, results.json   an eval's (eval/job.py, eval/predictions.py)
@@ -46,6 +48,7 @@ PROGRESS_FIELDS = {  # --status (absent keys are None, e.g. no GPU)
     "gpu_util_percent": float,
     "gpu_mem_gb": float,
     "gpu_mem_total_gb": float,
+    "split": str,
 }
 SUMMARY_FIELDS = {  # the report, the eval (precision), the next stage (steps), a relaunch (world size)
     "train_runtime_s": float,
@@ -121,6 +124,10 @@ class RunDir:
     @property
     def summary(self) -> Path:
         return self.path / "summary.json"
+
+    @property
+    def split(self) -> Path:
+        return self.path / "split.json"
 
     @property
     def lane(self) -> Path:

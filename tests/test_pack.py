@@ -20,7 +20,7 @@ from tests.test_plan import sized
 SECONDS = {"a/one": 1000, "a/two": 1000, "b/train": 1500, "c/train": 500}
 
 
-def fixed(spec, gpus, gpu=None) -> Estimate:
+def fixed(spec, gpus, gpu=None, gpu_mem_gb=None) -> Estimate:
     return Estimate(SECONDS[f"{spec.experiment}/{spec.stage}"], "measured", "fixed by the test")
 
 
@@ -269,7 +269,7 @@ def test_a_sweep_over_the_budget_is_told_how_many_points_fit_dropping_the_deares
     folder = folder_with(tmp_path, grid=SWEEP)
     profile, _ = load_profile(folder)
 
-    def by_epochs(spec, gpus, gpu=None) -> Estimate:  # 1000 s per epoch
+    def by_epochs(spec, gpus, gpu=None, gpu_mem_gb=None) -> Estimate:  # 1000 s per epoch
         return Estimate(1000.0 * spec.train.epochs, "measured", "fixed by the test")
 
     plan = build_plan(load_experiments(folder, profile, parse_overrides([]), None), profile, by_epochs)

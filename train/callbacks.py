@@ -25,8 +25,9 @@ class RunDirectoryLog(TrainerCallback):
     Written by rank 0 only; the loss it logs is already the mean over the ranks (the Trainer gathers it).
     With a GPU sampler, each row carries the GPU use since the previous row, and progress.json the latest."""
 
-    def __init__(self, run_dir: Path, gpu_sampler: GpuSampler | None = None):
+    def __init__(self, run_dir: Path, gpu_sampler: GpuSampler | None = None, split: str | None = None):
         self.run_dir = run_dir
+        self.split = split  # how the batch is split (spec/split.py Split.describe), for --status
         self.gpu_sampler = gpu_sampler
         self.gpu_use: dict[str, float] = {}  # the latest summary: progress.json keeps it between samples
         self.last_time: float | None = None
@@ -86,6 +87,7 @@ class RunDirectoryLog(TrainerCallback):
                 "last_loss": loss if loss is not None else previous.get("last_loss"),
                 "eta_s": round(rate * (state.max_steps - state.global_step), 1) if rate else None,
                 "updated_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                "split": self.split,
                 **self.gpu_use,
             },
         )

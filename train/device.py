@@ -174,6 +174,29 @@ def gpu_uuid(placement: Placement) -> str | None:
     return f"GPU-{torch.cuda.get_device_properties(placement.device).uuid}"
 
 
+# A test seam standing in for torch.cuda.mem_get_info: with it set, a process on a CPU chooses its batch
+# split as a GPU with this many GB free would (it still trains on the CPU). Tests only.
+FAKE_FREE_GPU_GB = "LORA_TEST_FREE_GPU_GB"
+
+
+def free_gpu_gb(placement: Placement, env: Mapping[str, str] = os.environ) -> float | None:
+    """GB (10**9 bytes) free on this process's GPU now, after the CUDA context; None on a CPU."""
+    if env.get(FAKE_FREE_GPU_GB):
+        return float(env[FAKE_FREE_GPU_GB])
+    if not placement.cuda:
+        return None
+    free, _total = torch.cuda.mem_get_info(placement.device)
+    return free / 10**9
+
+
+def split_memory_gb(free_per_rank: list[float | None]) -> float | None:
+    """The memory every rank's split is chosen for: the smallest free memory of all ranks (one decision for
+    all, since the ranks must step together); None when any rank has no GPU."""
+    if not free_per_rank or any(free is None for free in free_per_rank):
+        return None
+    return min(free_per_rank)
+
+
 def ranks(env: Mapping[str, str] = os.environ) -> dict[str, int]:
     """This process's LOCAL_RANK and WORLD_SIZE (set by torchrun and by the DDP job wrapper; else 0 and 1)."""
     return {"local_rank": int(env.get("LOCAL_RANK", 0)), "world_size": int(env.get("WORLD_SIZE", 1))}

@@ -22,6 +22,7 @@ from transformers import AutoConfig
 
 from spec.config import TrainJob
 from spec.preflight import JobPreflight
+from spec.split import MemoryFigures, Split, StepLine, resolve
 from train import data as data_lib
 from train import memory, vl
 from train.hub_cache import first_line
@@ -165,10 +166,19 @@ def memory_shape(job: TrainJob, result: JobPreflight) -> dict | None:
 
 
 def judge_memory(result: JobPreflight, job: TrainJob, tokenizer) -> None:
-    """The larger of the training step and the in-training eval step against the GPU's memory."""
+    """The larger of the training step and the in-training eval step, at the split the job will run with
+    on this partition's GPU (spec/split.py), against the GPU's memory. `micro_batch: auto` is refused only
+    when a micro-batch of 1 with checkpointing does not fit; an explicit split when it does not fit."""
     shape = memory_shape(job, result)
     if shape is None:
         return
+    split = split_on(job, shape, tokenizer, result.gpu_mem_gb)
+    result.split = split.as_json()
+    shape = shape | {
+        "batch_size": split.micro_batch,
+        "grad_accum": split.grad_accum,
+        "gradient_checkpointing": split.gradient_checkpointing,
+    }
     estimate = estimate_for(job, shape, tokenizer)
     result.memory, result.memory_gb = estimate.as_dict(), round(estimate.total_gb, 3)
     if result.gpu_mem_gb is None:
@@ -177,6 +187,33 @@ def judge_memory(result: JobPreflight, job: TrainJob, tokenizer) -> None:
     result.largest_batch = memory.largest_batch(estimate, result.gpu_mem_gb)
     if not result.fits:
         result.alternatives = alternatives(job, shape, tokenizer, result.gpu_mem_gb)
+
+
+def split_on(job: TrainJob, shape: dict, tokenizer, gpu_mem_gb: float | None) -> Split:
+    """The split the job will choose at its start on a GPU of `gpu_mem_gb` (None: unknown)."""
+    if job.train.micro_batch != "auto" or gpu_mem_gb is None:
+        return resolve(job.train, None, None, "no gpu_mem_gb for this partition in cluster.yaml")
+    figures = split_figures(job, shape["max_length"], shape["max_target_length"], tokenizer)
+    return resolve(job.train, figures, gpu_mem_gb)
+
+
+def split_figures(job: TrainJob, max_length: int, max_target_length: int | None, tokenizer) -> MemoryFigures:
+    """The memory model's lines for any micro-batch up to the effective batch (measured out to it: a line
+    is exact at its two ends and above the step between them), without and with checkpointing. Judged as
+    accumulating, every gradient held through the step: for a micro-batch of the whole effective batch
+    that overstates the peak by at most the trainable weights' gradients."""
+    shape = {
+        "batch_size": job.train.batch_size * job.train.grad_accum,
+        "max_length": max_length,
+        "max_target_length": max_target_length or max_length,
+        "gradient_checkpointing": False,
+        "grad_accum": 2,
+    }
+    lines = {}
+    for checkpointing in (False, True):
+        found = estimate_for(job, shape | {"gradient_checkpointing": checkpointing}, tokenizer).lines()
+        lines[checkpointing] = tuple(StepLine(fixed, per_example) for fixed, per_example in found)
+    return MemoryFigures(plain=lines[False], checkpointed=lines[True])
 
 
 def estimate_for(job: TrainJob, shape: dict, tokenizer) -> memory.MemoryEstimate:
@@ -227,7 +264,7 @@ def evaluates(job: TrainJob) -> bool:
 
 def trainer_loss(kind: str):
     """The trainer's own loss (its compute_loss_func), so the estimate computes the loss as the job does."""
-    from train.recipe import TargetTokenLoss
+    from train.loss import TargetTokenLoss
 
     return TargetTokenLoss(shifted=kind != "seq2seq")
 

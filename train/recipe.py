@@ -43,7 +43,13 @@ Feature → config key:
 - the loss (logged, trained on, evaluated) is the mean over the
   target tokens of the global batch, whatever its split into
   accumulation steps and ranks; eval's over the whole eval set     → (always)
-- activation (gradient) checkpointing, only when asked            → train.gradient_checkpointing
+- the effective batch (batch_size x grad_accum per rank) is the
+  contract; on a GPU it is split into the largest micro-batch that
+  fits without checkpointing, checkpointing only when not even 1
+  fits, chosen from the memory model and the GPU's free memory
+  (the smallest of all ranks); a resumed run keeps its split      → train.micro_batch: auto | N
+- activation (gradient) checkpointing: when asked, or when
+  micro_batch: auto finds nothing fits without it                 → train.gradient_checkpointing
 - loss-only eval every N epochs, no generation, on the Trainer's
   epoch ends (a last short accumulation still steps)             → train.eval_every_epochs, data.eval
 - early stopping, best model loaded at the end                    → train.early_stopping.{metric,patience,threshold}
@@ -84,8 +90,9 @@ from transformers.trainer_pt_utils import LengthGroupedSampler
 
 from spec import speeds
 from spec.config import TrainJob
-from spec.files import read_jsonl, write_atomic, write_json_atomic
+from spec.files import read_json, read_jsonl, write_atomic, write_json_atomic
 from spec.rundir import RunDir
+from spec.split import Split, as_written, resolve
 from train import data as data_lib
 from train import distributed, vl
 from train.callbacks import (
@@ -103,8 +110,9 @@ from train.checkpoints import (
     step_of,
 )
 from train.device import current as current_placement
-from train.device import gpu_uuid
+from train.device import free_gpu_gb, gpu_uuid, split_memory_gb
 from train.gpu_use import GpuSampler
+from train.loss import TargetTokenLoss
 from train.memory import EVAL_BATCH_FACTOR
 from train.model import (
     adapter_differences,
@@ -197,40 +205,6 @@ class SamplerEpoch(TrainerCallback):
             self.trainer.epoch_sampler.set_epoch(math.floor(state.epoch or 0))
 
 
-class TargetTokenLoss:
-    """The Trainer's compute_loss_func, for every model kind: a micro-batch's cross-entropy summed over its
-    target tokens, divided by num_items_in_batch, the Trainer's count of the target tokens of the whole
-    global batch (all accumulation steps; all ranks, gathered by average_tokens_across_devices, and the
-    Trainer's x world size on the loss undoes DDP's mean of the gradients). Summed over the accumulation
-    steps and ranks, loss and gradient are the token mean of the global batch.
-
-    Why not the model's own loss (issue 20): transformers 5 believes any forward taking **kwargs normalises
-    by num_items_in_batch (Trainer.__init__, model_accepts_loss_kwargs), and then neither divides by the
-    accumulation steps (training_step) nor drops its x world size (compute_loss). T5's forward takes
-    **kwargs but averages each micro-batch itself: its loss and gradient were grad_accum x ranks too large
-    (clipping at max_grad_norm then bit at a fraction of the true norm), its DDP eval loss doubled.
-    Qwen2.5-VL says it does not accept them: a mean of per-micro-batch means. Given a compute_loss_func,
-    the Trainer counts, gathers and scales alike for every model. Decoder-only predictions are shifted
-    (position i targets token i+1), as the Trainer counts them (labels[..., 1:] unless encoder-decoder)."""
-
-    def __init__(self, shifted: bool):
-        self.shifted = shifted
-        self.rows: torch.Tensor | None = None  # the last batch's (summed loss, target tokens) per example
-
-    def __call__(self, outputs, labels: torch.Tensor, num_items_in_batch=None) -> torch.Tensor:
-        logits = outputs["logits"]
-        if self.shifted:
-            labels = torch.nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
-        labels = labels.to(logits.device)
-        token_losses = torch.nn.functional.cross_entropy(
-            logits.float().flatten(0, -2), labels.flatten(), ignore_index=-100, reduction="none"
-        ).view(labels.shape)
-        targets = labels.ne(-100).sum(-1)
-        self.rows = torch.stack([token_losses.sum(-1), targets.to(token_losses.dtype)], -1).detach()
-        total = num_items_in_batch if num_items_in_batch is not None else targets.sum()
-        return token_losses.sum() / total
-
-
 class TokenMeanEval:
     """Trainer mixin: eval_loss is the token mean over the whole eval set. The Trainer's own is a mean of
     per-batch losses: it depends on the eval batch (2x the train batch, on each rank), and under DDP it
@@ -314,9 +288,53 @@ class StageRecipe:
         self.eval_set = None
         if self.job.data.eval:  # sorted: similar lengths pad little, and a loss-only eval has no order
             self.eval_set = self.load_split(self.job.data.eval, "eval")[0].sort("length")
+        # The split after the lengths (the memory model needs them) and before the Trainer (it runs it).
+        self.split = self.choose_split()
+        log.info("batch split: %s", self.split.describe())
         # Every rank's GPU, so that rank 0 can watch them all (one node: NVML sees each of them).
         self.gpu_uuids = [uuid for uuid in distributed.gather(gpu_uuid(self.placement)) if uuid]
         self.trainer = self.build_trainer()
+
+    def choose_split(self) -> Split:
+        """How this rank splits its effective batch (spec/split.py): a resumed run keeps the split it started
+        with (split.json); a fresh one chooses with the smallest free GPU memory of all ranks, so that every
+        rank makes the same choice, and rank 0 records it."""
+        recorded = RunDir(self.run_dir).split
+        if self.resume_from:
+            kept = read_json(recorded, expected=dict)
+            try:
+                return (
+                    Split.from_json(kept) if kept else self.written_split("resumed a run with no split.json")
+                )
+            except TypeError:  # another version's record
+                return self.written_split(f"resumed a run whose {recorded.name} is not a split record")
+        split = self.fresh_split()
+        if distributed.is_main():
+            write_json_atomic(recorded, split.as_json(), indent=1)
+        return split
+
+    def written_split(self, why: str) -> Split:
+        train = self.job.train
+        return as_written(train.batch_size, train.grad_accum, train.gradient_checkpointing, why)
+
+    def fresh_split(self) -> Split:
+        train = self.job.train
+        memory_gb = split_memory_gb(distributed.gather(free_gpu_gb(self.placement)))
+        if memory_gb is None:
+            return resolve(train, None, None, "on a CPU the split is the one written")
+        if train.micro_batch != "auto":
+            return resolve(train, None, None)
+        try:
+            from train.preflight import split_figures, tokenizer_or_reason
+
+            tokenizer = tokenizer_or_reason(self.job)[0]
+            figures = split_figures(
+                self.job, self.lengths.max_length, self.lengths.max_target_length, tokenizer
+            )
+        except Exception as exc:  # the memory model fails on an unusual model: the written split still runs
+            log.warning("memory model failed (%s: %s); keeping the written split", type(exc).__name__, exc)
+            return resolve(train, None, None, "the memory model failed on this model")
+        return resolve(train, figures, memory_gb)
 
     def load_model(self):
         job, placement = self.job, self.placement
@@ -375,10 +393,10 @@ class StageRecipe:
             output_dir=str(RunDir(self.run_dir).checkpoints),
             num_train_epochs=train.epochs,
             max_steps=train.max_steps or -1,  # when set, overrides epochs
-            per_device_train_batch_size=train.batch_size,
+            per_device_train_batch_size=self.split.micro_batch,
             # No gradients: a larger batch fits; preflight estimates the eval step at this size.
-            per_device_eval_batch_size=train.batch_size * EVAL_BATCH_FACTOR,
-            gradient_accumulation_steps=train.grad_accum,
+            per_device_eval_batch_size=self.split.micro_batch * EVAL_BATCH_FACTOR,
+            gradient_accumulation_steps=self.split.grad_accum,
             learning_rate=train.learning_rate,
             warmup_steps=train.warmup_ratio,  # a float below 1 is a ratio of the total steps
             weight_decay=train.weight_decay,
@@ -388,7 +406,7 @@ class StageRecipe:
             fp16=placement.fp16,
             tf32=placement.tf32 or None,  # None leaves torch's default alone
             optim="adamw_torch_fused",  # one kernel for all parameters, on CPU as on CUDA
-            activation_checkpointing=train.gradient_checkpointing,
+            activation_checkpointing=self.split.gradient_checkpointing,
             dataloader_num_workers=self.workers(),
             dataloader_pin_memory=placement.pin_memory,
             train_sampling_strategy="sequential" if data.order == "file" else "group_by_length",
@@ -428,7 +446,7 @@ class StageRecipe:
         self.gpu_sampler = GpuSampler.for_gpus(self.gpu_uuids) if distributed.is_main() else None
         # Order matters: the clock writes into a checkpoint before CommitCheckpoints seals it.
         callbacks = [
-            RunDirectoryLog(self.run_dir, self.gpu_sampler),
+            RunDirectoryLog(self.run_dir, self.gpu_sampler, self.split.short()),
             self.clock,
             CommitCheckpoints(),
             self.stopper,
@@ -507,7 +525,7 @@ class StageRecipe:
         padding = data_lib.padding_fraction(
             self.train_set["length"],
             self.batch_order(),
-            self.job.train.batch_size,
+            self.split.micro_batch,
             self.placement.pad_to_multiple_of or 1,
         )
         summary = {
@@ -544,6 +562,7 @@ class StageRecipe:
             "init_adapter": self.job.init_adapter,
             "resumed_from": str(self.resume_from) if self.resume_from else None,
             "num_input_tokens_seen": state.num_input_tokens_seen,
+            "split": self.split.as_json(),  # the micro-batch, accumulation and checkpointing that ran, and why
         }
         write_json_atomic(RunDir(self.run_dir).summary, summary, indent=1)
 
@@ -561,8 +580,8 @@ class StageRecipe:
             precision=self.placement.precision,
             device_name=self.placement.device_name,
             world_size=self.placement.world_size,
-            batch_size=train.batch_size,
-            grad_accum=train.grad_accum,
+            batch_size=self.split.micro_batch,
+            grad_accum=self.split.grad_accum,
             max_length=self.lengths.max_length,
             tokens_per_s=round(examples * per_example / timer.stepping_s, 1),
             startup_s=round(timer.startup_s, 2),
@@ -574,7 +593,7 @@ class StageRecipe:
             tokens_per_example=round(per_example, 2),
             time=round(time.time(), 3),
             calibration=self.job.calibration,
-            gradient_checkpointing=train.gradient_checkpointing,
+            gradient_checkpointing=self.split.gradient_checkpointing,
         )
         speeds.append(book, record)
 

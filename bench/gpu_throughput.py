@@ -1,0 +1,349 @@
+"""Throughput at the size users train: our trainer against tuned Hugging Face setups. Prints figures.
+
+    python -m bench.gpu_throughput [--examples 800] [--json]
+
+On a GPU: a Qwen2.5-0.5B-shaped model (494 M parameters, Qwen's vocabulary of 151,936; random weights, the
+demo tokenizer), ~240-token prompts built from the demo SQL data, LoRA r16 on every linear layer, bf16, one
+epoch. On a CPU the same rows on a tiny Qwen2 (so the command answers anywhere; the figures that matter are
+the GPU's). Rows, all on the same tokenized data:
+
+- tuned HF 4x8: the user's config (`batch_size: 4, grad_accum: 8`) in a tuned HF Trainer (bf16, length-grouped
+  batches, dynamic padding to a multiple of 8, fused AdamW, 4 loader workers);
+- tuned HF + Liger 32x1: the best a user reaches by hand (Liger's kernels, the whole effective batch at once;
+  only where liger-kernel is installed);
+- ours 4x8 auto: the same config through train.recipe with `micro_batch: auto` (what a job runs);
+- ours 4x8 as written: `micro_batch: 4` (the split the user wrote; also the adapter check's other side);
+- ours 8x1 and tuned HF 8x1: no accumulation to trade, our own overhead alone.
+
+Tokens are counted from the dataset (every example's non-pad tokens, once per epoch), not in a collator: the
+trainer's loader workers run the collator in other processes. Wall: from the start of training to the saved
+adapter. Peak GB: torch.cuda.max_memory_allocated. MFU: 6 N FLOPs per token over the GPU's dense bf16 peak.
+Checks (GPU): the adapters of two splits of one effective batch agree; the memory model's estimate for the
+split auto chose against the measured peak.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import random
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+from peft import LoraConfig, TaskType, get_peft_model  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
+from transformers import (  # noqa: E402
+    AutoConfig,
+    AutoModelForCausalLM,
+    DataCollatorForSeq2Seq,
+    Trainer,
+    TrainingArguments,
+)
+
+from bench.train_throughput import PEAK_BF16_FLOPS, StepTimer  # noqa: E402
+from demo.tiny import build_tiny_models  # noqa: E402
+from spec.config import DataSpec, ModelSpec, TrainJob  # noqa: E402
+from train import data as data_lib  # noqa: E402
+from train.device import Placement, current  # noqa: E402
+from train.memory import CUDA_RESERVE_GB  # noqa: E402
+from train.model import load_tokenizer  # noqa: E402
+from train.recipe import StageRecipe  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+# Qwen/Qwen2.5-0.5B's config.json, as published: the shapes are what matter, the weights are random.
+QWEN_05B = {
+    "vocab_size": 151936,
+    "hidden_size": 896,
+    "intermediate_size": 4864,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 14,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 32768,
+    "rope_theta": 1000000.0,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": True,
+}
+TINY_QWEN = QWEN_05B | {
+    "vocab_size": 4096,
+    "hidden_size": 128,
+    "intermediate_size": 344,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+}
+LORA = {"rank": 16, "alpha": 32, "dropout": 0.0, "target_modules": "all-linear", "max_trainable_percent": 100}
+PROMPT_TOKENS = 240
+LEARNING_RATE = 2e-4
+
+
+def data_spec(train: Path) -> DataSpec:
+    return DataSpec(
+        train=str(train), input_field="question", target_field="sql", prompt_template="{question}\nSQL: "
+    )
+
+
+def build_model(folder: Path, placement: Placement) -> Path:
+    """The Qwen2.5-0.5B shape on a GPU (a tiny Qwen2 on a CPU), random weights, the demo tokenizer."""
+    tokenizer_dir = build_tiny_models(ROOT / "models")["tiny-llama"]
+    tokenizer = load_tokenizer(str(tokenizer_dir), ModelSpec(name_or_path=str(tokenizer_dir), kind="causal"))
+    shape = QWEN_05B if placement.cuda else TINY_QWEN
+    config = AutoConfig.for_model("qwen2", **shape)
+    config.pad_token_id = tokenizer.pad_token_id
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=placement.load_dtype)
+    out = folder / "qwen-shaped"
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def build_data(folder: Path, tokenizer, examples: int) -> Path:
+    """`examples` rows whose prompt is a schema and demo questions up to ~PROMPT_TOKENS tokens, the target
+    one of their SQL queries: the length of prompts users train on, from the demo's own words."""
+    rows = [
+        json.loads(line) for line in (ROOT / "data/demo/sql/train.jsonl").read_text().splitlines() if line
+    ]
+    rng = random.Random(0)
+    out = folder / "long-prompts.jsonl"
+    with out.open("w") as fh:
+        for i in range(examples):
+            row = rng.choice(rows)
+            parts = [row["schema"]]
+            while len(tokenizer(" | ".join(parts))["input_ids"]) < rng.randint(
+                PROMPT_TOKENS - 40, PROMPT_TOKENS + 40
+            ):
+                parts.append(rng.choice(rows)["question"])
+            parts.append(row["question"])
+            fh.write(json.dumps({"id": f"long-{i}", "question": " | ".join(parts), "sql": row["sql"]}) + "\n")
+    return out
+
+
+def measured(run, tokens: int, placement: Placement, params: int) -> dict:
+    """Run `run()` (returns (step seconds, extra figures)) and its figures: tokens/s, wall, peak GB, MFU."""
+    if placement.cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    started = time.perf_counter()
+    step_s, extra = run()
+    if placement.cuda:
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - started
+    row = {
+        "tokens_per_s": round(tokens / wall, 1),
+        "wall_s": round(wall, 2),
+        "non_training_fraction": round(max(0.0, 1 - step_s / wall), 4),
+        **extra,
+    }
+    if placement.cuda:
+        row["peak_gb"] = round(torch.cuda.max_memory_allocated() / 10**9, 2)
+        peak = next((f for key, f in PEAK_BF16_FLOPS.items() if key in placement.device_name), None)
+        row["mfu"] = round(6 * params * row["tokens_per_s"] / peak, 4) if peak else None
+    return row
+
+
+def hf_row(model_dir: Path, dataset, placement: Placement, micro: int, accum: int, liger: bool = False):
+    """A tuned HF Trainer run of one epoch; returns (step seconds, figures)."""
+    tokenizer = load_tokenizer(str(model_dir), ModelSpec(name_or_path=str(model_dir), kind="causal"))
+    tokenizer.padding_side = "right"
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=placement.load_dtype).to(placement.device)
+    lora = LoraConfig(
+        task_type=TaskType.CAUSAL_LM, r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear"
+    )
+    model = get_peft_model(model, lora)
+    timer = StepTimer()
+    args = TrainingArguments(
+        output_dir=tempfile.mkdtemp(),
+        num_train_epochs=1,
+        per_device_train_batch_size=micro,
+        gradient_accumulation_steps=accum,
+        learning_rate=LEARNING_RATE,
+        report_to="none",
+        save_strategy="no",
+        logging_steps=50,
+        disable_tqdm=True,
+        use_cpu=not placement.cuda,
+        bf16=placement.bf16,
+        tf32=placement.tf32 or None,
+        optim="adamw_torch_fused",
+        remove_unused_columns=False,
+        train_sampling_strategy="group_by_length",
+        dataloader_num_workers=placement.workers,
+        dataloader_pin_memory=placement.pin_memory,
+        use_liger_kernel=liger,
+    )
+    inner = DataCollatorForSeq2Seq(
+        tokenizer, label_pad_token_id=-100, pad_to_multiple_of=placement.pad_to_multiple_of
+    )
+    keep = ("input_ids", "labels", "attention_mask")
+    trainer = Trainer(
+        model=model,
+        args=args,
+        train_dataset=dataset,
+        data_collator=lambda f: inner([{k: v for k, v in x.items() if k in keep} for x in f]),
+        callbacks=[timer],
+    )
+
+    def run():
+        trainer.train()
+        model.save_pretrained(tempfile.mkdtemp())
+        return timer.step_s, {
+            "split": f"{micro}x{accum}",
+            "train_loss": round(trainer.state.log_history[-1].get("train_loss", float("nan")), 4),
+        }
+
+    return run
+
+
+def ours_row(model_dir: Path, data: Path, run_dir: Path, batch: int, accum: int, micro="auto"):
+    """train.recipe as a job runs it (no in-training eval: the work the HF rows do)."""
+    job = TrainJob(
+        experiment="bench",
+        stage="train",
+        model={"name_or_path": str(model_dir), "kind": "causal"},
+        adapter=LORA,
+        data=data_spec(data),
+        train={
+            "epochs": 1,
+            "learning_rate": LEARNING_RATE,
+            "batch_size": batch,
+            "grad_accum": accum,
+            "micro_batch": micro,
+            "warmup_ratio": 0,
+            "save_every_steps": 10_000,
+            "logging_steps": 50,
+            "eval_every_epochs": None,
+        },
+        run_dir=str(run_dir),
+    )
+    setup_started = time.perf_counter()
+    recipe = StageRecipe(job, threading.Event())
+    recipe.setup()
+    setup_s = time.perf_counter() - setup_started
+    timer = StepTimer()
+    recipe.trainer.add_callback(timer)
+
+    def run():
+        recipe.train()
+        recipe.save()
+        summary = json.loads((run_dir / "summary.json").read_text())
+        split = recipe.split
+        return timer.step_s, {
+            "split": split.short(),
+            "split_reason": split.describe(),
+            "split_estimate_gb": None if split.peak_gb is None else round(split.peak_gb - CUDA_RESERVE_GB, 2),
+            "setup_s": round(setup_s, 2),
+            "train_loss": summary.get("final_train_loss"),
+        }
+
+    return run
+
+
+def adapter_difference(a: Path, b: Path) -> float:
+    """||A - B|| / ||B|| over every adapter tensor: two splits of one effective batch train the same adapter
+    up to the rounding of their sums (bf16 on a GPU)."""
+    first, second = load_file(a / "adapter_model.safetensors"), load_file(b / "adapter_model.safetensors")
+    diff = sum(float((first[k].float() - second[k].float()).norm() ** 2) for k in second)
+    norm = sum(float(second[k].float().norm() ** 2) for k in second)
+    return round((diff / norm) ** 0.5, 5)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--examples", type=int, default=None, help="default: 800 on a GPU, 96 on a CPU")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    placement = current("auto")
+    examples = args.examples or (800 if placement.cuda else 96)
+    try:
+        import liger_kernel  # noqa: F401
+
+        liger = placement.cuda
+    except ImportError:
+        liger = False
+    rows: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        model_dir = build_model(tmp, placement)
+        tokenizer = load_tokenizer(str(model_dir), ModelSpec(name_or_path=str(model_dir), kind="causal"))
+        data = build_data(tmp, tokenizer, examples)
+        dataset = data_lib.tokenized(str(data), data_spec(data), tokenizer, "causal")
+        tokens = sum(data_lib.trained_tokens(dataset, "causal"))
+        params = AutoModelForCausalLM.from_pretrained(model_dir).num_parameters()
+        plan = {
+            "tuned_hf_4x8": lambda: hf_row(model_dir, dataset, placement, 4, 8),
+            "ours_4x8_auto": lambda: ours_row(model_dir, data, tmp / "auto", 4, 8),
+            "ours_4x8_as_written": lambda: ours_row(model_dir, data, tmp / "written", 4, 8, micro=4),
+            "tuned_hf_8x1": lambda: hf_row(model_dir, dataset, placement, 8, 1),
+            "ours_8x1": lambda: ours_row(model_dir, data, tmp / "8x1", 8, 1),
+        }
+        if liger:
+            plan["tuned_hf_liger_32x1"] = lambda: hf_row(model_dir, dataset, placement, 32, 1, liger=True)
+        for name, make in plan.items():
+            gc.collect()  # the last row's model and optimizer: gone before this one measures or chooses
+            if placement.cuda:
+                torch.cuda.empty_cache()
+            rows[name] = measured(make(), tokens, placement, params)
+            print(f"{name:22s} {json.dumps(rows[name])}", file=sys.stderr, flush=True)
+        checks = {
+            "adapter_4x8_auto_vs_as_written": adapter_difference(
+                tmp / "auto" / "adapter", tmp / "written" / "adapter"
+            ),
+        }
+    auto = rows["ours_4x8_auto"]
+    if auto.get("peak_gb") and auto.get("split_estimate_gb"):
+        checks["memory_estimate_vs_measured_percent"] = round(
+            100 * (auto["split_estimate_gb"] / auto["peak_gb"] - 1), 1
+        )
+    ratios = {
+        "ours_auto_vs_tuned_hf_4x8": round(auto["tokens_per_s"] / rows["tuned_hf_4x8"]["tokens_per_s"], 2),
+        "ours_8x1_vs_tuned_hf_8x1": round(
+            rows["ours_8x1"]["tokens_per_s"] / rows["tuned_hf_8x1"]["tokens_per_s"], 2
+        ),
+        "ours_auto_vs_as_written": round(
+            auto["tokens_per_s"] / rows["ours_4x8_as_written"]["tokens_per_s"], 2
+        ),
+    }
+    if liger:
+        ratios["ours_auto_vs_tuned_hf_liger_32x1"] = round(
+            auto["tokens_per_s"] / rows["tuned_hf_liger_32x1"]["tokens_per_s"], 2
+        )
+    result = {
+        "device_name": placement.device_name,
+        "precision": placement.precision,
+        "examples": examples,
+        "tokens_per_epoch": tokens,
+        "params": params,
+        "rows": rows,
+        "ratios": ratios,
+        "checks": checks,
+        "skipped": {} if liger else {"tuned_hf_liger_32x1": "liger-kernel not installed, or no CUDA GPU"},
+    }
+    for name, row in rows.items():
+        print(
+            f"{name:22s} {row['tokens_per_s']:>10.1f} tokens/s  wall {row['wall_s']:>7.2f} s  split {row['split']:>9s}"
+            + (
+                f"  peak {row['peak_gb']:.1f} GB  MFU {row['mfu']:.1%}"
+                if row.get("peak_gb") is not None and row.get("mfu")
+                else ""
+            )
+            + f"  non-training {row['non_training_fraction']:.1%}"
+        )
+    print("ratios:", json.dumps(ratios), " checks:", json.dumps(checks))
+    if args.json:
+        print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()

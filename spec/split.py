@@ -1,0 +1,161 @@
+"""How one rank's effective batch is split into micro-batches: the micro-batch, the accumulation steps and
+whether gradient checkpointing is on, chosen from the memory model's figures and a GPU's usable memory.
+
+    choose(figures, usable_gb, effective=32, checkpointing=False) → Split(micro_batch=32, grad_accum=1, ...)
+
+The user's contract is the effective batch, `train.batch_size x train.grad_accum` per rank: the loss and its
+gradient do not depend on how it is split (train/recipe.py TargetTokenLoss; the sampler groups examples by
+the effective batch), so the split is ours to choose for speed. A small micro-batch leaves a GPU idle (a
+0.5B model's step at 8 x 240 tokens used 3 % of an H100), so `micro_batch: auto` takes the largest
+micro-batch that divides the effective batch and whose training step and in-training eval fit without
+checkpointing; checkpointing (a third more compute) only when not even a micro-batch of 1 fits without it.
+The effective batch is never raised.
+
+Pure and torch-free: the job applies it at its start with the GPU it got (train/device.py split_for_job),
+preflight with cluster.yaml's gpu_mem_gb, and the dry run from preflight's cache. The figures are straight
+lines in the micro-batch, computed by train/memory.py (MemoryEstimate.lines()).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+# What a choice leaves free of the memory it is given, over and above the estimate's own 1 GB CUDA reserve:
+# the estimate's measured error on an H100 (-0.4 % to +3 %), allocator fragmentation, and what another
+# library may allocate later (NCCL's buffers under DDP).
+HEADROOM = 0.05
+
+
+@dataclass(frozen=True)
+class StepLine:
+    """A step's peak memory in GB: fixed_gb + micro_batch x per_example_gb."""
+
+    fixed_gb: float
+    per_example_gb: float
+
+    def at(self, micro_batch: int) -> float:
+        return self.fixed_gb + micro_batch * self.per_example_gb
+
+
+@dataclass(frozen=True)
+class MemoryFigures:
+    """The memory model's lines for one job: its training step and its in-training eval step (if any),
+    without and with gradient checkpointing. A job fits at a micro-batch when every line does."""
+
+    plain: tuple[StepLine, ...]
+    checkpointed: tuple[StepLine, ...]
+
+    def peak_gb(self, micro_batch: int, checkpointing: bool) -> float:
+        lines = self.checkpointed if checkpointing else self.plain
+        return max(line.at(micro_batch) for line in lines)
+
+    def as_json(self) -> dict:
+        return asdict(self)
+
+    @staticmethod
+    def from_json(value: dict) -> MemoryFigures:
+        return MemoryFigures(
+            plain=tuple(StepLine(**line) for line in value["plain"]),
+            checkpointed=tuple(StepLine(**line) for line in value["checkpointed"]),
+        )
+
+
+@dataclass(frozen=True)
+class Split:
+    """What a job runs with: micro_batch x grad_accum = the effective batch per rank."""
+
+    micro_batch: int
+    grad_accum: int
+    gradient_checkpointing: bool
+    how: str  # "auto" (chosen here), "asked" (micro_batch: N) or "as written" (batch_size x grad_accum)
+    reason: str
+    fits: bool = True  # False: not even the smallest choice fits the memory given
+    peak_gb: float | None = None  # the chosen step's estimated peak, reserve included
+    usable_gb: float | None = None  # what it was judged against (the GPU's memory less HEADROOM)
+
+    def describe(self) -> str:
+        """`micro 32 x accum 1, no checkpointing: step 13.5 of 79 GB (auto)`."""
+        ckpt = "checkpointing" if self.gradient_checkpointing else "no checkpointing"
+        text = f"micro {self.micro_batch} x accum {self.grad_accum}, {ckpt}"
+        if self.peak_gb is not None and self.usable_gb is not None:
+            text += f": step {self.peak_gb:.1f} of {self.usable_gb:.0f} GB"
+        return f"{text} ({self.how}: {self.reason})"
+
+    def short(self) -> str:
+        """`32x1`, `4x8 ckpt`: micro-batch x accumulation, for a status column."""
+        return f"{self.micro_batch}x{self.grad_accum}" + (" ckpt" if self.gradient_checkpointing else "")
+
+    def as_json(self) -> dict:
+        return asdict(self)
+
+    @staticmethod
+    def from_json(value: dict) -> Split:
+        return Split(**value)
+
+
+def usable_gb(gpu_gb: float) -> float:
+    """The part of a GPU's (free) memory a split may plan to fill."""
+    return gpu_gb * (1 - HEADROOM)
+
+
+def divisors(n: int) -> list[int]:
+    """n's divisors, largest first: the micro-batches that split an effective batch of n exactly."""
+    return [d for d in range(n, 0, -1) if n % d == 0]
+
+
+def choose(figures: MemoryFigures, usable: float, effective: int, checkpointing: bool = False) -> Split:
+    """The largest micro-batch dividing `effective` that fits in `usable` GB without checkpointing; else the
+    largest that fits with it; else a micro-batch of 1 with checkpointing, marked as not fitting.
+    `checkpointing`: the user asked for it (train.gradient_checkpointing: true), so it stays on."""
+    for ckpt in [True] if checkpointing else [False, True]:
+        for micro in divisors(effective):
+            peak = figures.peak_gb(micro, ckpt)
+            if peak <= usable:
+                why = "the largest micro-batch that fits" + (
+                    " without checkpointing"
+                    if not ckpt
+                    else " with checkpointing (asked for)"
+                    if checkpointing
+                    else " with checkpointing (not even 1 fits without)"
+                )
+                if micro == effective:
+                    why = "the whole effective batch fits" + (" with checkpointing" if ckpt else "")
+                return Split(micro, effective // micro, ckpt, "auto", why, True, peak, usable)
+    peak = figures.peak_gb(1, True)
+    why = "not even a micro-batch of 1 with checkpointing fits"
+    return Split(1, effective, True, "auto", why, False, peak, usable)
+
+
+def as_written(batch_size: int, grad_accum: int, checkpointing: bool, reason: str) -> Split:
+    """The user's own split (a CPU, or no memory figures to choose by)."""
+    return Split(batch_size, grad_accum, checkpointing, "as written", reason)
+
+
+def asked(micro_batch: int, effective: int, checkpointing: bool, figures, usable: float | None) -> Split:
+    """An explicit `train.micro_batch: N`, honoured as written; judged when there are figures."""
+    if figures is None or usable is None:
+        return Split(micro_batch, effective // micro_batch, checkpointing, "asked", "train.micro_batch")
+    peak = figures.peak_gb(micro_batch, checkpointing)
+    return Split(
+        micro_batch,
+        effective // micro_batch,
+        checkpointing,
+        "asked",
+        "train.micro_batch",
+        peak <= usable,
+        peak,
+        usable,
+    )
+
+
+def resolve(train, figures: MemoryFigures | None, gpu_gb: float | None, why_not: str = "") -> Split:
+    """The split a job runs with, for its `train` section (spec/config.py TrainSpec), its memory figures
+    and the GPU memory it may fill (None: no GPU, or unknown). `why_not`: why there is no GPU or figure."""
+    effective = train.batch_size * train.grad_accum
+    usable = usable_gb(gpu_gb) if gpu_gb is not None else None
+    if train.micro_batch != "auto":
+        return asked(train.micro_batch, effective, train.gradient_checkpointing, figures, usable)
+    if figures is None or usable is None:
+        why = why_not or "no GPU memory to choose by"
+        return as_written(train.batch_size, train.grad_accum, train.gradient_checkpointing, why)
+    return choose(figures, usable, effective, train.gradient_checkpointing)

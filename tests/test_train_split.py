@@ -1,0 +1,112 @@
+"""Issue 29 (1): the effective batch is the contract, the micro-batch is the trainer's to choose. Real CPU
+training on the tiny models: the choice is wired through to what the Trainer runs, recorded, kept on a
+requeue, and changes nothing the run computes.
+
+On a CPU `micro_batch: auto` keeps the written split, so the wiring is driven through the test seam that
+stands in for torch.cuda.mem_get_info (train/device.py FAKE_FREE_GPU_GB): the job then chooses as a GPU with
+that much free memory would, and still trains on the CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from tests.train_helpers import StopAfter, make_job, sql_data
+from train.device import FAKE_FREE_GPU_GB
+from train.recipe import StageRecipe, run_stage
+
+pytestmark = pytest.mark.slow  # trains for seconds: make test-fast leaves it out
+
+
+def job(tiny, run_dir: Path, kind: str, **train):
+    return make_job(
+        tiny,
+        run_dir,
+        kind,
+        data=sql_data("easy", order="shuffle"),
+        max_steps=None,
+        epochs=1,
+        precision="fp32",  # the splits then differ by float rounding only
+        **({"batch_size": 2, "grad_accum": 4} | train),
+    )
+
+
+def adapter_tensors(run_dir: Path) -> dict:
+    return load_file(run_dir / "adapter" / "adapter_model.safetensors")
+
+
+def assert_same_adapter(a: Path, b: Path) -> None:
+    first, second = adapter_tensors(a), adapter_tensors(b)
+    assert first.keys() == second.keys()
+    for key in first:
+        # fp32 sums in another order: 1e-6 apart; a changed effective batch or example order is far more
+        assert (first[key] - second[key]).abs().max() <= 1e-4 * max(1.0, float(second[key].abs().max())), key
+
+
+def train_recipe(job_) -> StageRecipe:
+    recipe = StageRecipe(job_, threading.Event())
+    recipe.setup()
+    return recipe
+
+
+@pytest.mark.parametrize("kind", ["seq2seq", "causal"])
+def test_an_asked_micro_batch_of_8_trains_the_adapter_of_the_users_2x4(tiny, tmp_path, kind):
+    written = tmp_path / "2x4"
+    assert run_stage(job(tiny, written, kind, micro_batch=2)) == "completed"
+    whole = tmp_path / "8x1"
+    assert run_stage(job(tiny, whole, kind, micro_batch=8)) == "completed"
+    ran = json.loads((whole / "summary.json").read_text())["split"]
+    assert (ran["micro_batch"], ran["grad_accum"], ran["how"]) == (8, 1, "asked")
+    assert_same_adapter(whole, written)
+
+
+@pytest.mark.parametrize("kind", ["seq2seq", "causal"])
+def test_auto_with_a_gpus_free_memory_runs_the_trainer_at_the_chosen_split_not_the_written_one(
+    tiny, tmp_path, kind, monkeypatch
+):
+    written = tmp_path / "written"
+    assert run_stage(job(tiny, written, kind, micro_batch=2)) == "completed"
+    monkeypatch.setenv(FAKE_FREE_GPU_GB, "80")  # the seam: an 80 GB GPU's free memory, training on the CPU
+    chosen = tmp_path / "auto"
+    recipe = train_recipe(job(tiny, chosen, kind))
+    args = recipe.trainer.args
+    assert (args.per_device_train_batch_size, args.gradient_accumulation_steps) == (8, 1)
+    assert args.per_device_eval_batch_size == 16
+    assert not args.activation_checkpointing
+    assert recipe.train() == "completed"
+    recipe.save()
+    summary = json.loads((chosen / "summary.json").read_text())
+    assert summary["split"]["how"] == "auto" and summary["split"]["micro_batch"] == 8
+    assert summary["split"]["usable_gb"] == pytest.approx(76.0)
+    assert json.loads((chosen / "split.json").read_text()) == summary["split"]
+    assert summary["global_step"] == json.loads((written / "summary.json").read_text())["global_step"]
+    assert_same_adapter(chosen, written)
+
+
+def test_auto_with_too_little_memory_turns_checkpointing_on_and_keeps_the_effective_batch(
+    tiny, tmp_path, monkeypatch
+):
+    monkeypatch.setenv(FAKE_FREE_GPU_GB, "0.0001")
+    recipe = train_recipe(job(tiny, tmp_path / "run", "causal"))
+    args = recipe.trainer.args
+    assert (args.per_device_train_batch_size, args.gradient_accumulation_steps) == (1, 8)
+    assert args.activation_checkpointing
+    assert recipe.split.fits is False
+
+
+def test_a_requeued_run_keeps_the_split_it_started_with(tiny, tmp_path, monkeypatch):
+    run_dir = tmp_path / "run"
+    monkeypatch.setenv(FAKE_FREE_GPU_GB, "80")
+    assert run_stage(job(tiny, run_dir, "causal", save_every_steps=1), StopAfter(2)) == "interrupted"
+    assert json.loads((run_dir / "split.json").read_text())["micro_batch"] == 8
+    monkeypatch.setenv(FAKE_FREE_GPU_GB, "0.0001")  # the requeued job lands on a GPU with far less free
+    recipe = train_recipe(job(tiny, run_dir, "causal", save_every_steps=1))
+    assert recipe.resume_from is not None
+    args = recipe.trainer.args
+    assert (args.per_device_train_batch_size, args.gradient_accumulation_steps) == (8, 1)
+    assert not args.activation_checkpointing
