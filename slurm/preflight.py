@@ -239,7 +239,10 @@ def refusals(result: JobPreflight, where: str) -> list[Problem]:
 
 
 def does_not_fit(result: JobPreflight) -> str:
-    others = "; ".join(result.alternatives) or "no other setting fits: use a larger GPU"
+    ways = list(result.alternatives)
+    if (result.split or {}).get("how") == "asked":  # auto would have split the effective batch to fit
+        ways.insert(0, "train.micro_batch: auto splits the effective batch into micro-batches that fit")
+    others = "; ".join(ways) or "no other setting fits: use a larger GPU"
     largest = (
         f"the largest batch that fits is train.batch_size: {result.largest_batch}"
         if result.largest_batch

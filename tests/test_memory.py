@@ -150,6 +150,8 @@ def test_a_job_whose_eval_step_does_not_fit_is_refused_naming_the_eval(tmp_path)
     folder = bench.model_folder(tmp_path, "model", changes, kind)
     job = bench.bench_job(folder, kind, {"rank": 8, "target_modules": "all-linear"}, batch, False)
     job = job.model_copy(update={"data": job.data.model_copy(update={"max_length": length})})
+    auto = job
+    job = written(job, batch)  # the batch as written (micro_batch: auto would choose one that fits)
     memory = preflight_job(job, None).memory
     assert memory["eval_gb"] > memory["train_gb"]  # the case this test is about
     gpu = round((memory["train_gb"] + memory["eval_gb"]) / 2, 6)
@@ -159,6 +161,14 @@ def test_a_job_whose_eval_step_does_not_fit_is_refused_naming_the_eval(tmp_path)
     assert (
         f"its in-training eval (batch {2 * batch}, twice the training batch) needs about" in problem.message
     )
+    chosen = preflight_job(auto, gpu)  # auto: a smaller micro-batch with more accumulation, admitted
+    assert chosen.fits and chosen.split["micro_batch"] < batch
+    assert chosen.split["micro_batch"] * chosen.split["grad_accum"] == batch
+
+
+def written(job, micro_batch: int):
+    """The job with its micro-batch as written (train.micro_batch: N), judged as it is."""
+    return job.model_copy(update={"train": job.train.model_copy(update={"micro_batch": micro_batch})})
 
 
 def qwen_7b(tmp_path: Path) -> Path:
@@ -185,8 +195,12 @@ def test_a_7b_job_with_qwens_vocabulary_at_4x2048_is_not_admitted_on_an_80_gb_gp
 
     job = bench.bench_job(qwen_7b(tmp_path), "causal", {"rank": 16, "target_modules": "all-linear"}, 4, False)
     job = job.model_copy(update={"data": job.data.model_copy(update={"max_length": 2048})})
-    result = preflight_job(job, 80)
+    result = preflight_job(written(job, 4), 80)
     assert result.fits is False and result.memory["train_gb"] > 80
+    # micro_batch: auto admits it at a micro-batch that fits, the effective batch kept
+    chosen = preflight_job(job, 80)
+    assert chosen.fits and chosen.memory["train_gb"] <= 80
+    assert (chosen.split["micro_batch"], chosen.split["grad_accum"]) in ((2, 2), (1, 4))
 
 
 @pytest.mark.slow

@@ -137,11 +137,13 @@ def test_a_batch_that_does_not_fit_is_refused_with_the_batch_that_does(
     gpu = round(fixed + 4.5 * memory["activations_per_example_gb"], 6)
     folder = configs(tmp_path, repo_root, {"big-batch": {}}, gpu_mem_gb=json.dumps({"default": gpu}))
 
-    assert launch.main(["--all", "--config-dir", str(folder), "--preflight"]) == 2
+    # The batch as written (micro_batch: N): auto would split it to fit (the test after this one).
+    assert launch.main(["--all", "--config-dir", str(folder), *written(8), "--preflight"]) == 2
     err = capsys.readouterr().err
     assert f"over the {gpu:g} GB" in err and "largest batch that fits is train.batch_size: 4" in err
     assert "train.grad_accum: 2 keeps the effective batch 8" in err
-    [result] = preflight_json(["--all", "--config-dir", str(folder), "train.batch_size=4"], capsys)
+    assert "train.micro_batch: auto" in err
+    [result] = preflight_json(["--all", "--config-dir", str(folder), *written(4)], capsys)
     assert result["fits"] is True and result["gpu_mem_gb"] == gpu and result["largest_batch"] == 4
     # The other ways out it names hold too: each, applied with the batch it names, fits.
     suggested = {
@@ -152,12 +154,22 @@ def test_a_batch_that_does_not_fit_is_refused_with_the_batch_that_does(
     }
     for change, found in suggested.items():
         assert found and int(found[1]) >= 1, change
-        argv = ["--all", "--config-dir", str(folder), change, f"train.batch_size={found[1]}"]
+        argv = ["--all", "--config-dir", str(folder), change, *written(int(found[1]))]
         [result] = preflight_json(argv, capsys)
         assert result["fits"] is True, change
-        argv[-1] = f"train.batch_size={int(found[1]) + 1}"  # the largest: one more does not fit
+        argv[-2:] = written(int(found[1]) + 1)  # the largest: one more does not fit
         assert launch.main([*argv, "--preflight"]) == 2, change
         capsys.readouterr()
+    # micro_batch: auto admits the batch of 8 as micro-batches that fit, the effective batch kept
+    [result] = preflight_json(["--all", "--config-dir", str(folder)], capsys)
+    split = result["split"]
+    assert result["fits"] is True and split["how"] == "auto" and split["micro_batch"] < 8
+    assert split["micro_batch"] * split["grad_accum"] == 8
+
+
+def written(batch: int) -> list[str]:
+    """Overrides for a batch as written: micro_batch equal to batch_size, no accumulation."""
+    return [f"train.batch_size={batch}", f"train.micro_batch={batch}"]
 
 
 def test_experiments_sharing_model_and_data_cost_one_preflight(

@@ -197,6 +197,12 @@ def split_memory_gb(free_per_rank: list[float | None]) -> float | None:
     return min(free_per_rank)
 
 
+def fused_loss_possible(placement: Placement, installed: bool) -> bool:
+    """Whether a fused linear cross-entropy may run (train/loss.py): Liger's Triton kernels need a CUDA GPU
+    and the `[gpu]` extra; on a CPU, or without the extra, the plain loss runs, unchanged."""
+    return placement.cuda and installed
+
+
 def ranks(env: Mapping[str, str] = os.environ) -> dict[str, int]:
     """This process's LOCAL_RANK and WORLD_SIZE (set by torchrun and by the DDP job wrapper; else 0 and 1)."""
     return {"local_rank": int(env.get("LOCAL_RANK", 0)), "world_size": int(env.get("WORLD_SIZE", 1))}

@@ -309,7 +309,9 @@ def run_loss(model, inputs: dict, loss: Loss | None) -> torch.Tensor:
     if loss is None:
         return model(**inputs).loss
     labels = inputs.pop("labels")  # as the Trainer does when it has a compute_loss_func
-    return loss(model(**inputs), labels)
+    # A fused loss (train/loss.py) takes the hidden states from the output layer, as the trainer's step does.
+    with getattr(loss, "output_as_hidden", lambda _: nullcontext())(model):
+        return loss(model(**inputs), labels)
 
 
 # ---- depth ---------------------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ from spec.split import MemoryFigures, Split, StepLine, resolve
 from train import data as data_lib
 from train import memory, vl
 from train.hub_cache import first_line
+from train.loss import fusable, liger_installed
 from train.model import add_tokens, load_tokenizer, max_positions, model_class, new_adapter, trainable_report
 
 log = logging.getLogger("train.preflight")
@@ -179,7 +180,7 @@ def judge_memory(result: JobPreflight, job: TrainJob, tokenizer) -> None:
         "grad_accum": split.grad_accum,
         "gradient_checkpointing": split.gradient_checkpointing,
     }
-    estimate = estimate_for(job, shape, tokenizer)
+    estimate = estimate_for(job, shape, tokenizer, split.fused_loss)
     result.memory, result.memory_gb = estimate.as_dict(), round(estimate.total_gb, 3)
     if result.gpu_mem_gb is None:
         return
@@ -190,18 +191,38 @@ def judge_memory(result: JobPreflight, job: TrainJob, tokenizer) -> None:
 
 
 def split_on(job: TrainJob, shape: dict, tokenizer, gpu_mem_gb: float | None) -> Split:
-    """The split the job will choose at its start on a GPU of `gpu_mem_gb` (None: unknown)."""
+    """The split the job will choose at its start on a GPU of `gpu_mem_gb` (None: unknown), with the fused
+    loss among its choices where the job's environment has it (the same environment as this one)."""
     if job.train.micro_batch != "auto" or gpu_mem_gb is None:
         return resolve(job.train, None, None, "no gpu_mem_gb for this partition in cluster.yaml")
-    figures = split_figures(job, shape["max_length"], shape["max_target_length"], tokenizer)
-    return resolve(job.train, figures, gpu_mem_gb)
+    lengths = (shape["max_length"], shape["max_target_length"])
+    figures = split_figures(job, *lengths, tokenizer)
+    fused = (
+        split_figures(job, *lengths, tokenizer, fused=True)
+        if fused_possible(job, tokenizer, liger_installed())
+        else None
+    )
+    return resolve(job.train, figures, gpu_mem_gb, fused=fused)
 
 
-def split_figures(job: TrainJob, max_length: int, max_target_length: int | None, tokenizer) -> MemoryFigures:
+def fused_possible(job: TrainJob, tokenizer, installed: bool) -> bool:
+    """A fused loss can run for this job: the extra is `installed` and the model's output layer is plain."""
+    if not installed:
+        return False
+    reason = fusable(meta_model(job, tokenizer=tokenizer, layers=1)[0])
+    if reason:
+        log.info("%s/%s: no fused loss: %s", job.experiment, job.stage, reason)
+    return reason is None
+
+
+def split_figures(
+    job: TrainJob, max_length: int, max_target_length: int | None, tokenizer, fused: bool = False
+) -> MemoryFigures:
     """The memory model's lines for any micro-batch up to the effective batch (measured out to it: a line
-    is exact at its two ends and above the step between them), without and with checkpointing. Judged as
-    accumulating, every gradient held through the step: for a micro-batch of the whole effective batch
-    that overstates the peak by at most the trainable weights' gradients."""
+    is exact at its two ends and above the step between them), without and with checkpointing, with the
+    plain or the `fused` loss. Judged as accumulating, every gradient held through the step: for a
+    micro-batch of the whole effective batch that overstates the peak by at most the trainable weights'
+    gradients."""
     shape = {
         "batch_size": job.train.batch_size * job.train.grad_accum,
         "max_length": max_length,
@@ -211,12 +232,13 @@ def split_figures(job: TrainJob, max_length: int, max_target_length: int | None,
     }
     lines = {}
     for checkpointing in (False, True):
-        found = estimate_for(job, shape | {"gradient_checkpointing": checkpointing}, tokenizer).lines()
+        step = shape | {"gradient_checkpointing": checkpointing}
+        found = estimate_for(job, step, tokenizer, fused).lines()
         lines[checkpointing] = tuple(StepLine(fixed, per_example) for fixed, per_example in found)
     return MemoryFigures(plain=lines[False], checkpointed=lines[True])
 
 
-def estimate_for(job: TrainJob, shape: dict, tokenizer) -> memory.MemoryEstimate:
+def estimate_for(job: TrainJob, shape: dict, tokenizer, fused: bool = False) -> memory.MemoryEstimate:
     """Once per model, adapter, precision and shape in a process: the stages of a curriculum, and
     experiments that differ in data only, share it."""
     key = json.dumps(
@@ -227,11 +249,12 @@ def estimate_for(job: TrainJob, shape: dict, tokenizer) -> memory.MemoryEstimate
             shape,
             evaluates(job),
             tokenizer_size(tokenizer),
+            fused,
         ],
         sort_keys=True,
     )
     if key not in ESTIMATES:
-        ESTIMATES[key] = measure_memory(job, shape, tokenizer)
+        ESTIMATES[key] = measure_memory(job, shape, tokenizer, fused)
     return ESTIMATES[key]
 
 
@@ -242,7 +265,7 @@ def tokenizer_size(tokenizer) -> int | None:
     return len(vl.text_tokenizer(tokenizer)) if tokenizer is not None else None
 
 
-def measure_memory(job: TrainJob, shape: dict, tokenizer) -> memory.MemoryEstimate:
+def measure_memory(job: TrainJob, shape: dict, tokenizer, fused: bool = False) -> memory.MemoryEstimate:
     """QLoRA is built as LoRA over an unquantized base (meta tensors cannot be 4-bit); train/memory.py gives
     it QLoRA's dtypes and counts its 4-bit weights."""
     as_lora = job.model_copy(update={"adapter": job.adapter.model_copy(update={"method": "lora"})})
@@ -253,7 +276,7 @@ def measure_memory(job: TrainJob, shape: dict, tokenizer) -> memory.MemoryEstima
 
     kind = job.model.kind
     return memory.estimate(
-        build, kind, job.adapter, job.train.precision, shape, evaluates(job), trainer_loss(kind)
+        build, kind, job.adapter, job.train.precision, shape, evaluates(job), trainer_loss(kind, fused)
     )
 
 
@@ -262,11 +285,12 @@ def evaluates(job: TrainJob) -> bool:
     return job.data.eval is not None and job.train.eval_every_epochs is not None
 
 
-def trainer_loss(kind: str):
-    """The trainer's own loss (its compute_loss_func), so the estimate computes the loss as the job does."""
-    from train.loss import TargetTokenLoss
+def trainer_loss(kind: str, fused: bool = False):
+    """The trainer's own loss (its compute_loss_func), so the estimate computes the loss as the job does;
+    `fused`: with the output layer fused in, as torch's chunked equivalent of Liger's kernel."""
+    from train.loss import TargetTokenLoss, chunked_linear_cross_entropy
 
-    return TargetTokenLoss(shifted=kind != "seq2seq")
+    return TargetTokenLoss(shifted=kind != "seq2seq", fused=chunked_linear_cross_entropy if fused else None)
 
 
 def alternatives(job: TrainJob, shape: dict, tokenizer, gpu_mem_gb: float) -> list[str]:

@@ -48,6 +48,9 @@ Feature → config key:
   fits without checkpointing, checkpointing only when not even 1
   fits, chosen from the memory model and the GPU's free memory
   (the smallest of all ranks); a resumed run keeps its split      → train.micro_batch: auto | N
+- the output layer fused into the loss (Liger Kernel, CUDA, the
+  [gpu] extra) only where that lets a larger micro-batch fit, or
+  fit at all; the same loss and gradients                         → (automatic, with micro_batch: auto)
 - activation (gradient) checkpointing: when asked, or when
   micro_batch: auto finds nothing fits without it                 → train.gradient_checkpointing
 - loss-only eval every N epochs, no generation, on the Trainer's
@@ -110,9 +113,9 @@ from train.checkpoints import (
     step_of,
 )
 from train.device import current as current_placement
-from train.device import free_gpu_gb, gpu_uuid, split_memory_gb
+from train.device import free_gpu_gb, fused_loss_possible, gpu_uuid, split_memory_gb
 from train.gpu_use import GpuSampler
-from train.loss import TargetTokenLoss
+from train.loss import TargetTokenLoss, liger_installed, liger_linear_cross_entropy
 from train.memory import EVAL_BATCH_FACTOR
 from train.model import (
     adapter_differences,
@@ -232,11 +235,20 @@ class TokenMeanEval:
         return result
 
 
-class CausalTrainer(TokenMeanEval, ReproducibleSampling, Trainer):
+class FusedOutputStep:
+    """Trainer mixin: with a fused loss, every step's forward hands the loss the last hidden states
+    (TargetTokenLoss.output_as_hidden); without one, nothing changes."""
+
+    def compute_loss(self, model, inputs, *args, **kwargs):
+        with self.compute_loss_func.output_as_hidden(model):
+            return super().compute_loss(model, inputs, *args, **kwargs)
+
+
+class CausalTrainer(FusedOutputStep, TokenMeanEval, ReproducibleSampling, Trainer):
     pass
 
 
-class Seq2SeqStageTrainer(TokenMeanEval, ReproducibleSampling, Seq2SeqTrainer):
+class Seq2SeqStageTrainer(FusedOutputStep, TokenMeanEval, ReproducibleSampling, Seq2SeqTrainer):
     pass
 
 
@@ -325,16 +337,19 @@ class StageRecipe:
         if train.micro_batch != "auto":
             return resolve(train, None, None)
         try:
-            from train.preflight import split_figures, tokenizer_or_reason
+            from train.preflight import fused_possible, split_figures, tokenizer_or_reason
 
             tokenizer = tokenizer_or_reason(self.job)[0]
-            figures = split_figures(
-                self.job, self.lengths.max_length, self.lengths.max_target_length, tokenizer
-            )
+            lengths = (self.lengths.max_length, self.lengths.max_target_length)
+            figures = split_figures(self.job, *lengths, tokenizer)
+            installed = fused_loss_possible(self.placement, liger_installed())
+            fused = None
+            if fused_possible(self.job, tokenizer, installed):
+                fused = split_figures(self.job, *lengths, tokenizer, fused=True)
         except Exception as exc:  # the memory model fails on an unusual model: the written split still runs
             log.warning("memory model failed (%s: %s); keeping the written split", type(exc).__name__, exc)
             return resolve(train, None, None, "the memory model failed on this model")
-        return resolve(train, figures, memory_gb)
+        return resolve(train, figures, memory_gb, fused=fused)
 
     def load_model(self):
         job, placement = self.job, self.placement
@@ -472,7 +487,10 @@ class StageRecipe:
             data_collator=collator,
             processing_class=self.tokenizer,
             callbacks=callbacks,
-            compute_loss_func=TargetTokenLoss(shifted=self.job.model.kind != "seq2seq"),
+            compute_loss_func=TargetTokenLoss(
+                shifted=self.job.model.kind != "seq2seq",
+                fused=liger_linear_cross_entropy if self.split.fused_loss else None,
+            ),
         )
 
     # ---- train ----------------------------------------------------------------------------------
