@@ -1,4 +1,5 @@
-"""The GPU acceptance check: what CPU tests cannot show, in one command on a CUDA machine (a few minutes).
+"""The GPU acceptance check: what CPU tests cannot show, in one command on a CUDA machine (about three minutes
+on one H100; on a CPU, the throughput part's rows on a tiny model, the rest skipped with the reason).
 
     python -m bench.gpu_check [--skip-demo] [--skip-throughput]
 
@@ -6,36 +7,42 @@ Prints one JSON object. Each part either reports its figures or says, under "ski
 (no CUDA GPU, a missing package, one GPU only):
 
 - "demo": the demo's LoRA (sql-t5-lora) and QLoRA (sql-llama-qlora-curriculum) experiments through
-  `launch.py --backend local --wait`, runs and logs in a temporary folder: each stage's device and
-  precision from summary.json, whether its loss fell, and whether metrics.jsonl carries NVML readings.
+  `launch.py --backend local --wait`, three tiny jobs at a time sharing the GPU, runs and logs in a
+  temporary folder: each stage's device and precision from summary.json, whether its loss fell, and
+  whether metrics.jsonl carries NVML readings.
 - "memory": preflight's estimate (train/memory.py, on the meta device) against the whole step's
   `torch.cuda.max_memory_allocated` (forward, loss, backward, AdamW step) of a Qwen2.5-0.5B-shaped model
-  built from its config with random weights, LoRA r16 on every linear layer, at two shapes.
+  built from its config with random weights, LoRA r16 on every linear layer, at two shapes with the plain
+  loss and one with the fused loss (where liger-kernel is installed).
+- "fused_loss": Liger's fused linear cross-entropy against the plain loss on that model: the loss and the
+  LoRA gradients (relative difference, cosine).
 - "throughput": bench/gpu_throughput.py's JSON: the Qwen2.5-0.5B shape at ~240-token prompts, our trainer
-  (micro_batch auto and as written) against tuned HF (and HF + Liger where installed), tokens/s, wall, peak
-  GB, MFU, the split auto chose, and its checks (two splits' adapters agree; the estimate against the peak).
-
-The demo part runs beside the memory part (both are checks, not timings), the throughput part alone after
-them: the whole command answers in about three minutes on one H100.
+  (micro_batch auto, and 8x1) against tuned HF at the same splits and tuned HF + Liger at 32x1: tokens/s,
+  wall, peak GB, MFU, the split auto chose, and its checks (two splits' adapters agree; the estimate
+  against the measured peak).
 - "ddp": with 2 GPUs or more, sql-t5-lora on 2 ranks (nccl) against 1 rank at the same global batch:
   the final train losses and each run's wall time.
+
+The demo runs beside the memory and fused-loss parts (checks, not timings); the throughput part alone after
+them.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 LORA_DEMO, QLORA_DEMO = "sql-t5-lora", "sql-llama-qlora-curriculum"
-MEMORY_SHAPES = [(2, 512), (4, 1024)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,21 +54,29 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     import torch
 
+    from train.loss import liger_installed
+
     report: dict = {"skipped": {}}
-    if not torch.cuda.is_available():
-        report["skipped"]["everything"] = "no CUDA GPU here (torch.cuda.is_available() is False)"
-        print(json.dumps(report))
-        return 0
-    gpus = torch.cuda.device_count()
-    report["gpu"] = {"name": torch.cuda.get_device_name(), "count": gpus, "torch": torch.__version__}
-    demo = None if args.skip_demo else Background(demo_runs)
-    parts = {
-        "memory": memory_rows,
+    cuda = torch.cuda.is_available()
+    gpus = torch.cuda.device_count() if cuda else 0
+    if cuda:
+        report["gpu"] = {"name": torch.cuda.get_device_name(), "count": gpus, "torch": torch.__version__}
+    no_gpu = "no CUDA GPU here (torch.cuda.is_available() is False)"
+    demo = None if args.skip_demo or not cuda else Background(demo_runs)
+    parts = {  # a CPU runs the throughput part only, on a tiny model: the same rows, figures that run here
+        "memory": memory_rows if cuda else None,
+        "fused_loss": fused_against_plain if cuda and liger_installed() else None,
         "demo": demo.result if demo else None,
         "throughput": None if args.skip_throughput else throughput,
         "ddp": ddp_against_one_rank if gpus >= 2 else None,
     }
-    reasons = {"demo": "--skip-demo", "throughput": "--skip-throughput", "ddp": f"{gpus} GPU: needs 2"}
+    reasons = {
+        "memory": no_gpu,
+        "fused_loss": "liger-kernel is not installed (pip install -e '.[gpu]')" if cuda else no_gpu,
+        "demo": "--skip-demo" if cuda else no_gpu,
+        "throughput": "--skip-throughput",
+        "ddp": f"{gpus} GPU: needs 2",
+    }
     for name, part in parts.items():
         if part is None:
             report["skipped"][name] = reasons[name]
@@ -99,7 +114,7 @@ class Background:
         return self.value
 
 
-def demo_folder(tmp: Path, extra_cluster: str = "") -> Path:
+def demo_folder(tmp: Path, extra_cluster: str = "", parallel: int = 1) -> Path:
     """configs/demo and base.yaml under tmp, with a cluster.yaml that keeps runs and logs there too."""
     configs = tmp / "configs"
     shutil.copytree(ROOT / "configs" / "demo", configs / "demo")
@@ -107,25 +122,32 @@ def demo_folder(tmp: Path, extra_cluster: str = "") -> Path:
         if (ROOT / "configs" / name).exists():
             shutil.copy(ROOT / "configs" / name, configs / name)
     (configs / "cluster.yaml").write_text(
-        f"run_dir: {tmp / 'runs'}\nlog_dir: {tmp / 'logs'}\nlocal_parallel_jobs: 1\n{extra_cluster}"
+        f"run_dir: {tmp / 'runs'}\nlog_dir: {tmp / 'logs'}\nlocal_parallel_jobs: {parallel}\n{extra_cluster}"
     )
     return configs / "demo"
 
 
-def launch_local(folder: Path, experiments: list[str], *overrides: str) -> float:
+def launch_local(folder: Path, experiments: list[str], *overrides: str, env: dict | None = None) -> float:
     """Run experiments to the end on this machine; the wall time in seconds."""
     started = time.monotonic()
     command = [sys.executable, "launch.py", "--exp", *experiments, "--config-dir", str(folder)]
     command += ["--backend", "local", "--wait", "--no-preflight", *overrides]
-    subprocess.run(command, cwd=ROOT, check=True, capture_output=True, text=True)
+    subprocess.run(command, cwd=ROOT, check=True, capture_output=True, text=True, env=env)
     return time.monotonic() - started
+
+
+SHARED_JOBS = 3
 
 
 def demo_runs() -> dict:
     subprocess.run([sys.executable, "-m", "demo.tiny", "models"], cwd=ROOT, check=True, capture_output=True)
     with tempfile.TemporaryDirectory() as tmp:
         # The base-model rows are left out: the check is that each kind trains and evaluates on the GPU.
-        wall = launch_local(demo_folder(Path(tmp)), [LORA_DEMO, QLORA_DEMO], "eval.baseline=false")
+        # The tiny jobs share GPU 0, SHARED_JOBS at a time: the launcher is shown it that many times over
+        # (slurm/local_gpus.py gives each job one entry), so a job's start-up overlaps another's work.
+        env = os.environ | {"CUDA_VISIBLE_DEVICES": ",".join(["0"] * SHARED_JOBS)}
+        folder = demo_folder(Path(tmp), parallel=SHARED_JOBS)
+        wall = launch_local(folder, [LORA_DEMO, QLORA_DEMO], "eval.baseline=false", env=env)
         stages = {}
         for summary in sorted((Path(tmp) / "runs").glob("*/*/summary.json")):
             stage = summary.parent
@@ -145,42 +167,20 @@ def demo_runs() -> dict:
 
 def memory_rows() -> list[dict]:
     """Preflight's estimate of the training step (train/preflight.py's own call) against the step's measured
-    peak, per shape. Both in GB (10**9 bytes); the estimate's CUDA reserve is left out (it is not allocated)."""
+    peak, per shape, with the plain loss and, where Liger is installed, the fused one. Both in GB (10**9
+    bytes); the estimate's CUDA reserve is left out (it is not allocated)."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
 
-    from bench.gpu_throughput import QWEN_05B
-    from spec.config import AdapterSpec, TrainJob
-    from train.loss import TargetTokenLoss
+    from train.loss import liger_installed
     from train.memory import CUDA_RESERVE_GB, GB
-    from train.model import new_adapter
     from train.preflight import measure_memory
 
-    adapter = {
-        "rank": 16,
-        "alpha": 32,
-        "dropout": 0.0,
-        "target_modules": "all-linear",
-        "max_trainable_percent": 100,
-    }
-    config = AutoConfig.for_model("qwen2", **QWEN_05B)
+    shapes = [(b, n, False) for b, n in MEMORY_SHAPES]
+    shapes += [(b, n, True) for b, n in FUSED_SHAPES] if liger_installed() else []
     rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        config.save_pretrained(tmp)
-        for batch, length in MEMORY_SHAPES:
-            job = TrainJob(
-                experiment="gpu-check",
-                stage="memory",
-                model={"name_or_path": tmp, "kind": "causal"},
-                adapter=adapter,
-                data={
-                    "train": str(ROOT / "data/demo/sql/train.jsonl"),
-                    "input_field": "question",
-                    "target_field": "sql",
-                },
-                train={"batch_size": batch, "precision": "bf16", "eval_every_epochs": None},
-                run_dir=str(Path(tmp) / "run"),
-            )
+    with qwen_shaped() as (folder, config):
+        for batch, length, fused in shapes:
+            job = memory_job(folder, batch)
             shape = {
                 "batch_size": batch,
                 "max_length": length,
@@ -188,18 +188,14 @@ def memory_rows() -> list[dict]:
                 "gradient_checkpointing": False,
                 "grad_accum": 1,
             }
-            predicted = measure_memory(job, shape, None).train_gb - CUDA_RESERVE_GB
+            predicted = measure_memory(job, shape, None, fused).train_gb - CUDA_RESERVE_GB
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
-            with torch.device("cuda"):
-                base = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-            model = new_adapter(base, AdapterSpec(**adapter), "causal")
+            model, loss_of = adapted_on_gpu(config, fused)
             optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], fused=True)
-            loss_of = TargetTokenLoss(shifted=True)
-            ids = torch.randint(0, QWEN_05B["vocab_size"], (batch, length), device="cuda")
+            ids = torch.randint(0, config.vocab_size, (batch, length), device="cuda")
             for _ in range(2):  # the second step holds AdamW's moments, as every later step does
-                with torch.autocast("cuda", dtype=torch.bfloat16):
-                    loss = loss_of(model(input_ids=ids), ids)
+                loss = loss_step(model, loss_of, ids)
                 loss.backward()
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
@@ -207,13 +203,109 @@ def memory_rows() -> list[dict]:
             rows.append(
                 {
                     "shape": f"{batch}x{length}",
+                    "loss": "fused (Liger)" if fused else "plain",
                     "estimate_gb": round(predicted, 3),
                     "measured_gb": round(measured, 3),
                     "error_percent": round(100 * (predicted / measured - 1), 1),
                 }
             )
-            del base, model, optimizer, loss
+            del model, optimizer, loss
     return rows
+
+
+MEMORY_SHAPES = [(2, 512), (4, 1024)]
+FUSED_SHAPES = [(16, 512)]
+
+
+@contextmanager
+def qwen_shaped():
+    """(folder, config): the Qwen2.5-0.5B shape's config.json in a temporary folder."""
+    from transformers import AutoConfig
+
+    from bench.gpu_throughput import QWEN_05B
+
+    config = AutoConfig.for_model("qwen2", **QWEN_05B)
+    with tempfile.TemporaryDirectory() as tmp:
+        config.save_pretrained(tmp)
+        yield tmp, config
+
+
+def memory_job(folder: str, batch: int):
+    from spec.config import TrainJob
+
+    return TrainJob(
+        experiment="gpu-check",
+        stage="memory",
+        model={"name_or_path": folder, "kind": "causal"},
+        adapter=ADAPTER,
+        data={
+            "train": str(ROOT / "data/demo/sql/train.jsonl"),
+            "input_field": "question",
+            "target_field": "sql",
+        },
+        train={"batch_size": batch, "precision": "bf16", "eval_every_epochs": None},
+        run_dir=str(Path(folder) / "run"),
+    )
+
+
+ADAPTER = {
+    "rank": 16,
+    "alpha": 32,
+    "dropout": 0.0,
+    "target_modules": "all-linear",
+    "max_trainable_percent": 100,
+}
+
+
+def adapted_on_gpu(config, fused: bool, seed: int = 0):
+    """(the model with LoRA r16 on every linear layer, bf16 on cuda, random weights; the trainer's loss)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from spec.config import AdapterSpec
+    from train.loss import TargetTokenLoss, liger_linear_cross_entropy
+    from train.model import new_adapter
+
+    torch.manual_seed(seed)
+    with torch.device("cuda"):
+        base = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model = new_adapter(base, AdapterSpec(**ADAPTER), "causal")
+    return model, TargetTokenLoss(shifted=True, fused=liger_linear_cross_entropy if fused else None)
+
+
+def loss_step(model, loss_of, ids):
+    import torch
+
+    with torch.autocast("cuda", dtype=torch.bfloat16), loss_of.output_as_hidden(model):
+        return loss_of(model(input_ids=ids), ids)
+
+
+def fused_against_plain() -> dict:
+    """Liger's fused loss against the plain one on the same model and batch (8 x 256, the 0.5B shape with
+    its 152k vocabulary): the loss, and the LoRA gradients as one vector (relative difference, cosine)."""
+    import torch
+
+    from train.loss import TargetTokenLoss, liger_linear_cross_entropy
+
+    with qwen_shaped() as (_, config):
+        model, plain = adapted_on_gpu(config, fused=False)
+        fused = TargetTokenLoss(shifted=True, fused=liger_linear_cross_entropy)  # one model, two losses
+        ids = torch.randint(0, config.vocab_size, (8, 256), device="cuda")
+        figures = {}
+        for name, loss_of in (("plain", plain), ("fused", fused)):
+            model.zero_grad(set_to_none=True)
+            loss = loss_step(model, loss_of, ids)
+            loss.backward()
+            grads = torch.cat([p.grad.float().flatten() for p in model.parameters() if p.requires_grad])
+            figures[name] = (loss.item(), grads)
+    (plain_loss, a), (fused_loss, b) = figures["plain"], figures["fused"]
+    return {
+        "loss_plain": round(plain_loss, 5),
+        "loss_fused": round(fused_loss, 5),
+        "loss_relative_difference": abs(fused_loss - plain_loss) / abs(plain_loss),
+        "grad_relative_difference": float((a - b).norm() / a.norm()),
+        "grad_cosine": float(torch.nn.functional.cosine_similarity(a, b, dim=0)),
+    }
 
 
 def throughput() -> dict:

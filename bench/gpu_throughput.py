@@ -12,7 +12,6 @@ the GPU's). Rows, all on the same tokenized data:
 - tuned HF + Liger 32x1: the best a user reaches by hand (Liger's kernels, the whole effective batch at once;
   only where liger-kernel is installed);
 - ours 4x8 auto: the same config through train.recipe with `micro_batch: auto` (what a job runs);
-- ours 4x8 as written: `micro_batch: 4` (the split the user wrote; also the adapter check's other side);
 - ours 8x1 and tuned HF 8x1: no accumulation to trade, our own overhead alone.
 
 Tokens are counted from the dataset (every example's non-pad tokens, once per epoch), not in a collator: the
@@ -52,7 +51,7 @@ from bench.train_throughput import PEAK_BF16_FLOPS, StepTimer  # noqa: E402
 from demo.tiny import build_tiny_models  # noqa: E402
 from spec.config import DataSpec, ModelSpec, TrainJob  # noqa: E402
 from train import data as data_lib  # noqa: E402
-from train.device import Placement, current  # noqa: E402
+from train.device import FAKE_FREE_GPU_GB, Placement, current  # noqa: E402
 from train.memory import CUDA_RESERVE_GB  # noqa: E402
 from train.model import load_tokenizer  # noqa: E402
 from train.recipe import StageRecipe  # noqa: E402
@@ -98,7 +97,8 @@ def build_model(folder: Path, placement: Placement) -> Path:
     config = AutoConfig.for_model("qwen2", **shape)
     config.pad_token_id = tokenizer.pad_token_id
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=placement.load_dtype)
+    with torch.device(placement.device):  # random weights drawn on the GPU: seconds, not a minute
+        model = AutoModelForCausalLM.from_config(config, dtype=placement.load_dtype)
     out = folder / "qwen-shaped"
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
@@ -149,7 +149,15 @@ def measured(run, tokens: int, placement: Placement, params: int) -> dict:
     return row
 
 
-def hf_row(model_dir: Path, dataset, placement: Placement, micro: int, accum: int, liger: bool = False):
+def hf_row(
+    model_dir: Path,
+    dataset,
+    placement: Placement,
+    micro: int,
+    accum: int,
+    liger: bool = False,
+    compile_: bool = False,
+):
     """A tuned HF Trainer run of one epoch; returns (step seconds, figures)."""
     tokenizer = load_tokenizer(str(model_dir), ModelSpec(name_or_path=str(model_dir), kind="causal"))
     tokenizer.padding_side = "right"
@@ -179,6 +187,7 @@ def hf_row(model_dir: Path, dataset, placement: Placement, micro: int, accum: in
         dataloader_num_workers=placement.workers,
         dataloader_pin_memory=placement.pin_memory,
         use_liger_kernel=liger,
+        torch_compile=compile_,
     )
     inner = DataCollatorForSeq2Seq(
         tokenizer, label_pad_token_id=-100, pad_to_multiple_of=placement.pad_to_multiple_of
@@ -247,6 +256,40 @@ def ours_row(model_dir: Path, data: Path, run_dir: Path, batch: int, accum: int,
     return run
 
 
+def same_adapter_check(model_dir: Path, data: Path, tmp: Path, placement: Placement, liger: bool) -> dict:
+    """The user's 4x8 as written (micro_batch: 4), as auto splits it, and (with Liger on a GPU) as auto
+    splits it on a 12 GB GPU, where the fused loss buys a larger micro-batch (the free memory given through
+    the seam train/device.py FAKE_FREE_GPU_GB), on the first CHECK_EXAMPLES examples: each adapter's
+    relative difference from the auto one."""
+    subset = tmp / "check.jsonl"
+    subset.write_text("".join(data.read_text().splitlines(keepends=True)[:CHECK_EXAMPLES]))
+    runs = {"auto": ("auto", None), "written": (4, None)}
+    if liger and placement.cuda:
+        runs["auto_on_12gb"] = ("auto", "12")
+    splits = {}
+    for name, (micro, free_gb) in runs.items():
+        gc.collect()
+        if free_gb:
+            os.environ[FAKE_FREE_GPU_GB] = free_gb
+        try:
+            splits[name] = ours_row(model_dir, subset, tmp / f"check-{name}", 4, 8, micro=micro)()[1]["split"]
+        finally:
+            os.environ.pop(FAKE_FREE_GPU_GB, None)
+    reference = tmp / "check-auto" / "adapter"
+    return {
+        "examples": CHECK_EXAMPLES,
+        "splits": splits,
+        "relative_difference": {
+            name: adapter_difference(tmp / f"check-{name}" / "adapter", reference)
+            for name in runs
+            if name != "auto"
+        },
+    }
+
+
+CHECK_EXAMPLES = 160
+
+
 def adapter_difference(a: Path, b: Path) -> float:
     """||A - B|| / ||B|| over every adapter tensor: two splits of one effective batch train the same adapter
     up to the rounding of their sums (bf16 on a GPU)."""
@@ -262,6 +305,11 @@ def main(argv: list[str] | None = None) -> dict:
     )
     parser.add_argument("--examples", type=int, default=None, help="default: 800 on a GPU, 96 on a CPU")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="instead: tuned HF at 32x1 with and without torch.compile (is train.compile worth adding?)",
+    )
     args = parser.parse_args(argv)
     placement = current("auto")
     examples = args.examples or (800 if placement.cuda else 96)
@@ -280,10 +328,11 @@ def main(argv: list[str] | None = None) -> dict:
         dataset = data_lib.tokenized(str(data), data_spec(data), tokenizer, "causal")
         tokens = sum(data_lib.trained_tokens(dataset, "causal"))
         params = AutoModelForCausalLM.from_pretrained(model_dir).num_parameters()
+        if args.compile:
+            return compile_rows(model_dir, dataset, placement, tokens, params)
         plan = {
             "tuned_hf_4x8": lambda: hf_row(model_dir, dataset, placement, 4, 8),
             "ours_4x8_auto": lambda: ours_row(model_dir, data, tmp / "auto", 4, 8),
-            "ours_4x8_as_written": lambda: ours_row(model_dir, data, tmp / "written", 4, 8, micro=4),
             "tuned_hf_8x1": lambda: hf_row(model_dir, dataset, placement, 8, 1),
             "ours_8x1": lambda: ours_row(model_dir, data, tmp / "8x1", 8, 1),
         }
@@ -296,9 +345,7 @@ def main(argv: list[str] | None = None) -> dict:
             rows[name] = measured(make(), tokens, placement, params)
             print(f"{name:22s} {json.dumps(rows[name])}", file=sys.stderr, flush=True)
         checks = {
-            "adapter_4x8_auto_vs_as_written": adapter_difference(
-                tmp / "auto" / "adapter", tmp / "written" / "adapter"
-            ),
+            "adapter_4x8_auto_vs_as_written": same_adapter_check(model_dir, data, tmp, placement, liger)
         }
     auto = rows["ours_4x8_auto"]
     if auto.get("peak_gb") and auto.get("split_estimate_gb"):
@@ -309,9 +356,6 @@ def main(argv: list[str] | None = None) -> dict:
         "ours_auto_vs_tuned_hf_4x8": round(auto["tokens_per_s"] / rows["tuned_hf_4x8"]["tokens_per_s"], 2),
         "ours_8x1_vs_tuned_hf_8x1": round(
             rows["ours_8x1"]["tokens_per_s"] / rows["tuned_hf_8x1"]["tokens_per_s"], 2
-        ),
-        "ours_auto_vs_as_written": round(
-            auto["tokens_per_s"] / rows["ours_4x8_as_written"]["tokens_per_s"], 2
         ),
     }
     if liger:
@@ -342,6 +386,22 @@ def main(argv: list[str] | None = None) -> dict:
     print("ratios:", json.dumps(ratios), " checks:", json.dumps(checks))
     if args.json:
         print(json.dumps(result))
+    return result
+
+
+def compile_rows(model_dir: Path, dataset, placement: Placement, tokens: int, params: int) -> dict:
+    """torch.compile of the adapted model (through the Trainer's torch_compile) at the split auto chooses
+    on an H100 (32 x 1), against the same run uncompiled: the ratio, and the losses (they must agree)."""
+    rows = {}
+    for name, compiled in (("tuned_hf_32x1", False), ("tuned_hf_32x1_compile", True)):
+        gc.collect()
+        rows[name] = measured(
+            hf_row(model_dir, dataset, placement, 32, 1, compile_=compiled), tokens, placement, params
+        )
+        print(f"{name:22s} {json.dumps(rows[name])}", flush=True)
+    ratio = round(rows["tuned_hf_32x1_compile"]["tokens_per_s"] / rows["tuned_hf_32x1"]["tokens_per_s"], 2)
+    result = {"rows": rows, "compile_ratio": ratio}
+    print(json.dumps(result))
     return result
 
 
