@@ -85,6 +85,13 @@ def main(argv: list[str] | None = None) -> int:
             report[name] = part()
         except Exception as exc:  # one failing part must not hide the others' figures
             report["skipped"][name] = f"failed: {type(exc).__name__}: {exc}"
+        # Each part's figures as soon as they are there, with the time so far: a run stopped by a time
+        # limit (a lent GPU's, a job's) keeps what it measured.
+        elapsed = round(time.monotonic() - STARTED, 1)
+        print(
+            json.dumps({"part": name, "at_s": elapsed, name: report.get(name, report["skipped"].get(name))})
+        )
+        sys.stdout.flush()
     report["wall_s"] = round(time.monotonic() - STARTED, 1)
     print(json.dumps(report, indent=1))
     return 0
@@ -309,11 +316,12 @@ def fused_against_plain() -> dict:
 
 
 def throughput() -> dict:
+    """bench/gpu_throughput.py's JSON; its rows go to stderr as each ends (a stopped run keeps them)."""
     done = subprocess.run(
         [sys.executable, "-m", "bench.gpu_throughput", "--json"],
         cwd=ROOT,
         check=True,
-        capture_output=True,
+        stdout=subprocess.PIPE,
         text=True,
     )
     return json.loads(done.stdout.strip().splitlines()[-1])
