@@ -60,6 +60,7 @@ SUMMARY_FIELDS = {  # the report, the eval (precision), the next stage (steps), 
     "world_size": int,
     "step_offset": int,
     "global_step": int,
+    "split": dict,
 }
 RESULTS_FIELDS = {"split": str, "adapter_changes_output": bool, **dict.fromkeys(REPORT_COLUMNS, float)}
 METRICS_FIELDS = {"step": int, "loss": float, "eval_loss": float, "gpu_util_percent": float}

@@ -202,6 +202,17 @@ def test_mean_gpu_utilisation_and_non_pad_tokens_per_second_per_experiment(tmp_p
             write_stage(runs / name / stage, [2.0] * len(utils), 1800, 1.5)
             summary_path = runs / name / stage / "summary.json"
             summary = json.loads(summary_path.read_text()) | {"num_input_tokens_seen": tokens}
+            if (name, stage) == (
+                "gpu",
+                "one",
+            ):  # the split auto chose (spec/split.py), as the trainer records it
+                summary["split"] = {
+                    "micro_batch": 32,
+                    "grad_accum": 1,
+                    "gradient_checkpointing": False,
+                    "how": "auto",
+                    "reason": "the whole effective batch fits",
+                }
             summary_path.write_text(json.dumps(summary))
             if name == "gpu":
                 rows = [
@@ -220,9 +231,9 @@ def test_mean_gpu_utilisation_and_non_pad_tokens_per_second_per_experiment(tmp_p
     # no scheduler states given: a stage with its summary.json finished).
     report = (runs / "report.md").read_text()
     clock = "Trainer clock (no scheduler record)"
-    assert f"| gpu/one | COMPLETED | 1 | – | – | 30 | 0.5 | {clock} | 85 | 20 |" in report
-    assert f"| gpu/two | COMPLETED | 1 | – | – | 30 | 0.5 | {clock} | 70 | 30 |" in report
-    assert f"| cpu/two | COMPLETED | 1 | – | – | 30 | 0.5 | {clock} | – | 30 |" in report
+    assert f"| gpu/one | COMPLETED | 1 | – | – | 30 | 0.5 | {clock} | 85 | 20 | 32x1 (auto) |" in report
+    assert f"| gpu/two | COMPLETED | 1 | – | – | 30 | 0.5 | {clock} | 70 | 30 | – |" in report
+    assert f"| cpu/two | COMPLETED | 1 | – | – | 30 | 0.5 | {clock} | – | 30 | – |" in report
 
 
 def submitted(run_dir: Path, *job_ids: str, backend: str = "slurm", pack: bool = False) -> None:

@@ -10,12 +10,15 @@ that much free memory would, and still trains on the CPU.
 from __future__ import annotations
 
 import json
+import shutil
 import threading
 from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
 
+import launch
+from tests.conftest import write_cluster_yaml
 from tests.train_helpers import StopAfter, make_job, sql_data
 from train.device import FAKE_FREE_GPU_GB
 from train.recipe import StageRecipe, run_stage
@@ -110,3 +113,42 @@ def test_a_requeued_run_keeps_the_split_it_started_with(tiny, tmp_path, monkeypa
     args = recipe.trainer.args
     assert (args.per_device_train_batch_size, args.gradient_accumulation_steps) == (8, 1)
     assert not args.activation_checkpointing
+
+
+def plan_json(argv: list[str], capsys) -> dict:
+    assert launch.main([*argv, "--dry-run", "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_the_dry_run_shows_the_split_preflight_chose_and_estimates_at_it(
+    repo_root, tiny, tmp_path, monkeypatch, capsys
+):
+    """Before a preflight the dry run (torch-free) says `micro auto`; preflight chooses on cluster.yaml's
+    gpu_mem_gb and records it; the next dry run shows that split and estimates the job's speed at it."""
+    monkeypatch.chdir(repo_root)
+    monkeypatch.setenv("LORA_CACHE_DIR", str(tmp_path / "cache"))
+    shutil.copytree(repo_root / "configs", tmp_path / "configs")
+    demo = tmp_path / "configs" / "demo"
+    write_cluster_yaml(demo, tmp_path, gpu_mem_gb=80)
+    argv = ["--exp", "sql-t5-lora", "--config-dir", str(demo), "train.batch_size=2", "train.grad_accum=4"]
+    train = next(j for j in plan_json(argv, capsys)["jobs"] if j["id"] == "sql-t5-lora/train")
+    assert train["estimate"]["split"] is None
+    assert launch.main([*argv, "--dry-run"]) == 0
+    assert "8 (2x4x1, micro auto)" in capsys.readouterr().out
+
+    assert launch.main([*argv, "--preflight", "--json"]) == 0
+    [result] = json.loads(capsys.readouterr().out)
+    assert (result["split"]["micro_batch"], result["split"]["grad_accum"], result["split"]["how"]) == (
+        8,
+        1,
+        "auto",
+    )
+
+    train = next(j for j in plan_json(argv, capsys)["jobs"] if j["id"] == "sql-t5-lora/train")
+    assert train["estimate"]["split"] == "8x1"
+    assert launch.main([*argv, "--dry-run"]) == 0
+    assert "8 (2x4x1, micro 8x1)" in capsys.readouterr().out
+    # another GPU size is another choice: not taken from this record
+    write_cluster_yaml(demo, tmp_path, gpu_mem_gb=40)
+    train = next(j for j in plan_json(argv, capsys)["jobs"] if j["id"] == "sql-t5-lora/train")
+    assert train["estimate"]["split"] is None
