@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import csv
 import io
+import math
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
@@ -161,7 +162,7 @@ def experiment_row(plan, experiment: str, states: dict[str, str], job_rows: dict
         "gpu_hours": total_gpu_hours([job_rows[j.id] for j in jobs]),
         "gpu_util_%": mean_gpu_util(train_jobs),
         "tokens_per_s": tokens_per_s(summaries),
-        "best_eval_loss": min(losses) if losses else None,
+        "best_eval_loss": min(finite) if (finite := [v for v in losses if math.isfinite(v)]) else None,
     }
     row["eval_split"] = split_marker(results)
     row.update({column: results.get(key) for key, column in REPORT_COLUMNS.items()})
@@ -547,6 +548,8 @@ def replicates_cell(values: list) -> str | None:
         return None
     if len(known) < len(values):
         return INCOMPLETE
+    if broken := sum(not math.isfinite(v) for v in known):  # a diverged run: flagged, never averaged
+        return f"not a number in {broken} of {len(known)}"
     if len(known) == 1:
         return f"{known[0]:.4g}"
     return f"{statistics.mean(known):.4g} ± {statistics.stdev(known):.4g}"
@@ -575,15 +578,20 @@ def best_point(points: dict[str, list[dict]], select) -> tuple[str | None, str]:
         refused = split_refusal(field, [r for reps in points.values() for r in reps])
         if refused:
             return None, f"{head}): none marked: {refused}"
-    means = {
-        point: statistics.mean(r[field] for r in reps)
+    scored = {
+        point: [float(r[field]) for r in reps]
         for point, reps in points.items()
         if all(finished(r) and r.get(field) is not None for r in reps)
     }
+    # A NaN compares false with everything, so min() kept a NaN met first as the best: a failed number
+    # never wins, and the points left out for one are named.
+    broken = sorted(point for point, values in scored.items() if not all(map(math.isfinite, values)))
+    means = {point: statistics.mean(values) for point, values in scored.items() if point not in broken}
+    left_out = f" (left out, {field} not a finite number: {', '.join(broken)})" if broken else ""
     if not means:
-        return None, f"{head}, eval split): none yet: no point has every seed done with a {field}."
+        return None, f"{head}, eval split): none yet: no point has every seed done with a {field}{left_out}."
     best = (min if select.mode == "min" else max)(means, key=means.__getitem__)  # a tie: the first point
-    return best, f"{head}, eval split): {best}"
+    return best, f"{head}, eval split): {best}{left_out}"
 
 
 def split_refusal(field: str, replicates: list[dict]) -> str | None:

@@ -262,6 +262,8 @@ def to_problem(error: dict, chain: list[YamlFile], prefix: tuple = ()) -> Proble
         )
     elif kind == "missing":
         message = "is required but missing"
+    elif kind == "finite_number":
+        message = f"must be a finite number, not {error['input']!r} (YAML reads .inf and .nan as numbers)"
     elif "input" in error and kind not in ("value_error", "assertion_error"):
         message = f"{message} (got {error['input']!r})"
     return Problem(file, ".".join(map(str, key)), message, line)

@@ -45,7 +45,7 @@ def mail_address(value: str) -> str:
 
 
 class ClusterProfile(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)  # as every config section
 
     partition: SlurmNames | None = None
     account: SlurmNames | None = None

@@ -122,6 +122,7 @@ def load_bounded(text: str, source: str) -> tuple[yaml.Node | None, object]:
         if node is None:
             return None, None
         check_cost(node, source)
+        check_duplicate_keys(node, source)
         return node, loader.construct_document(node)
     except RecursionError:  # composing recurses in the pure-Python parser (PyYAML built without libyaml)
         what = f"nests deeper than {MAX_DEPTH} levels ({LEVELS})"
@@ -167,6 +168,47 @@ def check_cost(root: yaml.Node, source: str) -> None:
                 for child in reversed(children)
                 if not isinstance(child, yaml.ScalarNode)
             )
+
+
+def check_duplicate_keys(root: yaml.Node, source: str) -> None:
+    """Refuse a mapping that writes one key twice. YAML's loaders keep the last silently: a second `train:`
+    block erased the first one's `epochs: 1`, a repeated key in a sweep grid dropped its values. Every
+    duplicate of the file is named, each with both lines; the problem points at the first one's second
+    line. Merge keys (`<<`) are YAML's own way to repeat and are left alone."""
+    found: list[tuple[tuple, int, int]] = []  # (key path, first line, second line)
+    stack: list[tuple[yaml.Node, tuple]] = [(root, ())]
+    visited: set[int] = set()  # an alias is its anchor's node: walked once
+    while stack:
+        node, path = stack.pop()
+        if id(node) in visited or isinstance(node, yaml.ScalarNode):
+            continue
+        visited.add(id(node))
+        if isinstance(node, yaml.SequenceNode):
+            stack.extend((item, (*path, i)) for i, item in enumerate(node.value))
+            continue
+        first: dict[tuple, int] = {}
+        for key, value in node.value:
+            name = key.value if isinstance(key, yaml.ScalarNode) else "?"
+            if isinstance(key, yaml.ScalarNode) and key.tag != "tag:yaml.org,2002:merge":
+                line = key.start_mark.line + 1
+                if (key.tag, name) in first:
+                    found.append(((*path, name), first[(key.tag, name)], line))
+                else:
+                    first[(key.tag, name)] = line
+            stack.append((value, (*path, name)))
+    if not found:
+        return
+    found.sort(key=lambda item: item[2])
+    (key, line_a, line_b), others = found[0], found[1:]
+    message = (
+        f"is written twice, at lines {line_a} and {line_b} (YAML would keep the second and silently drop "
+        "the first: write the key once, merging the two)"
+    )
+    if others:
+        message += "; also written twice: " + ", ".join(
+            f"{'.'.join(map(str, k))} (lines {a} and {b})" for k, a, b in others
+        )
+    raise YamlProblem(Problem(source, ".".join(map(str, key)), message, line_b))
 
 
 ALIASES = (

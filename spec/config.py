@@ -47,7 +47,9 @@ FULL_MATRIX_MODULES = (
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # allow_inf_nan: YAML reads `.inf` and `.nan` as floats; no key of any section can run with one (an
+    # alpha of inf trained to NaN and was reported complete; epochs: .inf crashed the dry run).
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class ModelSpec(Section):
@@ -170,7 +172,7 @@ class TrainSpec(Section):
     early_stopping: EarlyStopping | None = None
     save_every_steps: Annotated[int, Field(ge=1)] = 200
     logging_steps: Annotated[int, Field(ge=1)] = 10
-    seed: int = 42
+    seed: Annotated[int, Field(ge=0, le=2**32 - 1)] = 42  # what torch, numpy and random all accept
 
     @field_validator("learning_rate")
     @classmethod

@@ -764,3 +764,29 @@ def test_a_sweep_points_delta_is_the_mean_of_its_seeds_minus_the_base(tmp_path):
     assert "| 0.3 ± 0.1 | – | 1 ± 0 |" in md_line(report, "| lr3e-04-r8 ")
     names = ", ".join(f"lr-lr3e-04-r8-s{seed}" for seed in (1, 2, 3))
     assert f"No base row for {names}: it adds tokens." in report
+
+
+@pytest.mark.parametrize(
+    "more",
+    [
+        ", seeds: [1, 2, 3], select: {metric: eval_loss, mode: min}",
+        ", seeds: [1, 2, 3], select: {metric: exact_match, mode: max}",
+    ],
+)
+def test_a_point_whose_score_is_nan_is_never_marked_best(tmp_path, more):
+    """Before: min() over the means kept a NaN met first (a NaN compares false with everything): a point
+    whose loss diverged to NaN was marked best."""
+    plan, sweeps = sweep_plan(tmp_path, more)
+    runs = tmp_path / "runs"
+    for seed in (1, 2, 3):  # lr1e-04-r8 comes first; one seed diverged: its loss and its score are NaN
+        nan = seed == 1
+        loss, em = (float("nan"), float("nan")) if nan else (0.5, 0.9)
+        write_replicate(runs, f"lr-lr1e-04-r8-s{seed}", loss, {"exact_match": em})
+        write_replicate(runs, f"lr-lr3e-04-r8-s{seed}", 2.0, {"exact_match": 0.3})
+    write_report(plan, runs, {}, sweeps=sweeps)
+    sweep_part = (runs / "report.md").read_text().split("### Sweep: lr")[1]
+    assert "✓" in md_line(sweep_part, "| lr3e-04-r8 ") and "✓" not in md_line(sweep_part, "| lr1e-04-r8 ")
+    assert "eval split): lr3e-04-r8" in sweep_part
+    if "exact_match" in more:  # the diverged seed's score is flagged, not averaged
+        assert "not a number in 1 of 3" in md_line(sweep_part, "| lr1e-04-r8 ")
+        assert "left out, exact_match not a finite number: lr1e-04-r8" in sweep_part

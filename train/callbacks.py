@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import math
 import os
 import threading
 import time
@@ -93,6 +94,33 @@ class RunDirectoryLog(TrainerCallback):
         )
 
 
+class NonFiniteLoss(FloatingPointError):
+    """The training loss became NaN or infinite: every later step is lost, so the job fails here."""
+
+
+class FailOnNonFiniteLoss(TrainerCallback):
+    """Stop a run whose logged training loss, or gradient norm, is not a finite number, failing with the
+    step: a diverged run otherwise trains on to its end and is reported as complete (an alpha of 1e30 did:
+    every gradient norm inf, clipping then zeroed every update, and nothing was learned). Under fp16 AMP an
+    inf gradient norm is the loss scaler's business (it skips that step and lowers its scale): only the
+    loss counts there."""
+
+    def __init__(self, fp16: bool):
+        self.fp16 = fp16
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        logs = logs or {}
+        for key in ("loss",) if self.fp16 else ("loss", "grad_norm"):
+            value = logs.get(key)
+            if isinstance(value, float) and not math.isfinite(value):
+                what = "training loss" if key == "loss" else "gradient norm"
+                raise NonFiniteLoss(
+                    f"the {what} became {value} at step {state.global_step} (epoch {state.epoch or 0:.2f}): "
+                    "the run diverged; lower train.learning_rate (or adapter.alpha), or look for a broken "
+                    "example"
+                )
+
+
 class CommitCheckpoints(TrainerCallback):
     """Mark each checkpoint complete once the Trainer has written all of it, then drop older ones: the
     newest and the best (for load_best_model_at_end) are kept. With several ranks, rank 0 commits once
@@ -118,6 +146,19 @@ class SaveEvery(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         if state.global_step % self.steps == 0:
             control.should_save = True
+        return control
+
+
+class NoCheckpointAtTheEnd(TrainerCallback):
+    """No checkpoint at the last step of a run without in-training evals: the Trainer saves one there, and
+    the recipe writes the adapter a moment later, so it only cost time (on the CPU bench, most of the gap
+    to a plain HF run's non-training share). Were the job killed in between, it resumes from the last
+    periodic checkpoint. With evals the end save stays (the best-model bookkeeping counts on it), and so
+    does a save for a stop (the stop is not the end)."""
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step >= state.max_steps:
+            control.should_save = False
         return control
 
 

@@ -100,6 +100,8 @@ from train import data as data_lib
 from train import distributed, vl
 from train.callbacks import (
     CommitCheckpoints,
+    FailOnNonFiniteLoss,
+    NoCheckpointAtTheEnd,
     RunDirectoryLog,
     RuntimeClock,
     SaveEvery,
@@ -465,9 +467,12 @@ class StageRecipe:
             self.clock,
             CommitCheckpoints(),
             self.stopper,
+            FailOnNonFiniteLoss(self.placement.fp16),
         ]
         if self.evaluating() and self.job.train.save_every_steps != args.save_steps:
             callbacks.append(SaveEvery(self.job.train.save_every_steps))
+        if not self.evaluating():
+            callbacks.insert(callbacks.index(self.stopper), NoCheckpointAtTheEnd())  # before: a stop saves
         early = self.job.train.early_stopping
         if early and self.evaluating():
             callbacks.append(EarlyStoppingCallback(early.patience, early.threshold))
