@@ -16,7 +16,7 @@ import subprocess
 from dataclasses import dataclass, field
 from functools import cache
 
-from spec.config import slurm_time
+from spec.config import ascii_int, slurm_time
 from spec.problems import Problem
 
 
@@ -43,7 +43,9 @@ class ClusterLimits:
 
 def run(command: list[str]) -> str | None:
     try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=30, check=False)
+        done = subprocess.run(
+            command, capture_output=True, text=True, errors="replace", timeout=30, check=False
+        )
     except (OSError, subprocess.TimeoutExpired):
         return None
     return done.stdout if done.returncode == 0 else None
@@ -180,12 +182,12 @@ def first_line(text: str | None) -> str | None:
 
 
 def number(text: str) -> int | None:
-    return int(text) if text.strip().isdigit() else None
+    return ascii_int(text)
 
 
 def gpus_of(tres: str) -> int | None:
     """`cpu=16,gres/gpu=2` → 2 (a typed `gres/gpu:a100=2` counts too); None without a GPU limit."""
-    found = [int(n) for n in re.findall(r"gres/gpu(?::[^=,]+)?=(\d+)", tres)]
+    found = [int(n) for n in re.findall(r"gres/gpu(?::[^=,]+)?=([0-9]+)(?![^,])", tres)]
     return min(found) if found else None
 
 
@@ -193,7 +195,7 @@ def seconds(text: str) -> int | None:
     """SLURM's durations as sacctmgr and scontrol print them: `D-HH:MM:SS`, `HH:MM:SS`, `MM:SS`,
     `MM`; None for UNLIMITED, INFINITE or nothing."""
     text = text.strip()
-    match = re.fullmatch(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?", text)
+    match = re.fullmatch(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?", text, re.ASCII)
     if not match:
         return None
     days, first, second, third = match.groups()

@@ -60,7 +60,9 @@ def nvidia_smi_count() -> int | None:
     if not shutil.which("nvidia-smi"):
         return None
     try:
-        done = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30, check=False)
+        done = subprocess.run(
+            ["nvidia-smi", "-L"], capture_output=True, text=True, errors="replace", timeout=30, check=False
+        )
     except (OSError, subprocess.TimeoutExpired):
         return None
     return count_listed(done.stdout) if done.returncode == 0 else None

@@ -23,6 +23,8 @@ from pathlib import Path
 import submitit
 from submitit.core.utils import pickle_load
 
+from spec.config import ascii_int
+
 EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*: ")  # "ValueError: ...", "torch.OutOfMemoryError: ..."
 COMMENT_MARK = "slurm-lora"  # a job's SLURM comment: "slurm-lora TOKEN WHAT" (slurm/backends.py)
 # How a local job is stopped: each signal in turn, until its processes are gone. SIGINT ends the tasks
@@ -118,7 +120,8 @@ def _send(pid: int, signum: int) -> None:
 
 
 def _pid(job_id: str) -> int | None:
-    return int(job_id) if str(job_id).isdigit() and int(job_id) > 0 else None
+    pid = ascii_int(job_id)
+    return pid if pid else None
 
 
 def _stat(pid: int) -> list[str] | None:
@@ -159,7 +162,7 @@ def _parents() -> dict[int, int]:
     if Path("/proc/self/stat").exists():
         parents = {}
         for entry in Path("/proc").iterdir():
-            if entry.name.isdigit() and (fields := _stat(int(entry.name))):
+            if (pid := ascii_int(entry.name)) and (fields := _stat(pid)):
                 parents[int(entry.name)] = int(fields[1])
         return parents
     rows = (line.split() for line in _ps(["pid=", "ppid="]).splitlines())
@@ -202,7 +205,9 @@ def _epoch(stamp: str | None) -> float | None:
 def _ps(fields: list[str], pid: int | None = None) -> str:
     which = ["-p", str(pid)] if pid is not None else ["-A"]
     try:
-        done = subprocess.run(["ps", *which, "-o", ",".join(fields)], capture_output=True, text=True)
+        done = subprocess.run(
+            ["ps", *which, "-o", ",".join(fields)], capture_output=True, text=True, errors="replace"
+        )
     except OSError:
         return ""
     return done.stdout
@@ -240,6 +245,7 @@ def queued_by_token() -> dict[str, str] | None:
             ["squeue", "-h", "-u", getpass.getuser(), "-o", "%i|%k"],
             capture_output=True,
             text=True,
+            errors="replace",  # a tool's odd bytes (a name in Latin-1) are no reason to crash
             timeout=60,
             check=False,
         )

@@ -81,7 +81,12 @@ def git_state(root: Path) -> tuple[str | None, bool | None]:
 def _git(root: Path, *args: str) -> str | None:
     try:
         done = subprocess.run(
-            ["git", "-C", str(root), *args], capture_output=True, text=True, timeout=30, check=False
+            ["git", "-C", str(root), *args],
+            capture_output=True,
+            text=True,
+            errors="replace",
+            timeout=30,
+            check=False,
         )
     except (OSError, subprocess.TimeoutExpired):
         return None

@@ -11,7 +11,7 @@ from pathlib import Path
 from slurm.limits import never_starts
 from slurm.plan import Plan, PlannedJob
 from slurm.states import LANE_STATES, NEVER_STARTS, NEVER_STARTS_MARK, State, from_slurm, parent_verdict
-from spec.config import TIME_FORMAT, slurm_seconds
+from spec.config import TIME_FORMAT, ascii_int, slurm_seconds
 from spec.rundir import PROGRESS_FIELDS, UNREADABLE, RunDir, current_job, done_hash, read_lane
 
 
@@ -56,7 +56,9 @@ def query_slurm(job_ids: list[str]) -> dict[str, SchedulerInfo]:
 
 def _run(command: list[str]) -> str | None:
     try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
+        done = subprocess.run(
+            command, capture_output=True, text=True, errors="replace", timeout=60, check=False
+        )
     except (OSError, subprocess.TimeoutExpired):
         return None
     return done.stdout if done.returncode == 0 else None
@@ -109,8 +111,8 @@ def parse_sacct_allocations(text: str) -> dict[str, list[Allocation]]:
 
 def elapsed_seconds(raw: str) -> int | None:
     """ElapsedRaw is seconds; a site whose sacct prints it as [D-]HH:MM:SS is read too."""
-    if raw.isdigit():
-        return int(raw)
+    if (value := ascii_int(raw)) is not None:
+        return value
     return slurm_seconds(raw) if TIME_FORMAT.match(raw) else None
 
 
@@ -123,7 +125,7 @@ def tres_gpus(tres: str) -> int:
 
 
 def _count(value: str) -> int:
-    return int(value) if value.strip().isdigit() else 0
+    return ascii_int(value) or 0
 
 
 def parse_squeue(text: str) -> dict[str, SchedulerInfo]:

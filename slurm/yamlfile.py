@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import copy
 import itertools
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
 
+from spec.files import NotARegularFile, read_regular
 from spec.problems import Problem
 
 KeyPath = tuple  # e.g. ("train", "learning_rate") or ("stages", 1, "name")
@@ -88,22 +88,20 @@ class YamlProblem(Exception):
 
 
 def _read_text(path: Path) -> str:
-    """The file's text, read no further than MAX_BYTES (a file can grow, or be a device, after its stat)."""
+    """The file's text, read no further than MAX_BYTES, and only from a regular file (a FIFO named *.yaml
+    would block the launch: spec/files.py read_regular)."""
     try:
-        with path.open("rb") as fh:
-            # read(n) allocates n bytes up front: ask for the size the file has, then for what it grew by.
-            wanted = min(os.fstat(fh.fileno()).st_size, MAX_BYTES) + 1
-            raw = fh.read(wanted)
-            if len(raw) == wanted <= MAX_BYTES:  # it grew after its stat, or it is a pipe or a device
-                raw += fh.read(MAX_BYTES + 1 - wanted)
+        raw = read_regular(path, MAX_BYTES)
+    except NotARegularFile as exc:
+        if str(exc).startswith("larger than"):
+            exc = NotARegularFile(
+                f"is larger than {MAX_BYTES:,} bytes, the most a config may be (one is a few kB; examples "
+                "belong in data files, named by data.train)"
+            )
+            raise YamlProblem(Problem(str(path), "", str(exc))) from None
+        raise YamlProblem(Problem(str(path), "", f"cannot be read: {exc}")) from None
     except OSError as exc:
         raise YamlProblem(Problem(str(path), "", f"cannot be read ({exc})")) from None
-    if len(raw) > MAX_BYTES:
-        message = (
-            f"is larger than {MAX_BYTES:,} bytes, the most a config may be (one is a few kB; examples "
-            "belong in data files, named by data.train)"
-        )
-        raise YamlProblem(Problem(str(path), "", message))
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as exc:

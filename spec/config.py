@@ -26,7 +26,7 @@ from spec.names import DEFAULT_METRICS, METRICS, SPLITS, SQL_TIMEOUT_S, missing_
 
 SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 # \Z, not $: `$` also matches before a final newline, which would reach an #SBATCH line.
-TIME_FORMAT = re.compile(r"^(?:(\d+)-)?(\d{1,2}):(\d{2}):(\d{2})\Z")
+TIME_FORMAT = re.compile(r"^(?:(\d+)-)?(\d{1,2}):(\d{2}):(\d{2})\Z", re.ASCII)
 # What SLURM accepts as partition, account and qos names (',' between several) and as a --constraint
 # expression (features joined by & | , with [ ] ( ) grouping and *N counts). These values are written into
 # the job script's `#SBATCH` lines, where a newline would start a line of shell: nothing else gets through.
@@ -224,6 +224,16 @@ def slurm_constraint(value: str) -> str:
             "(no spaces or newlines: it is written into the job script's #SBATCH lines)"
         )
     return value
+
+
+ASCII_DIGITS = re.compile(r"[0-9]+")
+
+
+def ascii_int(text: str) -> int | None:
+    """The integer `text` spells in ASCII digits (spaces around allowed), else None. str.isdigit() also
+    takes '²' and other digits int() refuses: a scheduler tool's odd output crashed the login node."""
+    text = str(text).strip()
+    return int(text) if ASCII_DIGITS.fullmatch(text) else None
 
 
 def slurm_seconds(time: str) -> int:

@@ -160,6 +160,8 @@ def check_file(path: Path, spec: DataSpec) -> TextSize:
     suffix = path.suffix.lower()
     if suffix not in TABLE_SUFFIXES:
         raise ExampleError(path, f"unknown file type '{suffix}' (use .jsonl, .csv or .parquet)")
+    if path.exists() and not path.is_file():  # a FIFO would block the launch at its open
+        raise ExampleError(path, "is not a regular file (a FIFO, a socket, a device or a folder)")
     if suffix == ".parquet":
         import pyarrow.parquet as pq
 

@@ -13,9 +13,44 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import sys
 import tempfile
 from pathlib import Path
+
+# The most a state file (job.json, summary.json, DONE, a config) may hold, and a metrics or predictions
+# file: far above what any writer here leaves, far below what fills a login node's memory (a DONE linked to
+# /dev/zero was read without end).
+MAX_STATE_BYTES = 16 * 10**6
+MAX_LOG_BYTES = 512 * 10**6
+
+
+class NotARegularFile(OSError):
+    """A FIFO, a device or a folder where a file belongs, or a file over its size bound: never read."""
+
+
+def read_regular(path: Path, limit: int = MAX_STATE_BYTES) -> bytes:
+    """A regular file's bytes, at most `limit`. Opened without blocking (a FIFO's open would wait for a
+    writer: a FIFO named *.yaml or DONE hung the launch and --status) and checked before reading: anything
+    but a regular file, or a file over `limit`, raises NotARegularFile naming what it is."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        info = os.fstat(fd)
+        if stat.S_ISDIR(info.st_mode):
+            raise NotARegularFile("a folder where a file belongs")
+        if not stat.S_ISREG(info.st_mode):
+            raise NotARegularFile("not a regular file (a FIFO, a socket or a device)")
+        if info.st_size > limit:
+            raise NotARegularFile(f"larger than {limit:,} bytes ({info.st_size:,})")
+        chunks, size = [], 0
+        while chunk := os.read(fd, min(1 << 20, limit + 1 - size)):
+            chunks.append(chunk)
+            size += len(chunk)
+            if size > limit:  # it grew after its stat
+                raise NotARegularFile(f"larger than {limit:,} bytes")
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
 
 
 def write_atomic(path: Path, text: str) -> None:
@@ -76,13 +111,13 @@ def read_text(path: Path, unreadable: str | None = None, then: str = "ignored") 
     text (a folder, no permission, other bytes): warned about, naming the file and `then`, what follows."""
     path = Path(path)
     try:
-        return path.read_text(encoding="utf-8")
+        return read_regular(path).decode("utf-8")
     except FileNotFoundError:
         return None
     except UnicodeDecodeError as exc:
         why = f"not UTF-8 text (byte {exc.start + 1})"
-    except IsADirectoryError:
-        why = "a folder where a file belongs"
+    except NotARegularFile as exc:
+        why = str(exc)
     except OSError as exc:
         why = f"cannot be read ({exc.strerror or exc})"
     warn_unreadable(path, why, then)
@@ -116,11 +151,11 @@ def read_jsonl(path: Path, fields: dict[str, Kind] | None = None) -> list[dict]:
     without its newline that is no JSON object is being written (or was cut by a kill) and is skipped
     quietly; other lines that are not JSON objects are skipped and warned about, with their numbers."""
     try:
-        lines = Path(path).read_bytes().split(b"\n")
+        lines = read_regular(Path(path), MAX_LOG_BYTES).split(b"\n")
     except FileNotFoundError:
         return []
     except OSError as exc:
-        warn_unreadable(path, "a folder where a file belongs" if os.path.isdir(path) else str(exc.strerror))
+        warn_unreadable(path, str(exc) if isinstance(exc, NotARegularFile) else str(exc.strerror))
         return []
     rows, wrong = [], []
     for number, raw in enumerate(lines, 1):
