@@ -24,8 +24,10 @@ from slurm.yamlfile import (
     load_chain,
     where,
 )
-from spec.config import DataSpec, Experiment, StageSpec, TrainSpec
+from spec.config import DataSpec, Experiment, StageSpec, TrainSpec, kind_mismatch
 from spec.examples import ExampleError, TextSize, check_file, needed_fields
+from spec.files import read_json
+from spec.names import REPORT_COLUMNS, SCORES_OF
 from spec.problems import ConfigError, Problem, did_you_mean
 from spec.sweep import SweepError, SweepMember, expand, nested, source_of
 
@@ -130,11 +132,14 @@ def load_experiments(
                     check_files(experiment, stages, chain)
                     + check_resources(experiment, profile, chain)
                     + check_auto_time(experiment, stages, chain)
+                    + check_select(experiment, member, chain)
+                    + check_kind(experiment, chain)
                 )
                 problems += of_point(found, member)
                 loaded.append(LoadedExperiment(experiment, path, tuple(stages), member))
     loaded = after_whole_sweeps(loaded)
     problems += check_names(loaded, names, written)
+    problems = list(dict.fromkeys(problems))  # one sweep's points share the problems of their block
     if any(not p.warning for p in problems):
         raise ConfigError(problems)
     return [e for e in loaded if chosen(e, names)]
@@ -172,6 +177,37 @@ def expanded(
         config = deep_merge(base, nested(point.values)) | {"name": f"{name}-{point.suffix}"}
         points.append((config, [*given, *chain], member))
     return points, []
+
+
+def check_kind(experiment: Experiment, chain: list[YamlFile]) -> list[Problem]:
+    """model.kind against a local model folder's config.json (a hub model's: at preflight, which has it)."""
+    config_json = Path(experiment.model.name_or_path) / "config.json"
+    if not config_json.is_file():
+        return []
+    model_config = read_json(config_json, {}, expected=dict)
+    why = kind_mismatch(experiment.model.kind, model_config)
+    if why is None:
+        return []
+    file, line = where(chain, ("model", "kind"))
+    return [Problem(file, "model.kind", why, line)]
+
+
+def check_select(experiment: Experiment, member: SweepMember | None, chain: list[YamlFile]) -> list[Problem]:
+    """A sweep's `select.metric` must be a score its eval computes (or eval_loss): else the report would
+    say "none yet" for ever."""
+    if member is None or member.select is None:
+        return []
+    scores = [score for metric in experiment.eval.metrics for score in SCORES_OF[metric]]
+    known = ["eval_loss", *scores, *(REPORT_COLUMNS[score] for score in scores)]
+    if member.select.metric in known:
+        return []
+    names = ", ".join(dict.fromkeys(known))
+    message = (
+        f"{member.select.metric!r} is not a score this sweep's eval computes (eval.metrics "
+        f"{list(experiment.eval.metrics)} give: {names}): select on one of them, or add its metric to "
+        "eval.metrics"
+    )
+    return [sweep_problem(chain, ("select", "metric"), message)]
 
 
 def sweep_problem(chain: list[YamlFile], path: tuple, message: str) -> Problem:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from pydantic import TypeAdapter, ValidationError
 
-from spec.config import TrainJob
+from spec.config import TrainJob, kind_mismatch
 from spec.files import read_json, warn_unreadable, write_json_atomic
 from spec.preflight import JobPreflight
 from spec.problems import Problem
@@ -178,6 +178,9 @@ def preflight_plan(
         missing = hub_cache.fetch(planned.spec) if fetch else None
         lacking = unfetched(planned.id, where, "model.name_or_path", missing or {})
         problems += lacking
+        if mismatch := kind_problem(planned.spec, where):  # a hub model's config.json is here now
+            problems.append(mismatch)
+            continue
         try:
             result = cached_preflight(planned.spec, gpu_mem_for(planned.resources), preflight_log())
         except OSError as exc:
@@ -194,6 +197,15 @@ def preflight_plan(
         results.append(result)
         problems += refusals(result, where)
     return results, problems
+
+
+def kind_problem(job: TrainJob, where: str) -> Problem | None:
+    try:
+        model_config = json.loads(config_text(job.model.name_or_path, job.model.revision))
+    except (OSError, ValueError):  # not here: said by the preflight that follows
+        return None
+    why = kind_mismatch(job.model.kind, model_config) if isinstance(model_config, dict) else None
+    return Problem(where, "model.kind", why) if why else None
 
 
 def unfetched(job_id: str, where: str, key: str, missing: dict[str, str]) -> list[Problem]:

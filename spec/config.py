@@ -63,6 +63,26 @@ class ModelSpec(Section):
     added_tokens: list[str] = Field(default_factory=list, description="special tokens added before training")
 
 
+def kind_mismatch(kind: str, model_config: dict) -> str | None:
+    """Why a model whose config.json is `model_config` cannot be trained as `model.kind`, with the kind it
+    is; None when it can (or its config does not say). Before: seq2seq on a Llama passed validation and
+    failed on the node, with the library's words."""
+    model_type = model_config.get("model_type", "?")
+    encoder_decoder = bool(model_config.get("is_encoder_decoder"))
+    vision = "vision_config" in model_config
+    if kind == "seq2seq" and not encoder_decoder:
+        right = "image-text" if vision else "causal"
+        return f"is seq2seq, but this model ({model_type}) has no encoder-decoder: use model.kind: {right}"
+    if kind == "causal" and encoder_decoder:
+        return f"is causal, but this model ({model_type}) is an encoder-decoder: use model.kind: seq2seq"
+    if kind == "causal" and vision:
+        return f"is causal, but this model ({model_type}) reads images: use model.kind: image-text"
+    if kind == "image-text" and not vision:
+        right = "seq2seq" if encoder_decoder else "causal"
+        return f"is image-text, but this model ({model_type}) has no vision tower: use model.kind: {right}"
+    return None
+
+
 class AdapterSpec(Section):
     method: Literal["lora", "qlora"] = "lora"
     rank: Annotated[int, Field(ge=1, le=1024)] = 16

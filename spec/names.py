@@ -46,6 +46,15 @@ SCORE_KEYS = (
     "sql_record_f1",
     "sql_error_rate",
 )
+# The scores each metric of `eval.metrics` writes into results.json (eval/metrics.py, eval/sql.py).
+SCORES_OF = {
+    "rouge": ("rouge_1", "rouge_2", "rouge_l"),
+    "rouge_l": ("rouge_l",),
+    "bleu": ("bleu",),
+    "exact_match": ("exact_match",),
+    "sql_exec": ("sql_exec_accuracy", "sql_record_f1", "sql_error_rate"),
+    "bertscore": ("bertscore_f1",),
+}
 # The report's column for each score: published tables call BERTScore F1 just "bertscore"
 # (configs/baselines.yaml), and our rows must land in the same column as theirs.
 REPORT_COLUMNS = {key: {"bertscore_f1": "bertscore"}.get(key, key) for key in SCORE_KEYS}

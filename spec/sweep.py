@@ -436,6 +436,15 @@ def key_is_sweepable(key: object, path: KeyPath, problems: Problems) -> bool:
     if section in UNSWEPT:
         problems.append((path, f"{key} cannot be swept: {UNSWEPT[section]}"))
         return False
+    if index := next((part for part in key.split(".") if part.isdigit()), None):
+        problems.append(
+            (
+                path,
+                f"{key} goes into a list ({index} is a list item's position): list items cannot be swept; "
+                "sweep a key of the experiment (e.g. train.learning_rate), which every stage inherits",
+            )
+        )
+        return False
     return True
 
 
@@ -502,6 +511,14 @@ def check_swept_once(swept: list[tuple[str, KeyPath]], has_seeds: bool, problems
         if key == SEED_KEY and has_seeds:
             problems.append(
                 (path, f"{SEED_KEY} is what seeds sets (once per replicate): list the seeds in seeds")
+            )
+        elif has_seeds and SEED_KEY.startswith(key + "."):
+            problems.append(
+                (
+                    path,
+                    f"{key} is swept whole, and seeds sets {SEED_KEY} inside it: sweep the keys inside "
+                    f"{key} (e.g. {key}.learning_rate) instead",
+                )
             )
     for inner, path in first.items():
         outer = next((key for key in first if inner.startswith(key + ".")), None)

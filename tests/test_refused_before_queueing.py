@@ -1,0 +1,93 @@
+"""Issue 31, rule 10: what can never work is refused before anything is queued, at its file and line, with
+what to write instead; never a traceback, never a job that fails on the node or a report that waits for
+ever. The real loader through `launch.py --dry-run` (a refusal needs no cluster)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import launch
+from tests.conftest import write_cluster_yaml
+
+EXPERIMENT = """\
+name: a
+model: {{name_or_path: {model}, kind: {kind}}}
+adapter: {{rank: 8, alpha: 16}}
+data: {{train: {data}, eval: {data}, input_field: question, target_field: sql}}
+train: {{epochs: 1, learning_rate: 2.0e-4, eval_every_epochs: 1}}
+eval: {{metrics: [exact_match, sql_exec], db: {data}}}
+resources: {{gpus: 1, cpus: 1, mem_gb: 1, time: "00:05:00"}}
+"""
+
+
+def folder_with(tmp_path: Path, model: str = "org/some-model", kind: str = "causal", sweep: str = "") -> Path:
+    configs = tmp_path / "configs"
+    configs.mkdir(exist_ok=True)
+    write_cluster_yaml(configs, tmp_path)
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"question": "q", "sql": "SELECT 1"}\n')
+    (configs / "a.yaml").write_text(EXPERIMENT.format(model=model, kind=kind, data=data) + sweep)
+    return configs
+
+
+def dry_run(configs: Path, capsys) -> tuple[int, str]:
+    code = launch.main(["--all", "--config-dir", str(configs), "--dry-run"])
+    return code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "model, kind, right",
+    [
+        ("tiny-llama", "seq2seq", "causal"),
+        ("tiny-t5", "causal", "seq2seq"),
+        ("tiny-qwen-vl", "causal", "image-text"),
+    ],
+)
+def test_a_model_kind_its_config_contradicts_is_refused_at_model_kind(
+    tiny, tmp_path, capsys, model, kind, right
+):
+    """Before: seq2seq on a Llama passed validation and failed on the node (its base eval too)."""
+    configs = folder_with(tmp_path, model=str(tiny[model]), kind=kind)
+    code, err = dry_run(configs, capsys)
+    assert code == 2
+    assert f"a.yaml:2: model.kind: is {kind}, but this model" in err and f"use model.kind: {right}" in err
+    assert "Traceback" not in err
+
+
+def test_the_right_kind_passes(tiny, tmp_path, capsys):
+    assert dry_run(folder_with(tmp_path, model=str(tiny["tiny-t5"]), kind="seq2seq"), capsys)[0] == 0
+
+
+def test_a_select_metric_the_eval_does_not_compute_is_refused_naming_the_ones_it_does(tmp_path, capsys):
+    """Before: the report said "none yet" for ever."""
+    sweep = (
+        "sweep:\n  grid: {train.learning_rate: [1.0e-4, 2.0e-4]}\n  select: {metric: rouge_l, mode: max}\n"
+    )
+    code, err = dry_run(folder_with(tmp_path, sweep=sweep), capsys)
+    assert code == 2
+    assert "a.yaml:10: sweep.select.metric: 'rouge_l' is not a score this sweep's eval computes" in err
+    assert "exact_match, sql_exec_accuracy, sql_record_f1, sql_error_rate" in err
+    assert err.count("is not a score") == 1  # once for the sweep, not once per point
+
+
+@pytest.mark.parametrize("metric", ["eval_loss", "sql_exec_accuracy", "exact_match"])
+def test_a_select_metric_the_eval_computes_passes(tmp_path, capsys, metric):
+    sweep = f"sweep:\n  grid: {{train.learning_rate: [1.0e-4, 2.0e-4]}}\n  select: {{metric: {metric}, mode: max}}\n"
+    assert dry_run(folder_with(tmp_path, sweep=sweep), capsys)[0] == 0
+
+
+def test_a_swept_key_into_a_list_is_refused_at_the_sweeps_line(tmp_path, capsys):
+    sweep = "sweep:\n  grid: {stages.0.train.learning_rate: [1.0e-4, 2.0e-4]}\n"
+    code, err = dry_run(folder_with(tmp_path, sweep=sweep), capsys)
+    assert code == 2
+    assert "sweep.grid.stages.0.train.learning_rate" in err and "list items cannot be swept" in err
+
+
+def test_a_whole_section_swept_with_seeds_is_an_error_at_its_line_not_a_traceback(tmp_path, capsys):
+    sweep = "sweep:\n  grid: {train: [1, 2]}\n  seeds: [1, 2]\n"
+    code, err = dry_run(folder_with(tmp_path, sweep=sweep), capsys)
+    assert code == 2
+    assert "train is swept whole, and seeds sets train.seed inside it" in err
+    assert "Traceback" not in err
