@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import getpass
+import math
 import subprocess
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from slurm.limits import never_starts
 from slurm.plan import Plan, PlannedJob
 from slurm.states import LANE_STATES, NEVER_STARTS, NEVER_STARTS_MARK, State, from_slurm, parent_verdict
-from spec.config import TIME_FORMAT, ascii_int, slurm_seconds
+from spec.config import TIME_FORMAT, ascii_int, slurm_seconds, slurm_time
 from spec.rundir import PROGRESS_FIELDS, UNREADABLE, RunDir, current_job, done_hash, read_lane
 
 
@@ -262,6 +262,8 @@ def local_info(submitted, record: dict) -> SchedulerInfo:
 
 
 def format_eta(seconds: float | None) -> str:
-    if seconds is None:
+    """`01:02:03`, `1-02:00:00` past a day (SLURM's own form, spec/config.py slurm_time): before, the
+    clock wrapped at 24 hours and 26 hours read as 02:00:00."""
+    if seconds is None or not math.isfinite(seconds):
         return ""
-    return time.strftime("%H:%M:%S", time.gmtime(max(0, seconds)))
+    return slurm_time(round(max(0, seconds)))

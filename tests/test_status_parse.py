@@ -189,3 +189,12 @@ def test_a_blocking_parent_blocks_even_while_another_still_runs():
     assert jobs_verdict([None, State.BLOCKED]) is State.BLOCKED
     assert jobs_verdict([State.PENDING, None]) is None
     assert jobs_verdict([State.PENDING, State.PENDING]) is State.PENDING
+
+
+def test_an_eta_past_a_day_keeps_its_days():
+    """Before: the ETA was a 24-hour clock: 93,600 s (26 hours) read 02:00:00."""
+    from slurm.status import format_eta
+
+    assert format_eta(93_600) == "1-02:00:00"
+    assert format_eta(3_723.4) == "01:02:03"
+    assert format_eta(None) == format_eta(float("inf")) == ""
