@@ -32,7 +32,7 @@ from slurm.pack import Unit
 from slurm.redact import redact_job_output
 from slurm.states import LANE_STATES, State, parent_verdict
 from spec.files import write_atomic
-from spec.rundir import RunDir, done_hash, read_lane
+from spec.rundir import RunDir, done_hash, is_done, read_lane
 
 log = logging.getLogger("slurm.lanes")
 # How often the lanes look at their children: a lane idles at most this long after its unit ends. (A
@@ -132,7 +132,7 @@ class Lanes:
         is the way); a record left `running` by a killed allocation says the unit waits again."""
         for uid, unit in self.units.items():
             run_dir = Path(unit.run_dir)
-            if done_hash(run_dir) == unit.config_hash:
+            if is_done(run_dir, unit.config_hash, unit.kind):
                 self.state[uid] = "done"
                 continue
             lane = read_lane(run_dir)
@@ -218,7 +218,7 @@ class Lanes:
 
     def ended(self, uid: str, lane: int, code: int, stopping: bool) -> None:
         unit = self.units[uid]
-        if done_hash(Path(unit.run_dir)) == unit.config_hash:
+        if is_done(Path(unit.run_dir), unit.config_hash, unit.kind):
             self.state[uid] = "done"
             self.write_lane(unit, lane, "done")
             log.info("lane %d: %s done", lane, uid)

@@ -22,9 +22,11 @@ from slurm.plan import Plan, PlannedJob
 from slurm.states import State
 from slurm.status import query_slurm
 from spec.config import Resources, what_it_computes
+from spec.files import warn_unreadable
 from spec.layout import archive_folder
 from spec.problems import ConfigError, Problem
 from spec.rundir import (
+    RunDir,
     changed_keys,
     current_job,
     done_hash,
@@ -35,6 +37,7 @@ from spec.rundir import (
     read_spec,
     record_intent,
     record_job,
+    results_lost,
     write_spec,
 )
 
@@ -82,6 +85,11 @@ def weigh(plan: Plan, force: bool = False) -> tuple[list[Decision], list[Problem
     for job in plan.jobs:
         run_dir, record = Path(job.run_dir), records[job.id]
         finished = done_hash(run_dir)
+        if results_lost(run_dir, job.config_hash, job.kind):
+            warn_unreadable(
+                RunDir(run_dir).results, "missing or unreadable after its DONE", "the eval runs again"
+            )
+            finished = None
         live_as = live_action(plan.log_root, job, record, live) if finished != job.config_hash else None
         if finished == job.config_hash:
             decisions.append(Decision(job, "done"))

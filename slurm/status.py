@@ -12,7 +12,7 @@ from slurm.limits import never_starts
 from slurm.plan import Plan, PlannedJob
 from slurm.states import LANE_STATES, NEVER_STARTS, NEVER_STARTS_MARK, State, from_slurm, parent_verdict
 from spec.config import TIME_FORMAT, ascii_int, slurm_seconds, slurm_time
-from spec.rundir import PROGRESS_FIELDS, UNREADABLE, RunDir, current_job, done_hash, read_lane
+from spec.rundir import PROGRESS_FIELDS, UNREADABLE, RunDir, current_job, done_hash, is_done, read_lane
 
 
 @dataclass(frozen=True)
@@ -182,7 +182,7 @@ def job_status(job, record, scheduler, earlier: dict[str, JobStatus], log_root: 
     done = done_hash(run_dir)
     if done == UNREADABLE:
         return JobStatus(job, State.UNKNOWN, reason=f"{run_dir}/DONE cannot be read", **common)
-    if done == job.config_hash:
+    if is_done(run_dir, job.config_hash, job.kind):
         return JobStatus(
             job,
             State.COMPLETED,

@@ -353,6 +353,21 @@ def foreign_done(run_dir: Path, ranks: int, has_parents: bool, config_changed: b
     return "its DONE holds a hash this plan never wrote for this config (copied from another run, or edited by hand)"
 
 
+def is_done(run_dir: Path, config_hash: str, kind: str) -> bool:
+    """The one test of "this job finished with this config": its DONE holds the config hash, and an eval's
+    results.json is there and readable. An eval's DONE without its results (torn by a full disk, removed by
+    hand) is not trusted: the eval runs again, from the predictions it kept, instead of the report saying
+    "not run yet" for ever."""
+    if done_hash(run_dir) != config_hash:
+        return False
+    return kind != "eval" or bool(RunDir(run_dir).read_results())
+
+
+def results_lost(run_dir: Path, config_hash: str, kind: str) -> bool:
+    """An eval whose DONE says it finished with this config but whose results.json cannot be read."""
+    return kind == "eval" and done_hash(run_dir) == config_hash and not is_done(run_dir, config_hash, kind)
+
+
 def mark_done(run_dir: Path, config_hash: str) -> None:
     write_atomic(RunDir(run_dir).done, config_hash + "\n")
 

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 import launch
+from spec.rundir import RunDir
 from tests.conftest import write_cluster_yaml
 
 pytestmark = pytest.mark.slow  # trains or launches for seconds: make test-fast leaves it out
@@ -86,6 +87,7 @@ def all_strings(row: dict) -> dict:
 
 
 FOREIGN_HASH = "0123456789abcdef\n"
+RERUNS = "missing or unreadable after its DONE; the eval runs again"
 # name: (file under the run root, or "CACHE" for the preflight cache entry; corruption; commands that must
 # name the file; the relaunch's exit code; words the relaunch must say)
 CASES = {
@@ -115,8 +117,11 @@ CASES = {
     "summary.json a list": ("one/train/summary.json", put("[]"), REPORT, 0, ""),
     "summary.json strings": ("one/train/summary.json", edit_json(all_strings), REPORT, 0, ""),
     "summary.json a folder": ("one/train/summary.json", put(None), REPORT, 0, ""),
-    "results.json not UTF-8": ("one/eval/results.json", put(b"\xfe"), REPORT, 0, ""),
-    "results.json a list": ("one/eval/results.json", put('["exact_match", 0.5]'), REPORT, 0, ""),
+    # An eval is done only when its results can be read (issue 31, rule 8): the relaunch runs it again,
+    # from the predictions it kept, instead of the report saying "not run yet" for ever.
+    "results.json not UTF-8": ("one/eval/results.json", put(b"\xfe"), REPORT, 0, RERUNS),
+    "results.json a list": ("one/eval/results.json", put('["exact_match", 0.5]'), REPORT, 0, RERUNS),
+    "results.json missing": ("one/eval/results.json", lambda path: path.unlink(), ("relaunch",), 0, RERUNS),
     "results.json strings": ("one/eval/results.json", edit_json(all_strings), REPORT, 0, ""),
     "metrics.jsonl not UTF-8": ("one/train/metrics.jsonl", put(NOT_UTF8), REPORT, 0, ""),
     "metrics.jsonl a list row": (
@@ -211,7 +216,10 @@ def test_a_corrupt_state_file_is_named_and_never_a_traceback(case, finished, rep
             if command == "relaunch":
                 assert relaunch_says in said, said
                 assert "changed:" not in said, said  # a damaged or foreign DONE is no changed config
-                assert "RUNNING" not in said, said  # nothing ran again
+                if relaunch_says == RERUNS:  # the eval ran again and wrote its results
+                    assert RunDir(runs / "one" / "eval").read_results().get("split") == "eval", said
+                else:
+                    assert "RUNNING" not in said, said  # nothing ran again
     finally:
         if where == "CACHE":
             if path.is_dir():
