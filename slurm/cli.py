@@ -359,8 +359,10 @@ def watch(request: LaunchRequest, profile) -> int:
         from slurm.tail import follow
 
         return follow(plan, request.tail, profile.log_dir, out, rank=request.rank)
-    # --cancel --exp A: what else the run root holds, loaded and planned once for both checks below.
-    everything = run_root_plan(request, profile) if request.experiments else None
+    # --cancel --exp A or --config-dir X: what else the run root holds, loaded and planned once for both
+    # checks below (a base eval or a pack another folder's experiment needs is not this cancel's to stop).
+    narrowed = request.experiments or request.config_dir_named
+    everything = run_root_plan(request, profile) if narrowed else None
     return cancel(
         without_shared_bases(plan, everything),
         profile.log_dir,

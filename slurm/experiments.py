@@ -252,32 +252,38 @@ def after_whole_sweeps(loaded: list[LoadedExperiment]) -> list[LoadedExperiment]
 
 def load_watchable_experiments(
     config_dir: Path, overrides: dict | None = None
-) -> tuple[list[LoadedExperiment], list[Problem], set[str]]:
+) -> tuple[list[LoadedExperiment], list[Problem], set[str], set[Path]]:
     """For --status, --tail, --cancel and --report (slurm/watched.py): every experiment whose files parse
-    and validate, the problems of the others as warnings, and every name a file gives (loaded or not). A
-    broken neighbour must not stop anyone from watching or cancelling what runs; data files and resource
-    limits are not checked (nothing is submitted)."""
-    loaded, problems, written = [], [], set()
+    and validate, the problems of the others as warnings, every name a file gives (loaded or not), and the
+    files that did not load whole (what they stand for is unknown: a broken sweep file gives its name, never
+    its points'). A broken neighbour must not stop anyone from watching or cancelling what runs; data files
+    and resource limits are not checked (nothing is submitted)."""
+    loaded, problems, written, broken = [], [], set(), set()
     for path in experiment_files(config_dir):
         try:
             raw, chain = load_with_overrides(path, config_dir, overrides)
         except YamlProblem as exc:
             problems.append(exc.problem)
+            broken.add(path)
             continue
         written.add(str(raw.get("name")))
         points, found = expanded(raw, chain)
         problems += found
+        broken |= {path} if found else set()
         for raw, chain, member in points:
             experiment, found = validate_experiment(raw, chain)
             stages, more = resolve_stages(experiment, raw, chain) if experiment else ([], [])
             problems += of_point(found + more, member)
             if experiment is not None and not more:
                 loaded.append(LoadedExperiment(experiment, path, tuple(stages), member))
+            else:
+                broken.add(path)
     # A broken fragment is one warning, not one per experiment file that inherits it.
     return (
         after_whole_sweeps(loaded),
         [replace(p, warning=True) for p in dict.fromkeys(problems) if not p.warning],
         written,
+        broken,
     )
 
 

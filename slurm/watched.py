@@ -8,6 +8,7 @@ that; a named --config-dir also shows its experiments that have not run yet (as 
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -45,21 +46,34 @@ def watched_experiments(
     warnings: list[Problem] = []
     came_from: dict[str, Path] = {}
     written: set[str] = set()  # names files give, loaded or not: a broken one has its own warning
+    unsure: set[Path] = set()  # files that did not load whole: what was launched from them is not gone
     for folder in folders:
         if not folder.is_dir():
             continue  # its experiments are gone (below)
-        found, problems, names_given = load_watchable_experiments(folder, overrides)
+        found, problems, names_given, broken = load_watchable_experiments(folder, overrides)
         warnings += problems
         written |= names_given
+        unsure |= broken
         for experiment in found:
             if config_dir_named or launched_from(held.get(experiment.name, False), folder, here):
                 loaded.append(experiment)
                 came_from[experiment.name] = folder
+    if here not in folders and here.is_dir():  # what the folder looked at has is never gone
+        names_here, broken_here = present_in(here, overrides)
+        written |= names_here
+        unsure |= broken_here
     known = {e.name for e in loaded}
-    # Gone: launched from a recorded folder that no longer has it. One without a record (launched before
-    # origins were kept, perhaps from another folder) is never called gone: --cancel --removed acts on it.
+    # Gone: launched from a recorded folder that no longer has it, and no folder looked at has it either.
+    # One without a record (launched before origins were kept, perhaps from another folder) is never
+    # called gone, nor one launched from a file that does not load now: --cancel --removed acts on them.
     gone = (
-        [] if config_dir_named else [n for n, o in held.items() if o and n not in written and n not in known]
+        []
+        if config_dir_named
+        else [
+            n
+            for n, o in held.items()
+            if o and n not in written and n not in known and not launched_from_any(o, unsure)
+        ]
     )
     where = config_dir if config_dir_named else run_root
     for name in dict.fromkeys(names or []):
@@ -75,7 +89,29 @@ def launched_from(origin: Origin | None | bool, folder: Path, default: Path) -> 
         return False
     if origin is None:  # no record: the default folder's experiment of that name
         return folder == default
-    return origin.config_dir.resolve() == folder
+    return same_path(origin.config_dir, folder)
+
+
+def same_path(a: Path, b: Path) -> bool:
+    """One file or folder, whatever the spelling: resolved, or the same inode (a shared filesystem mounted
+    under another name)."""
+    if Path(a).resolve() == Path(b).resolve():
+        return True
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # one of them is not there
+        return False
+
+
+def launched_from_any(origin: Origin, files: set[Path]) -> bool:
+    return any(same_path(origin.file, file) for file in files)
+
+
+def present_in(config_dir: Path, overrides: dict | None) -> tuple[set[str], set[Path]]:
+    """The experiments `config_dir` has (a sweep's points by name), the names its files give, and the files
+    that do not load whole."""
+    found, _, names, broken = load_watchable_experiments(config_dir, overrides)
+    return {e.name for e in found} | names, broken
 
 
 def unknown_name(name: str, known: set[str], gone: list[str], where: Path) -> Problem:
@@ -90,16 +126,15 @@ def removed_from(run_root: Path, config_dir: Path, overrides: dict | None = None
     """Experiments the run root holds that were launched from `config_dir` and that it no longer has (a
     file deleted, a point dropped from a sweep): a launch of that folder lists them, and leaves them be."""
     here = config_dir.resolve()
+    held = run_root_experiments(run_root)
     launched = [
-        name
-        for name, origin in run_root_experiments(run_root).items()
-        if origin is not None and origin.config_dir.resolve() == here
+        name for name, origin in held.items() if origin is not None and same_path(origin.config_dir, here)
     ]
     if not launched:
         return []
-    found, _, written = load_watchable_experiments(config_dir, overrides)
+    found, _, written, broken = load_watchable_experiments(config_dir, overrides)
     has = {e.name for e in found} | written
-    return [name for name in launched if name not in has]
+    return [name for name in launched if name not in has and not launched_from_any(held[name], broken)]
 
 
 def removed_text(names: list[str], run_root: Path) -> str:

@@ -117,3 +117,35 @@ def test_cancel_removed_stops_the_queued_points_a_sweep_no_longer_has_and_only_t
         assert squeue_ids(under=tmp_path) < queued
     finally:
         launch.main(["--cancel", "--all", "--config-dir", str(folder), "train.epochs=500"])
+
+
+def test_cancel_removed_cancels_nothing_a_broken_or_moved_config_still_holds(
+    repo_root, tmp_path, tiny, slurm_cluster, monkeypatch, capsys
+):
+    """Issue 31, rule 2. Before: a typo in the running sweep's file made all twelve points 'gone' (a file
+    that does not load gives its name, never its points'), and after `mv configs moved` a --cancel --removed
+    --config-dir moved cancelled the folder's own jobs (gone was decided from origin.json's path alone)."""
+    monkeypatch.chdir(tmp_path)
+    folder = sweep_folder(tmp_path, repo_root)
+    long = ["train.epochs=500", "--backend", "slurm", "--no-preflight"]  # queued or running for minutes
+    moved = tmp_path / "moved"
+    try:
+        assert launch.main(["--all", "--config-dir", str(folder), *long]) == 0
+        queued = squeue_ids(under=tmp_path)
+        assert len(queued) == 12
+        sweep = folder / "sweep.yaml"
+        sweep.write_text(
+            sweep.read_text().replace("adapter.rank:", "adapter.rnak:")
+        )  # a typo: it no longer loads
+        capsys.readouterr()
+        assert launch.main(["--cancel", "--removed", "--config-dir", str(folder)]) == 0
+        assert "Cancelled 0 job(s)" in " ".join(capsys.readouterr().out.split())
+        sweep.write_text(sweep.read_text().replace("adapter.rnak:", "adapter.rank:"))
+        folder.rename(moved)
+        assert launch.main(["--cancel", "--removed", "--config-dir", str(moved)]) == 0
+        assert "Cancelled 0 job(s)" in " ".join(capsys.readouterr().out.split())
+        assert squeue_ids(under=tmp_path) == queued
+    finally:
+        for where in (folder, moved):
+            if where.is_dir():
+                launch.main(["--cancel", "--all", "--config-dir", str(where), "train.epochs=500"])
