@@ -26,6 +26,7 @@ from spec.files import warn_unreadable
 from spec.layout import archive_folder
 from spec.problems import ConfigError, Problem
 from spec.rundir import (
+    UNREADABLE,
     RunDir,
     changed_keys,
     current_job,
@@ -232,14 +233,15 @@ def refusal(job: PlannedJob, what: str, hint: str) -> Problem:
 
 def archive_stale(job: PlannedJob) -> Path | None:
     """A run folder from another config (a finished one with --force, or stale checkpoints that would
-    crash or mislead on resume) is moved aside, never deleted."""
+    crash or mislead on resume) is moved aside, never deleted. Another config is another spec, or a DONE
+    of another identity with the same spec: an eval or a later stage whose own keys are unchanged but whose
+    parent was rerun (its results and predictions were overwritten in place; now archived beside it)."""
     run_dir = Path(job.run_dir)
-    old = read_spec(run_dir)
-    if (
-        not run_dir.exists()
-        or old is None
-        or what_it_computes(old) == what_it_computes(job.spec.model_dump())
-    ):
+    if not run_dir.exists():
+        return None
+    old, done = read_spec(run_dir), done_hash(run_dir)
+    changed = old is not None and what_it_computes(old) != what_it_computes(job.spec.model_dump())
+    if not changed and done in (None, UNREADABLE, job.config_hash):
         return None
     if job.kind == "export":  # rebuilt from its adapter in place, atomically (eval/export.py): a new
         return None  # format or table is no loss, and a multi-GB copy per change would be

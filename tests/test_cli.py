@@ -162,6 +162,37 @@ def test_force_keeps_the_old_run_under_a_free_name_when_its_archive_name_is_take
     assert len(taken) == 120 and all((p / "theirs").exists() for p in taken)
 
 
+@pytest.mark.slow
+def test_force_archives_the_eval_of_a_rerun_stage_too_its_results_kept(
+    repo_root, tmp_path, tiny, monkeypatch
+):
+    """Issue 31, rule 3. Before: only train.old-* was kept; the eval, whose own spec had not changed, was
+    rerun in place and the old results.json and predictions were lost."""
+    monkeypatch.chdir(repo_root)
+
+    def with_eval(epochs: int) -> Path:
+        folder = configs(tmp_path, repo_root, quick={"epochs": epochs})
+        path = folder / "quick.yaml"
+        path.write_text(
+            path.read_text().replace(
+                "eval: {metrics: []}", "eval: {metrics: [exact_match], split: train, limit: 8}"
+            )
+        )
+        return folder
+
+    argv = ["--all", "--config-dir", str(with_eval(1)), "--backend", "local"]
+    assert launch.main([*argv, "--no-preflight"]) == 0
+    experiment = tmp_path / "runs" / "quick"
+    old_results = (experiment / "eval" / "results.json").read_text()
+    with_eval(2)  # the training changed; the eval's own keys did not
+    assert launch.main([*argv, "--no-preflight", "--force"]) == 0
+    archived = {p.name.split(".old-")[0]: p for p in experiment.iterdir() if ".old-" in p.name}
+    assert sorted(archived) == ["eval", "train"]
+    assert (archived["eval"] / "results.json").read_text() == old_results
+    assert (archived["eval"] / "predictions.jsonl").exists()
+    assert (experiment / "eval" / "results.json").exists()  # and the rerun wrote its own
+
+
 def test_pack_on_a_machine_without_slurm_is_refused_before_any_experiment_is_loaded(
     repo_root, tmp_path, capsys
 ):
