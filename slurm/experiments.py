@@ -6,6 +6,7 @@ imports torch: this runs on the login node before anything is queued.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -138,7 +139,7 @@ def load_experiments(
                 problems += of_point(found, member)
                 loaded.append(LoadedExperiment(experiment, path, tuple(stages), member))
     loaded = after_whole_sweeps(loaded)
-    problems += check_names(loaded, names, written)
+    problems += check_names(loaded, names, written) + same_runs(loaded)
     problems = list(dict.fromkeys(problems))  # one sweep's points share the problems of their block
     if any(not p.warning for p in problems):
         raise ConfigError(problems)
@@ -177,6 +178,33 @@ def expanded(
         config = deep_merge(base, nested(point.values)) | {"name": f"{name}-{point.suffix}"}
         points.append((config, [*given, *chain], member))
     return points, []
+
+
+def same_runs(loaded: list[LoadedExperiment]) -> list[Problem]:
+    """Two points of one sweep that are one run once validated (1e-4 and 1.0e-4 are one number, 8 and 8.0
+    one rank; a random choice drawn twice): they would train the same thing twice under two names."""
+    first: dict[tuple, LoadedExperiment] = {}
+    found = []
+    for item in loaded:
+        if item.sweep is None:
+            continue
+        key = (
+            item.sweep.sweep,
+            json.dumps(item.experiment.model_dump(exclude={"name"}), sort_keys=True, default=str),
+        )
+        if key not in first:
+            first[key] = item
+            continue
+        earlier = first[key]
+        found.append(
+            Problem(
+                str(item.file),
+                "sweep",
+                f"points {earlier.name} and {item.name} are the same run once their values are read "
+                f"({earlier.sweep.values} and {item.sweep.values}): list each value once",
+            )
+        )
+    return found
 
 
 def check_kind(experiment: Experiment, chain: list[YamlFile]) -> list[Problem]:

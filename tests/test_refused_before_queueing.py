@@ -91,3 +91,18 @@ def test_a_whole_section_swept_with_seeds_is_an_error_at_its_line_not_a_tracebac
     assert code == 2
     assert "train is swept whole, and seeds sets train.seed inside it" in err
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "grid",
+    [
+        "{train.learning_rate: [1.0e-4, 1e-4]}",  # YAML reads 1e-4 as text; validated, it is 1.0e-4
+        "{adapter.rank: [8, 8.0]}",
+    ],
+)
+def test_two_points_that_are_one_run_once_validated_are_refused_naming_both(tmp_path, capsys, grid):
+    """Issue 31, rule 5 (its first half). Before: these grids trained the same run twice under two names."""
+    code, err = dry_run(folder_with(tmp_path, sweep=f"sweep:\n  grid: {grid}\n"), capsys)
+    assert code == 2
+    assert "are the same run once their values are read" in err
+    assert err.count("a-") >= 2  # both points named
