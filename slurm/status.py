@@ -11,8 +11,18 @@ from pathlib import Path
 from slurm.limits import never_starts
 from slurm.plan import Plan, PlannedJob
 from slurm.states import LANE_STATES, NEVER_STARTS, NEVER_STARTS_MARK, State, from_slurm, parent_verdict
-from spec.config import TIME_FORMAT, ascii_int, slurm_seconds, slurm_time
-from spec.rundir import PROGRESS_FIELDS, UNREADABLE, RunDir, current_job, done_hash, is_done, read_lane
+from spec.config import TIME_FORMAT, ascii_int, slurm_seconds, slurm_time, what_it_computes
+from spec.rundir import (
+    PROGRESS_FIELDS,
+    UNREADABLE,
+    RunDir,
+    changed_keys,
+    current_job,
+    done_hash,
+    is_done,
+    read_lane,
+    read_spec,
+)
 
 
 @dataclass(frozen=True)
@@ -198,6 +208,8 @@ def job_status(job, record, scheduler, earlier: dict[str, JobStatus], log_root: 
         None,
     )
     if record is None:
+        if done and done != job.config_hash:  # finished with another config; no record of its job here
+            return JobStatus(job, State.COMPLETED, reason=another_config(job, run_dir), **fields)
         if failed_parent:
             return JobStatus(
                 job, State.BLOCKED, reason=f"parent {failed_parent} {earlier[failed_parent].state.value}"
@@ -210,6 +222,10 @@ def job_status(job, record, scheduler, earlier: dict[str, JobStatus], log_root: 
         if record.get("pack"):
             info = packed_unit_info(run_dir, scheduler_id, info)
     state, reason = info.state, info.reason
+    if done and done != job.config_hash and not state.live:  # it finished with another config: no failure
+        return JobStatus(
+            job, State.COMPLETED, reason=another_config(job, run_dir), elapsed=info.elapsed, **common
+        )
     if state is State.PENDING and reason in NEVER_STARTS and never_starts(reason, job.resources):
         reason = f"{NEVER_STARTS_MARK}: {reason}"  # what it means: a line under the table (render.py)
     stuck = state.live and "DependencyNeverSatisfied" in reason
@@ -218,6 +234,17 @@ def job_status(job, record, scheduler, earlier: dict[str, JobStatus], log_root: 
         state = State.BLOCKED
         reason = f"parent {parent} {earlier[parent].state.value}" if failed_parent else "a parent failed"
     return JobStatus(job, state, reason=reason, elapsed=info.elapsed, stuck=stuck, **common)
+
+
+def another_config(job, run_dir: Path) -> str:
+    """`with another config (changed: train.epochs)`, as the relaunch words it: before, --status called
+    such a job FAILED and suggested --retry-failed (after an edit, or another folder's --force)."""
+    old = read_spec(run_dir)
+    keys = changed_keys(what_it_computes(old), what_it_computes(job.spec.model_dump())) if old else []
+    if not keys:
+        parents = any(d.kind == "afterok" for d in job.depends_on)
+        keys = ["(a stage it starts from)" if parents else "resources.gpus (the number of ranks)"]
+    return f"with another config (changed: {', '.join(keys)})"
 
 
 def packed_unit_info(run_dir: Path, pack_id: str, pack: SchedulerInfo) -> SchedulerInfo:

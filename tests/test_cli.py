@@ -193,6 +193,24 @@ def test_force_archives_the_eval_of_a_rerun_stage_too_its_results_kept(
     assert (experiment / "eval" / "results.json").exists()  # and the rerun wrote its own
 
 
+@pytest.mark.slow
+def test_status_calls_a_stage_finished_with_another_config_completed_not_failed(
+    repo_root, tmp_path, tiny, monkeypatch, capsys
+):
+    """Issue 31, rule 8. Before: after an edit, --status called the finished stage FAILED and suggested
+    --retry-failed; the relaunch said what it was: finished with another config."""
+    monkeypatch.chdir(repo_root)
+    folder = configs(tmp_path, repo_root, quick={})
+    assert launch.main(["--all", "--config-dir", str(folder), "--backend", "local", "--no-preflight"]) == 0
+    configs(tmp_path, repo_root, quick={"epochs": 2})
+    capsys.readouterr()
+    assert launch.main(["--status", "--config-dir", str(folder)]) == 0
+    said = " ".join(capsys.readouterr().out.split())
+    assert "quick/train" in said and "COMPLETED" in said and "FAILED" not in said
+    assert "with another config (changed: train.epochs)" in said
+    assert "--retry-failed" not in said
+
+
 def test_pack_on_a_machine_without_slurm_is_refused_before_any_experiment_is_loaded(
     repo_root, tmp_path, capsys
 ):
