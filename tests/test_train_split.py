@@ -152,3 +152,19 @@ def test_the_dry_run_shows_the_split_preflight_chose_and_estimates_at_it(
     write_cluster_yaml(demo, tmp_path, gpu_mem_gb=40)
     train = next(j for j in plan_json(argv, capsys)["jobs"] if j["id"] == "sql-t5-lora/train")
     assert train["estimate"]["split"] is None
+
+
+def test_the_split_is_not_part_of_a_stages_identity(repo_root, tmp_path, monkeypatch, capsys):
+    """Changing micro_batch changes how a stage runs, not what it computes: the same config hash (so a
+    finished stage stays finished), and no 'changed' key for the relaunch to refuse."""
+    from spec.config import what_it_computes
+
+    monkeypatch.chdir(repo_root)
+    argv = ["--exp", "sql-t5-lora", "--config-dir", str(repo_root / "configs" / "demo")]
+    hashes = []
+    for split in ("train.micro_batch=auto", "train.micro_batch=4", "train.micro_batch=8"):
+        jobs = {j["id"]: j for j in plan_json([*argv, split], capsys)["jobs"]}
+        hashes.append((jobs["sql-t5-lora/train"]["config_hash"], jobs["sql-t5-lora/eval"]["config_hash"]))
+        spec = jobs["sql-t5-lora/train"]["spec"]
+        assert "micro_batch" in spec["train"] and "micro_batch" not in what_it_computes(spec)["train"]
+    assert len(set(hashes)) == 1
