@@ -133,3 +133,12 @@ def test_a_split_survives_its_json_record():
     split = choose(QLORA_7B, usable_gb(40), effective=16)
     assert Split.from_json(split.as_json()) == split
     assert MemoryFigures.from_json(QLORA_7B.as_json()) == QLORA_7B
+
+
+def test_the_step_may_fill_what_is_free_and_what_the_loaded_model_already_holds():
+    """The split is chosen with the weights already on the GPU; the estimate counts them itself. Before:
+    free memory alone, the weights counted twice. 80 GB card, 15 GB held by the model, 64 GB free."""
+    from train.device import step_memory_gb
+
+    assert step_memory_gb(64 * 10**9, 15 * 10**9) == pytest.approx(79.0)
+    assert step_memory_gb(64 * 10**9, 0) == pytest.approx(64.0)

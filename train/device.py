@@ -180,13 +180,20 @@ FAKE_FREE_GPU_GB = "LORA_TEST_FREE_GPU_GB"
 
 
 def free_gpu_gb(placement: Placement, env: Mapping[str, str] = os.environ) -> float | None:
-    """GB (10**9 bytes) free on this process's GPU now, after the CUDA context; None on a CPU."""
+    """GB (10**9 bytes) this process's training step may fill on its GPU (step_memory_gb); None on a CPU."""
     if env.get(FAKE_FREE_GPU_GB):
         return float(env[FAKE_FREE_GPU_GB])
     if not placement.cuda:
         return None
     free, _total = torch.cuda.mem_get_info(placement.device)
-    return free / 10**9
+    return step_memory_gb(free, torch.cuda.memory_reserved(placement.device))
+
+
+def step_memory_gb(free_bytes: int, held_bytes: int) -> float:
+    """What the memory model's whole step may fill: the GPU's free memory plus what torch already holds for
+    this process. The split is chosen after the model is loaded, and the estimate counts the model's weights
+    itself: free memory alone counted them twice (a 7B bf16 LoRA's 15 GB, taken off the micro-batch)."""
+    return (free_bytes + held_bytes) / 10**9
 
 
 def split_memory_gb(free_per_rank: list[float | None]) -> float | None:
