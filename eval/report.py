@@ -32,7 +32,7 @@ import yaml
 from spec.files import read_jsonl, write_atomic
 from spec.names import REPORT_COLUMNS
 from spec.rundir import METRICS_FIELDS, RunDir
-from spec.split import Split
+from spec.split import label as split_label
 from spec.sweep import SweepMember
 
 COLUMNS = (
@@ -109,16 +109,8 @@ def job_row(job, states: dict[str, str], used) -> dict:
         "train_min": round(runtime_s / 60, 2) if runtime_s else None,
         "gpu_util_%": mean_gpu_util([job]) if train else None,
         "tokens_per_s": tokens_per_s([summary]),
-        "micro_batch": split_text(summary.get("split")),
+        "micro_batch": split_label(summary.get("split")),
     }
-
-
-def split_text(split) -> str | None:
-    """`32x1 (auto)`: the micro-batch x accumulation a stage ran with, and how it was chosen."""
-    try:
-        return f"{Split.from_json(split).short()} ({split['how']})" if isinstance(split, dict) else None
-    except TypeError:  # another version's record
-        return None
 
 
 def held(job, summary: dict, used) -> dict:

@@ -50,7 +50,7 @@ from slurm.yamlfile import find_inherited
 from spec.files import forget_warnings
 from spec.problems import ConfigError, Problem, short_path
 from spec.rundir import RunDir, current_job, mark_cancelled, record_origin
-from spec.split import Split
+from spec.split import label as split_label
 
 out = console()  # the terminal's width (tables fit it), or 160 columns into a file or a CI log
 err = console(stderr=True)
@@ -313,16 +313,9 @@ def preflight_table(results):
             str(r.truncated_inputs) if r.truncated_inputs is not None else "-",
             memory,
             {True: "yes", False: f"no (batch {r.largest_batch} fits)", None: "-"}[r.fits],
-            split_text(r.split),
+            split_label(r.split) or "-",
         )
     return table
-
-
-def split_text(split: dict | None) -> str:
-    """`32x1 (auto)`: the micro-batch x accumulation the job runs with on this partition's GPU."""
-    if not split:
-        return "-"
-    return f"{Split.from_json(split).short()} ({split['how']})"
 
 
 def watch(request: LaunchRequest, profile) -> int:

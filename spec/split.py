@@ -96,6 +96,17 @@ class Split:
         return Split(**value)
 
 
+def label(recorded) -> str | None:
+    """`32x1 (auto)`: a recorded split (Split.as_json, from summary.json or preflight) as its micro-batch x
+    accumulation and how it was chosen; None when it is no split record (absent, another version's)."""
+    if not isinstance(recorded, dict):
+        return None
+    try:
+        return f"{Split.from_json(recorded).short()} ({recorded['how']})"
+    except TypeError:
+        return None
+
+
 def usable_gb(gpu_gb: float) -> float:
     """The part of a GPU's (free) memory a split may plan to fill."""
     return gpu_gb * (1 - HEADROOM)
