@@ -42,7 +42,7 @@ from spec.config import DataSpec, EvalJob, TrainJob, TrainSpec
 from spec.examples import TextSize
 from spec.files import is_kind, read_json, warn_unreadable, write_json_atomic
 from spec.speeds import FILE, EvalSpeedRecord, SpeedRecord, read_book, read_eval_book
-from spec.split import Split, asked
+from spec.split import Split, resolve
 from train.hub_cache import TOKENIZER_FILES
 
 # The usual rule of thumb for English under BPE or SentencePiece vocabularies; code and SQL run nearer 3,
@@ -172,11 +172,8 @@ def record_splits(run_root: str | Path, chosen: Iterable[tuple[TrainJob, float |
 def known_split(spec: TrainJob, splits: Mapping[str, Split], gpu_mem_gb: float | None) -> Split | None:
     """The split the job will run with, where known on the login node: an explicit micro_batch, or what
     preflight chose for `auto` on this GPU memory; None: chosen at the job's start."""
-    train = spec.train
-    if train.micro_batch != "auto":
-        return asked(
-            train.micro_batch, train.batch_size * train.grad_accum, train.gradient_checkpointing, None, None
-        )
+    if spec.train.micro_batch != "auto":
+        return resolve(spec.train, None, None)
     return splits.get(split_key(spec, gpu_mem_gb))
 
 

@@ -20,22 +20,20 @@ from typing import Literal
 from slurm.pack import unit_of
 from slurm.plan import Plan, PlannedJob
 from slurm.states import State
-from slurm.status import query_slurm
-from spec.config import Resources, what_it_computes
+from slurm.status import config_changes, named_changes, query_slurm
+from spec.config import Resources
 from spec.files import warn_unreadable
 from spec.layout import archive_folder
 from spec.problems import ConfigError, Problem
 from spec.rundir import (
     UNREADABLE,
     RunDir,
-    changed_keys,
     current_job,
     done_hash,
     foreign_done,
     forget_intent,
     mark_cancelled,
     pending_submission,
-    read_spec,
     record_intent,
     record_job,
     results_lost,
@@ -95,7 +93,7 @@ def weigh(plan: Plan, force: bool = False) -> tuple[list[Decision], list[Problem
         if finished == job.config_hash:
             decisions.append(Decision(job, "done"))
         elif live_as:
-            if what_it_computes(read_spec(run_dir) or {}) == what_it_computes(job.spec.model_dump()):
+            if config_changes(job) == []:  # the live job runs this very config
                 decisions.append(Decision(job, live_as, record["job_id"]))
             else:
                 refusals.append(refusal(job, f"{LIVE_AS[live_as]} {record['job_id']}", "--cancel it first"))
@@ -212,18 +210,16 @@ def hold_all_but(decisions: list[Decision], job_ids: set[str]) -> list[Decision]
 
 def refusal(job: PlannedJob, what: str, hint: str) -> Problem:
     run_dir, parents = Path(job.run_dir), any(d.kind == "afterok" for d in job.depends_on)
-    old = read_spec(run_dir)  # None: missing or unreadable (named in a warning)
-    new = what_it_computes(job.spec.model_dump())
-    keys = changed_keys(what_it_computes(old), new) if old is not None else []
-    changed = bool(keys) or old is None
+    keys = config_changes(job)  # None: config.yaml missing or unreadable (named in a warning)
+    changed = keys is None or bool(keys)
     foreign = foreign_done(run_dir, job.resources.tasks, parents, changed) if done_hash(run_dir) else None
     if foreign:  # a damaged or foreign DONE is no changed config: say so, and how to get past it
         why = f"{job.id}: {foreign}, so it is not known to have finished with this config"
         return Problem(f"{run_dir}/DONE", "", f"{why}: remove that file to run the stage, or {hint}")
-    if old is None:
+    if keys is None:
         unknown = f"{job.id} {what}, but its config.yaml is missing or unreadable: what changed is unknown"
         return Problem(f"{run_dir}/config.yaml", "", f"{unknown}; {hint}")
-    keys = keys or ["(a stage it starts from)" if parents else "resources.gpus (the number of ranks)"]
+    keys = named_changes(job, keys)
     return Problem(
         f"{job.run_dir}/config.yaml",
         "",
@@ -239,8 +235,10 @@ def archive_stale(job: PlannedJob) -> Path | None:
     run_dir = Path(job.run_dir)
     if not run_dir.exists():
         return None
-    old, done = read_spec(run_dir), done_hash(run_dir)
-    changed = old is not None and what_it_computes(old) != what_it_computes(job.spec.model_dump())
+    changed, done = (
+        bool(config_changes(job)),
+        done_hash(run_dir),
+    )  # an unreadable config.yaml: no change known
     if not changed and done in (None, UNREADABLE, job.config_hash):
         return None
     if job.kind == "export":  # rebuilt from its adapter in place, atomically (eval/export.py): a new

@@ -239,12 +239,23 @@ def job_status(job, record, scheduler, earlier: dict[str, JobStatus], log_root: 
 def another_config(job, run_dir: Path) -> str:
     """`with another config (changed: train.epochs)`, as the relaunch words it: before, --status called
     such a job FAILED and suggested --retry-failed (after an edit, or another folder's --force)."""
-    old = read_spec(run_dir)
-    keys = changed_keys(what_it_computes(old), what_it_computes(job.spec.model_dump())) if old else []
-    if not keys:
-        parents = any(d.kind == "afterok" for d in job.depends_on)
-        keys = ["(a stage it starts from)" if parents else "resources.gpus (the number of ranks)"]
-    return f"with another config (changed: {', '.join(keys)})"
+    return f"with another config (changed: {', '.join(named_changes(job, config_changes(job) or []))})"
+
+
+def config_changes(job) -> list[str] | None:
+    """The dotted keys of what the job computes that differ between its run folder's config.yaml and the
+    plan; None when that file is missing or unreadable (named in a warning)."""
+    old = read_spec(Path(job.run_dir))
+    if old is None:
+        return None
+    return changed_keys(what_it_computes(old), what_it_computes(job.spec.model_dump()))
+
+
+def named_changes(job, keys: list[str]) -> list[str]:
+    """`keys`, or when none differ, what else changes a job's identity: a stage it starts from, or the
+    number of ranks. The relaunch's refusal and --status say it alike."""
+    parents = any(d.kind == "afterok" for d in job.depends_on)
+    return keys or ["(a stage it starts from)" if parents else "resources.gpus (the number of ranks)"]
 
 
 def packed_unit_info(run_dir: Path, pack_id: str, pack: SchedulerInfo) -> SchedulerInfo:
