@@ -54,13 +54,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     import torch
 
+    from train.device import Hardware
     from train.loss import liger_installed
 
     report: dict = {"skipped": {}}
-    cuda = torch.cuda.is_available()
-    gpus = torch.cuda.device_count() if cuda else 0
+    hardware = Hardware.detect()  # train/device.py: what the trainer itself sees
+    gpus = hardware.cuda_devices
+    cuda = gpus > 0
     if cuda:
-        report["gpu"] = {"name": torch.cuda.get_device_name(), "count": gpus, "torch": torch.__version__}
+        report["gpu"] = {"name": hardware.name, "count": gpus, "torch": torch.__version__}
     no_gpu = "no CUDA GPU here (torch.cuda.is_available() is False)"
     demo = None if args.skip_demo or not cuda else Background(demo_runs)
     parts = {  # a CPU runs the throughput part only, on a tiny model: the same rows, figures that run here

@@ -47,7 +47,7 @@ from transformers import (  # noqa: E402
     TrainingArguments,
 )
 
-from bench.train_throughput import PEAK_BF16_FLOPS, StepTimer  # noqa: E402
+from bench.train_throughput import StepTimer, model_flops_utilisation  # noqa: E402
 from demo.tiny import build_tiny_models  # noqa: E402
 from spec.config import DataSpec, ModelSpec, TrainJob  # noqa: E402
 from train import data as data_lib  # noqa: E402
@@ -144,8 +144,7 @@ def measured(run, tokens: int, placement: Placement, params: int) -> dict:
     }
     if placement.cuda:
         row["peak_gb"] = round(torch.cuda.max_memory_allocated() / 10**9, 2)
-        peak = next((f for key, f in PEAK_BF16_FLOPS.items() if key in placement.device_name), None)
-        row["mfu"] = round(6 * params * row["tokens_per_s"] / peak, 4) if peak else None
+        row["mfu"] = model_flops_utilisation(row["tokens_per_s"], params, placement.device_name)
     return row
 
 
