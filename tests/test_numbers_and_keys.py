@@ -12,39 +12,17 @@ import pytest
 from pydantic import BaseModel, TypeAdapter, ValidationError
 from transformers import TrainerState
 
-import launch
 from slurm.profile import ClusterProfile
 from spec import config
-from tests.conftest import write_cluster_yaml
+from tests.helpers import dry_run, experiment_folder
 from tests.train_helpers import make_job
 from train.callbacks import FailOnNonFiniteLoss, NonFiniteLoss
 from train.recipe import run_stage
 
-EXPERIMENT = """\
-name: a
-model: {{name_or_path: org/some-model, kind: causal}}
-adapter: {{rank: 8, alpha: 16}}
-data: {{train: {data}, eval: {data}, input_field: question, target_field: sql}}
-train: {{epochs: 1, learning_rate: 2.0e-4}}
-eval: {{metrics: [exact_match]}}
-resources: {{gpus: 1, cpus: 1, mem_gb: 1, time: "00:05:00"}}
-"""
-
 
 @pytest.fixture
 def folder(tmp_path: Path) -> Path:
-    configs = tmp_path / "configs"
-    configs.mkdir()
-    write_cluster_yaml(configs, tmp_path)
-    data = tmp_path / "train.jsonl"
-    data.write_text('{"question": "q", "sql": "SELECT 1"}\n')
-    (configs / "a.yaml").write_text(EXPERIMENT.format(data=data))
-    return configs
-
-
-def dry_run(folder: Path, capsys, *overrides: str) -> tuple[int, str]:
-    code = launch.main(["--all", "--config-dir", str(folder), "--dry-run", *overrides])
-    return code, capsys.readouterr().err
+    return experiment_folder(tmp_path)
 
 
 def models_under(root: type[BaseModel]) -> set[type[BaseModel]]:

@@ -8,33 +8,11 @@ from pathlib import Path
 
 import pytest
 
-import launch
-from tests.conftest import write_cluster_yaml
-
-EXPERIMENT = """\
-name: a
-model: {{name_or_path: {model}, kind: {kind}}}
-adapter: {{rank: 8, alpha: 16}}
-data: {{train: {data}, eval: {data}, input_field: question, target_field: sql}}
-train: {{epochs: 1, learning_rate: 2.0e-4, eval_every_epochs: 1}}
-eval: {{metrics: [exact_match, sql_exec], db: {data}}}
-resources: {{gpus: 1, cpus: 1, mem_gb: 1, time: "00:05:00"}}
-"""
+from tests.helpers import dry_run, experiment_folder
 
 
 def folder_with(tmp_path: Path, model: str = "org/some-model", kind: str = "causal", sweep: str = "") -> Path:
-    configs = tmp_path / "configs"
-    configs.mkdir(exist_ok=True)
-    write_cluster_yaml(configs, tmp_path)
-    data = tmp_path / "train.jsonl"
-    data.write_text('{"question": "q", "sql": "SELECT 1"}\n')
-    (configs / "a.yaml").write_text(EXPERIMENT.format(model=model, kind=kind, data=data) + sweep)
-    return configs
-
-
-def dry_run(configs: Path, capsys) -> tuple[int, str]:
-    code = launch.main(["--all", "--config-dir", str(configs), "--dry-run"])
-    return code, capsys.readouterr().err
+    return experiment_folder(tmp_path, model, kind, more=sweep)
 
 
 @pytest.mark.parametrize(

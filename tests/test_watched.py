@@ -8,42 +8,26 @@ from pathlib import Path
 from slurm.experiments import load_watchable_experiments
 from slurm.watched import removed_from, watched_experiments
 from spec.rundir import record_origin
-from tests.conftest import write_cluster_yaml
-
-SWEEP = """\
-name: s
-model: {{name_or_path: org/some-model, kind: causal}}
-adapter: {{rank: 8, alpha: 16}}
-data: {{train: {data}, eval: {data}, input_field: question, target_field: sql}}
-train: {{epochs: 1, eval_every_epochs: null}}
-eval: {{metrics: [exact_match]}}
-resources: {{gpus: 0, cpus: 1, mem_gb: 1, time: "00:05:00"}}
-sweep:
-  grid: {{train.learning_rate: [{rates}]}}
-"""
+from tests.helpers import experiment_folder
 
 
 def launched(tmp_path: Path, rates: str = "1.0e-4, 2.0e-4") -> tuple[Path, Path, list[str]]:
     """(config folder, run root, point names): a sweep whose points the run root holds, as a launch leaves
     them (each with its origin record)."""
-    folder, runs = tmp_path / "configs", tmp_path / "runs"
-    folder.mkdir(exist_ok=True)
-    write_cluster_yaml(folder, tmp_path)
-    data = tmp_path / "train.jsonl"
-    data.write_text('{"question": "q", "sql": "SELECT 1"}\n')
-    (folder / "s.yaml").write_text(SWEEP.format(data=data, rates=rates))
+    folder = experiment_folder(tmp_path, more=f"sweep:\n  grid: {{train.learning_rate: [{rates}]}}\n")
+    runs = tmp_path / "runs"
     found, problems, _, broken = load_watchable_experiments(folder)
     assert not problems and not broken
     names = [e.name for e in found]
     for name in names:
         (runs / name).mkdir(parents=True)
-        record_origin(runs / name, folder / "s.yaml", folder)
+        record_origin(runs / name, folder / "a.yaml", folder)
     return folder, runs, names
 
 
 def test_a_point_removed_from_the_sweep_is_gone(tmp_path):
     folder, runs, names = launched(tmp_path)
-    (folder / "s.yaml").write_text((folder / "s.yaml").read_text().replace("1.0e-4, 2.0e-4", "1.0e-4"))
+    (folder / "a.yaml").write_text((folder / "a.yaml").read_text().replace("1.0e-4, 2.0e-4", "1.0e-4"))
     gone = watched_experiments(runs, folder, False).gone
     assert len(gone) == 1 and gone[0] in names
     assert removed_from(runs, folder) == gone
@@ -51,7 +35,7 @@ def test_a_point_removed_from_the_sweep_is_gone(tmp_path):
 
 def test_a_sweep_file_that_does_not_load_makes_none_of_its_points_gone(tmp_path):
     folder, runs, names = launched(tmp_path)
-    path = folder / "s.yaml"
+    path = folder / "a.yaml"
     for broken in (
         path.read_text().replace("train.learning_rate", "train.learnig_rate"),  # a point fails validation
         path.read_text().replace("grid: {", "grid: {{"),  # not YAML any more
