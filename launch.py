@@ -25,7 +25,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     which = parser.add_mutually_exclusive_group()
     which.add_argument("--all", action="store_true", help="every experiment in --config-dir")
     which.add_argument("--exp", nargs="+", metavar="NAME", help="only these experiments")
-    action = parser.add_mutually_exclusive_group()
+    add_verbs(parser.add_mutually_exclusive_group())
+    add_options(parser)
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="e.g. train.learning_rate=1e-4")
+    return parser.parse_args(argv)
+
+
+def add_verbs(action) -> None:
+    """The flags that name what to do, one at most (none: a launch); slurm/request.py names each verb."""
     action.add_argument("--dry-run", action="store_true", help="validate and print the plan; submit nothing")
     action.add_argument(
         "--preflight",
@@ -55,6 +62,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         action="store_true",
         help="resubmit only failed jobs and the jobs that depend on them",
     )
+
+
+def add_options(parser: argparse.ArgumentParser) -> None:
+    """How a verb does it (slurm/request.py refuses an option given to a verb it does not apply to)."""
     parser.add_argument(
         "--rank", type=int, default=0, metavar="K", help="with --tail: the log of task K of a multi-GPU job"
     )
@@ -94,8 +105,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         action="store_true",
         help="with --cancel: the live jobs of experiments (sweep points) no config folder has any more",
     )
-    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="e.g. train.learning_rate=1e-4")
-    return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -49,6 +49,7 @@ import yaml
 
 from spec.config import EvalJob, EvalSpec, TrainJob
 from spec.files import read_text, write_atomic
+from spec.hashing import content_hash
 from spec.rundir import RunDir, read_spec
 
 log = logging.getLogger("eval.export")
@@ -424,7 +425,7 @@ def export_identity(stage_dir: Path, job: EvalJob, eval_spec: EvalSpec | None, s
         # A GGUF asked for while llama.cpp was missing is made once it is there.
         "converter": str(gguf_converter()) if settings["gguf"] else None,
     }
-    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    return content_hash(parts)
 
 
 def file_sha256(path: Path) -> str:

@@ -8,7 +8,6 @@ rerun on its own: `python -m eval generate runs/EXP/eval/config.yaml`.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import sys
@@ -19,6 +18,7 @@ from pathlib import Path
 from eval.predictions import PartialPredictions, rows, write_final
 from spec.config import EvalJob
 from spec.files import write_atomic
+from spec.hashing import content_hash
 from spec.rundir import RunDir
 
 log = logging.getLogger("eval.job")
@@ -148,7 +148,7 @@ def fingerprint(job: EvalJob, placement) -> str:
         "adapter_files": [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files if f.is_file()],
         "device": [placement.device_name, placement.precision],
     }
-    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    return content_hash(parts)
 
 
 def write_speed(job: EvalJob, device_name: str, batches: int, loaded: float, generated: float) -> None:

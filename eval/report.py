@@ -1,7 +1,9 @@
 """The comparison report: one row per experiment (and per published baseline), one per job (what it held
 of the cluster, its Trainer clock, GPU utilisation, tokens/s), loss curves, as files.
 
-Reads run directories: `summary.json` and `metrics.jsonl` of each stage, `results.json` of the eval job.
+Takes the run root's jobs as typed records (spec/runs.py `JobRun`: each job's state, resources and
+summary.json, read once by slurm/commands/report.py) and reads the rest of the run folders itself:
+`metrics.jsonl` of each stage, `results.json` of the eval job. It never sees the plan or the scheduler.
 GPU-hours are what the cluster charged: each job's elapsed time x the GPUs it held, every requeue, eval
 jobs and a pack's idle lanes included, as the launcher found them (`usage`: slurm/usage.py, from sacct or
 a local job's own clock). A job without such a figure (run by hand, unknown to the scheduler) counts its
@@ -24,7 +26,6 @@ import csv
 import io
 import math
 import statistics
-from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
@@ -32,7 +33,9 @@ import yaml
 from spec.files import read_jsonl, write_atomic
 from spec.names import REPORT_COLUMNS
 from spec.rundir import METRICS_FIELDS, RunDir
+from spec.runs import BaseEval, JobRun, PlanUsage
 from spec.split import label as split_label
+from spec.states import State
 from spec.sweep import SweepMember
 
 COLUMNS = (
@@ -59,18 +62,6 @@ DELTA = "delta_"  # report.csv's name of a score's Δ column: delta_rouge_l; rep
 BASE_LABEL = "base (no adapter)"
 
 
-@dataclass(frozen=True)
-class BaseEval:
-    job_id: str  # the plan job that scores the base (its state is states.get(job_id))
-    out_dir: str  # where its results.json is
-    model: str  # the base model (name_or_path), for the row's label
-    left_out: str | None = None  # why this experiment has no base row; then job_id/out_dir are ""
-
-
-def read_summary(run_dir: str | Path) -> dict:
-    return RunDir.of(run_dir).read_summary()
-
-
 def read_results(run_dir: str | Path) -> dict:
     return RunDir.of(run_dir).read_results()
 
@@ -95,17 +86,18 @@ JOB_COLUMNS = (
 TRAINER_CLOCK = "Trainer clock (no scheduler record)"
 
 
-def job_row(job, states: dict[str, str], used) -> dict:
-    """One job's use of the cluster: what it held (`used`: a JobUsage of slurm/usage.py, or None), and for
-    a training stage its Trainer clock and speed: where a curriculum's time went."""
+def job_row(job: JobRun) -> dict:
+    """One job's use of the cluster: what it held (`job.used`), and for a training stage its Trainer clock
+    and speed: where a curriculum's time went."""
     train = job.kind == "train"
-    summary = read_summary(job.run_dir) if train else {}
+    summary = job.summary
     ended = summary or (not train and RunDir.of(job.run_dir).results.is_file())
     runtime_s = summary.get("train_runtime_s") or 0
+    state = job.state or (State.COMPLETED if ended else None)
     return {
         "job": job.id,
-        "state": states.get(job.id) or ("COMPLETED" if ended else None),
-        **held(job, summary, used),
+        "state": state.value if state else None,
+        **held(job),
         "train_min": round(runtime_s / 60, 2) if runtime_s else None,
         "gpu_util_%": mean_gpu_util([job]) if train else None,
         "tokens_per_s": tokens_per_s([summary]),
@@ -113,9 +105,10 @@ def job_row(job, states: dict[str, str], used) -> dict:
     }
 
 
-def held(job, summary: dict, used) -> dict:
+def held(job: JobRun) -> dict:
     """gpus, attempts, held_min, gpu_hours and counted_from: the scheduler's figures, else the Trainer's
     clock x the GPUs the stage ran on (none when it ran on the CPU: a local run on a CPU machine)."""
+    used, summary = job.used, job.summary
     if used is not None:
         return {
             "gpus": used.gpus,
@@ -127,25 +120,24 @@ def held(job, summary: dict, used) -> dict:
     runtime_s = summary.get("train_runtime_s")
     if not runtime_s:
         return {}
-    gpus = 0 if summary.get("device") == "cpu" else job.resources.gpus
+    gpus = 0 if summary.get("device") == "cpu" else job.gpus
     return {"gpus": gpus, "gpu_hours": round(runtime_s * gpus / 3600, 4), "counted_from": TRAINER_CLOCK}
 
 
-def experiment_row(plan, experiment: str, states: dict[str, str], job_rows: dict[str, dict]) -> dict:
-    """`job_rows`: job_row of every job, by job id."""
-    jobs = [j for j in plan.jobs if j.experiment == experiment]
+def experiment_row(jobs: list[JobRun], experiment: str, job_rows: dict[str, dict]) -> dict:
+    """`jobs`: the experiment's; `job_rows`: job_row of every job, by job id."""
     train_jobs = [j for j in jobs if j.kind == "train"]
-    first = train_jobs[0].spec
-    summaries = [read_summary(j.run_dir) for j in train_jobs]
+    first = train_jobs[0]
+    summaries = [j.summary for j in train_jobs]
     runtime_s = sum(s.get("train_runtime_s") or 0 for s in summaries)
     losses = [s["best_eval_loss"] for s in summaries if s.get("best_eval_loss") is not None]
     eval_job = next((j for j in jobs if j.id == f"{experiment}/eval"), None)
     results = read_results(eval_job.run_dir) if eval_job else {}
     row = {
         "experiment": experiment,
-        "status": status_text(jobs, states, bool(results)),
-        "model": first.model.name_or_path,
-        "method": first.adapter.method,
+        "status": status_text(jobs, bool(results)),
+        "model": first.model,
+        "method": first.method,
         "stages": " → ".join(j.stage for j in train_jobs),
         "trainable_%": next(
             (s.get("trainable_percent") for s in summaries if s.get("trainable_percent")), None
@@ -198,16 +190,16 @@ def split_marker(results: dict) -> str | None:
 UNCHANGED = "complete (adapter did not change outputs!)"  # done, but the adapter changed no prediction
 
 
-def status_text(jobs, states: dict[str, str], has_results: bool) -> str:
+def status_text(jobs: list[JobRun], has_results: bool) -> str:
     if has_results:
         flagged = any(
             read_results(j.run_dir).get("adapter_changes_output") is False for j in jobs if j.kind == "eval"
         )
         return UNCHANGED if flagged else "complete"
-    if all(j.kind == "train" for j in jobs) and all(states.get(j.id) == "COMPLETED" for j in jobs):
+    if all(j.kind == "train" and j.state is State.COMPLETED for j in jobs):
         return "complete (no eval asked)"  # before: "missing: not run yet" for a trained experiment
     bad = [
-        f"{j.stage} {states[j.id]}" for j in jobs if states.get(j.id) not in (None, "COMPLETED", "PLANNED")
+        f"{j.stage} {j.state.value}" for j in jobs if j.state not in (None, State.COMPLETED, State.PLANNED)
     ]
     return ("missing: " + ", ".join(bad)) if bad else "missing: not run yet"
 
@@ -215,7 +207,7 @@ def status_text(jobs, states: dict[str, str], has_results: bool) -> str:
 # Base-model evals: the base model without any adapter, scored as the experiments are; their rows and Δs.
 
 
-def base_row(base: BaseEval, states: dict[str, str], job_rows: dict[str, dict]) -> dict:
+def base_row(base: BaseEval, state: State | None, job_rows: dict[str, dict]) -> dict:
     """A base eval's numbers, in the experiment rows' columns (labelled by task_base_rows). `job_rows`: its
     GPU-hours, when the job is in the plan."""
     results = read_results(base.out_dir)
@@ -223,7 +215,7 @@ def base_row(base: BaseEval, states: dict[str, str], job_rows: dict[str, dict]) 
     has_scores = any(v is not None for v in scores.values())
     return {
         "job_id": base.job_id,
-        "status": "complete" if has_scores else base_status(states.get(base.job_id)),
+        "status": "complete" if has_scores else base_status(state),
         "model": base.model,
         "gpu_hours": job_rows.get(base.job_id, {}).get("gpu_hours"),
         "eval_split": split_marker(results),
@@ -231,10 +223,10 @@ def base_row(base: BaseEval, states: dict[str, str], job_rows: dict[str, dict]) 
     }
 
 
-def base_status(state: str | None) -> str:
+def base_status(state: State | None) -> str:
     """What a base eval without scores is: as status_text says of an experiment's eval job. A COMPLETED
     job without scores is said as such, not 'not run yet': it ran, and its results.json is missing."""
-    return "missing: not run yet" if state in (None, "PLANNED") else f"missing: eval {state}"
+    return "missing: not run yet" if state in (None, State.PLANNED) else f"missing: eval {state.value}"
 
 
 def deltas(row: dict, base: dict | None) -> dict:
@@ -346,43 +338,27 @@ def header(column: str) -> str:
 
 
 def write_report(
-    plan,
+    jobs: list[JobRun],
     run_root: Path,
-    states: dict[str, str] | None = None,
     baselines: Path | list[Path] | None = None,
     tasks: dict[str, str | None] | None = None,
     gpu_hour_cost: float | None = None,
-    usage=None,
+    usage: PlanUsage | None = None,
     sweeps: dict[str, SweepMember] | None = None,
     base_evals: dict[str, BaseEval] | None = None,
 ) -> list[Path]:
     """report.md (one table per task, each with the published baselines of that task, then one table per
-    sweep), report.csv (every row, with its task) and the loss curves. `tasks`: experiment name → its
+    sweep), report.csv (every row, with its task) and the loss curves. `jobs`: the run root's, in plan
+    order (spec/runs.py; nothing else: the report never drives the plan). `tasks`: experiment name → its
     `task:` (None: not set); `gpu_hour_cost` (cluster.yaml) adds a cost per experiment and in total;
-    `usage` (a PlanUsage of slurm/usage.py) is what each job held, without it every job counts its
-    Trainer clock; `sweeps`: experiment name → the sweep point it is (absent: not a sweep point);
-    `base_evals`: experiment name → its base-model eval (absent: none planned, no Δ)."""
-    states, tasks, sweeps, base_evals = states or {}, tasks or {}, sweeps or {}, base_evals or {}
-    used = usage.jobs if usage is not None else {}
-    # Only experiments with a training job get a row: a base-model eval job is a plan job of its own
-    # (experiment "baselines"), with no adapter to describe; it shows as its own row via base_evals.
-    experiments = list(dict.fromkeys(j.experiment for j in plan.jobs if j.kind == "train"))
-    job_rows = {j.id: job_row(j, states, used.get(j.id)) for j in plan.jobs}
-    rows = [experiment_row(plan, name, states, job_rows) | {"task": tasks.get(name)} for name in experiments]
-    scored = {  # each base eval's row, by its job id: one job may serve many experiments
-        base.job_id: base_row(base, states, job_rows) for base in base_evals.values() if not base.left_out
-    }
-    for row in rows:
-        if row["experiment"] in base_evals:
-            base = base_evals[row["experiment"]]
-            row.update(deltas(row, None if base.left_out else scored[base.job_id]))
-    bases = {task: task_base_rows(task, rows, base_evals, scored) for task in tasks_of(rows)}
-    if gpu_hour_cost is not None:
-        for row in rows + [b for task_bases in bases.values() for b in task_bases]:
-            row["cost"] = round(row["gpu_hours"] * gpu_hour_cost, 2) if row["gpu_hours"] is not None else None
-    published: dict[str, tuple[list[dict], str]] = {}
-    for path in [baselines] if isinstance(baselines, Path) else baselines or []:
-        published = baseline_sets(path) | published  # the first file naming a task wins
+    `usage`: what the packs held, which jobs sacct knew nothing of (a job's own figure is its `used`;
+    without one it counts its Trainer clock); `sweeps`: experiment name → the sweep point it is (absent:
+    not a sweep point); `base_evals`: experiment name → its base-model eval (absent: none, no Δ)."""
+    if not all(isinstance(job, JobRun) for job in jobs):  # a plan handed in would be read half-right
+        raise TypeError("write_report takes the run root's jobs as spec.runs.JobRun records")
+    tasks, sweeps, base_evals = tasks or {}, sweeps or {}, base_evals or {}
+    rows, bases, job_rows = scored_rows(jobs, tasks, base_evals, gpu_hour_cost)
+    published = published_baselines(baselines)
     groups = tasks_of(rows)
     extra = [b | {"task": task} for task in groups if task in published for b in published[task][0]]
     plain = [r for r in rows if r["experiment"] not in sweeps]  # sweep points get their sweep's table
@@ -390,7 +366,7 @@ def write_report(
     columns = with_deltas(present_columns(plain + base_rows), plain)
     extra_columns = sorted({k for r in extra for k in r} - set(columns) - {"name", "task"})
     run_root.mkdir(parents=True, exist_ok=True)
-    written = [*plot_losses(plan, experiments, run_root, sweeps)]
+    written = [*plot_losses(jobs, [row["experiment"] for row in rows], run_root, sweeps)]
     md = ["# Experiment report", ""]
     for task in groups:
         if len(groups) > 1:
@@ -411,6 +387,43 @@ def write_report(
     write_atomic(run_root / "report.md", "\n".join(md) + "\n")
     write_atomic(run_root / "report.csv", csv_text(rows, extra, sweeps, base_rows))
     return [run_root / "report.md", run_root / "report.csv", *written]
+
+
+def published_baselines(baselines: Path | list[Path] | None) -> dict[str, tuple[list[dict], str]]:
+    """Task → (its published rows, their source), from every baselines.yaml found."""
+    published: dict[str, tuple[list[dict], str]] = {}
+    for path in [baselines] if isinstance(baselines, Path) else baselines or []:
+        published = baseline_sets(path) | published  # the first file naming a task wins
+    return published
+
+
+def scored_rows(
+    jobs: list[JobRun], tasks: dict, base_evals: dict[str, BaseEval], gpu_hour_cost: float | None
+) -> tuple[list[dict], dict[str, list[dict]], dict[str, dict]]:
+    """(each experiment's row with its Δs and cost, each task's base rows, each job's row by its id)."""
+    state_of = {j.id: j.state for j in jobs}
+    # Only experiments with a training job get a row: a base-model eval job is a plan job of its own
+    # (experiment "baselines"), with no adapter to describe; it shows as its own row via base_evals.
+    experiments = list(dict.fromkeys(j.experiment for j in jobs if j.kind == "train"))
+    job_rows = {j.id: job_row(j) for j in jobs}
+    rows = [
+        experiment_row([j for j in jobs if j.experiment == name], name, job_rows) | {"task": tasks.get(name)}
+        for name in experiments
+    ]
+    scored = {  # each base eval's row, by its job id: one job may serve many experiments
+        base.job_id: base_row(base, state_of.get(base.job_id), job_rows)
+        for base in base_evals.values()
+        if not base.left_out
+    }
+    for row in rows:
+        if row["experiment"] in base_evals:
+            base = base_evals[row["experiment"]]
+            row.update(deltas(row, None if base.left_out else scored[base.job_id]))
+    bases = {task: task_base_rows(task, rows, base_evals, scored) for task in tasks_of(rows)}
+    if gpu_hour_cost is not None:
+        for row in rows + [b for task_bases in bases.values() for b in task_bases]:
+            row["cost"] = round(row["gpu_hours"] * gpu_hour_cost, 2) if row["gpu_hours"] is not None else None
+    return rows, bases, job_rows
 
 
 def present_columns(rows: list[dict]) -> list[str]:
@@ -605,7 +618,7 @@ def split_refusal(field: str, replicates: list[dict]) -> str | None:
     return None
 
 
-def totals_text(job_rows: list[dict], usage, gpu_hour_cost: float | None) -> str:
+def totals_text(job_rows: list[dict], usage: PlanUsage | None, gpu_hour_cost: float | None) -> str:
     """The whole plan's GPU-hours and cost, each pack's allocation, and which jobs had no scheduler figure."""
     gpu_hours = total_gpu_hours(job_rows) or 0.0
     train_h = sum(r["train_min"] or 0 for r in job_rows) / 60
@@ -636,10 +649,10 @@ def totals_text(job_rows: list[dict], usage, gpu_hour_cost: float | None) -> str
     return "\n\n".join(lines)
 
 
-def loss_series(plan, experiment: str) -> tuple[list, list, list]:
+def loss_series(jobs: list[JobRun], experiment: str) -> tuple[list, list, list]:
     """(train points, eval points, stage boundaries) with steps counted across stages."""
     train, evals, boundaries, offset = [], [], [], 0
-    for job in (j for j in plan.jobs if j.experiment == experiment and j.kind == "train"):
+    for job in (j for j in jobs if j.experiment == experiment and j.kind == "train"):
         rows = read_metrics(job.run_dir)
         train += [(offset + r["step"], r["loss"]) for r in rows if "loss" in r and "step" in r]
         evals += [(offset + r["step"], r["eval_loss"]) for r in rows if "eval_loss" in r and "step" in r]
@@ -649,7 +662,7 @@ def loss_series(plan, experiment: str) -> tuple[list, list, list]:
 
 
 def plot_losses(
-    plan, experiments: list[str], run_root: Path, sweeps: dict[str, SweepMember] | None = None
+    jobs: list[JobRun], experiments: list[str], run_root: Path, sweeps: dict[str, SweepMember] | None = None
 ) -> list[Path]:
     """loss_curves.png (every experiment; a sweep point's replicates as one mean line with a band) and
     each experiment's own loss.png (a replicate's included)."""
@@ -659,7 +672,7 @@ def plot_losses(
     import matplotlib.pyplot as plt
 
     sweeps = sweeps or {}
-    series = {name: loss_series(plan, name) for name in experiments}
+    series = {name: loss_series(jobs, name) for name in experiments}
     series = {k: v for k, v in series.items() if v[0] or v[1]}
     if not series:
         return []

@@ -22,7 +22,8 @@ from rich.table import Table
 
 from eval.bertscore import BertScoreError
 from eval.metrics import text_metrics
-from eval.sql import NotADatabaseError, check_database, sql_metrics
+from eval.sql import sql_metrics
+from spec.databases import NotADatabaseError, check_database
 from spec.files import write_atomic
 from spec.names import DEFAULT_METRICS, METRICS, SCORE_KEYS, SQL_TIMEOUT_S, TEXT_METRICS, missing_inputs
 

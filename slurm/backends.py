@@ -12,7 +12,6 @@ import contextlib
 import os
 import shlex
 import shutil
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -22,6 +21,7 @@ from pathlib import Path
 
 import submitit
 
+from slurm.client import run_client
 from slurm.jobs import EvalStage, ExportStage, TrainStage
 from slurm.lanes import PackJob
 from slurm.local_gpus import GpuPool, VisibleGpus, gpus_needed, too_many_gpus
@@ -30,11 +30,11 @@ from slurm.plan import PlannedJob
 from slurm.profile import ClusterProfile
 from slurm.scheduler import COMMENT_MARK, cancel, local_failure, stop_local
 from slurm.snapshot import CodeSnapshot
-from slurm.states import State, jobs_verdict, parent_verdict
 from spec.config import Resources
 from spec.layout import PACKS
 from spec.problems import ConfigError
-from spec.rundir import current_job
+from spec.rundir import current_job, log_folder
+from spec.states import State, jobs_verdict, parent_verdict
 
 CONTROLLER_LOG = "controller.err"  # in a local job's log folder: its submitit controller's own stderr
 
@@ -45,11 +45,7 @@ def pick_backend(name: str) -> str:
         return name
     if not shutil.which("sbatch"):
         return "local"
-    try:
-        answer = subprocess.run(["sinfo", "-h", "-o", "%P"], capture_output=True, timeout=20, check=False)
-    except (OSError, subprocess.TimeoutExpired):
-        return "local"
-    return "slurm" if answer.returncode == 0 else "local"
+    return "slurm" if run_client(["sinfo", "-h", "-o", "%P"]) is not None else "local"
 
 
 def job_callable(job: PlannedJob):
@@ -106,7 +102,7 @@ class SlurmBackend:
         return executor.submit(job_callable(job), *job_args(job, self.workdir)).job_id
 
     def log_folder(self, job: PlannedJob) -> Path:
-        return Path(self.profile.log_dir) / job.id
+        return log_folder(self.profile.log_dir, job.id)
 
     def submit_pack(
         self, units: list[Unit], resources: Resources, parents: list[tuple[str, str]], token: str = ""
@@ -278,7 +274,7 @@ class LocalBackend:
         `setup` line would start the job through /bin/sh, where a bash that execs its last command makes
         submitit take the launcher's pid for the job's id."""
         python = f"env CUDA_VISIBLE_DEVICES={shlex.quote(','.join(devices))} {shlex.quote(sys.executable)}"
-        folder = Path(self.profile.log_dir) / job.id
+        folder = log_folder(self.profile.log_dir, job.id)
         executor = submitit.LocalExecutor(folder=folder, python=python)
         executor.update_parameters(
             timeout_min=job.resources.timeout_min, tasks_per_node=job.tasks, stderr_to_stdout=True
@@ -293,9 +289,9 @@ class LocalBackend:
         exception's last line (its log holds the traceback)."""
         if handle.paths.result_pickle.exists() and not local_failure(handle):
             return State.COMPLETED, ""
-        record = current_job(Path(job.run_dir)) or {}
-        if record.get("job_id") == str(handle.job_id) and record.get("cancelled_at"):
-            return State.CANCELLED, f"cancelled at {record['cancelled_at']}"
+        record = current_job(Path(job.run_dir))
+        if record and record.job_id == str(handle.job_id) and record.cancelled_at:
+            return State.CANCELLED, f"cancelled at {record.cancelled_at}"
         return State.FAILED, f"{local_failure(handle)} (log: {handle.paths.stdout})"
 
 

@@ -26,8 +26,6 @@ A row written by `launch.py --calibrate` (a few dozen steps of an experiment's f
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 import os
 from collections.abc import Callable, Iterable, Mapping
@@ -41,9 +39,10 @@ from spec import layout
 from spec.config import DataSpec, EvalJob, TrainJob, TrainSpec
 from spec.examples import TextSize
 from spec.files import is_kind, read_json, warn_unreadable, write_json_atomic
+from spec.hashing import CACHE_KEY_CHARS, content_hash
+from spec.names import TOKENIZER_FILES
 from spec.speeds import FILE, EvalSpeedRecord, SpeedRecord, read_book, read_eval_book
 from spec.split import Split, resolve
-from train.hub_cache import TOKENIZER_FILES
 
 # The usual rule of thumb for English under BPE or SentencePiece vocabularies; code and SQL run nearer 3,
 # so their estimates come out a little short until the speed book or an exact count takes over.
@@ -102,7 +101,7 @@ def exact_key(spec: TrainJob) -> str:
         None if source.startswith("hf:") else stamp(Path(source)),
         spec.data.model_dump(exclude={"eval", "order", "num_workers"}),
     ]
-    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:20]
+    return content_hash(parts, CACHE_KEY_CHARS)
 
 
 def read_exact_tokens(run_root: str | Path) -> dict[str, DataTokens]:
@@ -143,7 +142,7 @@ def split_key(spec: TrainJob, gpu_mem_gb: float | None) -> str:
     )
     evaluating = bool(spec.data.eval) and spec.train.eval_every_epochs is not None
     parts = [exact_key(spec), spec.adapter.model_dump(), train, evaluating, gpu_mem_gb]
-    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:20]
+    return content_hash(parts, CACHE_KEY_CHARS)
 
 
 def read_splits(run_root: str | Path) -> dict[str, Split]:
@@ -482,17 +481,3 @@ def auto_time_limit_s(
         return max_time_s
     wanted = estimate_s * (GUESS_MARGIN if guessed else MARGIN) + signal_delay_s + SLACK_S
     return min(max_time_s, math.ceil(wanted / ROUND_S) * ROUND_S)
-
-
-def format_duration(seconds: float) -> str:
-    """'45s', '12m', '1h12m', '2d3h': as much precision as an estimate deserves."""
-    seconds = round(seconds)
-    if seconds < 60:
-        return f"{seconds}s"
-    minutes = math.ceil(seconds / 60)
-    if minutes < 60:
-        return f"{minutes}m"
-    hours, minutes = divmod(minutes, 60)
-    if hours < 24:
-        return f"{hours}h{minutes:02d}m"
-    return f"{hours // 24}d{hours % 24}h"

@@ -13,7 +13,6 @@ from pathlib import Path
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from eval.sql import NotADatabaseError, check_database
 from slurm.profile import ClusterProfile
 from slurm.yamlfile import (
     COMMAND_LINE,
@@ -26,18 +25,20 @@ from slurm.yamlfile import (
     where,
 )
 from spec.config import DataSpec, Experiment, StageSpec, TrainSpec, kind_mismatch
+from spec.databases import NotADatabaseError, check_database
 from spec.examples import ExampleError, TextSize, check_file, needed_fields
 from spec.files import read_json
 from spec.names import REPORT_COLUMNS, SCORES_OF
 from spec.problems import ConfigError, Problem, did_you_mean
-from spec.sweep import SweepError, SweepMember, expand, nested, source_of
+from spec.sweep import SweepError, SweepMember, SweepSpec, expand, nested, source_of
 
-# Sections whose keys a "did you mean" can suggest from, by their place in the file.
+# Sections whose keys a "did you mean" can suggest from, by their place in the file; `sweep:` is validated on
+# its own, before its points are (spec/sweep.py).
 SECTIONS: dict[str, type[BaseModel]] = {
     name: info.annotation
     for name, info in Experiment.model_fields.items()
     if isinstance(info.annotation, type) and issubclass(info.annotation, BaseModel)
-}
+} | {"sweep": SweepSpec}
 
 
 @dataclass(frozen=True)
@@ -164,7 +165,7 @@ def expanded(
     try:
         sweep = expand(block, name)
     except SweepError as exc:
-        return [], [sweep_problem(chain, path, message) for path, message in exc.problems]
+        return [], [to_problem(error, chain, ("sweep",)) for error in exc.errors]
     base = {key: value for key, value in raw.items() if key != "sweep"}
     points = []
     for point in sweep.points:

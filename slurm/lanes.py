@@ -30,9 +30,10 @@ from submitit.core.utils import JobPaths
 from slurm.jobs import StopRequest, _configure_logging
 from slurm.pack import Unit
 from slurm.redact import redact_job_output
-from slurm.states import LANE_STATES, State, parent_verdict
+from spec.devices import visible_devices
 from spec.files import write_atomic
 from spec.rundir import RunDir, done_hash, is_done, read_lane
+from spec.states import State, lane_state, parent_verdict
 
 log = logging.getLogger("slurm.lanes")
 # How often the lanes look at their children: a lane idles at most this long after its unit ends. (A
@@ -43,10 +44,11 @@ STOP_GRACE_S = 30  # default time a unit has to checkpoint after the stop before
 
 def lane_devices(lanes: int) -> list[str]:
     """The GPU each lane binds its units to: the allocation's own (SLURM sets CUDA_VISIBLE_DEVICES to the
-    GPUs it gave, e.g. "2,3,5,6"), else 0..lanes-1 (a machine without SLURM's GPU binding)."""
-    given = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    GPUs it gave, e.g. "2,3,5,6"; read as CUDA reads it), else 0..lanes-1 (a machine without SLURM's GPU
+    binding)."""
+    given = visible_devices(os.environ.get("CUDA_VISIBLE_DEVICES", ""))
     if len(given) >= lanes:
-        return given[:lanes]
+        return list(given[:lanes])
     return [str(k) for k in range(lanes)]
 
 
@@ -84,16 +86,16 @@ class PackJob(submitit.helpers.Checkpointable):
         requeue = stop.listen()
         job_id = submitit.JobEnvironment().job_id
         outcome = Lanes(units, lane_devices(lanes), job_id, code_folder, workdir).run(stop, grace_s)
-        if "interrupted" in outcome.values():
+        if State.PENDING in outcome.values():  # stopped midway: resumes when requeued
             if stop.signal in (signal.SIGUSR2, None) and requeue is not None:
                 requeue(signal.SIGUSR2, None)  # submitit: checkpoint() → scontrol requeue → exit
             raise RuntimeError(
                 f"the pack stopped by {stop.signal.name if stop.signal else 'USR2'}; units saved"
             )
-        failed = sorted(k for k, v in outcome.items() if v in ("failed", "blocked"))
+        failed = sorted(k for k, v in outcome.items() if v in (State.FAILED, State.BLOCKED))
         if failed:
             raise RuntimeError(f"{len(failed)} unit(s) did not complete: {', '.join(failed)}")
-        return outcome
+        return {uid: state.value for uid, state in outcome.items()}
 
 
 class Lanes:
@@ -101,7 +103,7 @@ class Lanes:
         self.units = {unit.id: unit for unit in map(Unit.of, units)}
         self.devices, self.job_id = devices, job_id
         self.code_folder, self.workdir = code_folder, workdir
-        self.state: dict[str, str] = {}  # unit id → done | failed | blocked | interrupted
+        self.state: dict[str, State] = {}  # unit id → COMPLETED | FAILED | BLOCKED | PENDING (stopped)
         self.running: dict[str, tuple[subprocess.Popen, int]] = {}
         self.started: dict[str, float] = {}  # unit id → time.time() at its start, in this allocation
         # Math threads per unit: its lane's share of the CPUs SLURM granted. Units are pinned to their
@@ -111,7 +113,7 @@ class Lanes:
         self.cpus = lane_cpus(allowed, len(devices)) if len(allowed) == granted else []
         self.threads = max(1, granted // len(devices))
 
-    def run(self, stop: StopRequest, grace_s: float = STOP_GRACE_S) -> dict[str, str]:
+    def run(self, stop: StopRequest, grace_s: float = STOP_GRACE_S) -> dict[str, State]:
         self.resume_states()
         log.info(
             "%d unit(s) on %d lane(s) (GPUs %s)", len(self.units), len(self.devices), ",".join(self.devices)
@@ -123,7 +125,7 @@ class Lanes:
             self.block_orphans()
             self.start_ready()
             if not self.running:
-                return {uid: self.state.get(uid, "blocked") for uid in self.units}
+                return {uid: self.state.get(uid, State.BLOCKED) for uid in self.units}
             stop.event.wait(POLL_S)
 
     def resume_states(self) -> None:
@@ -133,21 +135,22 @@ class Lanes:
         for uid, unit in self.units.items():
             run_dir = Path(unit.run_dir)
             if is_done(run_dir, unit.config_hash, unit.kind):
-                self.state[uid] = "done"
+                self.state[uid] = State.COMPLETED
                 continue
             lane = read_lane(run_dir)
             if str(lane.get("pack_job")) != str(self.job_id):
                 continue
-            if lane.get("state") in ("failed", "blocked"):
-                self.state[uid] = lane["state"]
-            elif lane.get("state") in ("running", "interrupted"):
-                self.write_lane(unit, None, "waiting", "requeued: waits for a lane")
+            said = lane_state(lane.get("state"))
+            if said in (State.FAILED, State.BLOCKED):
+                self.state[uid] = said
+            elif said in (State.RUNNING, State.PENDING):
+                self.write_lane(unit, None, State.PENDING, "requeued: waits for a lane")
 
     def ready(self) -> list[dict]:
         def parent_ended(job_id: str, kind: str) -> bool:
             if job_id not in self.units:
                 return True  # outside the pack: ended before it started (afterok ones: see outside_failed)
-            return parent_verdict(kind, LANE_STATES.get(self.state.get(job_id, ""))) is State.PENDING
+            return parent_verdict(kind, self.state.get(job_id)) is State.PENDING
 
         waiting = [u for uid, u in self.units.items() if uid not in self.state and uid not in self.running]
         ready = [u for u in waiting if all(parent_ended(j, k) for j, k in u.depends_on)]
@@ -162,13 +165,13 @@ class Lanes:
                 if uid in self.state or uid in self.running:
                     continue
                 bad = [
-                    f"{j} {self.state[j]}"
+                    f"{j} {self.state[j].value}"
                     for j, k in unit.depends_on
-                    if parent_verdict(k, LANE_STATES.get(self.state.get(j, ""))) is State.BLOCKED
+                    if parent_verdict(k, self.state.get(j)) is State.BLOCKED
                 ] + [f"{j} did not complete" for j in outside_failed(unit)]
                 if bad:
-                    self.state[uid] = "blocked"
-                    self.write_lane(unit, None, "blocked", f"parent {bad[0]}")
+                    self.state[uid] = State.BLOCKED
+                    self.write_lane(unit, None, State.BLOCKED, f"parent {bad[0]}")
                     log.warning("%s blocked: parent %s", uid, bad[0])
                     changed = True
 
@@ -178,7 +181,7 @@ class Lanes:
         for unit, lane in zip(self.ready(), free, strict=False):  # as many as there are free lanes
             self.running[unit.id] = (self.start(unit, lane), lane)
             self.started[unit.id] = time.time()
-            self.write_lane(unit, lane, "running")
+            self.write_lane(unit, lane, State.RUNNING)
             log.info("lane %d (GPU %s): started %s", lane, self.devices[lane], unit.id)
 
     def start(self, unit: Unit, lane: int) -> subprocess.Popen:
@@ -219,21 +222,21 @@ class Lanes:
     def ended(self, uid: str, lane: int, code: int, stopping: bool) -> None:
         unit = self.units[uid]
         if is_done(Path(unit.run_dir), unit.config_hash, unit.kind):
-            self.state[uid] = "done"
-            self.write_lane(unit, lane, "done")
+            self.state[uid] = State.COMPLETED
+            self.write_lane(unit, lane, State.COMPLETED)
             log.info("lane %d: %s done", lane, uid)
         elif stopping or code in (-signal.SIGUSR2, -signal.SIGTERM):
             # Stopped, not broken: SLURM's signal reaches every process of the allocation, and a unit
             # that was still starting dies of it; an eval stops after its batch, its predictions kept.
-            self.state[uid] = "interrupted"
-            self.write_lane(unit, lane, "interrupted", "stopped; resumes when the allocation is requeued")
+            self.state[uid] = State.PENDING
+            self.write_lane(unit, lane, State.PENDING, "stopped; resumes when the allocation is requeued")
             log.warning("lane %d: %s stopped (exit code %s)", lane, uid, code)
         else:
-            self.state[uid] = "failed"
-            self.write_lane(unit, lane, "failed", f"exit code {code}, see its log")
+            self.state[uid] = State.FAILED
+            self.write_lane(unit, lane, State.FAILED, f"exit code {code}, see its log")
             log.error("lane %d: %s failed (exit code %s)", lane, uid, code)
 
-    def stop_all(self, stop: StopRequest, grace_s: float) -> dict[str, str]:
+    def stop_all(self, stop: StopRequest, grace_s: float) -> dict[str, State]:
         """Tell every running unit to checkpoint (the signal this process got) and wait for them; one that
         has not stopped after `grace_s` is killed (its last checkpoint stays), so the allocation still
         requeues before SLURM's own kill."""
@@ -253,20 +256,20 @@ class Lanes:
                 code = child.wait()
             self.ended(uid, lane, code, stopping=True)
         self.running.clear()
-        return {uid: self.state.get(uid, "interrupted") for uid in self.units}
+        return {uid: self.state.get(uid, State.PENDING) for uid in self.units}
 
-    def write_lane(self, unit: Unit, lane: int | None, state: str, reason: str = "") -> None:
+    def write_lane(self, unit: Unit, lane: int | None, state: State, reason: str = "") -> None:
         started = self.started.get(unit.id)
         record = {
             "pack_job": self.job_id,
             "lane": lane,
             "gpu": self.devices[lane] if lane is not None else None,
-            "state": state,
+            "state": state.value,
             "reason": reason,
             "at": time.strftime("%Y-%m-%dT%H:%M:%S"),
             # epoch seconds of this allocation's run of the unit: lane use and estimate error (bench/)
             "started_s": started,
-            "ended_s": time.time() if started is not None and state != "running" else None,
+            "ended_s": time.time() if started is not None and state is not State.RUNNING else None,
         }
         run_dir = Path(unit.run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import getpass
 import re
-import subprocess
 from dataclasses import dataclass, field
 from functools import cache
 
-from spec.config import ascii_int, slurm_time
+from slurm.client import gpu_counts, run_client, tres_counts
+from spec.config import ascii_int
+from spec.durations import read_duration, slurm_time
 from spec.problems import Problem
 
 
@@ -41,14 +42,9 @@ class ClusterLimits:
     default_partition: str | None = None
 
 
-def run(command: list[str]) -> str | None:
-    try:
-        done = subprocess.run(
-            command, capture_output=True, text=True, errors="replace", timeout=30, check=False
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return done.stdout if done.returncode == 0 else None
+# What read_limits asks sacctmgr for, in this order (parse_limits reads the columns by position).
+ASSOC_FIELDS = "Partition,MaxSubmit,MaxJobs,GrpTRES,MaxTRES,MaxWall,DefaultQOS"
+QOS_FIELDS = "Name,MaxSubmitPU,MaxTRESPU,MaxTRES,MaxWall"
 
 
 def read_limits(account: str | None, qos: str | None) -> tuple[ClusterLimits | None, str]:
@@ -56,79 +52,56 @@ def read_limits(account: str | None, qos: str | None) -> tuple[ClusterLimits | N
     or the association's default QOS) and every partition's MaxTime; (None, why) when sacctmgr or
     scontrol do not answer (no accounting, another cluster's client)."""
     user = getpass.getuser()
-    account = account or first_line(
-        run(["sacctmgr", "-n", "-P", "show", "user", user, "format=DefaultAccount"])
-    )
-    assoc_text = run(
-        [
-            "sacctmgr",
-            "-n",
-            "-P",
-            "show",
-            "assoc",
-            "where",
-            f"user={user}",
-            *([f"account={account}"] if account else []),
-            "format=Partition,MaxSubmit,MaxJobs,GrpTRES,MaxTRES,MaxWall,DefaultQOS",
-        ]
-    )
-    partitions = run(["scontrol", "show", "partition", "-o"])
+    sacctmgr = ["sacctmgr", "-n", "-P", "show"]
+    account = account or first_line(run_client([*sacctmgr, "user", user, "format=DefaultAccount"]))
+    which = [f"user={user}", *([f"account={account}"] if account else [])]
+    assoc_text = run_client([*sacctmgr, "assoc", "where", *which, f"format={ASSOC_FIELDS}"])
+    partitions = run_client(["scontrol", "show", "partition", "-o"])
     if assoc_text is None or partitions is None:
         return None, "sacctmgr or scontrol did not answer"
-    assoc = next((row for row in rows(assoc_text, 7) if not row[0]), None)  # the association of no partition
-    qos = qos or (assoc[6] if assoc and assoc[6] else "normal")
-    qos_row = next(
-        iter(
-            rows(
-                run(
-                    [
-                        "sacctmgr",
-                        "-n",
-                        "-P",
-                        "show",
-                        "qos",
-                        qos,
-                        "format=Name,MaxSubmitPU,MaxTRESPU,MaxTRES,MaxWall",
-                    ]
-                )
-                or "",
-                5,
-            )
-        ),
-        None,
-    )
+    qos = qos or default_qos(assoc_text)
+    qos_text = run_client([*sacctmgr, "qos", qos, f"format={QOS_FIELDS}"]) or ""
+    queued = run_client(["squeue", "-h", "-u", user, "-q", qos, "-o", "%i"]) or ""
+    where = f"association {user}/{account or 'default'}"
+    return parse_limits(qos, qos_text, where, assoc_text, partitions, queued), ""
+
+
+def parse_limits(
+    qos: str, qos_text: str, where: str, assoc_text: str, partitions: str, queued: str
+) -> ClusterLimits:
+    """The limits read_limits' commands printed: `sacctmgr -n -P show qos QOS format=QOS_FIELDS`, `...
+    show assoc ... format=ASSOC_FIELDS` (`where` names that association in messages), `scontrol show
+    partition -o` and `squeue -h -o %i` (the user's jobs queued under `qos`). Of a limit set both on the
+    QOS and on the association, the tighter binds; one set on neither (empty, UNLIMITED, -1) is None."""
     caps: dict[str, Cap] = {}
-    if qos_row:
-        _, submit, per_user, per_job, wall = qos_row
-        put(
-            caps,
-            "max_submit",
-            number(submit),
-            f"QOS {qos} MaxSubmitJobsPerUser",
-            "QOSMaxSubmitJobPerUserLimit",
-        )
-        put(
-            caps,
-            "gpus_per_user",
-            gpus_of(per_user),
-            f"QOS {qos} MaxTRESPerUser gres/gpu",
-            "QOSMaxGRESPerUser",
-        )
-        put(caps, "gpus_per_job", gpus_of(per_job), f"QOS {qos} MaxTRESPerJob gres/gpu", "QOSMaxGRESPerJob")
-        put(caps, "max_wall_s", seconds(wall), f"QOS {qos} MaxWall", "QOSMaxWallDurationPerJobLimit")
-    if assoc:
-        where = f"association {user}/{account or 'default'}"
+    for _, submit, per_user, per_job, wall in rows(qos_text, 5)[:1]:
+        of = f"QOS {qos}"
+        put(caps, "max_submit", number(submit), f"{of} MaxSubmitJobsPerUser", "QOSMaxSubmitJobPerUserLimit")
+        put(caps, "gpus_per_user", gpus_of(per_user), f"{of} MaxTRESPerUser gres/gpu", "QOSMaxGRESPerUser")
+        put(caps, "gpus_per_job", gpus_of(per_job), f"{of} MaxTRESPerJob gres/gpu", "QOSMaxGRESPerJob")
+        put(caps, "max_wall_s", read_duration(wall), f"{of} MaxWall", "QOSMaxWallDurationPerJobLimit")
+    if (assoc := association_row(assoc_text)) is not None:
         _, submit, _, group, per_job, wall, _ = assoc
         put(caps, "max_submit", number(submit), f"{where} MaxSubmitJobs", "AssocMaxSubmitJobLimit")
         put(caps, "gpus_per_user", gpus_of(group), f"{where} GrpTRES gres/gpu", "AssocGrpGRES")
         put(caps, "gpus_per_job", gpus_of(per_job), f"{where} MaxTRES gres/gpu", "AssocMaxGRESPerJob")
-        put(caps, "max_wall_s", seconds(wall), f"{where} MaxWall", "AssocMaxWallDurationPerJobLimit")
+        put(caps, "max_wall_s", read_duration(wall), f"{where} MaxWall", "AssocMaxWallDurationPerJobLimit")
     times, default = partition_times(partitions)
-    queued = run(["squeue", "-h", "-u", user, "-q", qos, "-o", "%i"]) or ""
-    limits = ClusterLimits(
+    return ClusterLimits(
         qos, **caps, queued=len(queued.split()), partition_time_s=times, default_partition=default
     )
-    return limits, ""
+
+
+def association_row(text: str) -> list[str] | None:
+    """The user's association of no partition in `show assoc` output: the one every job is held to (an
+    association of one partition, listed before it, binds only jobs there)."""
+    return next((row for row in rows(text, 7) if not row[0]), None)
+
+
+def default_qos(assoc_text: str) -> str:
+    """The association's DefaultQOS; SLURM's own default, `normal`, where it names none."""
+    assoc = association_row(assoc_text)
+    return assoc[6] if assoc and assoc[6] else "normal"
 
 
 # Reasons SLURM gives when a job's GPUs plus what the user's (or group's) other jobs hold pass a cap: they
@@ -168,7 +141,7 @@ def partition_times(text: str) -> tuple[dict[str, Cap], str | None]:
             continue
         if fields.get("Default") == "YES":
             default = name
-        if (limit := seconds(fields.get("MaxTime", ""))) is not None:
+        if (limit := read_duration(fields.get("MaxTime", ""))) is not None:
             times[name] = Cap(limit, f"partition {name} MaxTime", "PartitionTimeLimit")
     return times, default
 
@@ -186,26 +159,13 @@ def number(text: str) -> int | None:
 
 
 def gpus_of(tres: str) -> int | None:
-    """`cpu=16,gres/gpu=2` → 2 (a typed `gres/gpu:a100=2` counts too); None without a GPU limit."""
-    found = [int(n) for n in re.findall(r"gres/gpu(?::[^=,]+)?=([0-9]+)(?![^,])", tres)]
-    return min(found) if found else None
-
-
-def seconds(text: str) -> int | None:
-    """SLURM's durations as sacctmgr and scontrol print them: `D-HH:MM:SS`, `HH:MM:SS`, `MM:SS`,
-    `MM`; None for UNLIMITED, INFINITE or nothing."""
-    text = text.strip()
-    match = re.fullmatch(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?", text, re.ASCII)
-    if not match:
-        return None
-    days, first, second, third = match.groups()
-    if third is not None:
-        clock = int(first) * 3600 + int(second) * 60 + int(third)
-    elif second is not None:
-        clock = int(first) * 3600 + int(second) * 60 if days else int(first) * 60 + int(second)
-    else:
-        clock = int(first) * 3600 if days else int(first) * 60
-    return int(days or 0) * 86400 + clock
+    """The GPU cap in a TRES limit: `cpu=16,gres/gpu=2` → 2, a typed `gres/gpu:a100=2` → 2; None without
+    a GPU limit. Of several, the smallest: our jobs ask GPUs of no type, and SLURM counts the GPUs it gives
+    against the cap of their type as well as the untyped one; where a partition's GPUs are all of the
+    capped type (why a QOS caps one type), a job over that cap never starts. (On a partition of mixed types
+    this is stricter than SLURM. What a job held is a sum instead: slurm/status.py tres_gpus.)"""
+    caps = gpu_counts(tres_counts(tres)).values()
+    return min(caps) if caps else None
 
 
 def never_starting(jobs, limits: ClusterLimits, files: dict[str, str]) -> list[Problem]:

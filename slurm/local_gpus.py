@@ -16,10 +16,8 @@ import subprocess
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from spec.devices import visible_devices
 from spec.problems import ConfigError, Problem
-
-# A CUDA_VISIBLE_DEVICES entry CUDA accepts: an index, or a (prefix of a) GPU or MIG UUID.
-DEVICE_ENTRY = re.compile(r"^(\d+|GPU-[0-9A-Za-z-]+|MIG-[0-9A-Za-z/-]+)$")
 
 
 @dataclass(frozen=True)
@@ -31,7 +29,7 @@ class VisibleGpus:
     def detect(env: Mapping[str, str] = os.environ) -> VisibleGpus:
         if "CUDA_VISIBLE_DEVICES" in env:
             value = env["CUDA_VISIBLE_DEVICES"]
-            return VisibleGpus(parse_visible_devices(value), f"CUDA_VISIBLE_DEVICES={value!r}")
+            return VisibleGpus(visible_devices(value), f"CUDA_VISIBLE_DEVICES={value!r}")
         count = nvidia_smi_count()
         if count is None:
             return VisibleGpus((), "no CUDA_VISIBLE_DEVICES and no nvidia-smi")
@@ -41,17 +39,6 @@ class VisibleGpus:
         if not self.ids:
             return f"no GPU ({self.source}): jobs run on CPUs"
         return f"GPUs {','.join(self.ids)} ({self.source})"
-
-
-def parse_visible_devices(value: str) -> tuple[str, ...]:
-    """The devices CUDA shows for this CUDA_VISIBLE_DEVICES: the list ends at the first entry it cannot
-    read, so "-1" (a common way to hide every GPU) and "" leave none, and "0,-1,1" leaves only 0."""
-    devices: list[str] = []
-    for entry in value.split(","):
-        if not DEVICE_ENTRY.match(entry.strip()):
-            break
-        devices.append(entry.strip())
-    return tuple(devices)
 
 
 def nvidia_smi_count() -> int | None:

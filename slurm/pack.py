@@ -22,7 +22,8 @@ from pydantic import ValidationError
 
 from slurm.plan import PlannedJob
 from slurm.profile import ClusterProfile
-from spec.config import SLURM_TIMER_S, Resources, slurm_seconds, slurm_time
+from spec.config import SLURM_TIMER_S, Resources
+from spec.durations import slurm_seconds, slurm_time
 from spec.problems import ConfigError, Problem
 
 

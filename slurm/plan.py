@@ -9,8 +9,6 @@ concrete time limit. The plan is printed by --dry-run, tested as data, and only 
 
 from __future__ import annotations
 
-import hashlib
-import json
 import re
 from dataclasses import dataclass, field, replace
 from typing import Literal
@@ -22,8 +20,11 @@ from slurm.estimate import Estimate, Estimator, auto_time_limit_s
 from slurm.experiments import LoadedExperiment
 from slurm.profile import ClusterProfile
 from spec import layout
-from spec.config import AdapterSpec, EvalJob, ExportJob, Resources, TrainJob, slurm_time, what_it_computes
+from spec.config import AdapterSpec, EvalJob, ExportJob, Resources, TrainJob, what_it_computes
+from spec.durations import slurm_time
+from spec.hashing import content_hash
 from spec.problems import ConfigError, Problem
+from spec.rundir import ADAPTER, CONFIG, in_folder, run_folder
 
 DependencyKind = Literal["afterok", "afterany"]
 
@@ -246,9 +247,9 @@ def base_eval_job(loaded: LoadedExperiment, profile: ClusterProfile) -> PlannedJ
         out_dir="",
     )
     model = re.sub(r"[^A-Za-z0-9_.]+", "_", exp.model.name_or_path.rstrip("/").rsplit("/", 1)[-1])[:24]
-    name = f"{layout.BASE_EVAL_PREFIX}{model}-{config_hash(content.model_dump())[:6]}"
+    name = f"{layout.BASE_EVAL_PREFIX}{model}-{content_hash(content.model_dump(), 6)}"
     spec = content.model_copy(
-        update={"experiment": name, "out_dir": f"{profile.run_dir}/{name}/{layout.EVAL}"}
+        update={"experiment": name, "out_dir": run_folder(profile.run_dir, name, layout.EVAL)}
     )
     resources = exp.eval.resources.for_training(with_profile_defaults(exp.resources, profile), spec.source)
     return make_job(f"{name}/{layout.EVAL}", "eval", spec, resources, [], {})
@@ -285,8 +286,8 @@ def with_exports(plan: Plan, targets: list[tuple[str, str | None]], gguf: bool) 
             experiment=experiment,
             stage=stage,
             stage_dir=trained.run_dir,
-            out_dir=f"{plan.run_root}/{experiment}/{name}",
-            eval_configs=[f"{e.run_dir}/config.yaml" for e in evals],
+            out_dir=run_folder(plan.run_root, experiment, name),
+            eval_configs=[in_folder(e.run_dir, CONFIG) for e in evals],
             gguf=gguf,
         )
         deps = [Dependency(trained.id, "afterok"), *(Dependency(e.id, "afterany") for e in evals)]
@@ -322,7 +323,7 @@ def calibration_plan(plan: Plan, steps: int, estimator: Estimator | None = None)
                 "stage": stage,
                 "train": train,
                 "init_adapter": None,
-                "run_dir": f"{plan.run_root}/{name}/{stage}",
+                "run_dir": run_folder(plan.run_root, name, stage),
                 "tracking": [],
                 "calibration": True,
             }
@@ -390,14 +391,10 @@ def experiment_jobs(
     previous: PlannedJob | None = None
     for stage in loaded.stages:
         spec = TrainJob(
-            experiment=exp.name,
-            stage=stage.name,
-            model=exp.model,
-            adapter=exp.adapter,
-            data=stage.data,
+            **of_stage(exp, stage),
             train=stage.train,
-            init_adapter=f"{previous.run_dir}/adapter" if previous else None,
-            run_dir=f"{profile.run_dir}/{exp.name}/{stage.name}",
+            init_adapter=in_folder(previous.run_dir, ADAPTER) if previous else None,
+            run_dir=run_folder(profile.run_dir, exp.name, stage.name),
             tracking=exp.tracking,
         )
         deps = [Dependency(previous.id, "afterok")] if previous else list(first_deps)
@@ -412,17 +409,24 @@ def experiment_jobs(
     return jobs
 
 
+def of_stage(exp, stage) -> dict:
+    """What a stage's training job and its eval job share: the experiment, the model, adapter and data."""
+    return {
+        "experiment": exp.name,
+        "stage": stage.name,
+        "model": exp.model,
+        "adapter": exp.adapter,
+        "data": stage.data,
+    }
+
+
 def eval_job(exp, stage, trained: PlannedJob, name: str, training: Resources, profile, known) -> PlannedJob:
     """The job that scores `trained`'s adapter, on its own allocation (`eval.resources`)."""
     spec = EvalJob(
-        experiment=exp.name,
-        stage=stage.name,
-        model=exp.model,
-        adapter=exp.adapter,
-        data=stage.data,
+        **of_stage(exp, stage),
         eval=exp.eval,
-        adapter_dir=f"{trained.run_dir}/adapter",
-        out_dir=f"{profile.run_dir}/{exp.name}/{name}",
+        adapter_dir=in_folder(trained.run_dir, ADAPTER),
+        out_dir=run_folder(profile.run_dir, exp.name, name),
     )
     resources = exp.eval.resources.for_training(training, spec.source)
     return make_job(f"{exp.name}/{name}", "eval", spec, resources, [Dependency(trained.id, "afterok")], known)
@@ -443,7 +447,7 @@ def make_job(job_id, kind, spec, resources, deps, known: dict[str, PlannedJob]) 
     # that finished before the world size counted keeps its hash.
     if kind == "train" and resources.tasks > 1:
         identity["world_size"] = resources.tasks
-    digest = config_hash(identity)
+    digest = content_hash(identity)
     wave = 1 + max((p.wave for p in parents), default=-1)
     experiment, stage = job_id.split("/", 1)
     return PlannedJob(
@@ -458,10 +462,6 @@ def make_job(job_id, kind, spec, resources, deps, known: dict[str, PlannedJob]) 
         wave,
         time_auto=resources.time == "auto",
     )
-
-
-def config_hash(value: dict) -> str:
-    return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def with_profile_defaults(resources: Resources, profile: ClusterProfile) -> Resources:

@@ -10,7 +10,6 @@ that differ only in learning rate or name, cost one preflight and no torch impor
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import sys
 from contextlib import contextmanager
@@ -22,12 +21,13 @@ from pydantic import TypeAdapter, ValidationError
 
 from spec.config import TrainJob, kind_mismatch
 from spec.files import read_json, warn_unreadable, write_json_atomic
+from spec.hashing import CACHE_KEY_CHARS, content_hash
+from spec.names import TOKENIZER_FILES
 from spec.preflight import JobPreflight
 from spec.problems import Problem
 from train import data as data_lib
 from train import hub_cache
 from train.hub_cache import (
-    TOKENIZER_FILES,
     fetch_command,
     first_line,
     hub_unreachable,
@@ -90,7 +90,7 @@ def cache_key(job: TrainJob, gpu_mem_gb: float | None) -> str:
         job.data.eval is not None,  # an in-training eval has its own peak
         gpu_mem_gb,
     ]
-    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:20]
+    return content_hash(parts, CACHE_KEY_CHARS)
 
 
 def cached_preflight(job: TrainJob, gpu_mem_gb: float | None, log: Path | None = None) -> JobPreflight:

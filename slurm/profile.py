@@ -11,7 +11,8 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 
 from slurm.redact import literal_secret
 from slurm.yamlfile import YamlProblem, find_inherited, read_yaml
-from spec.config import SlurmNames, SlurmTime, slurm_seconds
+from spec.config import SlurmNames, SlurmTime
+from spec.durations import slurm_seconds
 from spec.problems import ConfigError, Problem
 
 

@@ -6,13 +6,13 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from slurm.estimate import GUESS_MARGIN, format_duration
+from slurm.estimate import GUESS_MARGIN
 from slurm.pack import Packing
 from slurm.plan import Plan, PlannedJob
-from slurm.states import NEVER_STARTS, NEVER_STARTS_MARK, State
-from slurm.status import JobStatus, format_eta
-from spec.config import slurm_time
+from slurm.status import JobStatus
+from spec.durations import format_duration, format_eta, slurm_time
 from spec.layout import BASE_EVAL_PREFIX
+from spec.states import NEVER_STARTS, NEVER_STARTS_MARK, State
 
 WIDE = 160  # columns, when output goes to a file or a CI log: no terminal to fit
 # Each table's columns, most important first: in a narrow terminal the last ones are left out.
@@ -37,6 +37,11 @@ def console(stderr: bool = False) -> Console:
     into broken boxes); WIDE when it writes to a file or a pipe."""
     probe = Console(stderr=stderr)
     return Console(stderr=stderr, width=probe.width if probe.is_terminal else WIDE)
+
+
+# Every command's output: the terminal's width (tables fit it), or WIDE columns into a file or a CI log.
+out = console()
+err = console(stderr=True)
 
 
 def fit(table: Table, width: int, priority: tuple[str, ...]) -> Table:
@@ -189,7 +194,7 @@ def plan_table(plan: Plan, states: dict[str, str] | None = None, width: int = WI
     for column in columns:
         table.add_column(column, no_wrap=column in ("job", "resources", "estimate"))
     for job in plan.jobs:
-        state = (states or {}).get(job.id, "PLANNED")
+        state = (states or {}).get(job.id, State.PLANNED.value)
         table.add_row(
             job.id,
             job.kind,

@@ -23,7 +23,9 @@ from pathlib import Path
 import submitit
 from submitit.core.utils import pickle_load
 
+from slurm.client import run_client
 from spec.config import ascii_int
+from spec.rundir import JobRecord, current_job, log_folder, mark_cancelled
 
 EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*: ")  # "ValueError: ...", "torch.OutOfMemoryError: ..."
 COMMENT_MARK = "slurm-lora"  # a job's SLURM comment: "slurm-lora TOKEN WHAT" (slurm/backends.py)
@@ -47,12 +49,12 @@ class RecordedLocalJob(submitit.LocalJob):
         return not local_alive(self)
 
 
-def scheduler_job(log_root: str, plan_id: str, record: dict) -> submitit.Job:
+def scheduler_job(log_root: str, plan_id: str, record: JobRecord) -> submitit.Job:
     """The submitit job behind a job.json record; its log folder is `log_root/EXP/STAGE`."""
-    folder = Path(log_root) / plan_id
-    if record.get("backend") == "local":
-        return RecordedLocalJob(folder, str(record["job_id"]), record.get("submitted_at"))
-    return submitit.SlurmJob(folder, str(record["job_id"]))
+    folder = log_folder(log_root, plan_id)
+    if record.local:
+        return RecordedLocalJob(folder, record.job_id, record.submitted_at)
+    return submitit.SlurmJob(folder, record.job_id)
 
 
 def cancel(jobs: list[submitit.Job]) -> list[str]:
@@ -66,6 +68,20 @@ def cancel(jobs: list[submitit.Job]) -> list[str]:
         else:
             job.cancel(check=False)
     return still
+
+
+def cancel_rows(rows, log_root: str) -> list[str]:
+    """The status rows' jobs, through submitit (scancel), or by stopping the local processes for sure, as
+    each job.json record says; returns the plan ids of local jobs whose processes still run after every
+    signal. A local job is noted cancelled first: its launcher, if alive, then sees it cancelled, not
+    failed, and starts nothing new."""
+    records = {r.job.id: current_job(Path(r.job.run_dir)) for r in rows}
+    for row in rows:
+        if (record := records[row.job.id]).local:
+            mark_cancelled(Path(row.job.run_dir), record.job_id)
+    jobs = {r.job.id: scheduler_job(log_root, r.job.id, records[r.job.id]) for r in rows}
+    still = set(cancel(list(jobs.values())))
+    return [job_id for job_id, job in jobs.items() if str(job.job_id) in still]
 
 
 def local_alive(job: submitit.LocalJob) -> bool:
@@ -240,18 +256,8 @@ def queued_by_token() -> dict[str, str] | None:
     {} where SLURM is not installed (nothing can be queued), None when squeue does not answer."""
     if not shutil.which("squeue"):
         return {}
-    try:
-        done = subprocess.run(
-            ["squeue", "-h", "-u", getpass.getuser(), "-o", "%i|%k"],
-            capture_output=True,
-            text=True,
-            errors="replace",  # a tool's odd bytes (a name in Latin-1) are no reason to crash
-            timeout=60,
-            check=False,
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return parse_comments(done.stdout) if done.returncode == 0 else None
+    text = run_client(["squeue", "-h", "-u", getpass.getuser(), "-o", "%i|%k"])
+    return None if text is None else parse_comments(text)
 
 
 def parse_comments(text: str) -> dict[str, str]:

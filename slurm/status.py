@@ -3,18 +3,18 @@
 from __future__ import annotations
 
 import getpass
-import math
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+from slurm.client import GPUS, gpu_counts, run_client, tres_counts
 from slurm.limits import never_starts
 from slurm.plan import Plan, PlannedJob
-from slurm.states import LANE_STATES, NEVER_STARTS, NEVER_STARTS_MARK, State, from_slurm, parent_verdict
-from spec.config import TIME_FORMAT, ascii_int, slurm_seconds, slurm_time, what_it_computes
+from spec.config import ascii_int, what_it_computes
+from spec.durations import read_duration
 from spec.rundir import (
     PROGRESS_FIELDS,
     UNREADABLE,
+    JobRecord,
     RunDir,
     changed_keys,
     current_job,
@@ -23,6 +23,7 @@ from spec.rundir import (
     read_lane,
     read_spec,
 )
+from spec.states import NEVER_STARTS, NEVER_STARTS_MARK, State, from_slurm, lane_state, parent_verdict
 
 
 @dataclass(frozen=True)
@@ -64,16 +65,6 @@ def query_slurm(job_ids: list[str]) -> dict[str, SchedulerInfo]:
     return {j: info[j] for j in job_ids if j in info}
 
 
-def _run(command: list[str]) -> str | None:
-    try:
-        done = subprocess.run(
-            command, capture_output=True, text=True, errors="replace", timeout=60, check=False
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return done.stdout if done.returncode == 0 else None
-
-
 SQUEUE_FORMAT = "%i|%T|%r|%M"
 SACCT_FIELDS = "JobID,State,Elapsed,ExitCode,Reason"
 # What a job held: one line per attempt (-D: every requeue), the job's own line only (-X: no steps).
@@ -90,11 +81,13 @@ class Allocation:
 
 
 def _squeue() -> dict[str, SchedulerInfo]:
-    return parse_squeue(_run(["squeue", "-h", "-u", getpass.getuser(), "-o", SQUEUE_FORMAT]) or "")
+    return parse_squeue(run_client(["squeue", "-h", "-u", getpass.getuser(), "-o", SQUEUE_FORMAT]) or "")
 
 
 def _sacct(job_ids: list[str]) -> dict[str, SchedulerInfo]:
-    return parse_sacct(_run(["sacct", "-n", "-P", "-X", "-j", ",".join(job_ids), "-o", SACCT_FIELDS]) or "")
+    return parse_sacct(
+        run_client(["sacct", "-n", "-P", "-X", "-j", ",".join(job_ids), "-o", SACCT_FIELDS]) or ""
+    )
 
 
 def query_allocations(job_ids: list[str]) -> dict[str, list[Allocation]] | None:
@@ -102,7 +95,7 @@ def query_allocations(job_ids: list[str]) -> dict[str, list[Allocation]] | None:
     accounting on this cluster, no sacct here)."""
     if not job_ids:
         return {}
-    text = _run(["sacct", "-n", "-P", "-D", "-X", "-j", ",".join(job_ids), "-o", SACCT_USAGE_FIELDS])
+    text = run_client(["sacct", "-n", "-P", "-D", "-X", "-j", ",".join(job_ids), "-o", SACCT_USAGE_FIELDS])
     return None if text is None else parse_sacct_allocations(text)
 
 
@@ -121,21 +114,17 @@ def parse_sacct_allocations(text: str) -> dict[str, list[Allocation]]:
 
 def elapsed_seconds(raw: str) -> int | None:
     """ElapsedRaw is seconds; a site whose sacct prints it as [D-]HH:MM:SS is read too."""
-    if (value := ascii_int(raw)) is not None:
-        return value
-    return slurm_seconds(raw) if TIME_FORMAT.match(raw) else None
+    value = ascii_int(raw)
+    return value if value is not None else read_duration(raw)
 
 
 def tres_gpus(tres: str) -> int:
-    """GPUs in a TRES list: `gres/gpu=2`; where only typed counts are kept (`gres/gpu:a100=2`), their sum."""
-    counts = dict(item.partition("=")[::2] for item in tres.split(",") if "=" in item)
-    if "gres/gpu" in counts:
-        return _count(counts["gres/gpu"])
-    return sum(_count(v) for k, v in counts.items() if k.startswith("gres/gpu:"))
-
-
-def _count(value: str) -> int:
-    return ascii_int(value) or 0
+    """GPUs a job held, from its AllocTRES: `gres/gpu=2`. The untyped count is the total (a cluster that
+    accounts types lists it beside `gres/gpu:a100=2`); where only typed counts are kept, the job held
+    their sum: GPUs of two types are two sets of GPUs, all of them charged. (A limit of several GPU
+    entries binds at its smallest instead: slurm/limits.py gpus_of.)"""
+    gpus = gpu_counts(tres_counts(tres))
+    return gpus[GPUS] if GPUS in gpus else sum(gpus.values())
 
 
 def parse_squeue(text: str) -> dict[str, SchedulerInfo]:
@@ -172,7 +161,7 @@ def _reason(raw: str) -> str:
 
 def plan_status(plan: Plan, log_root: str) -> list[JobStatus]:
     records = {job.id: current_job(Path(job.run_dir)) for job in plan.jobs}
-    slurm_ids = [r["job_id"] for r in records.values() if r and r.get("backend") == "slurm"]
+    slurm_ids = [r.job_id for r in records.values() if r and r.on_slurm]
     scheduler = query_slurm(slurm_ids)
     statuses: dict[str, JobStatus] = {}
     for job in plan.jobs:
@@ -180,14 +169,16 @@ def plan_status(plan: Plan, log_root: str) -> list[JobStatus]:
     return list(statuses.values())
 
 
-def job_status(job, record, scheduler, earlier: dict[str, JobStatus], log_root: str) -> JobStatus:
+def job_status(
+    job, record: JobRecord | None, scheduler, earlier: dict[str, JobStatus], log_root: str
+) -> JobStatus:
     run_dir = Path(job.run_dir)
     progress = RunDir(run_dir).read_progress()
     fields = {key: progress.get(key) for key in PROGRESS_FIELDS}
-    scheduler_id = record["job_id"] if record else ""
+    scheduler_id = record.job_id if record else ""
     submitted = _submitit_job(log_root, job.id, record) if record else None
     log_path = str(submitted.paths.stdout) if submitted else ""
-    backend = record.get("backend", "slurm") if record else ""
+    backend = record.backend if record else ""
     common = {"scheduler_id": scheduler_id, "log_path": log_path, "backend": backend, **fields}
     done = done_hash(run_dir)
     if done == UNREADABLE:
@@ -219,7 +210,7 @@ def job_status(job, record, scheduler, earlier: dict[str, JobStatus], log_root: 
         info = local_info(submitted, record)
     else:
         info = scheduler.get(scheduler_id, SchedulerInfo(State.UNKNOWN, "not known to squeue or sacct"))
-        if record.get("pack"):
+        if record.pack:
             info = packed_unit_info(run_dir, scheduler_id, info)
     state, reason = info.state, info.reason
     if done and done != job.config_hash and not state.live:  # it finished with another config: no failure
@@ -266,7 +257,7 @@ def packed_unit_info(run_dir: Path, pack_id: str, pack: SchedulerInfo) -> Schedu
     where = f"packed job {pack_id}"
     if lane.get("lane") is not None:
         where = f"lane {lane['lane']} (GPU {lane.get('gpu')}) of {where}"
-    said = LANE_STATES.get(str(lane.get("state")))  # None: the lane wrote nothing (yet), or a word unknown
+    said = lane_state(lane.get("state"))  # None: the lane wrote nothing (yet), or a word unknown
     if said is State.FAILED:
         return SchedulerInfo(State.FAILED, f"{lane.get('reason', '')} ({where})")
     if said is State.BLOCKED:
@@ -282,26 +273,18 @@ def packed_unit_info(run_dir: Path, pack_id: str, pack: SchedulerInfo) -> Schedu
     return SchedulerInfo(pack.state, f"{pack.reason or pack.state.value} ({where})", exit_code=pack.exit_code)
 
 
-def _submitit_job(log_root: str, plan_id: str, record: dict):
+def _submitit_job(log_root: str, plan_id: str, record: JobRecord):
     from slurm.scheduler import scheduler_job  # submitit: only once a job was submitted (not for dry runs)
 
     return scheduler_job(log_root, plan_id, record)
 
 
-def local_info(submitted, record: dict) -> SchedulerInfo:
+def local_info(submitted, record: JobRecord) -> SchedulerInfo:
     """A local job runs while its submitit controller does; once ended without DONE, why it failed."""
     from slurm.scheduler import local_alive, local_failure
 
     if local_alive(submitted):
         return SchedulerInfo(State.RUNNING)
-    if record.get("cancelled_at"):
-        return SchedulerInfo(State.CANCELLED, f"cancelled at {record['cancelled_at']}")
+    if record.cancelled_at:
+        return SchedulerInfo(State.CANCELLED, f"cancelled at {record.cancelled_at}")
     return SchedulerInfo(State.FAILED, local_failure(submitted))
-
-
-def format_eta(seconds: float | None) -> str:
-    """`01:02:03`, `1-02:00:00` past a day (SLURM's own form, spec/config.py slurm_time): before, the
-    clock wrapped at 24 hours and 26 hours read as 02:00:00."""
-    if seconds is None or not math.isfinite(seconds):
-        return ""
-    return slurm_time(round(max(0, seconds)))

@@ -12,9 +12,9 @@ from rich.console import Console
 from submitit.core.utils import JobPaths
 
 from slurm.plan import Plan, PlannedJob
-from slurm.states import State
 from slurm.status import plan_status
 from spec.problems import ConfigError, Problem, did_you_mean
+from spec.states import State
 
 POLL_S = float(os.environ.get("LAUNCH_POLL_S", "5"))
 

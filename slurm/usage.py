@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import re
 import time
-from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
@@ -23,74 +22,45 @@ from submitit.core.utils import JobPaths, pickle_load
 
 from slurm.pack import Unit
 from slurm.status import Allocation, query_allocations
+from spec.devices import visible_devices
 from spec.layout import PACKS
-from spec.rundir import job_records, read_lane
+from spec.rundir import JobRecord, job_records, log_folder, read_lane
+from spec.runs import JobUsage, PackUsage, PlanUsage
 
 VISIBLE_LINE = re.compile(r"CUDA_VISIBLE_DEVICES=(\(not set\)|\S*)")
 LOG_HEAD_BYTES = 64 * 1024  # the line is logged before the work starts
 
 
-@dataclass(frozen=True)
-class JobUsage:
-    held_s: float  # wall time held, every attempt (a packed unit: its lane time)
-    gpu_hours: float
-    gpus: int  # held by the last attempt (a packed unit: its lane's one)
-    attempts: int
-    source: str  # "sacct", "sacct: share of pack 123", "local clock"
-
-
-@dataclass(frozen=True)
-class PackUsage:
-    job_id: str
-    gpus: int
-    held_s: float
-    gpu_hours: float
-    busy: float | None  # lane-seconds its units used ÷ (lanes x held); None where none was timed
-
-
-@dataclass(frozen=True)
-class PlanUsage:
-    jobs: dict[str, JobUsage]  # plan id → what it held; jobs without a figure are absent
-    packs: tuple[PackUsage, ...] = ()
-    unanswered: tuple[str, ...] = ()  # SLURM job ids sacct gave nothing for
-
-
 def plan_usage(plan, log_root: str) -> PlanUsage:
     """Every job's usage; sacct is called once, and only when some job was submitted to SLURM."""
     records = {job.id: job_records(Path(job.run_dir)) for job in plan.jobs}
-    slurm_ids = sorted({str(r["job_id"]) for rs in records.values() for r in rs if is_slurm(r)})
+    slurm_ids = sorted({r.job_id for rs in records.values() for r in rs if r.on_slurm})
     return usage_of(plan, records, query_allocations(slurm_ids) or {}, log_root)
 
 
-def is_slurm(record: dict) -> bool:
-    return record.get("backend", "slurm") == "slurm"
-
-
 def usage_of(
-    plan, records: dict[str, list[dict]], accounted: dict[str, list[Allocation]], log_root: str
+    plan, records: dict[str, list[JobRecord]], accounted: dict[str, list[Allocation]], log_root: str
 ) -> PlanUsage:
     """PlanUsage from job.json `records` (plan id → its submissions) and sacct's `accounted` attempts."""
-    packs = {str(r["job_id"]) for rs in records.values() for r in rs if r.get("pack")}
+    packs = {r.job_id for rs in records.values() for r in rs if r.pack}
     pack_usages = {}
     for pack in sorted(packs & set(accounted)):
         # Its units as the allocation was given them; where that file is gone, those of this plan.
         units = pack_units(pack, log_root) or [
-            (job.id, Path(job.run_dir))
-            for job in plan.jobs
-            if pack in (str(r["job_id"]) for r in records[job.id])
+            (job.id, Path(job.run_dir)) for job in plan.jobs if pack in (r.job_id for r in records[job.id])
         ]
         pack_usages[pack] = pack_usage(pack, accounted[pack], units)
     jobs, unanswered = {}, set()
     for job in plan.jobs:
         parts = []
         for record in records[job.id]:
-            job_id = str(record["job_id"])
-            if not is_slurm(record):
+            job_id = record.job_id
+            if record.local:
                 part = local_part(job, record, log_root)
             elif job_id not in accounted:
                 unanswered.add(job_id)
                 part = None
-            elif record.get("pack"):
+            elif record.pack:
                 part = pack_usages[job_id][1].get(job.id, JobUsage(0, 0, 1, 0, ""))
             else:
                 part = slurm_part(accounted[job_id])
@@ -160,17 +130,17 @@ def lane_seconds(run_dir: Path, pack_id: str) -> float:
     return max(0.0, (ended if isinstance(ended, int | float) else time.time()) - started)
 
 
-def local_part(job, record: dict, log_root: str) -> JobUsage | None:
+def local_part(job, record: JobRecord, log_root: str) -> JobUsage | None:
     """A local job's process: from its submission to its last written file, x the GPUs it was given;
     None when its files are gone."""
-    paths = JobPaths(Path(log_root) / job.id, str(record["job_id"]), task_id=0)
+    paths = JobPaths(log_folder(log_root, job.id), record.job_id, task_id=0)
     started = file_time(paths.submitted_pickle) or submitted_at(record)
     ended = max(filter(None, (file_time(paths.result_pickle), file_time(paths.stdout))), default=None)
     if started is None or ended is None:
         return None
     held = max(0.0, ended - started)
-    given = record.get("gpus")  # what the local backend gave it, in job.json
-    gpus = len(given) if isinstance(given, list) else given_gpus(paths.stdout)
+    given = record.gpus  # what the local backend gave it, in job.json
+    gpus = len(given) if given is not None else given_gpus(paths.stdout)
     if gpus is None:  # a log from before the local backend named its GPUs: it gave none
         gpus = 0
     return JobUsage(held, held * gpus / 3600, gpus, 1, "local clock")
@@ -186,12 +156,7 @@ def given_gpus(log: Path) -> int | None:
     found = VISIBLE_LINE.search(head)
     if found is None or found.group(1) == "(not set)":
         return None
-    given = 0
-    for entry in found.group(1).split(","):  # CUDA reads up to the first entry it cannot ("", "-1")
-        if not re.match(r"^(\d+|GPU-|MIG-)", entry):
-            break
-        given += 1
-    return given
+    return len(visible_devices(found.group(1)))
 
 
 def file_time(path: Path) -> float | None:
@@ -201,8 +166,8 @@ def file_time(path: Path) -> float | None:
         return None
 
 
-def submitted_at(record: dict) -> float | None:
+def submitted_at(record: JobRecord) -> float | None:
     try:
-        return datetime.strptime(record["submitted_at"], "%Y-%m-%dT%H:%M:%S").timestamp()
-    except (KeyError, TypeError, ValueError):
+        return datetime.strptime(record.submitted_at, "%Y-%m-%dT%H:%M:%S").timestamp()
+    except (TypeError, ValueError):
         return None

@@ -22,11 +22,10 @@ from pydantic import (
 )
 
 from spec import layout
+from spec.durations import TIME_FORMAT, slurm_seconds, slurm_time
 from spec.names import DEFAULT_METRICS, METRICS, SPLITS, SQL_TIMEOUT_S, missing_inputs
 
 SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
-# \Z, not $: `$` also matches before a final newline, which would reach an #SBATCH line.
-TIME_FORMAT = re.compile(r"^(?:(\d+)-)?(\d{1,2}):(\d{2}):(\d{2})\Z", re.ASCII)
 # What SLURM accepts as partition, account and qos names (',' between several) and as a --constraint
 # expression (features joined by & | , with [ ] ( ) grouping and *N counts). These values are written into
 # the job script's `#SBATCH` lines, where a newline would start a line of shell: nothing else gets through.
@@ -254,19 +253,6 @@ def ascii_int(text: str) -> int | None:
     takes '²' and other digits int() refuses: a scheduler tool's odd output crashed the login node."""
     text = str(text).strip()
     return int(text) if ASCII_DIGITS.fullmatch(text) else None
-
-
-def slurm_seconds(time: str) -> int:
-    """'1-02:03:04' → 93784."""
-    days, hours, minutes, seconds = TIME_FORMAT.match(time).groups()
-    return int(days or 0) * 86400 + int(hours) * 3600 + int(minutes) * 60 + int(seconds)
-
-
-def slurm_time(seconds: int) -> str:
-    """93784 → '1-02:03:04' (the days part only when there are days)."""
-    days, rest = divmod(int(seconds), 86400)
-    clock = f"{rest // 3600:02d}:{rest % 3600 // 60:02d}:{rest % 60:02d}"
-    return f"{days}-{clock}" if days else clock
 
 
 def slurm_duration(value: str | int) -> str:

@@ -60,3 +60,6 @@ SCORES_OF = {
 REPORT_COLUMNS = {key: {"bertscore_f1": "bertscore"}.get(key, key) for key in SCORE_KEYS}
 # Splits an eval job may score: the eval data, or (opted into knowingly) the training data.
 SPLITS = ("eval", "train")
+
+# A model folder has a tokenizer when it has one of these (the hub cache check, the speed book's stamp).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "spiece.model", "tokenizer.model", "vocab.json")

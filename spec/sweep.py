@@ -12,7 +12,11 @@
 Points are grid's product (first key slowest) x the zip groups' product x random's draws, each replicated
 over `seeds`. A point is the experiment's raw config with `nested(point.values)` deep-merged in, named
 `{experiment}-{point.suffix}`. Random floats are rounded to 3 significant digits before use, and ints
-drawn from `int` include both bounds. At most MAX_POINTS points; every problem is reported at once.
+drawn from `int` include both bounds. At most MAX_POINTS points.
+
+The block is a pydantic model, SweepSpec, like every other block of an experiment: unknown keys are refused,
+and every problem is reported at once, in pydantic's shape (SweepError), so the loader shows each like any
+other block's, at `file:line: sweep.KEY: what (hint)` (slurm/experiments.py to_problem).
 
 Names. A suffix is `label+value` for each key the block sweeps, joined by '-', then `-s{seed}`
 (`lr3e-04-r8-s1`); labels come from SHORT_KEYS, else the key's last part, lengthened (`rank`, then
@@ -35,15 +39,23 @@ import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from decimal import Decimal
-from typing import Literal
+from typing import Annotated, Literal
 
-from spec.config import SAFE_NAME
-from spec.problems import did_you_mean
+from pydantic import (
+    AfterValidator,
+    Field,
+    PlainValidator,
+    StrictInt,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import InitErrorDetails
 
-BLOCK_KEYS = ("grid", "zip", "random", "samples", "seed", "seeds", "select")
+from spec.config import SAFE_NAME, Section
+
 DISTRIBUTIONS = ("uniform", "loguniform", "choice", "int")
 BOUNDS_EXAMPLE = {"uniform": "[0.0, 0.2]", "loguniform": "[1.0e-5, 1.0e-3]", "int": "[1, 3]"}
-SELECT_KEYS = ("metric", "mode")
 MAX_POINTS = 1000  # more is almost always a typo in a grid, and each point is a queued job
 SEED_KEY = "train.seed"
 DOTTED_KEY = re.compile(r"[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*")
@@ -70,11 +82,17 @@ SHORT_KEYS = {
     "gradient_checkpointing": "gc",
     "max_steps": "steps",
 }
+# What a key needs of another: (key, the key it needs, what is wrong without it).
+PARTNERS = (
+    ("random", "samples", "needs samples: how many draws to make, e.g. samples: 8"),
+    ("samples", "random", "counts random's draws, and there is no random: add random, or remove samples"),
+    ("seed", "random", "is random's seed, and there is no random; training seeds go in seeds: [1, 2, 3]"),
+)
 HASH_CHARS = 6
 NAME_MAX = 64  # SAFE_NAME's limit: a name becomes a folder and a SLURM job name
 
 KeyPath = tuple  # keys and list indices inside the sweep block, e.g. ("zip", 0)
-Problems = list[tuple[tuple, str]]
+Problems = list[tuple[KeyPath, str]]  # what a check across keys found: where in the block, and what
 
 
 @dataclass(frozen=True)
@@ -86,24 +104,10 @@ class SweepPoint:
 
 
 @dataclass(frozen=True)
-class SweepSelect:
-    metric: str
-    mode: Literal["min", "max"]
-
-
-@dataclass(frozen=True)
 class Sweep:
     points: tuple[SweepPoint, ...]
     swept: tuple[str, ...]  # the keys grid, zip and random vary (train.seed from seeds is not one)
     select: SweepSelect | None
-
-
-class SweepError(Exception):
-    """Every problem found in a sweep block, each (key path inside the block, message)."""
-
-    def __init__(self, problems: Problems):
-        self.problems = list(problems)
-        super().__init__("\n".join(f"{shown_path(path)}: {message}" for path, message in self.problems))
 
 
 @dataclass(frozen=True)
@@ -112,7 +116,6 @@ class Axis:
 
     keys: tuple[str, ...]
     rows: tuple[tuple, ...]
-    where: KeyPath
 
 
 @dataclass(frozen=True)
@@ -121,183 +124,94 @@ class Distribution:
     args: tuple  # (low, high), or the choices
 
 
-@dataclass
-class Block:
-    """What the block says, as far as it could be read."""
+class SweepError(Exception):
+    """Every problem found in a sweep block, as pydantic reports one (`loc` inside the block, `type`, `msg`,
+    `input`): the loader turns each into a problem at its file and line, as it does any block's."""
 
-    axes: list[Axis]  # grid keys, then zip groups
-    draws: list[tuple[str, Distribution]]
-    samples: int | None
-    seed: int
-    seeds: tuple[int, ...]
-    select: SweepSelect | None
+    def __init__(self, errors: list[dict]):
+        self.errors = list(errors)
+        lines = (f"{shown_path(e['loc'])}: {e['msg'].removeprefix('Value error, ')}" for e in self.errors)
+        super().__init__("\n".join(lines))
 
 
-def expand(block: object, experiment_name: str) -> Sweep:
-    """The points of `experiment_name`'s sweep block; SweepError lists every problem in it."""
-    problems: Problems = []
-    if not SAFE_NAME.fullmatch(experiment_name):
-        problems.append(((), f"the experiment's name {experiment_name!r} is not a valid name to extend"))
-    read = read_block(block, problems)
-    check_size(read, problems)
-    if problems:
-        raise SweepError(problems)
-    axes = read.axes + ([drawn(read.draws, read.samples, read.seed)] if read.draws else [])
-    points = name_points(list(combinations(axes)), read.seeds, experiment_name, problems)
-    if problems:
-        raise SweepError(problems)
-    swept = tuple(key for axis in axes for key in axis.keys)
-    return Sweep(points=tuple(points), swept=swept, select=read.select)
+# What one key of the block may hold: each check raises ValueError saying what is wrong, at that key.
 
 
-def nested(values: dict) -> dict:
-    """{"train.learning_rate": 1e-4} -> {"train": {"learning_rate": 1e-4}}, ready to deep-merge."""
-    tree: dict = {}
-    for key, value in values.items():
-        *sections, leaf = key.split(".")
-        branch = tree
-        for section in sections:
-            branch = branch.setdefault(section, {})
-            if not isinstance(branch, dict):
-                raise ValueError(f"{key} lies inside {section}, which has a value of its own")
-        if leaf in branch:
-            raise ValueError(f"{key} is given twice, or also as a section")
-        branch[leaf] = list(value) if isinstance(value, list) else value  # each point owns its lists
-    return tree
-
-
-# Reading the block: each reader keeps what is right and adds a problem for the rest.
-
-
-def read_block(block: object, problems: Problems) -> Block:
-    read = Block(axes=[], draws=[], samples=None, seed=0, seeds=(), select=None)
-    if not isinstance(block, dict):
-        problems.append(
-            ((), f"sweep must be a mapping with some of {', '.join(BLOCK_KEYS)}; got {shown(block)}")
+def sweepable(key: object) -> str:
+    if not isinstance(key, str) or not DOTTED_KEY.fullmatch(key):
+        raise ValueError(
+            f"{shown(key)} is not a dotted key: names of letters, digits and '_' joined by single dots, "
+            "e.g. train.learning_rate"
         )
-        return read
-    for key in block:
-        if key not in BLOCK_KEYS:
-            hint = did_you_mean(str(key), BLOCK_KEYS)
-            problems.append(
-                ((key,), f"unknown key {key!r} in sweep{hint}; it may hold {', '.join(BLOCK_KEYS)}")
-            )
-    if "grid" in block:
-        read.axes += read_grid(block["grid"], problems)
-    if "zip" in block:
-        read.axes += read_zip(block["zip"], problems)
-    if "random" in block:
-        read.draws = read_random(block["random"], problems)
-    read.samples = read_samples(block, problems)
-    read.seed = read_seed(block, problems)
-    if "seeds" in block:
-        read.seeds = read_seeds(block["seeds"], problems)
-    if "select" in block:
-        read.select = read_select(block["select"], problems)
-    check_swept_once(swept_keys(read), "seeds" in block, problems)
-    if not any(part in block for part in ("grid", "zip", "random", "seeds")):
-        problems.append(((), "a sweep needs something to vary: grid, zip, random or seeds"))
-    return read
-
-
-def read_grid(grid: object, problems: Problems) -> list[Axis]:
-    if not isinstance(grid, dict) or not grid:
-        problems.append(
-            (
-                ("grid",),
-                f"grid maps keys to lists, e.g. {{train.learning_rate: [1.0e-4, 3.0e-4]}}; got {shown(grid)}",
-            )
+    section = key.split(".")[0]
+    if section in UNSWEPT:
+        raise ValueError(f"{key} cannot be swept: {UNSWEPT[section]}")
+    if index := next((part for part in key.split(".") if part.isdigit()), None):
+        raise ValueError(
+            f"{key} goes into a list ({index} is a list item's position): list items cannot be swept; "
+            "sweep a key of the experiment (e.g. train.learning_rate), which every stage inherits"
         )
-        return []
-    axes = []
-    for key, values in grid.items():
-        path = ("grid", key)
-        if key_is_sweepable(key, path, problems) and values_are_usable(values, path, problems):
-            rows = tuple((value,) for value in values)
-            if rows_are_distinct(rows, path, problems):
-                axes.append(Axis((key,), rows, path))
-    return axes
+    return key
 
 
-def read_zip(groups: object, problems: Problems) -> list[Axis]:
-    if not isinstance(groups, list) or not groups:
-        problems.append(
-            (
-                ("zip",),
-                "zip is a list of groups, each mapping keys to lists that change together, e.g. "
-                f"[{{train.warmup_ratio: [0.0, 0.1], train.weight_decay: [0.0, 0.01]}}]; got {shown(groups)}",
-            )
+def plain_values(values: object, example: str = "[8, 16]") -> list:
+    if not isinstance(values, list) or not values:
+        one = (
+            f" (one value is written [{values}], or set in the experiment itself)"
+            if isinstance(values, (str, int, float)) and not isinstance(values, bool)
+            else ""
         )
-        return []
-    axes = [read_zip_group(group, ("zip", index), problems) for index, group in enumerate(groups)]
-    return [axis for axis in axes if axis]
-
-
-def read_zip_group(group: object, path: KeyPath, problems: Problems) -> Axis | None:
-    if not isinstance(group, dict) or not group:
-        problems.append((path, f"a zip group maps keys to lists of one length; got {shown(group)}"))
-        return None
-    lists = {
-        key: values
-        for key, values in group.items()
-        if key_is_sweepable(key, (*path, key), problems) and values_are_usable(values, (*path, key), problems)
-    }
-    if len(lists) < len(group):
-        return None
-    if len({len(values) for values in lists.values()}) > 1:
-        lengths = ", ".join(f"{key} has {len(values)}" for key, values in lists.items())
-        problems.append(
-            (
-                path,
-                f"the lists of a zip group change together, so they need one length; here {lengths} "
-                "(keys that vary independently belong in grid)",
-            )
+        raise ValueError(f"expected a non-empty list of values, e.g. {example}; got {shown(values)}{one}")
+    unusable = [f"item {index}: {shown(value)}" for index, value in enumerate(values) if not is_value(value)]
+    if unusable:
+        raise ValueError(
+            "values must be numbers, text, true/false, null or lists of those (sweep a section's keys "
+            f"one by one); got {'; '.join(unusable)}"
         )
-        return None
-    rows = tuple(zip(*lists.values(), strict=True))
-    return Axis(tuple(lists), rows, path) if rows_are_distinct(rows, path, problems) else None
+    return values
 
 
-def read_random(block: object, problems: Problems) -> list[tuple[str, Distribution]]:
-    if not isinstance(block, dict) or not block:
-        problems.append(
-            (
-                ("random",),
-                f"random maps keys to distributions, e.g. {{adapter.rank: {{choice: [4, 8]}}}}; got {shown(block)}",
-            )
+def listed_once(rows: list[tuple]) -> None:
+    # Two equal rows would train the same run twice under two names.
+    seen: set[tuple] = set()
+    for row in rows:
+        if row_key(row) in seen:
+            repeated = shown(row[0] if len(row) == 1 else list(row))
+            raise ValueError(f"lists {repeated} more than once: two points would train the same thing")
+        seen.add(row_key(row))
+
+
+def grid_values(values: object) -> list:
+    listed_once([(value,) for value in plain_values(values)])
+    return values
+
+
+def changing_together(group: dict) -> dict:
+    """A zip group: lists of one length, their rows each listed once."""
+    if not group:
+        raise ValueError("is empty: give it keys to vary together, or leave it out")
+    if len({len(values) for values in group.values()}) > 1:
+        lengths = ", ".join(f"{key} has {len(values)}" for key, values in group.items())
+        raise ValueError(
+            f"the lists of a zip group change together, so they need one length; here {lengths} "
+            "(keys that vary independently belong in grid)"
         )
-        return []
-    draws = []
-    for key, spec in block.items():
-        path = ("random", key)
-        if key_is_sweepable(key, path, problems):
-            distribution = read_distribution(spec, path, problems)
-            if distribution:
-                draws.append((key, distribution))
-    return draws
+    listed_once(list(zip(*group.values(), strict=True)))
+    return group
 
 
-def read_distribution(spec: object, path: KeyPath, problems: Problems) -> Distribution | None:
-    if not isinstance(spec, dict) or len(spec) != 1:
-        problems.append(
-            (
-                path,
-                f"expected one distribution of {', '.join(DISTRIBUTIONS)}, e.g. {{uniform: [0.0, 0.2]}}; got {shown(spec)}",
-            )
+def distribution(spec: object) -> Distribution:
+    if not isinstance(spec, dict) or len(spec) != 1 or next(iter(spec)) not in DISTRIBUTIONS:
+        raise ValueError(
+            f"expected one distribution of {', '.join(DISTRIBUTIONS)}, e.g. {{uniform: [0.0, 0.2]}}; "
+            f"got {shown(spec)}"
         )
-        return None
     ((kind, args),) = spec.items()
-    if kind not in DISTRIBUTIONS:
-        hint = did_you_mean(str(kind), DISTRIBUTIONS)
-        problems.append((path, f"unknown distribution {kind!r}{hint}; use one of {', '.join(DISTRIBUTIONS)}"))
-        return None
     if kind == "choice":
-        usable = values_are_usable(args, path, problems, example="{choice: [4, 8, 16]}")
-        return Distribution(kind, tuple(args)) if usable else None
+        return Distribution(kind, tuple(plain_values(args, example="{choice: [4, 8, 16]}")))
     wrong = bounds_problem(kind, args)
     if wrong:
-        problems.append((path, wrong))
-        return None
+        raise ValueError(wrong)
     low, high = args
     return Distribution(kind, (low, high) if kind == "int" else (float(low), float(high)))
 
@@ -327,230 +241,217 @@ def yaml_number_hint(values: list) -> str:
     return f" (YAML reads {texts[0]} as text: write it with a dot, e.g. 1.0e-5)" if texts else ""
 
 
-def read_samples(block: dict, problems: Problems) -> int | None:
-    has_random = "random" in block
-    if "samples" not in block:
-        if has_random:
-            problems.append((("random",), "random needs samples: how many draws to make, e.g. samples: 8"))
-        return None
-    samples = block["samples"]
-    if not is_int(samples) or samples < 1:
-        problems.append(
-            (("samples",), f"samples must be a whole number of draws, 1 or more; got {shown(samples)}")
+def distinct_seeds(seeds: object) -> tuple[int, ...]:
+    if not isinstance(seeds, list) or not seeds or not all(is_int(seed) for seed in seeds):
+        raise ValueError(
+            "must be a non-empty list of whole numbers, e.g. seeds: [1, 2, 3] (each point is trained once "
+            f"per seed); got {shown(seeds)}"
         )
-        return None
-    if not has_random:
-        problems.append(
-            (
-                ("samples",),
-                "samples counts random's draws and there is no random: add random, or remove samples",
-            )
-        )
-        return None
-    return samples
-
-
-def read_seed(block: dict, problems: Problems) -> int:
-    if "seed" not in block:
-        return 0
-    seed = block["seed"]
-    if not is_int(seed):
-        problems.append(
-            (("seed",), f"seed (the random draws' seed) must be a whole number; got {shown(seed)}")
-        )
-        return 0
-    if "random" not in block:
-        problems.append(
-            (
-                ("seed",),
-                "seed is the seed of random's draws and there is no random; training seeds go in seeds: [1, 2, 3]",
-            )
-        )
-    return seed
-
-
-def read_seeds(seeds: object, problems: Problems) -> tuple[int, ...]:
-    example = "e.g. seeds: [1, 2, 3] (each point is trained once per seed)"
-    if not isinstance(seeds, list) or not seeds:
-        problems.append(
-            (("seeds",), f"seeds must be a non-empty list of whole numbers, {example}; got {shown(seeds)}")
-        )
-        return ()
-    if not all(is_int(seed) for seed in seeds):
-        problems.append((("seeds",), f"seeds must be whole numbers, {example}; got {shown(seeds)}"))
-        return ()
     repeated = sorted({seed for seed in seeds if seeds.count(seed) > 1})
     if repeated:
-        problems.append(
-            (("seeds",), f"seeds lists {shown(repeated)} more than once: each replicate needs its own seed")
-        )
-        return ()
+        raise ValueError(f"lists {shown(repeated)} more than once: each replicate needs its own seed")
     return tuple(seeds)
 
 
-def read_select(select: object, problems: Problems) -> SweepSelect | None:
-    example = "e.g. select: {metric: eval_loss, mode: min}"
-    if not isinstance(select, dict):
-        problems.append(
-            (("select",), f"select must be a mapping of metric and mode, {example}; got {shown(select)}")
+SweptKey = Annotated[str, PlainValidator(sweepable)]
+ZipGroup = Annotated[
+    dict[SweptKey, Annotated[list, PlainValidator(plain_values)]], AfterValidator(changing_together)
+]
+
+
+class SweepSelect(Section):
+    """Which score picks the best point in the report, and whether a lower or a higher one is better."""
+
+    metric: str
+    mode: Literal["min", "max"]
+
+    @field_validator("metric")
+    @classmethod
+    def _named(cls, value):
+        if not value.strip():
+            raise ValueError("is empty: name the score that picks the best point, e.g. eval_loss")
+        return value
+
+
+class SweepSpec(Section):
+    """The `sweep:` block as written; the module's docstring says what each key does."""
+
+    grid: dict[SweptKey, Annotated[list, PlainValidator(grid_values)]] = Field(default_factory=dict)
+    zip: list[ZipGroup] = Field(default_factory=list)
+    random: dict[SweptKey, Annotated[Distribution, PlainValidator(distribution)]] = Field(
+        default_factory=dict
+    )
+    samples: Annotated[StrictInt, Field(ge=1)] = 0  # 0: no random, no draws
+    seed: StrictInt = 0
+    seeds: Annotated[tuple[int, ...], PlainValidator(distinct_seeds)] = ()
+    select: SweepSelect | None = None
+
+    @field_validator("grid", "zip", "random")
+    @classmethod
+    def _not_empty(cls, value):
+        if not value:
+            raise ValueError("is empty: give it keys to vary, or leave it out")
+        return value
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _every_problem_at_once(cls, written: object, handler) -> SweepSpec:
+        # Pydantic checks across fields only once every field is valid: here what one key needs of another is
+        # known from the keys written, and the checks across values run on the sections that are valid.
+        if not isinstance(written, dict):
+            return handler(written)
+        errors = [value_error(*problem) for problem in unpaired(written)]
+        try:
+            block = handler(written)
+        except ValidationError as exc:
+            errors = exc.errors() + errors
+            wrong = {error["loc"][0] for error in exc.errors() if error["loc"]}
+            block = handler({key: value for key, value in written.items() if key not in wrong})
+        errors += [value_error(*problem) for problem in block.overlaps() + block.size_problems()]
+        if errors:
+            raise in_written_order(cls.__name__, errors, written)
+        return block
+
+    def swept_at(self) -> list[tuple[str, KeyPath]]:
+        """Each key grid, zip and random vary, and where in the block it is written."""
+        return (
+            [(key, ("grid", key)) for key in self.grid]
+            + [(key, ("zip", index, key)) for index, group in enumerate(self.zip) for key in group]
+            + [(key, ("random", key)) for key in self.random]
         )
-        return None
-    count = len(problems)
-    for key in select:
-        if key not in SELECT_KEYS:
-            hint = did_you_mean(str(key), SELECT_KEYS)
-            problems.append(
-                (("select", key), f"unknown key {key!r} in select{hint}; it holds metric and mode")
-            )
-    metric, mode = select.get("metric"), select.get("mode")
-    if not isinstance(metric, str) or not metric.strip():
-        where = ("select", "metric") if "metric" in select else ("select",)
-        problems.append(
-            (where, f"select needs metric: the name of the score that picks the best point, {example}")
-        )
-    if mode not in ("min", "max"):
-        where = ("select", "mode") if "mode" in select else ("select",)
-        problems.append(
-            (
-                where,
-                f"select needs mode: min or max (is a lower or a higher score better?); got {shown(mode)}",
-            )
-        )
-    return SweepSelect(metric=metric, mode=mode) if len(problems) == count else None
 
-
-# Checks shared by the readers.
-
-
-def key_is_sweepable(key: object, path: KeyPath, problems: Problems) -> bool:
-    if not isinstance(key, str) or not DOTTED_KEY.fullmatch(key):
-        problems.append(
-            (
-                path,
-                f"{shown(key)} is not a dotted key: names of letters, digits and '_' joined by single dots, "
-                "e.g. train.learning_rate",
-            )
-        )
-        return False
-    section = key.split(".")[0]
-    if section in UNSWEPT:
-        problems.append((path, f"{key} cannot be swept: {UNSWEPT[section]}"))
-        return False
-    if index := next((part for part in key.split(".") if part.isdigit()), None):
-        problems.append(
-            (
-                path,
-                f"{key} goes into a list ({index} is a list item's position): list items cannot be swept; "
-                "sweep a key of the experiment (e.g. train.learning_rate), which every stage inherits",
-            )
-        )
-        return False
-    return True
-
-
-def values_are_usable(values: object, path: KeyPath, problems: Problems, example: str = "[8, 16]") -> bool:
-    if not isinstance(values, list) or not values:
-        one = (
-            f" (one value is written [{values}], or set in the experiment itself)"
-            if isinstance(values, (str, int, float)) and not isinstance(values, bool)
-            else ""
-        )
-        problems.append(
-            (path, f"expected a non-empty list of values, e.g. {example}; got {shown(values)}{one}")
-        )
-        return False
-    unusable = [f"item {index}: {shown(value)}" for index, value in enumerate(values) if not is_value(value)]
-    if unusable:
-        problems.append(
-            (
-                path,
-                "values must be numbers, text, true/false, null or lists of those (sweep a section's keys "
-                f"one by one); got {'; '.join(unusable)}",
-            )
-        )
-        return False
-    return True
-
-
-def rows_are_distinct(rows: tuple[tuple, ...], path: KeyPath, problems: Problems) -> bool:
-    # Two equal rows would train the same run twice under two names.
-    seen: set[tuple] = set()
-    repeated = []
-    for row in rows:
-        key = row_key(row)
-        if key in seen:
-            repeated.append(row)
-        seen.add(key)
-    if repeated:
-        shown_row = shown(repeated[0][0] if len(repeated[0]) == 1 else list(repeated[0]))
-        problems.append((path, f"lists {shown_row} more than once: two points would train the same thing"))
-    return not repeated
-
-
-def swept_keys(read: Block) -> list[tuple[str, KeyPath]]:
-    # A grid axis's path ends with its key already; a zip group's ends with the group's index.
-    on_axes = [
-        (key, axis.where if axis.where[-1] == key else (*axis.where, key))
-        for axis in read.axes
-        for key in axis.keys
-    ]
-    return on_axes + [(key, ("random", key)) for key, _ in read.draws]
-
-
-def check_swept_once(swept: list[tuple[str, KeyPath]], has_seeds: bool, problems: Problems) -> None:
-    first: dict[str, KeyPath] = {}
-    for key, path in swept:
-        if key in first:
-            problems.append(
-                (
-                    path,
-                    f"{key} is swept already at {shown_path(first[key])}: a key may vary in one place only",
+    def overlaps(self) -> Problems:
+        found: Problems = []
+        first: dict[str, KeyPath] = {}
+        for key, path in self.swept_at():
+            if key in first:
+                message = (
+                    f"{key} is swept already at {shown_path(first[key])}: a key may vary in one place only"
                 )
-            )
-        first.setdefault(key, path)
-        if key == SEED_KEY and has_seeds:
-            problems.append(
-                (path, f"{SEED_KEY} is what seeds sets (once per replicate): list the seeds in seeds")
-            )
-        elif has_seeds and SEED_KEY.startswith(key + "."):
-            problems.append(
-                (
-                    path,
-                    f"{key} is swept whole, and seeds sets {SEED_KEY} inside it: sweep the keys inside "
-                    f"{key} (e.g. {key}.learning_rate) instead",
+                found.append((path, message))
+            first.setdefault(key, path)
+            if key == SEED_KEY and self.seeds:
+                found.append(
+                    (path, f"{SEED_KEY} is what seeds sets (once per replicate): list the seeds in seeds")
                 )
-            )
-    for inner, path in first.items():
-        outer = next((key for key in first if inner.startswith(key + ".")), None)
-        if outer:
-            problems.append(
-                (path, f"{inner} lies inside {outer}, which is swept too: sweep one or the other")
-            )
+            elif self.seeds and SEED_KEY.startswith(key + "."):
+                found.append(
+                    (
+                        path,
+                        f"{key} is swept whole, and seeds sets {SEED_KEY} inside it: sweep the keys inside "
+                        f"{key} (e.g. {key}.learning_rate) instead",
+                    )
+                )
+        for inner, path in first.items():
+            if outer := next((key for key in first if inner.startswith(key + ".")), None):
+                found.append(
+                    (path, f"{inner} lies inside {outer}, which is swept too: sweep one or the other")
+                )
+        return found
 
-
-def check_size(read: Block, problems: Problems) -> None:
-    factors = [(len(axis.rows), " ".join(str(part) for part in axis.where)) for axis in read.axes]
-    factors += [(read.samples, "samples")] if read.samples else []
-    factors += [(len(read.seeds), "seeds")] if read.seeds else []
-    total = math.prod(count for count, _ in factors)
-    if total > MAX_POINTS:
+    def size_problems(self) -> Problems:
+        factors = [(len(values), f"grid {key}") for key, values in self.grid.items()]
+        factors += [(len(next(iter(group.values()))), f"zip {index}") for index, group in enumerate(self.zip)]
+        factors += [(self.samples, "samples")] if self.random else []
+        factors += [(len(self.seeds), "seeds")] if self.seeds else []
+        total = math.prod(count for count, _ in factors)
+        if total <= MAX_POINTS:
+            return []
         product = " x ".join(f"{count} ({where})" for count, where in factors)
-        problems.append(
+        return [
             (
                 (),
                 f"this sweep would make {total} runs = {product}, over the limit of {MAX_POINTS}: narrow it, "
                 "or sample it with random and samples",
             )
+        ]
+
+    def axes(self) -> list[Axis]:
+        """Grid's keys, the zip groups, then random's draws: the points are their product, first slowest."""
+        axes = [Axis((key,), tuple((value,) for value in values)) for key, values in self.grid.items()]
+        axes += [Axis(tuple(group), tuple(zip(*group.values(), strict=True))) for group in self.zip]
+        return axes + ([drawn(self.random, self.samples, self.seed)] if self.random else [])
+
+
+def unpaired(written: dict) -> Problems:
+    """What one key needs of another, known from the keys written alone."""
+    found: Problems = [
+        ((key,), message) for key, needs, message in PARTNERS if key in written and needs not in written
+    ]
+    if not any(part in written for part in ("grid", "zip", "random", "seeds")):
+        found.append(((), "a sweep needs something to vary: grid, zip, random or seeds"))
+    return found
+
+
+def value_error(loc: KeyPath, message: str) -> dict:
+    """A problem found by a check across keys, in the shape pydantic gives a field's."""
+    return {"type": "value_error", "loc": loc, "msg": f"Value error, {message}", "ctx": {"error": message}}
+
+
+def in_written_order(title: str, errors: list[dict], written: object) -> ValidationError:
+    """The errors by the block's keys as written, a section's unknown keys first (a typo explains what follows
+    it), the whole block's last; a problem with a mapping's key is at that key, not pydantic's `KEY.[key]`."""
+    order = list(written) if isinstance(written, dict) else []
+
+    def rank(error: dict) -> tuple[int, bool]:
+        loc = error["loc"]
+        return (
+            order.index(loc[0]) if loc and loc[0] in order else len(order),
+            error["type"] != "extra_forbidden",
         )
+
+    details = [
+        InitErrorDetails(
+            type=e["type"],
+            loc=e["loc"][:-1] if e["loc"][-1:] == ("[key]",) else e["loc"],
+            input=e.get("input"),
+            ctx=e.get("ctx", {}),
+        )
+        for e in sorted(errors, key=rank)
+    ]
+    return ValidationError.from_exception_data(title, details)
+
+
+def expand(block: object, experiment_name: str) -> Sweep:
+    """The points of `experiment_name`'s sweep block; SweepError holds every problem in it."""
+    named = []
+    if not SAFE_NAME.fullmatch(experiment_name):
+        named = [value_error((), f"the experiment's name {experiment_name!r} is not a valid name to extend")]
+    try:
+        spec = SweepSpec.model_validate(block)
+    except ValidationError as exc:
+        raise SweepError(named + exc.errors(include_url=False)) from None
+    if named:
+        raise SweepError(named)
+    axes = spec.axes()
+    points = name_points(list(combinations(axes)), spec.seeds, experiment_name)
+    swept = tuple(key for axis in axes for key in axis.keys)
+    return Sweep(points=tuple(points), swept=swept, select=spec.select)
+
+
+def nested(values: dict) -> dict:
+    """{"train.learning_rate": 1e-4} -> {"train": {"learning_rate": 1e-4}}, ready to deep-merge."""
+    tree: dict = {}
+    for key, value in values.items():
+        *sections, leaf = key.split(".")
+        branch = tree
+        for section in sections:
+            branch = branch.setdefault(section, {})
+            if not isinstance(branch, dict):
+                raise ValueError(f"{key} lies inside {section}, which has a value of its own")
+        if leaf in branch:
+            raise ValueError(f"{key} is given twice, or also as a section")
+        branch[leaf] = list(value) if isinstance(value, list) else value  # each point owns its lists
+    return tree
 
 
 # Making the points.
 
 
-def drawn(draws: list[tuple[str, Distribution]], samples: int, seed: int) -> Axis:
+def drawn(draws: dict[str, Distribution], samples: int, seed: int) -> Axis:
     rng = random.Random(seed)  # one generator, drawn in written order: the same block gives the same draws
-    rows = tuple(tuple(draw(distribution, rng) for _, distribution in draws) for _ in range(samples))
-    return Axis(tuple(key for key, _ in draws), rows, ("random",))
+    rows = tuple(tuple(draw(distribution, rng) for distribution in draws.values()) for _ in range(samples))
+    return Axis(tuple(draws), rows)
 
 
 def draw(distribution: Distribution, rng: random.Random):
@@ -577,9 +478,7 @@ def combinations(axes: list[Axis]) -> Iterable[dict]:
         }
 
 
-def name_points(
-    combos: list[dict], seeds: tuple[int, ...], experiment: str, problems: Problems
-) -> list[SweepPoint]:
+def name_points(combos: list[dict], seeds: tuple[int, ...], experiment: str) -> list[SweepPoint]:
     keys = list(combos[0]) + ([SEED_KEY] if seeds else [])
     label = labels(keys)
     styles: list[Callable[[int, dict], str]] = [
@@ -594,15 +493,12 @@ def name_points(
             return points
     longest = max((point.suffix for point in points), key=len)  # of the shortest style
     room = NAME_MAX - 1 - len(longest)
-    problems.append(
-        (
-            (),
-            f"the experiment's name {experiment!r} ({len(experiment)} characters) leaves no room for its "
-            f"points' names: with the shortest suffixes, such as {longest!r}, names pass {NAME_MAX} "
-            f"characters; shorten the experiment's name to {room} or fewer",
-        )
+    message = (
+        f"the experiment's name {experiment!r} ({len(experiment)} characters) leaves no room for its "
+        f"points' names: with the shortest suffixes, such as {longest!r}, names pass {NAME_MAX} "
+        f"characters; shorten the experiment's name to {room} or fewer"
     )
-    return []
+    raise SweepError([value_error((), message)])
 
 
 def replicated(

@@ -12,20 +12,15 @@ import pytest
 import launch
 from spec.rundir import RunDir, job_records
 from tests.conftest import write_cluster_yaml
+from tests.helpers import holding_sbatch, start_launcher, tiny_sql_base
 
 EXPERIMENT = """\
 name: {name}
-model: {{name_or_path: {root}/models/tiny-llama, kind: causal}}
-adapter: {{rank: {rank}, alpha: 8, dropout: 0.0, max_trainable_percent: 40}}
-data:
-  train: {root}/data/demo/sql/easy.jsonl
-  eval: {root}/data/demo/sql/dev.jsonl
-  input_field: question
-  target_field: sql
-  prompt_template: "{{schema}} | {{question}} | SQL: "
-train: {{epochs: 1, batch_size: 16, eval_every_epochs: null, learning_rate: 3.0e-3}}
+inherits: _tiny-sql.yaml
+adapter: {{rank: {rank}, max_trainable_percent: 40}}
+data: {{eval: {root}/data/demo/sql/dev.jsonl}}
+train: {{epochs: 1, batch_size: 16, learning_rate: 3.0e-3}}
 eval: {{metrics: [exact_match, rouge_l], limit: 8, max_new_tokens: 16, baseline: true}}
-resources: {{gpus: 0, cpus: 1, mem_gb: 1, time: "00:15:00"}}
 """
 
 
@@ -37,6 +32,7 @@ def test_one_base_eval_runs_for_the_experiments_that_share_it_and_scores_the_bas
     folder = tmp_path / "configs"
     folder.mkdir()
     write_cluster_yaml(folder, tmp_path, local_parallel_jobs=2)
+    tiny_sql_base(folder)
     for name, rank in (("r4", 4), ("r8", 8)):  # same base, same eval data and settings: one base job
         (folder / f"{name}.yaml").write_text(EXPERIMENT.format(name=name, root=repo_root, rank=rank))
     assert launch.main(["--all", "--dry-run", "--json", "--config-dir", str(folder)]) == 0
@@ -64,12 +60,12 @@ def test_cancelling_one_experiment_keeps_the_base_eval_another_still_needs(
     repo_root, tmp_path, tiny, slurm_cluster, monkeypatch, capsys
 ):
     from tests.conftest import squeue_ids
-    from tests.test_no_double_jobs import holding_sbatch, start_launcher
 
     monkeypatch.chdir(repo_root)
     folder = tmp_path / "configs"
     folder.mkdir()
     write_cluster_yaml(folder, tmp_path)
+    tiny_sql_base(folder)
     for name, rank in (("r4", 4), ("r8", 8)):
         (folder / f"{name}.yaml").write_text(EXPERIMENT.format(name=name, root=repo_root, rank=rank))
     first = start_launcher(
@@ -78,7 +74,7 @@ def test_cancelling_one_experiment_keeps_the_base_eval_another_still_needs(
     assert first.wait(timeout=300) == 0, (tmp_path / "first.log").read_text()
     try:
         (base,) = [p.parent.name for p in (tmp_path / "runs").glob("_base-*/eval")]
-        base_job = job_records(tmp_path / "runs" / base / "eval")[-1]["job_id"]
+        base_job = job_records(tmp_path / "runs" / base / "eval")[-1].job_id
         assert launch.main(["--cancel", "--exp", "r4", "--config-dir", str(folder)]) == 0
         said = capsys.readouterr().out
         assert "r4/train" in said and base not in said  # r8's base row still needs it

@@ -18,45 +18,9 @@ from submitit.core.utils import JobPaths
 import launch
 from spec.layout import archive_folder
 from tests.conftest import write_cluster_yaml
-from tests.helpers import wait_until
+from tests.helpers import TINY_SQL_EXPERIMENT, alive, configs, record, tiny_sql_base, wait_until
 
-EXPERIMENT = """\
-name: {name}
-model: {{name_or_path: {model}, kind: causal}}
-adapter: {{rank: 4, alpha: 8, dropout: 0.0, max_trainable_percent: 30}}
-data:
-  train: {root}/data/demo/sql/easy.jsonl
-  input_field: question
-  target_field: sql
-  prompt_template: "{{schema}} | {{question}} | SQL: "
-train: {{epochs: {epochs}, batch_size: 4, learning_rate: 1.0e-3, eval_every_epochs: null, logging_steps: 1}}
-eval: {{metrics: []}}
-resources: {{gpus: 0, cpus: 1, mem_gb: 1, time: "00:15:00"}}
-"""
 BROKEN = "name: broken\nmodel:\n  name_or_path: [unclosed\n"
-
-
-def configs(tmp: Path, repo_root: Path, **experiments: dict) -> Path:
-    folder = tmp / "configs"
-    folder.mkdir(exist_ok=True)
-    write_cluster_yaml(folder, tmp)
-    for name, fields in experiments.items():
-        fields = {"model": repo_root / "models" / "tiny-llama", "epochs": 1, **fields}
-        (folder / f"{name}.yaml").write_text(EXPERIMENT.format(name=name, root=repo_root, **fields))
-    return folder
-
-
-def record(tmp: Path, job: str) -> dict:
-    return json.loads((tmp / "runs" / job / "job.json").read_text())["jobs"][-1]
-
-
-def alive(pid: str) -> bool:
-    """The process exists and has not ended: a zombie (ended, not yet collected by its parent) is not."""
-    try:
-        stat = Path(f"/proc/{int(pid)}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rpartition(")")[2].split()[0] not in ("Z", "X")
 
 
 def test_watching_goes_on_when_another_yaml_is_broken(repo_root, tmp_path, monkeypatch, capsys):
@@ -173,11 +137,7 @@ def test_force_archives_the_eval_of_a_rerun_stage_too_its_results_kept(
     def with_eval(epochs: int) -> Path:
         folder = configs(tmp_path, repo_root, quick={"epochs": epochs})
         path = folder / "quick.yaml"
-        path.write_text(
-            path.read_text().replace(
-                "eval: {metrics: []}", "eval: {metrics: [exact_match], split: train, limit: 8}"
-            )
-        )
+        path.write_text(path.read_text() + "eval: {metrics: [exact_match], split: train, limit: 8}\n")
         return folder
 
     argv = ["--all", "--config-dir", str(with_eval(1)), "--backend", "local"]
@@ -248,7 +208,8 @@ def test_a_dry_run_after_the_run_shows_what_a_relaunch_would_do_and_only_what_is
     assert launch.main(["--exp", "a", "--dry-run", "--config-dir", str(folder)]) == 0
     out = capsys.readouterr().out
     assert "COMPLETED (done)" in out and "Nothing left to run" in out and "PLANNED" not in out
-    (folder / "a.yaml").write_text((folder / "a.yaml").read_text().replace("1.0e-3", "2.0e-3"))
+    a_yaml = folder / "a.yaml"  # a changed learning rate
+    a_yaml.write_text(a_yaml.read_text().replace("{epochs: 1}", "{epochs: 1, learning_rate: 2.0e-3}"))
     assert launch.main(["--exp", "a", "--dry-run", "--config-dir", str(folder)]) == 0
     out, err = capsys.readouterr()
     assert "REFUSED" in out and "a launch would refuse" in err and "train.learning_rate" in err
@@ -263,10 +224,11 @@ def test_watching_shows_what_the_run_root_holds_not_only_the_default_config_fold
     root = tmp_path / "configs"
     root.mkdir()
     write_cluster_yaml(root, tmp_path)  # one run root for every folder below (found by inheritance)
+    tiny_sql_base(root)  # and one base experiment
     for folder, name in (("experiments", "never-run"), ("demo", "a"), ("other", "b")):
         (root / folder).mkdir()
         fields = {"model": repo_root / "models" / "tiny-llama", "epochs": 1}
-        (root / folder / f"{name}.yaml").write_text(EXPERIMENT.format(name=name, root=repo_root, **fields))
+        (root / folder / f"{name}.yaml").write_text(TINY_SQL_EXPERIMENT.format(name=name, **fields))
     for folder in ("demo", "other"):
         assert launch.main(["--all", "--config-dir", f"configs/{folder}", "--backend", "local"]) == 0
     report = (tmp_path / "runs" / "report.md").read_text()

@@ -11,100 +11,25 @@ import math
 import subprocess
 from pathlib import Path
 
-from safetensors.torch import load_file
 from submitit.core.utils import JobPaths
 
 import launch
-from slurm.states import State
 from slurm.status import query_slurm
-from tests.conftest import write_cluster_yaml
-from tests.helpers import wait_until
-from tests.test_tracking import assert_same_curve, logged_losses, tensorboard_losses
+from spec.states import State
+from tests.helpers import fault_experiment, slurm_id, submit, wait_until
+from tests.train_helpers import (
+    assert_every_step_logged_once,
+    assert_same_adapter,
+    assert_same_curve,
+    logged_losses,
+    tensorboard_losses,
+)
 from train.checkpoints import MARKER, latest_valid_checkpoint, step_of
-
-EXPERIMENT = """\
-name: {name}
-model: {{name_or_path: {root}/models/tiny-llama, kind: causal}}
-adapter: {{rank: 8, alpha: 16, dropout: 0.0, max_trainable_percent: 30}}
-data:
-  train: {root}/data/demo/sql/train.jsonl
-  eval: {root}/data/demo/sql/dev.jsonl
-  input_field: question
-  target_field: sql
-  prompt_template: "{{schema}} | {{question}} | SQL: "
-train: {{epochs: {epochs}, learning_rate: 3.0e-3, batch_size: 8, save_every_steps: {save}, logging_steps: 4,
-        eval_every_epochs: null}}
-eval: {eval}
-resources: {{gpus: {gpus}, cpus: {gpus}, mem_gb: 2, time: "{time}", signal_delay_s: {signal_delay_s}, max_requeues: {requeues}}}
-{extra}
-"""
-
-
-def experiment_dir(
-    repo_root: Path,
-    tmp: Path,
-    name: str,
-    epochs=6,
-    save=8,
-    time="00:20:00",
-    signal_delay_s=60,
-    requeues=8,
-    extra="",
-    evaluation="{metrics: []}",
-    gpus=1,
-) -> Path:
-    folder = tmp / "configs"
-    folder.mkdir(exist_ok=True)
-    write_cluster_yaml(folder, tmp)
-    text = EXPERIMENT.format(
-        name=name,
-        root=repo_root,
-        epochs=epochs,
-        save=save,
-        time=time,
-        signal_delay_s=signal_delay_s,
-        requeues=requeues,
-        extra=extra,
-        eval=evaluation,
-        gpus=gpus,
-    )
-    (folder / f"{name}.yaml").write_text(text)
-    return folder
-
-
-def submit(folder: Path, *extra: str) -> int:
-    return launch.main(["--all", "--config-dir", str(folder), "--backend", "slurm", *extra])
-
-
-def slurm_id(tmp: Path, job: str) -> str:
-    return json.loads((tmp / "runs" / job / "job.json").read_text())["jobs"][-1]["job_id"]
-
-
-def progress_step(run_dir: Path) -> int:
-    try:
-        return json.loads((run_dir / "progress.json").read_text())["step"]
-    except (OSError, ValueError, KeyError):
-        return 0
-
-
-def assert_same_adapter(expected: dict, run_dir: Path) -> None:
-    actual = load_file(str(run_dir / "adapter" / "adapter_model.safetensors"))
-    assert expected.keys() == actual.keys()
-    for key in expected:
-        assert (expected[key] - actual[key]).abs().max().item() <= 1e-6, key
 
 
 def steps_per_epoch(repo_root: Path, batch_size: int = 8) -> int:
     rows = (repo_root / "data" / "demo" / "sql" / "train.jsonl").read_text().splitlines()
     return math.ceil(len(rows) / batch_size)
-
-
-def assert_every_step_logged_once(run_dir: Path, global_step: int, every: int = 4) -> None:
-    """Across all the allocations, metrics.jsonl holds each logging step exactly once: none repeated after a
-    resume, none skipped. (The last step is logged only if it falls on the logging interval.)"""
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    logged = [r["step"] for r in rows if "loss" in r]
-    assert logged == [1, *range(every, global_step + 1, every)]
 
 
 def test_scontrol_requeue_mid_run_resumes_to_the_same_adapter(
@@ -113,8 +38,8 @@ def test_scontrol_requeue_mid_run_resumes_to_the_same_adapter(
     # Two identical experiments run side by side on the cluster (same CPU count, so the same arithmetic);
     # only one of them is requeued mid-run.
     monkeypatch.chdir(repo_root)
-    folder = experiment_dir(repo_root, tmp_path, "requeued", epochs=16, save=8)
-    experiment_dir(repo_root, tmp_path, "straight", epochs=16, save=8)
+    folder = fault_experiment(repo_root, tmp_path, "requeued", epochs=16, save=8)
+    fault_experiment(repo_root, tmp_path, "straight", epochs=16, save=8)
     assert submit(folder) == 0
     run_dir = tmp_path / "runs" / "requeued" / "train"
     job_id = slurm_id(tmp_path, "requeued/train")
@@ -128,10 +53,7 @@ def test_scontrol_requeue_mid_run_resumes_to_the_same_adapter(
     # TensorBoard (on by default) shows the same curve: the steps the first run logged after its
     # checkpoint, logged again after the requeue, are purged, not drawn twice.
     assert_same_curve(tensorboard_losses(run_dir), logged_losses(run_dir))
-    straight = load_file(
-        str(tmp_path / "runs" / "straight" / "train" / "adapter" / "adapter_model.safetensors")
-    )
-    assert_same_adapter(straight, run_dir)
+    assert_same_adapter(tmp_path / "runs" / "straight" / "train", run_dir)
 
 
 def training_steps_per_second(tiny, run_dir: Path, steps: int = 300) -> float:
@@ -165,7 +87,7 @@ def test_time_limit_is_survived_by_repeated_requeues(repo_root, tmp_path, slurm_
     # job too short to need two requeues once that load is gone.
     speed = max(training_steps_per_second(tiny, tmp_path / f"calibration-{k}") for k in (1, 2))
     epochs = math.ceil(150 * speed / per_epoch)
-    folder = experiment_dir(
+    folder = fault_experiment(
         repo_root,
         tmp_path,
         "limited",
@@ -196,7 +118,9 @@ def test_cancelled_stage_blocks_its_dependents_until_retried(
     monkeypatch.chdir(repo_root)
     stages = "stages:\n  - name: one\n  - name: two\n"
     evaluation = "{metrics: [exact_match], limit: 4, max_new_tokens: 8}"
-    folder = experiment_dir(repo_root, tmp_path, "curriculum", epochs=3, extra=stages, evaluation=evaluation)
+    folder = fault_experiment(
+        repo_root, tmp_path, "curriculum", epochs=3, extra=stages, evaluation=evaluation
+    )
     assert submit(folder) == 0
     one = slurm_id(tmp_path, "curriculum/one")
     children = [slurm_id(tmp_path, "curriculum/two"), slurm_id(tmp_path, "curriculum/eval")]
@@ -221,7 +145,7 @@ def test_killed_job_with_a_torn_checkpoint_resumes_from_the_last_valid_one(
     repo_root, tmp_path, slurm_cluster, tiny, monkeypatch
 ):
     monkeypatch.chdir(repo_root)
-    folder = experiment_dir(repo_root, tmp_path, "killed", epochs=30, save=8)
+    folder = fault_experiment(repo_root, tmp_path, "killed", epochs=30, save=8)
     assert submit(folder) == 0
     run_dir = tmp_path / "runs" / "killed" / "train"
     job_id = slurm_id(tmp_path, "killed/train")

@@ -10,31 +10,25 @@ from pathlib import Path
 
 import launch
 from tests.conftest import squeue_ids, write_cluster_yaml
-from tests.helpers import wait_until
-from tests.test_no_double_jobs import holding_sbatch, start_launcher
+from tests.helpers import holding_sbatch, start_launcher, tiny_sql_base, wait_until
 
 EXPERIMENT = """\
 name: {name}
-model: {{name_or_path: {root}/models/tiny-llama, kind: causal}}
-adapter: {{rank: 4, alpha: 8, dropout: 0.0, max_trainable_percent: 40}}
-data:
-  train: {root}/data/demo/sql/easy.jsonl
-  input_field: question
-  target_field: sql
-  prompt_template: "{{schema}} | {{question}} | SQL: "
-train: {{epochs: 500, batch_size: 4}}
-eval: {{metrics: []}}
-resources: {{gpus: {gpus}, cpus: 1, mem_gb: 1, time: "{time}"}}
+inherits: _tiny-sql.yaml
+adapter: {{max_trainable_percent: 40}}
+train: {{epochs: 500}}
+resources: {{gpus: {gpus}, time: "{time}"}}
 """
 
 
-def folder_with(tmp: Path, repo_root: Path, cluster: dict, **experiments: dict) -> Path:
+def folder_with(tmp: Path, cluster: dict, **experiments: dict) -> Path:
     folder = tmp / "configs"
     folder.mkdir(exist_ok=True)
     write_cluster_yaml(folder, tmp, **cluster)
+    tiny_sql_base(folder)
     for name, fields in experiments.items():
         fields = {"gpus": 0, "time": "00:05:00", **fields}
-        (folder / f"{name}.yaml").write_text(EXPERIMENT.format(name=name, root=repo_root, **fields))
+        (folder / f"{name}.yaml").write_text(EXPERIMENT.format(name=name, **fields))
     return folder
 
 
@@ -46,7 +40,7 @@ def launched(folder: Path, capsys) -> tuple[int, str]:
 def test_more_gpus_than_the_qos_lets_a_user_hold_is_refused_before_queueing(
     repo_root, tmp_path, tiny, slurm_cluster, capsys
 ):
-    folder = folder_with(tmp_path, repo_root, {"qos": "limited"}, big={"gpus": 3})
+    folder = folder_with(tmp_path, {"qos": "limited"}, big={"gpus": 3})
     code, said = launched(folder, capsys)
     assert code == 2, said
     assert "big.yaml: resources.gpus: big/train asks 3 GPU(s), over the QOS limited MaxTRESPerUser" in said
@@ -57,7 +51,7 @@ def test_more_gpus_than_the_qos_lets_a_user_hold_is_refused_before_queueing(
 def test_a_time_over_the_partitions_max_time_is_refused_at_its_line(
     repo_root, tmp_path, tiny, slurm_cluster, capsys
 ):
-    folder = folder_with(tmp_path, repo_root, {"partition": "short"}, long={"time": "00:20:00"})
+    folder = folder_with(tmp_path, {"partition": "short"}, long={"time": "00:20:00"})
     code, said = launched(folder, capsys)
     assert code == 2, said
     assert (
@@ -71,7 +65,7 @@ def test_a_time_over_the_partitions_max_time_is_refused_at_its_line(
 def test_a_plan_over_the_users_submit_limit_is_refused_whole_not_halfway(
     repo_root, tmp_path, tiny, slurm_cluster, capsys
 ):
-    folder = folder_with(tmp_path, repo_root, {"qos": "limited"}, a={}, b={}, c={}, d={})
+    folder = folder_with(tmp_path, {"qos": "limited"}, a={}, b={}, c={}, d={})
     code, said = launched(folder, capsys)
     assert code == 2, said
     assert "this launch queues 4 job(s) and you have 0 queued under QOS limited" in said
@@ -82,7 +76,7 @@ def test_a_plan_over_the_users_submit_limit_is_refused_whole_not_halfway(
 def test_a_job_pending_on_a_limit_it_is_over_shows_as_will_never_start(
     repo_root, tmp_path, tiny, slurm_cluster, capsys
 ):
-    folder = folder_with(tmp_path, repo_root, {"partition": "short"}, waits={"time": "00:05:00"})
+    folder = folder_with(tmp_path, {"partition": "short"}, waits={"time": "00:05:00"})
     env = holding_sbatch(tmp_path / "hold")  # queued held: it cannot start before the limit changes
     first = start_launcher(folder, tmp_path / "first.log", "--backend", "slurm", env=env)
     assert first.wait(timeout=300) == 0, (tmp_path / "first.log").read_text()
@@ -113,7 +107,7 @@ def test_a_job_waiting_for_the_users_other_gpus_is_not_called_never_starting(
 ):
     # Three one-GPU jobs under a 2-GPU cap per user: the third pends on QOSMaxGRESPerUser until one of the
     # others ends. Before: --status said it would never start, and --wait gave up on it.
-    folder = folder_with(tmp_path, repo_root, {"qos": "limited"}, a={"gpus": 1}, b={"gpus": 1}, c={"gpus": 1})
+    folder = folder_with(tmp_path, {"qos": "limited"}, a={"gpus": 1}, b={"gpus": 1}, c={"gpus": 1})
     code, said = launched(folder, capsys)
     assert code == 0, said
     try:

@@ -13,7 +13,6 @@ import re
 import subprocess
 from pathlib import Path
 
-from safetensors.torch import load_file
 from submitit.core.utils import JobPaths
 
 import launch
@@ -21,11 +20,11 @@ from bench.packing import SCENARIO, scenario
 from slurm.experiments import load_experiments, parse_overrides
 from slurm.plan import build_plan
 from slurm.profile import load_profile
-from slurm.states import State
 from slurm.status import query_slurm
+from spec.states import State
 from tests.conftest import squeue_ids
-from tests.helpers import wait_until
-from tests.test_cluster_faults import assert_every_step_logged_once, assert_same_adapter, slurm_id
+from tests.helpers import holding_sbatch, slurm_id, wait_until
+from tests.train_helpers import assert_every_step_logged_once, assert_same_adapter
 from train.checkpoints import latest_valid_checkpoint
 
 
@@ -93,10 +92,7 @@ def test_a_packed_run_survives_a_requeue_and_equals_the_unpacked_run(
     for job in jobs:
         if job.endswith("/eval"):
             continue
-        assert_same_adapter(
-            load_file(str(tmp_path / "plain" / "runs" / job / "adapter" / "adapter_model.safetensors")),
-            runs / job,
-        )
+        assert_same_adapter(tmp_path / "plain" / "runs" / job, runs / job)
     scores = [
         json.loads((r / "single-a" / "eval" / "results.json").read_text())
         for r in (runs, tmp_path / "plain" / "runs")
@@ -137,15 +133,15 @@ def test_a_failing_unit_blocks_only_the_units_that_need_its_adapter(
     assert states == {"ok/train": True, "other/train": True}
     for job in ("bad/first", "bad/second"):
         assert not (tmp_path / "runs" / job / "DONE").exists()
-    assert json.loads((tmp_path / "runs" / "bad" / "first" / "lane.json").read_text())["state"] == "failed"
+    assert json.loads((tmp_path / "runs" / "bad" / "first" / "lane.json").read_text())["state"] == "FAILED"
     assert json.loads((tmp_path / "runs" / "bad" / "second" / "lane.json").read_text()) | {"at": ""} == {
         "started_s": None,
         "ended_s": None,
         "pack_job": pack_id,
         "lane": None,
         "gpu": None,
-        "state": "blocked",
-        "reason": "parent bad/first failed",
+        "state": "BLOCKED",
+        "reason": "parent bad/first FAILED",
         "at": "",
     }
     assert launch.main(["--status", "--config-dir", str(folder)]) == 0
@@ -153,7 +149,7 @@ def test_a_failing_unit_blocks_only_the_units_that_need_its_adapter(
     assert re.search(
         r"bad/first .*FAILED.*exit code 1, see its log \(lane \d \(GPU \d\) of packed job", status
     ), status
-    assert re.search(r"bad/second .*BLOCKED.*parent bad/first failed", status), status
+    assert re.search(r"bad/second .*BLOCKED.*parent bad/first FAILED", status), status
     assert re.search(r"other/train .*COMPLETED", status), status
 
 
@@ -181,8 +177,6 @@ def test_an_impossible_budget_is_refused_before_anything_is_queued(
 def test_cancelling_one_experiment_of_a_pack_refuses_to_stop_the_others(
     repo_root, tmp_path, slurm_cluster, tiny, capsys, monkeypatch
 ):
-    from tests.test_load import holding_sbatch
-
     folder = scenario(repo_root, tmp_path, {"a": "", "b": ""})
     holding_sbatch(tmp_path / "hold")  # the pack waits, held, in the real queue while we cancel
     monkeypatch.setenv("PATH", f"{tmp_path / 'hold'}:{os.environ['PATH']}")

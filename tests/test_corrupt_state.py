@@ -23,22 +23,16 @@ import pytest
 import launch
 from spec.rundir import RunDir
 from tests.conftest import write_cluster_yaml
+from tests.helpers import tiny_sql_base
 
 pytestmark = pytest.mark.slow  # trains or launches for seconds: make test-fast leaves it out
 
 EXPERIMENT = """\
 name: one
-model: {{name_or_path: {root}/models/tiny-llama, kind: causal}}
-adapter: {{rank: 4, alpha: 8, dropout: 0.0, max_trainable_percent: 30}}
-data:
-  train: {root}/data/demo/sql/easy.jsonl
-  eval: {root}/data/demo/sql/dev.jsonl
-  input_field: question
-  target_field: sql
-  prompt_template: "{{schema}} | {{question}} | SQL: "
-train: {{epochs: 1, batch_size: 8, learning_rate: 1.0e-3, eval_every_epochs: 1, logging_steps: 1}}
+inherits: _tiny-sql.yaml
+data: {{eval: {root}/data/demo/sql/dev.jsonl}}
+train: {{epochs: 1, batch_size: 8, eval_every_epochs: 1}}
 eval: {{metrics: [exact_match], limit: 4, max_new_tokens: 8}}
-resources: {{gpus: 0, cpus: 1, mem_gb: 1, time: "00:15:00"}}
 """
 NOT_UTF8 = b'{"step": 1, "loss": \xff\xfe 2.0}\n'
 COMMANDS = {
@@ -173,6 +167,7 @@ def finished(tmp_path_factory, repo_root, tiny) -> Iterator[Path]:
     folder = tmp / "configs"
     folder.mkdir()
     write_cluster_yaml(folder, tmp)
+    tiny_sql_base(folder)
     (folder / "one.yaml").write_text(EXPERIMENT.format(root=repo_root))
     with pytest.MonkeyPatch.context() as patch:
         # A token cache of this module's own: the session's holds other tests' preflight entries, and the
@@ -251,6 +246,7 @@ def test_a_read_only_or_full_run_folder_is_a_sentence_not_a_traceback(
     folder = tmp_path / "configs"
     folder.mkdir()
     write_cluster_yaml(folder, tmp_path)
+    tiny_sql_base(folder)
     (folder / "one.yaml").write_text(EXPERIMENT.format(root=repo_root))
     runs = tmp_path / "runs"
     (runs / "one").mkdir(parents=True)

@@ -4,7 +4,6 @@ same plan on the local backend. Tiny models, real transformers/peft training on 
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -15,33 +14,10 @@ from submitit.core.utils import JobPaths
 import launch
 from spec.speeds import read_eval_book
 from tests.conftest import squeue_ids, write_cluster_yaml
-from tests.test_tracking import assert_same_curve, logged_losses, tensorboard_losses
+from tests.helpers import DEMO_JOBS, demo_configs, record, slurm_id
+from tests.train_helpers import assert_same_curve, logged_losses, tensorboard_losses
 
 TOKEN = "hf_NotARealTokenForTheDemoJobs"
-DEMO_JOBS = {
-    "sql-t5-lora/train",
-    "sql-t5-lora/eval",
-    "sql-llama-qlora-curriculum/easy",
-    "sql-llama-qlora-curriculum/harder",
-    "sql-llama-qlora-curriculum/eval",
-    "chain-first/train",
-    "chain-first/eval",
-    "chain-second/train",
-    "chain-second/eval",
-    "shapes-vl-qlora-curriculum/colours",
-    "shapes-vl-qlora-curriculum/shapes",
-    "shapes-vl-qlora-curriculum/eval",
-}
-
-
-def demo_configs(repo_root: Path, tmp: Path) -> Path:
-    """configs/demo + base.yaml copied under tmp, with runs and logs under tmp too."""
-    configs = tmp / "configs"
-    shutil.copytree(repo_root / "configs" / "demo", configs / "demo")
-    shutil.copy(repo_root / "configs" / "base.yaml", configs / "base.yaml")
-    shutil.copy(repo_root / "configs" / "baselines.yaml", configs / "baselines.yaml")
-    write_cluster_yaml(configs, tmp)
-    return configs / "demo"
 
 
 def scontrol_dependency(job_id: str) -> str:
@@ -49,10 +25,6 @@ def scontrol_dependency(job_id: str) -> str:
         ["scontrol", "show", "job", job_id], capture_output=True, text=True, check=True
     ).stdout
     return next(part for part in out.split() if part.startswith("Dependency="))
-
-
-def job_id(tmp: Path, plan_id: str) -> str:
-    return json.loads((tmp / "runs" / plan_id / "job.json").read_text())["jobs"][-1]["job_id"]
 
 
 def check_outputs(tmp: Path) -> None:
@@ -93,10 +65,10 @@ def test_demo_on_the_dev_cluster(repo_root, tmp_path, slurm_cluster, tiny, capsy
     assert launch.main(["--all", "--config-dir", str(config_dir), "--backend", "slurm"]) == 0
 
     # The dependencies SLURM holds are the plan's (checked while the children still wait).
-    first_eval = job_id(tmp_path, "chain-first/eval")
-    assert f"afterany:{first_eval}" in scontrol_dependency(job_id(tmp_path, "chain-second/train"))
-    easy = job_id(tmp_path, "sql-llama-qlora-curriculum/easy")
-    assert f"afterok:{easy}" in scontrol_dependency(job_id(tmp_path, "sql-llama-qlora-curriculum/harder"))
+    first_eval = slurm_id(tmp_path, "chain-first/eval")
+    assert f"afterany:{first_eval}" in scontrol_dependency(slurm_id(tmp_path, "chain-second/train"))
+    easy = slurm_id(tmp_path, "sql-llama-qlora-curriculum/easy")
+    assert f"afterok:{easy}" in scontrol_dependency(slurm_id(tmp_path, "sql-llama-qlora-curriculum/harder"))
 
     # A second launch while jobs are queued submits nothing new, then waits for all of them.
     queued = squeue_ids(tmp_path)
@@ -150,15 +122,12 @@ def test_demo_runs_locally_without_slurm(repo_root, tmp_path, tiny, monkeypatch,
     assert "| chain-second | complete" in report.read_text()
     for plan_id in ("chain-first/train", "chain-first/eval", "chain-second/train", "chain-second/eval"):
         assert (tmp_path / "runs" / plan_id / "DONE").is_file()
-        assert (
-            json.loads((tmp_path / "runs" / plan_id / "job.json").read_text())["jobs"][-1]["backend"]
-            == "local"
-        )
+        assert record(tmp_path, plan_id)["backend"] == "local"
     # afterany: the second experiment started after the first one's last job ended (its DONE, written as
     # that job's last act, is older than the second's submitted call, written when the launcher started it).
     # Nanosecond file times; the one-second `submitted_at` stamps could not tell the order apart.
     first_end = (tmp_path / "runs" / "chain-first" / "eval" / "DONE").stat().st_mtime_ns
-    second_pid = job_id(tmp_path, "chain-second/train")
+    second_pid = record(tmp_path, "chain-second/train")["job_id"]
     second_call = JobPaths(tmp_path / "logs" / "chain-second" / "train", second_pid).submitted_pickle
     assert first_end < second_call.stat().st_mtime_ns
 

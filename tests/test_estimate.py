@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from slurm import guesses
 from slurm.estimate import DataTokens, Estimator, auto_time_limit_s, read_exact_tokens, record_exact_tokens
 from slurm.experiments import load_experiments
 from slurm.plan import estimated_again
@@ -14,7 +15,7 @@ from slurm.profile import load_profile
 from spec.config import DataSpec, EvalJob, ModelSpec, TrainJob
 from spec.problems import ConfigError
 from spec.speeds import EvalSpeedRecord, SpeedRecord, book_of, read_book
-from tests.test_plan import plan_for, sized, write_experiments
+from tests.helpers import plan_for, sized, write_experiments
 
 MODEL = {"name_or_path": "org/some-model-0.5B", "kind": "causal"}
 
@@ -137,10 +138,14 @@ def test_an_eval_job_scores_only_eval_limit_examples():
 
     estimate = Estimator([], lambda source, data_spec: DataTokens(1000, 1e5))
     limited, whole = estimate(spec(32), 1), estimate(spec(None), 1)
-    assert limited.source == "guess"
-    step_s = (whole.seconds - limited.seconds) / ((63 - 2) * 50)  # 63 batches of 16 against 2
-    assert limited.seconds == pytest.approx(whole.seconds - 61 * 50 * step_s)
+    assert limited.source == whole.source == "guess"
+    # The guess: loading the model, then one decoding step per new token of each batch of 16.
+    parameters = 0.5e9  # from the name, org/some-model-0.5B
+    startup_s, step_s = guesses.startup_s(parameters), guesses.decode_step_s(parameters, 1, 1)
+    assert limited.seconds == pytest.approx(startup_s + 2 * 50 * step_s)  # 32 examples: 2 batches
+    assert whole.seconds == pytest.approx(startup_s + 63 * 50 * step_s)  # all 1000: 63 batches
     assert "32 examples in 2 batches" in limited.basis
+    assert "1000 examples in 63 batches" in whole.basis
 
 
 def test_an_eval_job_of_a_model_the_book_has_seen_is_estimated_from_its_eval_row():

@@ -4,11 +4,9 @@ uninterrupted run writes: the same predictions.jsonl, the same scores."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
@@ -48,27 +46,6 @@ def eval_job(tiny, adapter: Path, out_dir: Path, **evaluation) -> EvalJob:
     )
 
 
-class KillAfter(threading.Event):
-    """A stop flag that kills its own process (SIGKILL: no cleanup, nothing flushed, what a kill -9 or a lost
-    node leaves) the (n+1)-th time it is asked. run_eval asks before the first batch and after each one, so
-    the process dies right after its n-th batch was written."""
-
-    def __init__(self, batches: int):
-        super().__init__()
-        self.batches, self.calls = batches, 0
-
-    def is_set(self) -> bool:
-        self.calls += 1
-        if self.calls > self.batches:
-            os.kill(os.getpid(), signal.SIGKILL)
-        return False
-
-
-def killed_after(config: str, batches: int) -> None:
-    """In a child process: the eval job of `config`, killed after `batches` batches."""
-    run_eval(EvalJob.model_validate_json(Path(config).read_text()), KillAfter(batches))
-
-
 def partial_rows(out_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (out_dir / PARTIAL).read_text().splitlines()[1:]]
 
@@ -84,7 +61,7 @@ def test_a_killed_eval_keeps_its_predictions_and_ends_as_an_uninterrupted_one(ti
         [
             sys.executable,
             "-c",
-            f"from tests.test_eval_resume import killed_after; killed_after({str(config)!r}, 3)",
+            f"from tests.train_helpers import killed_after; killed_after({str(config)!r}, 3)",
         ],
         cwd=ROOT,
         capture_output=True,

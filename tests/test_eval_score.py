@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from eval.score import score
+from tests.helpers import dry_run, experiment_folder
 
 
 def write_jsonl(path, rows) -> str:
@@ -232,28 +233,11 @@ def test_a_hostile_prediction_is_one_wrong_example_and_the_others_score(repo_roo
 
 
 def test_an_empty_eval_db_is_refused_before_anything_is_queued(tmp_path, capsys):
-    import launch
-    from tests.conftest import write_cluster_yaml
-
-    configs = tmp_path / "configs"
-    configs.mkdir()
-    write_cluster_yaml(configs, tmp_path)
-    data = tmp_path / "train.jsonl"
-    data.write_text('{"question": "q", "sql": "SELECT 1"}\n')
     empty = tmp_path / "shop.db"
     empty.touch()
-    (configs / "a.yaml").write_text(
-        "name: a\n"
-        "model: {name_or_path: org/some-model, kind: causal}\n"
-        f"data: {{train: {data}, eval: {data}, input_field: question, target_field: sql}}\n"
-        "train: {epochs: 1}\n"
-        f"eval: {{metrics: [sql_exec], db: {empty}}}\n"
-        'resources: {gpus: 1, cpus: 1, mem_gb: 1, time: "00:05:00"}\n'
-    )
-    code = launch.main(["--all", "--config-dir", str(configs), "--dry-run"])
-    err = capsys.readouterr().err
+    code, err = dry_run(experiment_folder(tmp_path, db=empty), capsys)
     assert code == 2 and "Traceback" not in err
-    assert f"a.yaml:5: eval.db: {empty}: no tables in it (the file is empty, 0 bytes)" in err, err
+    assert f"a.yaml:6: eval.db: {empty}: no tables in it (the file is empty, 0 bytes)" in err, err
     assert "1 problem(s)" in err, err  # that one alone: the rest of the experiment is valid
     assert not (tmp_path / "runs").exists()
 

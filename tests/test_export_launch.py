@@ -17,21 +17,17 @@ from eval.generate import explicit_decoding, generate
 from spec.config import EvalJob
 from spec.rundir import job_records, read_spec
 from tests.conftest import write_cluster_yaml
+from tests.helpers import demo_configs, tiny_sql_base
 from train.data import prompts_and_targets
 
 EXPERIMENT = """\
 name: {name}
-model: {{name_or_path: {root}/models/tiny-llama, kind: causal}}
-adapter: {{method: {method}, rank: 8, alpha: 16, dropout: 0.0, max_trainable_percent: 40}}
-data:
-  train: {root}/data/demo/sql/easy.jsonl
-  eval: {root}/data/demo/sql/dev.jsonl
-  input_field: question
-  target_field: sql
-  prompt_template: "{{schema}} | {{question}} | SQL: "
-train: {{epochs: 2, batch_size: 8, eval_every_epochs: null, learning_rate: 5.0e-3}}
+inherits: _tiny-sql.yaml
+adapter: {{method: {method}, rank: 8, alpha: 16, max_trainable_percent: 40}}
+data: {{eval: {root}/data/demo/sql/dev.jsonl}}
+train: {{epochs: 2, batch_size: 8, learning_rate: 5.0e-3}}
 eval: {{metrics: [exact_match, rouge_l], limit: 8, max_new_tokens: 16, baseline: true}}
-resources: {{gpus: 0, cpus: 1, mem_gb: 2, time: "00:15:00"}}
+resources: {{mem_gb: 2}}
 """
 
 
@@ -53,8 +49,6 @@ def card_rows(card: str) -> dict[str, dict[str, str]]:
 def test_the_demos_lora_and_qlora_exports_load_without_peft_and_predict_as_their_evals_did(
     repo_root, tmp_path, tiny, monkeypatch, capsys
 ):
-    from tests.test_e2e_demo import demo_configs
-
     monkeypatch.chdir(repo_root)
     folder = demo_configs(repo_root, tmp_path)
     write_cluster_yaml(folder.parent, tmp_path, local_parallel_jobs=2)
@@ -98,21 +92,22 @@ def test_export_runs_as_a_slurm_job_after_the_training_it_needs(
     folder = tmp_path / "configs"
     folder.mkdir()
     write_cluster_yaml(folder, tmp_path)
+    tiny_sql_base(folder)
     (folder / "lora.yaml").write_text(EXPERIMENT.format(name="lora", root=repo_root, method="lora"))
     argv = ["--export", "lora", "--config-dir", str(folder), "--backend", "slurm", "--no-preflight"]
     assert launch.main([*argv, "--wait"]) == 0
     out = tmp_path / "runs" / "lora" / "export"
     assert (out / "model.safetensors").is_file() and (out / "DONE").is_file()
     (record,) = job_records(out)
-    assert record["backend"] == "slurm"  # a job of its own, queued after lora/train (afterok)
+    assert record.backend == "slurm"  # a job of its own, queued after lora/train (afterok)
     assert AutoModelForCausalLM.from_pretrained(out) is not None
 
 
 def test_a_finished_export_asked_again_in_another_format_is_redone_in_place_not_refused(repo_root, tmp_path):
     # Before: --export-format gguf after a safetensors export was "already finished: rerun with --force",
     # and --force archived the whole export folder (gigabytes for a 7B) before making it again.
+    from slurm.decisions import archive_stale, weigh
     from slurm.experiments import load_experiments
-    from slurm.launcher import archive_stale, weigh
     from slurm.plan import build_plan, with_exports
     from slurm.profile import load_profile
     from spec.rundir import mark_done, write_spec
@@ -120,6 +115,7 @@ def test_a_finished_export_asked_again_in_another_format_is_redone_in_place_not_
     folder = tmp_path / "configs"
     folder.mkdir()
     write_cluster_yaml(folder, tmp_path)
+    tiny_sql_base(folder)
     (folder / "lora.yaml").write_text(EXPERIMENT.format(name="lora", root=repo_root, method="lora"))
     profile, _ = load_profile(folder)
     plan = build_plan(load_experiments(folder, profile), profile)

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from tests.test_preflight import hub_cache
+from tests.helpers import hub_cache
 
 LOAD = """
 from spec.config import ModelSpec

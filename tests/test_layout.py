@@ -7,9 +7,10 @@ import json
 from pathlib import Path
 
 from eval.report import write_report
+from slurm.commands.report import job_runs
+from slurm.decisions import archive_stale
 from slurm.estimate import record_exact_tokens
 from slurm.experiments import load_experiments
-from slurm.launcher import archive_stale
 from slurm.lock import launch_lock
 from slurm.plan import build_plan, calibration_plan
 from slurm.profile import load_profile
@@ -44,7 +45,7 @@ def make_everything_a_run_makes(tmp_path: Path) -> None:
     runs, first = tmp_path / "runs", plan.jobs[0]
     Path(first.run_dir).mkdir(parents=True)
     (Path(first.run_dir) / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 2.0}) + "\n")
-    written = write_report(plan, runs)
+    written = write_report(job_runs(plan), runs)
     with launch_lock(runs, lambda holder: None):
         pass
     record_exact_tokens(runs, [(first.spec, 1, 10)])

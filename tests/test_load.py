@@ -18,22 +18,10 @@ from pathlib import Path
 
 import launch
 from tests.conftest import squeue_ids, write_cluster_yaml
+from tests.helpers import holding_sbatch, tiny_sql_base
 
 N_JOBS = 200
 RELEASED = 8
-
-SHARED = """\
-model: {{name_or_path: {root}/models/tiny-llama, kind: causal}}
-adapter: {{rank: 4, alpha: 8, dropout: 0.0, max_trainable_percent: 30}}
-data:
-  train: {root}/data/demo/sql/easy.jsonl
-  input_field: question
-  target_field: sql
-  prompt_template: "{{schema}} | {{question}} | SQL: "
-train: {{max_steps: 1, batch_size: 4, learning_rate: 1.0e-3, eval_every_epochs: null, logging_steps: 1}}
-eval: {{metrics: []}}
-resources: {{gpus: 0, cpus: 1, mem_gb: 1, time: "00:15:00"}}
-"""
 
 
 def counting_wrappers(folder: Path, log: Path) -> None:
@@ -43,14 +31,6 @@ def counting_wrappers(folder: Path, log: Path) -> None:
         script = folder / command
         script.write_text(f'#!/bin/sh\necho {command} >> "{log}"\nexec "{real}" "$@"\n')
         script.chmod(0o755)
-
-
-def holding_sbatch(folder: Path) -> None:
-    """sbatch that queues every job held: it waits in the real queue until `scontrol release`."""
-    folder.mkdir()
-    script = folder / "sbatch"
-    script.write_text(f'#!/bin/sh\nexec "{shutil.which("sbatch")}" --hold "$@"\n')
-    script.chmod(0o755)
 
 
 def scheduler_calls(log: Path) -> list[str]:
@@ -70,10 +50,12 @@ def test_two_hundred_stage_jobs_in_one_launch(repo_root, tmp_path, slurm_cluster
     configs = tmp_path / "configs"
     configs.mkdir()
     write_cluster_yaml(configs, tmp_path)
-    (configs / "_load.yaml").write_text(SHARED.format(root=repo_root))
+    tiny_sql_base(configs)
     names = [f"load-{i:03d}" for i in range(N_JOBS)]
     for name in names:
-        (configs / f"{name}.yaml").write_text(f"name: {name}\ninherits: _load.yaml\n")
+        (configs / f"{name}.yaml").write_text(
+            f"name: {name}\ninherits: _tiny-sql.yaml\ntrain: {{max_steps: 1}}\n"
+        )
     calls = tmp_path / "scheduler-calls.log"
     counting_wrappers(tmp_path / "bin", calls)
     monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")

@@ -10,7 +10,6 @@ Real local jobs (submitit's LocalExecutor), real tiny models."""
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
@@ -18,42 +17,36 @@ import pytest
 from submitit.core.utils import JobPaths
 
 import launch
-from slurm.local_gpus import GpuPool, VisibleGpus, count_listed, gpus_needed, parse_visible_devices
+from slurm.local_gpus import GpuPool, VisibleGpus, count_listed, gpus_needed
+from spec.devices import visible_devices
 from tests.conftest import write_cluster_yaml
+from tests.helpers import record, tiny_sql_base
 
 EXPERIMENT = """\
 name: {name}
-model: {{name_or_path: {model}, kind: causal}}
-adapter: {{rank: 4, alpha: 8, dropout: 0.0, max_trainable_percent: 30}}
-data:
-  train: {root}/data/demo/sql/easy.jsonl
-  input_field: question
-  target_field: sql
-  prompt_template: "{{schema}} | {{question}} | SQL: "
-train: {{max_steps: 2, batch_size: 4, learning_rate: 1.0e-3, eval_every_epochs: null, logging_steps: 1}}
-eval: {{metrics: []}}
-resources: {{gpus: {gpus}, cpus: 1, mem_gb: 1, time: "00:15:00"}}
+inherits: _tiny-sql.yaml
+train: {{max_steps: 2}}
+resources: {{gpus: {gpus}}}
 """
 UUIDS = ("GPU-0a1b2c3d-aaaa", "GPU-0a1b2c3d-bbbb", "GPU-0a1b2c3d-cccc")
 
 
-def configs(tmp: Path, repo_root: Path, gpus: dict[str, int], **cluster) -> Path:
+def configs(tmp: Path, gpus: dict[str, int], **cluster) -> Path:
     folder = tmp / "configs"
     folder.mkdir()
     write_cluster_yaml(folder, tmp, **cluster)
-    model = repo_root / "models" / "tiny-llama"
+    tiny_sql_base(folder)
     for name, count in gpus.items():
-        text = EXPERIMENT.format(name=name, model=model, root=repo_root, gpus=count)
-        (folder / f"{name}.yaml").write_text(text)
+        (folder / f"{name}.yaml").write_text(EXPERIMENT.format(name=name, gpus=count))
     return folder
 
 
 def received(tmp: Path, job: str, tasks: int) -> list[str]:
     """CUDA_VISIBLE_DEVICES as each task of the job's last run logged it, task 0 first."""
-    record = json.loads((tmp / "runs" / job / "job.json").read_text())["jobs"][-1]
+    job_id = record(tmp, job)["job_id"]
     seen = []
     for task in range(tasks):
-        log = JobPaths(tmp / "logs" / job, record["job_id"], task_id=task).stdout.read_text()
+        log = JobPaths(tmp / "logs" / job, job_id, task_id=task).stdout.read_text()
         seen += re.findall(r"CUDA_VISIBLE_DEVICES=(\S*)$", log, re.MULTILINE)[-1:]
     return seen
 
@@ -76,7 +69,7 @@ def test_local_backend_gives_each_job_its_own_gpus_instead_of_hiding_them(
     # Four jobs may run at once, and the GPUs are 3: a-pair (2) and b-one (1) hold them all, c-cpu needs
     # none, so d-late must wait for GPUs, not for a slot.
     gpus = {"a-pair": 2, "b-one": 1, "c-cpu": 0, "d-late": 1}
-    folder = configs(tmp_path, repo_root, gpus, local_parallel_jobs=4)
+    folder = configs(tmp_path, gpus, local_parallel_jobs=4)
     argv = ["--all", "--config-dir", str(folder), "--backend", "local", "--no-preflight"]
     assert launch.main(argv) == 0
     printed = capsys.readouterr().out
@@ -100,8 +93,8 @@ def test_local_backend_gives_each_job_its_own_gpus_instead_of_hiding_them(
     assert f"on GPUs {','.join(UUIDS)} (CUDA_VISIBLE_DEVICES=" in printed
     # job.json keeps what each job was given: the report's GPU-hours of a local job count these.
     for name in gpus:
-        record = json.loads((tmp_path / "runs" / name / "train" / "job.json").read_text())["jobs"][-1]
-        assert set(record["gpus"]) == held[name], (name, record)
+        given = record(tmp_path, f"{name}/train")
+        assert set(given["gpus"]) == held[name], (name, given)
 
 
 def test_local_job_asking_more_gpus_than_the_machine_has_is_refused_before_anything_runs(
@@ -109,7 +102,7 @@ def test_local_job_asking_more_gpus_than_the_machine_has_is_refused_before_anyth
 ):
     monkeypatch.chdir(repo_root)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
-    folder = configs(tmp_path, repo_root, {"big": 3, "small": 1}, local_parallel_jobs=2)
+    folder = configs(tmp_path, {"big": 3, "small": 1}, local_parallel_jobs=2)
     # With preflight on: the refusal comes before it (preflight writes its token counts into runs/).
     assert launch.main(["--all", "--config-dir", str(folder), "--backend", "local"]) == 2
     err = capsys.readouterr().err
@@ -123,10 +116,10 @@ def test_local_job_asking_more_gpus_than_the_machine_has_is_refused_before_anyth
 
 
 def test_visible_gpus_are_read_as_cuda_reads_them_ids_and_uuids_kept(tmp_path, monkeypatch):
-    assert parse_visible_devices("0,1,2") == ("0", "1", "2")
-    assert parse_visible_devices(" GPU-8f3a , MIG-5c1e/1/0") == ("GPU-8f3a", "MIG-5c1e/1/0")
-    assert parse_visible_devices("") == () and parse_visible_devices("-1") == ()  # every GPU hidden
-    assert parse_visible_devices("0,-1,1") == ("0",)  # CUDA stops at the first entry it cannot read
+    assert visible_devices("0,1,2") == ("0", "1", "2")
+    assert visible_devices(" GPU-8f3a , MIG-5c1e/1/0") == ("GPU-8f3a", "MIG-5c1e/1/0")
+    assert visible_devices("") == () and visible_devices("-1") == ()  # every GPU hidden
+    assert visible_devices("0,-1,1") == ("0",)  # CUDA stops at the first entry it cannot read
     listing = (
         "GPU 0: NVIDIA A100-SXM4-80GB (UUID: GPU-1111)\n"
         "  MIG 3g.40gb     Device  0: (UUID: MIG-2222)\n"

@@ -12,8 +12,7 @@ from pathlib import Path
 
 import launch
 from tests.conftest import squeue_ids
-from tests.helpers import wait_until
-from tests.test_e2e_demo import DEMO_JOBS, demo_configs
+from tests.helpers import DEMO_JOBS, demo_configs, wait_until
 
 
 def gated_sbatch(folder: Path) -> tuple[Path, Path]:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -21,16 +20,7 @@ import launch
 from slurm.scheduler import RecordedLocalJob, descendants, local_alive, parse_comments, stop_local
 from spec.rundir import job_records, pending_submission, record_intent, record_job
 from tests.conftest import squeue_ids
-from tests.helpers import wait_until
-from tests.test_cli import alive, configs, record
-
-
-def start_launcher(folder: Path, log: Path, *extra: str, **popen) -> subprocess.Popen:
-    """`launch.py --all` on `folder` as its own process, its output (unbuffered) in `log`."""
-    argv = [sys.executable, "launch.py", "--all", "--config-dir", str(folder), "--no-preflight", *extra]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", **popen.pop("env", {})}
-    with open(log, "w") as out:
-        return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, **popen)
+from tests.helpers import alive, configs, holding_sbatch, record, start_launcher, wait_until
 
 
 def processes_of(folder: Path) -> dict[int, str]:
@@ -205,12 +195,12 @@ def test_a_submission_intent_survives_until_its_job_is_recorded(tmp_path):
     run_dir = tmp_path / "runs" / "exp" / "train"
     record_job(run_dir, "7", "slurm")
     token = record_intent(run_dir, {"commit": "abc"})
-    assert pending_submission(run_dir)["token"] == token
-    assert [r["job_id"] for r in job_records(run_dir)] == ["7"]  # readers of the records see no change
+    assert pending_submission(run_dir).token == token
+    assert [r.job_id for r in job_records(run_dir)] == ["7"]  # readers of the records see no change
     record_job(run_dir, "9", "slurm")
     record_job(run_dir, "9", "slurm")  # found by --cancel while its launch recorded it: once
     assert pending_submission(run_dir) is None
-    assert [r["job_id"] for r in job_records(run_dir)] == ["7", "9"]
+    assert [r.job_id for r in job_records(run_dir)] == ["7", "9"]
 
 
 def test_squeue_comments_give_the_token_of_each_submission():
@@ -221,19 +211,6 @@ def test_squeue_comments_give_the_token_of_each_submission():
         "304|slurm-lora 99aa packs 3 job(s)\n"
     )
     assert parse_comments(text) == {"0f1e2d3c": "301", "99aa": "304"}
-
-
-# On the dev cluster: sbatch queues the job held (it never runs), so the queue is what the test counts.
-def holding_sbatch(folder: Path, kill_launcher: bool = False) -> dict[str, str]:
-    """PATH with an sbatch that queues the job held; with `kill_launcher` it then SIGKILLs its caller (the
-    launcher, which submitit's sbatch call is a child of) before it can read the job id: the one moment
-    a job is queued and not yet recorded, caused for real."""
-    folder.mkdir(exist_ok=True)
-    script = folder / "sbatch"
-    after = 'kill -9 "$PPID"\n' if kill_launcher else ""
-    script.write_text(f'#!/bin/sh\n"{shutil.which("sbatch")}" --hold "$@" || exit 1\n{after}')
-    script.chmod(0o755)
-    return {"PATH": f"{folder}{os.pathsep}{os.environ['PATH']}"}
 
 
 def queued_as(name: str, under: Path) -> list[str]:
@@ -269,7 +246,7 @@ def test_a_launch_killed_right_after_sbatch_leaves_a_job_the_relaunch_records_in
     said = (tmp_path / "second.log").read_text()
     assert f"one/train: recorded SLURM job {queued[0]}, queued by a launch that stopped" in said
     assert queued_as("one/train", tmp_path) == queued  # the same job, not a second one
-    assert [r["job_id"] for r in job_records(tmp_path / "runs" / "one" / "train")] == queued
+    assert [r.job_id for r in job_records(tmp_path / "runs" / "one" / "train")] == queued
     assert launch.main(["--cancel", "--all", "--config-dir", str(folder)]) == 0
     assert "Cancelled 1 job(s): one/train" in capsys.readouterr().out
 

@@ -13,8 +13,10 @@ from pathlib import Path
 import pytest
 
 from slurm import limits
+from slurm.client import run_client
 from slurm.status import elapsed_seconds, tres_gpus
 from spec.config import ascii_int
+from spec.durations import read_duration
 from spec.files import read_json, read_jsonl, read_text
 from spec.rundir import UNREADABLE, done_hash
 from tests.conftest import write_cluster_yaml
@@ -73,7 +75,7 @@ def test_a_state_file_over_its_bound_is_not_read_into_memory(tmp_path, capsys):
 
 def test_a_scheduler_tools_bytes_that_are_not_utf8_are_read_as_text():
     """Before: `caf\\351` in sacctmgr's output raised UnicodeDecodeError in launch and --status."""
-    assert limits.run(["printf", "caf\\351|12\\n"]) == "caf\ufffd|12\n"
+    assert run_client(["printf", "caf\\351|12\\n"]) == "caf\ufffd|12\n"
 
 
 @pytest.mark.parametrize("odd", ["²", "1²", "٣", " 12 x", "", "-1"])
@@ -88,6 +90,6 @@ def test_only_ascii_digits_are_numbers(odd):
 def test_odd_tres_and_durations_read_as_no_limit_not_a_crash():
     assert limits.gpus_of("cpu=16,gres/gpu=2²") is None
     assert limits.gpus_of("cpu=16,gres/gpu:a100=2") == 2
-    assert limits.seconds("1-0²:00:00") is None
-    assert limits.seconds("1-02:00:00") == 93_600
+    assert read_duration("1-0²:00:00") is None
+    assert read_duration("1-02:00:00") == 93_600
     assert ascii_int(" 42 ") == 42

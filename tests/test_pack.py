@@ -15,7 +15,8 @@ from slurm.pack import Unit, pack_plan, pack_resources, simulate
 from slurm.plan import build_plan
 from slurm.profile import load_profile
 from spec.problems import ConfigError
-from tests.test_plan import sized
+from spec.states import State, lane_state
+from tests.helpers import sized
 
 SECONDS = {"a/one": 1000, "a/two": 1000, "b/train": 1500, "c/train": 500}
 
@@ -220,17 +221,21 @@ def test_how_a_unit_ended_decides_whether_it_resumes_fails_or_blocks(tmp_path):
 
     lanes = Lanes(lane_units(tmp_path), ["0", "1"], "77", str(tmp_path), str(tmp_path))
     lanes.ended("one", 0, -signal.SIGUSR2, stopping=False)  # killed by SLURM's signal while starting
-    assert lanes.state["one"] == "interrupted"
+    assert lanes.state["one"] is State.PENDING  # interrupted: resumes when requeued
     lanes.ended("one", 0, 1, stopping=True)  # any end after the stop: resumes on requeue
-    assert lanes.state["one"] == "interrupted"
+    assert lanes.state["one"] is State.PENDING
     lanes.ended("one", 0, 1, stopping=False)  # a real failure
-    assert lanes.state["one"] == "failed" and lane_record(tmp_path, "one")["reason"].startswith("exit code 1")
+    assert lanes.state["one"] is State.FAILED and lane_record(tmp_path, "one")["reason"].startswith(
+        "exit code 1"
+    )
     lanes.block_orphans()  # two needs one's adapter; lone needs up's, which never completed
-    assert lanes.state["two"] == "blocked" and lane_record(tmp_path, "two")["reason"] == "parent one failed"
+    assert (
+        lanes.state["two"] is State.BLOCKED and lane_record(tmp_path, "two")["reason"] == "parent one FAILED"
+    )
     assert lane_record(tmp_path, "lone")["reason"] == "parent up did not complete"
     mark_done(tmp_path / "runs" / "one", "hash-one")
     lanes.ended("one", 0, 0, stopping=True)  # it finished before it saw the stop
-    assert lanes.state["one"] == "done"
+    assert lanes.state["one"] is State.COMPLETED
 
 
 def test_a_requeued_allocation_skips_done_keeps_failed_and_runs_the_rest_again(tmp_path):
@@ -240,18 +245,18 @@ def test_a_requeued_allocation_skips_done_keeps_failed_and_runs_the_rest_again(t
     units = lane_units(tmp_path)
     first = Lanes(units, ["0"], "77", str(tmp_path), str(tmp_path))
     first.ended("one", 0, 1, stopping=False)  # failed in the allocation's first run
-    first.write_lane(units[1], 0, "running")  # two was running when the node was lost
+    first.write_lane(units[1], 0, State.RUNNING)  # two was running when the node was lost
     (tmp_path / "runs" / "lone").mkdir(parents=True)
     mark_done(tmp_path / "runs" / "up", "hash-up")
     mark_done(tmp_path / "runs" / "lone", "hash-lone")
 
     again = Lanes(units, ["0"], "77", str(tmp_path), str(tmp_path))  # the same job id after the requeue
     again.resume_states()
-    assert again.state == {"one": "failed", "lone": "done"}
-    assert lane_record(tmp_path, "two")["state"] == "waiting"  # not `running`: it waits for a lane
+    assert again.state == {"one": State.FAILED, "lone": State.COMPLETED}
+    assert lane_record(tmp_path, "two")["state"] == "PENDING"  # not RUNNING: it waits for a lane
     other = Lanes(units, ["0"], "78", str(tmp_path), str(tmp_path))  # another allocation: a fresh try
     other.resume_states()
-    assert other.state == {"lone": "done"}
+    assert other.state == {"lone": State.COMPLETED}
 
 
 SWEEP = """\
@@ -285,3 +290,24 @@ def test_a_sweep_over_the_budget_is_told_how_many_points_fit_dropping_the_deares
         "2 of the 4 sweep points fit on 1 GPU(s): drop the most expensive first (grid-ep4, grid-ep3)"
         in str(tighter.value.problems[0])
     )
+
+
+def test_a_lane_json_an_earlier_version_wrote_in_its_own_words_is_read_as_our_states(tmp_path):
+    # Lanes spoke their own vocabulary (done, interrupted, ...) before they spoke State: a pack queued
+    # then, requeued now, must resume what it interrupted and keep what failed, not run it all again.
+    from slurm.lanes import Lanes
+
+    units = lane_units(tmp_path)
+    old = {"one": "failed", "two": "interrupted"}
+    for unit in units:
+        if unit.id in old:
+            Path(unit.run_dir).mkdir(parents=True, exist_ok=True)
+            (Path(unit.run_dir) / "lane.json").write_text(
+                json.dumps({"pack_job": "77", "state": old[unit.id]})
+            )
+    again = Lanes(units, ["0"], "77", str(tmp_path), str(tmp_path))
+    again.resume_states()
+    assert again.state == {"one": State.FAILED}
+    assert lane_record(tmp_path, "two")["state"] == "PENDING"
+    assert lane_state("done") is State.COMPLETED and lane_state("RUNNING") is State.RUNNING
+    assert lane_state("sideways") is None and lane_state(3) is None

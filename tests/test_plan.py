@@ -9,16 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from slurm.experiments import load_experiments, parse_overrides
-from slurm.plan import build_plan
 from slurm.profile import load_profile
-
-EXPERIMENTS = Path(__file__).resolve().parent.parent / "configs" / "experiments"
-
-
-def plan_for(overrides: list[str] | None = None, names: list[str] | None = None, folder: Path = EXPERIMENTS):
-    profile, _ = load_profile(folder)
-    return build_plan(load_experiments(folder, profile, parse_overrides(overrides or []), names), profile)
+from tests.helpers import plan_for, sized, write_experiments
 
 
 def test_shipped_experiments_plan_stages_evals_and_chains():
@@ -46,36 +38,6 @@ def test_a_stage_starts_from_the_previous_stage_adapter():
     assert plan.job("qwen-curriculum2/eval").spec.adapter_dir == f"{part2.run_dir}/adapter"
 
 
-CHAIN = """\
-name: chain
-model: {{name_or_path: org/some-model, kind: causal}}
-data: {{train: {data}, eval: {data}}}
-eval: {{metrics: [exact_match]}}
-stages:
-  - name: one
-    train: {{learning_rate: {first_rate}}}
-  - name: two
-"""
-OTHER = """\
-name: other
-model: {{name_or_path: org/some-model, kind: causal}}
-data: {{train: {data}, eval: {data}}}
-eval: {{metrics: [exact_match]}}
-"""
-
-
-def write_experiments(folder: Path, first_rate: str = "2.0e-4", cluster: str = "", **files: str) -> Path:
-    folder.mkdir(exist_ok=True)
-    data = folder / "train.jsonl"
-    data.write_text('{"input": "q", "target": "a"}\n')
-    (folder / "cluster.yaml").write_text(f"run_dir: runs\nlog_dir: {folder / 'logs'}\n{cluster}")
-    (folder / "chain.yaml").write_text(CHAIN.format(data=data, first_rate=first_rate))
-    (folder / "other.yaml").write_text(OTHER.format(data=data))
-    for name, text in files.items():
-        (folder / f"{name}.yaml").write_text(text.replace("DATA", str(data)))
-    return folder
-
-
 def test_changing_only_the_first_stage_changes_the_hash_of_what_starts_from_it(tmp_path):
     before = plan_for(folder=write_experiments(tmp_path, "2.0e-4"))
     after = plan_for(folder=write_experiments(tmp_path, "1.25e-4"))  # the same files, stage one edited
@@ -100,14 +62,6 @@ def test_a_stage_finished_on_one_gpu_is_not_done_for_two(tmp_path):
     assert hashes[0] == hashes[1]  # one process either way: stages finished before this rule keep their hash
     assert len({h["other/train"] for h in hashes.values()}) == 3
     assert hashes[1]["other/eval"] != hashes[2]["other/eval"]  # it scores another adapter
-
-
-def sized(name: str, resources: str, eval_section: str = "{metrics: [exact_match]}") -> str:
-    model = "{name_or_path: org/some-model, kind: causal}"
-    return (
-        f"name: {name}\nmodel: {model}\ndata: {{train: DATA, eval: DATA}}\n"
-        f"eval: {eval_section}\nresources: {resources}\n"
-    )
 
 
 def eval_resources_folder(tmp_path: Path) -> Path:

@@ -22,30 +22,24 @@ from slurm.experiments import load_experiments
 from slurm.plan import build_plan
 from slurm.profile import load_profile
 from tests.conftest import write_cluster_yaml
+from tests.helpers import demo_configs, hub_cache, tiny_sql_base
 
-FIXTURES = Path(__file__).parent / "fixtures" / "hub"
 EXPERIMENT = """\
 name: {name}
-model: {{name_or_path: {root}/models/tiny-llama, kind: causal}}
-adapter: {{rank: {rank}, alpha: 16, dropout: 0.0, max_trainable_percent: 25}}
-data:
-  train: {root}/data/demo/sql/easy.jsonl
-  input_field: question
-  target_field: sql
-  prompt_template: "{{schema}} | {{question}} | SQL: "
-train: {{epochs: 1, batch_size: 8, learning_rate: {lr}, eval_every_epochs: null}}
-eval: {{metrics: []}}
-resources: {{gpus: 0, cpus: 1, mem_gb: 1, time: "00:15:00"}}
+inherits: _tiny-sql.yaml
+adapter: {{rank: {rank}, alpha: 16, max_trainable_percent: 25}}
+train: {{epochs: 1, batch_size: 8, learning_rate: {lr}}}
 """
 
 
-def configs(tmp: Path, root: Path, experiments: dict[str, dict], **cluster) -> Path:
+def configs(tmp: Path, experiments: dict[str, dict], **cluster) -> Path:
     folder = tmp / "configs"
     folder.mkdir(exist_ok=True)
     write_cluster_yaml(folder, tmp, **cluster)
+    tiny_sql_base(folder)
     for name, fields in experiments.items():
         values = {"rank": 8, "lr": "1.0e-3"} | fields
-        (folder / f"{name}.yaml").write_text(EXPERIMENT.format(name=name, root=root, **values))
+        (folder / f"{name}.yaml").write_text(EXPERIMENT.format(name=name, **values))
     return folder
 
 
@@ -113,7 +107,7 @@ def test_a_rank_too_large_for_the_model_is_refused_before_anything_is_queued(
 ):
     """No module name gives it away: rank 64 on every projection of a 156k-parameter model is ~46% LoRA."""
     monkeypatch.chdir(repo_root)
-    folder = configs(tmp_path, repo_root, {"huge-rank": {"rank": 64}})
+    folder = configs(tmp_path, {"huge-rank": {"rank": 64}})
     assert launch.main(["--all", "--config-dir", str(folder), "--backend", "local"]) == 2
     err = capsys.readouterr().err
     assert "huge-rank/train:" in err and "over the limit 25%" in err and "lower adapter.rank" in err
@@ -128,14 +122,14 @@ def test_a_batch_that_does_not_fit_is_refused_with_the_batch_that_does(
     from train.preflight import preflight_job
 
     monkeypatch.chdir(repo_root)
-    folder = configs(tmp_path, repo_root, {"big-batch": {}})
+    folder = configs(tmp_path, {"big-batch": {}})
     profile, _ = load_profile(folder)
     job = build_plan(load_experiments(folder, profile, {}, None), profile).jobs[0].spec
     memory = preflight_job(job, None).memory
     # Room for 4.5 examples' activations on top of what any batch needs: batch 8 does not fit, 4 does.
     fixed = memory["total_gb"] - 8 * memory["activations_per_example_gb"]
     gpu = round(fixed + 4.5 * memory["activations_per_example_gb"], 6)
-    folder = configs(tmp_path, repo_root, {"big-batch": {}}, gpu_mem_gb=json.dumps({"default": gpu}))
+    folder = configs(tmp_path, {"big-batch": {}}, gpu_mem_gb=json.dumps({"default": gpu}))
 
     # The batch as written (micro_batch: N): auto would split it to fit (the test after this one).
     assert launch.main(["--all", "--config-dir", str(folder), *written(8), "--preflight"]) == 2
@@ -178,7 +172,7 @@ def test_experiments_sharing_model_and_data_cost_one_preflight(
     """20 experiments that differ only in learning rate: one cache entry; a relaunch computes nothing."""
     monkeypatch.chdir(repo_root)
     monkeypatch.setenv("LORA_CACHE_DIR", str(tmp_path / "cache"))
-    folder = configs(tmp_path, repo_root, {f"lr-{i}": {"lr": f"{i + 1}.0e-4"} for i in range(20)})
+    folder = configs(tmp_path, {f"lr-{i}": {"lr": f"{i + 1}.0e-4"} for i in range(20)})
     results = preflight_json(["--all", "--config-dir", str(folder)], capsys)
     assert len(results) == 20 and len({r["trainable_percent"] for r in results}) == 1
     assert {r["job"] for r in results} == {f"lr-{i}/train" for i in range(20)}
@@ -207,7 +201,7 @@ def test_a_job_that_gains_an_in_training_eval_is_estimated_again_not_read_from_t
     added to a cached job changes what must fit."""
     monkeypatch.chdir(repo_root)
     monkeypatch.setenv("LORA_CACHE_DIR", str(tmp_path / "cache"))
-    folder = configs(tmp_path, repo_root, {"one": {}})
+    folder = configs(tmp_path, {"one": {}})
     [without] = preflight_json(["--all", "--config-dir", str(folder)], capsys)
     assert without["memory"]["eval_gb"] is None
     evaluating = [f"data.eval={repo_root}/data/demo/sql/dev.jsonl", "train.eval_every_epochs=1"]
@@ -223,27 +217,13 @@ def test_a_broken_cache_entry_is_recomputed_not_reported(repo_root, tiny, tmp_pa
     """A half-written or stale entry (a crash, an older version's fields) is a miss, not a config error."""
     monkeypatch.chdir(repo_root)
     monkeypatch.setenv("LORA_CACHE_DIR", str(tmp_path / "cache"))
-    folder = configs(tmp_path, repo_root, {"one": {}})
+    folder = configs(tmp_path, {"one": {}})
     [first] = preflight_json(["--all", "--config-dir", str(folder)], capsys)
     [entry] = (tmp_path / "cache" / "preflight").glob("*.json")
     for broken in ('{"job": "one/tr', json.dumps({"job": "one/train", "renamed_field": 1})):
         entry.write_text(broken)
         assert preflight_json(["--all", "--config-dir", str(folder)], capsys) == [first]
         assert json.loads(entry.read_text())["trainable_percent"] == first["trainable_percent"]
-
-
-def hub_cache(folder: Path) -> Path:
-    """A Hugging Face cache holding only the fixtures' config.json files, as a login node that fetched
-    the configs (and nothing else) would have."""
-    snapshot = "0" * 40
-    for config in FIXTURES.glob("*/*/config.json"):
-        repo = config.parent.relative_to(FIXTURES)
-        model = folder / f"models--{str(repo).replace('/', '--')}"
-        (model / "refs").mkdir(parents=True)
-        (model / "refs" / "main").write_text(snapshot)
-        (model / "snapshots" / snapshot).mkdir(parents=True)
-        shutil.copy(config, model / "snapshots" / snapshot / "config.json")
-    return folder
 
 
 def shipped_with_cluster_yaml(repo_root: Path, tmp: Path, text: str) -> Path:
@@ -359,7 +339,7 @@ def test_an_eval_scoring_model_that_could_not_be_fetched_refuses_the_launch(
 ):
     """Eval jobs run offline too: a hub bertscore_model this machine cannot fetch is named before queueing."""
     monkeypatch.chdir(repo_root)
-    folder = configs(tmp_path, repo_root, {"scored": {}})
+    folder = configs(tmp_path, {"scored": {}})
     scored = ["eval.metrics=[bertscore]", "eval.bertscore_model=org/tiny-bert", "eval.split=train"]
     assert launch.main(["--all", "--config-dir", str(folder), "--backend", "local", *scored]) == 2
     err = " ".join(capsys.readouterr().err.split())
@@ -387,8 +367,6 @@ def test_the_dry_run_and_the_watching_commands_import_no_torch(
 ):
     # The demo's configs with runs and logs under tmp: after `make demo` the repository's own runs/ holds
     # a submitted sql-t5-lora, and the suite must not read it (before: --tail found it, rc 0, not 1).
-    from tests.test_e2e_demo import demo_configs
-
     folder = demo_configs(repo_root, tmp_path)
     code = (
         f"import sys, launch; rc = launch.main(['--config-dir', {str(folder)!r}, *{action!r}]); "
@@ -446,8 +424,6 @@ def test_what_the_libraries_print_while_preflight_computes_goes_to_its_log_not_t
 ):
     # Before: bitsandbytes' import notice, transformers' FutureWarnings and datasets' progress bars were
     # mixed into the launcher's own lines on every preflight that computed (a fresh process: imports happen).
-    from tests.test_e2e_demo import demo_configs
-
     folder = demo_configs(repo_root, tmp_path)
     env = os.environ | {"LORA_CACHE_DIR": str(tmp_path / "cache")}
     command = [

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_plan import write_experiments
+from tests.helpers import configs, write_experiments
 
 ROOT = Path(__file__).resolve().parent.parent
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
@@ -59,8 +59,6 @@ def test_the_dry_run_fits_the_terminal_with_its_box_whole(columns, tmp_path):
 @pytest.mark.slow
 def test_a_local_run_shows_a_live_status_table_while_its_job_trains(repo_root, tmp_path, tiny):
     # Before: a local run printed one line when a job started and one when it ended, nothing between.
-    from tests.test_cli import configs
-
     folder = configs(tmp_path, repo_root, a={"epochs": 3})
     argv = ["--all", "--backend", "local", "--no-preflight", "--config-dir", str(folder)]
     lines = in_a_terminal(argv, 120, repo_root, LAUNCH_POLL_S="0.3")

@@ -16,7 +16,8 @@ import submitit
 from submitit.core.utils import DelayedSubmission, JobPaths
 
 import launch
-from eval.report import BaseEval, write_report
+from eval.report import write_report
+from slurm.commands.report import job_runs
 from slurm.experiments import load_experiments
 from slurm.lanes import PackJob
 from slurm.pack import unit_of
@@ -25,6 +26,8 @@ from slurm.profile import load_profile
 from slurm.status import parse_sacct_allocations
 from slurm.usage import plan_usage, usage_of
 from spec.rundir import job_records, record_job
+from spec.runs import BaseEval
+from spec.states import State
 from tests.conftest import write_cluster_yaml
 
 # sacct's own figures for jobs 1-7 of the dev cluster (see tests/test_status_parse.py): 1 held 2 GPUs
@@ -79,7 +82,7 @@ def test_report_rows_plots_and_a_failed_experiment(tmp_path, repo_root):
     states = {"broken/one": "FAILED", "broken/two": "BLOCKED", "broken/eval": "BLOCKED"}
 
     tasks = {"good": "socratiq-qg", "broken": None}
-    written = write_report(plan, runs, states, repo_root / "configs" / "baselines.yaml", tasks)
+    written = write_report(job_runs(plan, states), runs, repo_root / "configs" / "baselines.yaml", tasks)
 
     rows = {r["experiment"]: r for r in csv.DictReader((runs / "report.csv").open())}
     assert rows["good"]["status"] == "complete"
@@ -111,7 +114,7 @@ def test_report_shows_which_split_was_scored(tmp_path):
         results = {"n": 1, "exact_match": 1.0, "split": split, "source": str(tmp_path / "d.jsonl")}
         (runs / name / "eval" / "results.json").write_text(json.dumps(results))
 
-    write_report(plan, runs)
+    write_report(job_runs(plan), runs)
 
     rows = {r["experiment"]: r for r in csv.DictReader((runs / "report.csv").open())}
     assert rows["held-out"]["eval_split"] == "eval"
@@ -165,14 +168,14 @@ def test_baselines_are_shown_only_beside_experiments_on_their_task(tmp_path, rep
         "  - {task: socratiq-qg, source: Ang, baselines: [{name: T5-p, rouge_l: 0.211}]}\n"
         "  - {task: spider, source: Yu, baselines: [{name: Seq2SQL, exact_match: 0.1}]}\n"
     )
-    write_report(plan, runs, {}, baselines, {"sql": "spider"})
+    write_report(job_runs(plan), runs, baselines, {"sql": "spider"})
     rows = {r["experiment"]: r for r in csv.DictReader((runs / "report.csv").open())}
     assert set(rows) == {"sql", "Seq2SQL"} and rows["Seq2SQL"]["task"] == "spider"
     assert "Ang" not in (runs / "report.md").read_text()
 
     baselines.write_text("source: Ang\nbaselines: [{name: T5-p, rouge_l: 0.211}]\n")
     with pytest.raises(BaselinesError, match="set 1 has no `task`"):
-        write_report(plan, runs, {}, baselines, {"sql": "spider"})
+        write_report(job_runs(plan), runs, baselines, {"sql": "spider"})
 
 
 def test_our_bertscore_f1_fills_the_bertscore_column_of_the_published_baselines(tmp_path, repo_root):
@@ -184,7 +187,7 @@ def test_our_bertscore_f1_fills_the_bertscore_column_of_the_published_baselines(
     (runs / "qg" / "eval" / "results.json").write_text(
         json.dumps({"n": 3, "bleu": 0.02, "bertscore_f1": 0.7})
     )
-    write_report(plan, runs, {}, repo_root / "configs" / "baselines.yaml", {"qg": "socratiq-qg"})
+    write_report(job_runs(plan), runs, repo_root / "configs" / "baselines.yaml", {"qg": "socratiq-qg"})
     reader = csv.DictReader((runs / "report.csv").open())
     rows = {r["experiment"]: r for r in reader}
     assert "bertscore_f1" not in reader.fieldnames
@@ -222,7 +225,7 @@ def test_mean_gpu_utilisation_and_non_pad_tokens_per_second_per_experiment(tmp_p
                 (runs / name / stage / "metrics.jsonl").write_text(
                     "".join(json.dumps(r) + "\n" for r in rows)
                 )
-    write_report(plan, runs)
+    write_report(job_runs(plan), runs)
     rows = {r["experiment"]: r for r in csv.DictReader((runs / "report.csv").open())}
     assert float(rows["gpu"]["gpu_util_%"]) == 80.0  # (80 + 90 + 70) / 3: a row without samples is no 0 %
     assert float(rows["gpu"]["tokens_per_s"]) == float(rows["cpu"]["tokens_per_s"]) == 25.0
@@ -262,7 +265,7 @@ def test_gpu_hours_are_what_sacct_says_every_requeue_and_the_eval_job_held(tmp_p
     (runs / "good" / "eval" / "results.json").write_text(json.dumps({"n": 4, "exact_match": 0.5}))
 
     usage = recorded_usage(plan, tmp_path / "logs")
-    write_report(plan, runs, usage=usage, gpu_hour_cost=2.5)
+    write_report(job_runs(plan, usage=usage), runs, usage=usage, gpu_hour_cost=2.5)
 
     rows = {r["experiment"]: r for r in csv.DictReader((runs / "report.csv").open())}
     assert float(rows["good"]["gpu_hours"]) == round((43 * 1 + 19 * 1 + 3 * 2) / 3600, 4)
@@ -294,7 +297,8 @@ def test_a_pack_counts_its_whole_allocation_idle_lanes_included_shared_by_lane_t
         JobPaths(logs / "packs", "7").submitted_pickle
     )
 
-    write_report(plan, runs, usage=recorded_usage(plan, logs))
+    usage = recorded_usage(plan, logs)
+    write_report(job_runs(plan, usage=usage), runs, usage=usage)
 
     rows = {r["experiment"]: r for r in csv.DictReader((runs / "report.csv").open())}
     assert float(rows["a"]["gpu_hours"]) == round(16 * 3.5 / 4 / 3600, 4)  # 14 of the 16 GPU-seconds
@@ -427,7 +431,7 @@ def test_a_sweep_is_one_row_per_point_with_mean_and_sample_std_of_its_seeds_and_
     for seed, loss, em in ((1, 2.0, 0.2), (2, 2.5, 0.3), (3, 3.0, 0.4)):
         write_replicate(runs, f"lr-lr3e-04-r8-s{seed}", loss, {"exact_match": em})
 
-    write_report(plan, runs, {}, sweeps=sweeps)
+    write_report(job_runs(plan), runs, sweeps=sweeps)
 
     report = (runs / "report.md").read_text()
     task_table, sweep_part = report.split("### Sweep: lr")
@@ -456,7 +460,7 @@ def test_a_point_with_a_failed_seed_says_2_of_3_done_and_is_not_selected_on_a_me
     write_replicate(runs, "lr-lr3e-04-r8-s2", 0.7, {"exact_match": 0.9})
     states = {"lr-lr3e-04-r8-s3/one": "FAILED", "lr-lr3e-04-r8-s3/eval": "BLOCKED"}
 
-    write_report(plan, runs, states, sweeps=sweeps)
+    write_report(job_runs(plan, states), runs, sweeps=sweeps)
 
     report = (runs / "report.md").read_text()
     assert md_line(report, "| lr3e-04-r8 ") == (
@@ -476,7 +480,7 @@ def test_a_sweep_is_never_selected_on_a_test_split(tmp_path):
     write_replicate(runs, "lr-lr1e-04-r8", 1.0, {"exact_match": 0.6})
     write_replicate(runs, "lr-lr3e-04-r8", 2.0, {"exact_match": 0.4})
 
-    write_report(plan, runs, sweeps=sweeps)
+    write_report(job_runs(plan), runs, sweeps=sweeps)
 
     report = (runs / "report.md").read_text()
     assert md_line(report, "| lr1e-04-r8 ").startswith(
@@ -487,7 +491,7 @@ def test_a_sweep_is_never_selected_on_a_test_split(tmp_path):
     # The same scores on a test split: choosing by them would make them an optimistic estimate.
     for name in ("lr-lr1e-04-r8", "lr-lr3e-04-r8"):
         (runs / name / "eval" / "results.json").write_text(json.dumps({"exact_match": 0.5, "split": "test"}))
-    write_report(plan, runs, sweeps=sweeps)
+    write_report(job_runs(plan), runs, sweeps=sweeps)
 
     report = (runs / "report.md").read_text()
     assert "✓" not in report and "| best |" not in report
@@ -499,7 +503,7 @@ def test_a_sweep_is_never_selected_on_a_test_split(tmp_path):
     # Nor on the training data (eval.split: train), which the row already flags.
     for name in ("lr-lr1e-04-r8", "lr-lr3e-04-r8"):
         (runs / name / "eval" / "results.json").write_text(json.dumps({"exact_match": 0.5, "split": "train"}))
-    write_report(plan, runs, sweeps=sweeps)
+    write_report(job_runs(plan), runs, sweeps=sweeps)
     report = (runs / "report.md").read_text()
     assert "✓" not in report and "none marked: the selection cannot be made on the training data" in report
 
@@ -510,7 +514,7 @@ def test_report_csv_keeps_each_seeds_row_with_its_sweep_point_seed_and_swept_val
     for seed, loss in ((1, 1.0), (2, 1.2), (3, 1.4)):
         write_replicate(runs, f"lr-lr1e-04-r8-s{seed}", loss, {"exact_match": 0.5})
 
-    write_report(plan, runs, sweeps=sweeps)
+    write_report(job_runs(plan), runs, sweeps=sweeps)
 
     reader = csv.DictReader((runs / "report.csv").open())
     rows = {r["experiment"]: r for r in reader}
@@ -526,7 +530,7 @@ def test_report_csv_keeps_each_seeds_row_with_its_sweep_point_seed_and_swept_val
     assert rows["lr-lr3e-04-r8-s3"]["status"] == "missing: not run yet"
     assert (rows["plain"]["sweep"], rows["plain"]["seed"], rows["plain"]["adapter.rank"]) == ("", "", "")
     # Without `sweeps` (a caller that does not pass them) the report is as before: a row per experiment.
-    write_report(plan, runs)
+    write_report(job_runs(plan), runs)
     reader = csv.DictReader((runs / "report.csv").open())
     assert "sweep" not in reader.fieldnames and "### Sweep" not in (runs / "report.md").read_text()
     assert "| lr-lr1e-04-r8-s2 | complete |" in (runs / "report.md").read_text()
@@ -547,7 +551,7 @@ def test_a_sweep_points_loss_curves_are_one_mean_line_with_a_min_max_band_over_s
         write_stage(runs / f"lr-lr1e-04-r8-s{seed}" / "one", losses, 60, 1.0)
     write_stage(runs / "plain" / "one", [5.0], 60, 1.0)
     experiments = plan.experiments()
-    series = {name: loss_series(plan, name) for name in experiments}
+    series = {name: loss_series(job_runs(plan), name) for name in experiments}
     series = {name: s for name, s in series.items() if s[0]}
 
     fig, ax = plt.subplots()
@@ -563,7 +567,7 @@ def test_a_sweep_points_loss_curves_are_one_mean_line_with_a_min_max_band_over_s
     assert (vertices[:, 0].min(), vertices[:, 0].max()) == (5, 10)
     assert (vertices[:, 1].min(), vertices[:, 1].max()) == (2.0, 4.0)
     plt.close(fig)
-    written = write_report(plan, runs, sweeps=sweeps)
+    written = write_report(job_runs(plan), runs, sweeps=sweeps)
     assert runs / "loss_curves.png" in written and runs / "lr-lr1e-04-r8-s3" / "loss.png" in written
 
 
@@ -610,7 +614,7 @@ def test_base_model_row_heads_its_task_table_with_its_own_scores_and_gpu_hours(t
     plan, base, usage = scored_plan(tmp_path)
     runs = tmp_path / "runs"
 
-    write_report(plan, runs, usage=usage, gpu_hour_cost=2.5, base_evals={"good": base})
+    write_report(job_runs(plan, usage=usage), runs, usage=usage, gpu_hour_cost=2.5, base_evals={"good": base})
 
     header, first, second = table_of((runs / "report.md").read_text())
     assert header == (
@@ -633,7 +637,7 @@ def test_delta_is_the_adapters_score_minus_the_bases_not_the_reverse(tmp_path):
     plan, base, usage = scored_plan(tmp_path)
     runs = tmp_path / "runs"
 
-    write_report(plan, runs, usage=usage, base_evals={"good": base})
+    write_report(job_runs(plan, usage=usage), runs, usage=usage, base_evals={"good": base})
 
     good = table_of((runs / "report.md").read_text())[2]
     # exact_match 0.75 - 0.5 = +0.25; bleu 0.2 - 0.3 = -0.1 (not -0.09999999999999998 in the csv).
@@ -657,7 +661,7 @@ def test_experiments_sharing_a_base_are_compared_with_it_and_another_base_model_
     write_scores(shared.out_dir, exact_match=0.5)
     write_scores(own.out_dir, exact_match=0.2)
 
-    write_report(plan, runs, base_evals={"a": shared, "b": shared, "c": own})
+    write_report(job_runs(plan), runs, base_evals={"a": shared, "b": shared, "c": own})
 
     table = table_of((runs / "report.md").read_text())
     assert table[0].endswith("| eval_split | exact_match | Δ exact_match |")
@@ -676,13 +680,13 @@ def test_a_base_eval_not_run_yet_says_so_and_its_experiments_get_no_delta(tmp_pa
     runs = tmp_path / "runs"
     write_scores(runs / "good" / "eval", exact_match=0.75)
 
-    write_report(plan, runs, base_evals={"good": base})
+    write_report(job_runs(plan), runs, base_evals={"good": base})
 
     base_line, good = table_of((runs / "report.md").read_text())[1:]
     assert base_line == "| base (no adapter) | missing: not run yet | org/model | – | – | – | – | – |"
     assert good.endswith("| eval | 0.75 | – |")  # not 0.75 - 0 = +0.75
 
-    write_report(plan, runs, {"baselines/abc123": "FAILED"}, base_evals={"good": base})
+    write_report(job_runs(plan, {"baselines/abc123": "FAILED"}), runs, base_evals={"good": base})
     assert table_of((runs / "report.md").read_text())[1].startswith(
         "| base (no adapter) | missing: eval FAILED |"
     )
@@ -696,7 +700,7 @@ def test_a_left_out_base_says_why_under_the_table_and_gives_no_delta(tmp_path):
     write_scores(base.out_dir, exact_match=0.5)
     left_out = BaseEval("", "", "org/model", left_out="it adds tokens the base model lacks")
 
-    write_report(plan, runs, base_evals={"good": base, "tokens": left_out})
+    write_report(job_runs(plan), runs, base_evals={"good": base, "tokens": left_out})
 
     report = (runs / "report.md").read_text()
     table = table_of(report)
@@ -710,7 +714,9 @@ def test_report_csv_has_the_base_row_and_a_delta_column_after_each_score(tmp_pat
     plan, base, usage = scored_plan(tmp_path)
     runs = tmp_path / "runs"
 
-    write_report(plan, runs, usage=usage, tasks={"good": "qa"}, base_evals={"good": base})
+    write_report(
+        job_runs(plan, usage=usage), runs, usage=usage, tasks={"good": "qa"}, base_evals={"good": base}
+    )
 
     reader = csv.DictReader((runs / "report.csv").open())
     rows = {r["experiment"]: r for r in reader}
@@ -729,7 +735,7 @@ def test_a_baselines_eval_job_without_a_train_job_does_not_crash_the_report(tmp_
     runs = tmp_path / "runs"
     write_scores(base.out_dir, exact_match=0.5)
 
-    write_report(plan, runs)  # a caller that passes no base_evals: the report as before
+    write_report(job_runs(plan), runs)  # a caller that passes no base_evals: the report as before
 
     report = (runs / "report.md").read_text()
     rows = [r["experiment"] for r in csv.DictReader((runs / "report.csv").open())]
@@ -747,7 +753,7 @@ def test_a_sweep_points_delta_is_the_mean_of_its_seeds_minus_the_base(tmp_path):
         write_replicate(runs, f"lr-lr3e-04-r8-s{seed}", loss, {"exact_match": em})
     write_scores(base.out_dir, exact_match=0.25)
 
-    write_report(plan, runs, {}, sweeps=sweeps, base_evals=dict.fromkeys(plan.experiments(), base))
+    write_report(job_runs(plan), runs, sweeps=sweeps, base_evals=dict.fromkeys(plan.experiments(), base))
 
     report = (runs / "report.md").read_text()
     task_table, sweep_part = report.split("### Sweep: lr")
@@ -759,7 +765,9 @@ def test_a_sweep_points_delta_is_the_mean_of_its_seeds_minus_the_base(tmp_path):
     # Without a base for the point: no number, and the reason, once for all its seeds.
     gone = BaseEval("", "", "org/model", left_out="it adds tokens")
     left_out = {name: gone for name in plan.experiments() if name.startswith("lr-lr3e-04")}
-    write_report(plan, runs, {}, sweeps=sweeps, base_evals=dict.fromkeys(plan.experiments(), base) | left_out)
+    write_report(
+        job_runs(plan), runs, sweeps=sweeps, base_evals=dict.fromkeys(plan.experiments(), base) | left_out
+    )
     report = (runs / "report.md").read_text()
     assert "| 0.3 ± 0.1 | – | 1 ± 0 |" in md_line(report, "| lr3e-04-r8 ")
     names = ", ".join(f"lr-lr3e-04-r8-s{seed}" for seed in (1, 2, 3))
@@ -783,10 +791,21 @@ def test_a_point_whose_score_is_nan_is_never_marked_best(tmp_path, more):
         loss, em = (float("nan"), float("nan")) if nan else (0.5, 0.9)
         write_replicate(runs, f"lr-lr1e-04-r8-s{seed}", loss, {"exact_match": em})
         write_replicate(runs, f"lr-lr3e-04-r8-s{seed}", 2.0, {"exact_match": 0.3})
-    write_report(plan, runs, {}, sweeps=sweeps)
+    write_report(job_runs(plan), runs, sweeps=sweeps)
     sweep_part = (runs / "report.md").read_text().split("### Sweep: lr")[1]
     assert "✓" in md_line(sweep_part, "| lr3e-04-r8 ") and "✓" not in md_line(sweep_part, "| lr1e-04-r8 ")
     assert "eval split): lr3e-04-r8" in sweep_part
     if "exact_match" in more:  # the diverged seed's score is flagged, not averaged
         assert "not a number in 1 of 3" in md_line(sweep_part, "| lr1e-04-r8 ")
         assert "left out, exact_match not a finite number: lr1e-04-r8" in sweep_part
+
+
+def test_the_report_renderer_refuses_slurms_plan_and_reads_typed_rows_only(tmp_path):
+    # Before: eval/report.py drove slurm's Plan without importing it, a dependency the layer test could not
+    # see; now it takes the ground floor's JobRun records, and a plan handed in is refused, not half-read.
+    plan = plan_of(tmp_path, "good")
+    with pytest.raises(TypeError):
+        write_report(plan, tmp_path / "runs")
+    rows = job_runs(plan, {"good/one": "FAILED"})
+    assert [type(r).__module__ for r in rows] == ["spec.runs"] * len(plan.jobs)
+    assert rows[0].state is State.FAILED and rows[0].summary == {}

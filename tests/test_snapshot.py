@@ -5,7 +5,6 @@ before they start; they must still complete, from the launch's snapshot, in the 
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
@@ -17,19 +16,14 @@ import pytest
 
 from slurm.snapshot import PACKAGES
 from tests.conftest import write_cluster_yaml
+from tests.helpers import holding_sbatch, record, tiny_sql_base
 
+# The data path is relative: read in the project copy the test launches from.
 EXPERIMENT = """\
 name: {name}
-model: {{name_or_path: {root}/models/tiny-llama, kind: causal}}
-adapter: {{rank: 4, alpha: 8, dropout: 0.0, max_trainable_percent: 30}}
-data:
-  train: data/demo/sql/easy.jsonl
-  input_field: question
-  target_field: sql
-  prompt_template: "{{schema}} | {{question}} | SQL: "
-train: {{max_steps: 2, batch_size: 4, learning_rate: 1.0e-3, eval_every_epochs: null, logging_steps: 1}}
-eval: {{metrics: []}}
-resources: {{gpus: 0, cpus: 1, mem_gb: 1, time: "00:15:00"}}
+inherits: _tiny-sql.yaml
+data: {{train: data/demo/sql/easy.jsonl}}
+train: {{max_steps: 2}}
 {extra}
 """
 BREAK = "raise RuntimeError(\"the working tree's code ran, not the launch's snapshot\")\n"
@@ -49,13 +43,14 @@ def project_copy(repo_root: Path, tmp: Path) -> Path:
     return copy
 
 
-def experiments(repo_root: Path, tmp: Path, names_after: dict[str, str]) -> Path:
+def experiments(tmp: Path, names_after: dict[str, str]) -> Path:
     folder = tmp / "configs"
     folder.mkdir()
     write_cluster_yaml(folder, tmp)
+    tiny_sql_base(folder)
     for name, after in names_after.items():
         extra = f"after: [{after}]" if after else ""
-        (folder / f"{name}.yaml").write_text(EXPERIMENT.format(name=name, root=repo_root, extra=extra))
+        (folder / f"{name}.yaml").write_text(EXPERIMENT.format(name=name, extra=extra))
     return folder
 
 
@@ -67,14 +62,10 @@ def launch_in(copy: Path, *argv: str, env=None, wait: bool = True):
     return subprocess.run(command, cwd=copy, env=env, capture_output=True, text=True, check=False)
 
 
-def last_record(tmp: Path, job: str) -> dict:
-    return json.loads((tmp / "runs" / job / "job.json").read_text())["jobs"][-1]
-
-
 def assert_ran_from_snapshot(tmp: Path, job: str, commit: str) -> None:
     run_dir = tmp / "runs" / job
     assert (run_dir / "DONE").is_file()
-    code = last_record(tmp, job)["code"]
+    code = record(tmp, job)["code"]
     assert code["commit"] == commit and code["dirty"] is False
     assert BREAK not in (Path(code["snapshot"]) / "train" / "recipe.py").read_text()
     header = (run_dir / "config.yaml").read_text()
@@ -89,19 +80,15 @@ def head_of(copy: Path) -> str:
 
 def test_a_queued_slurm_job_runs_the_code_it_was_launched_with(repo_root, tmp_path, slurm_cluster, tiny):
     copy = project_copy(repo_root, tmp_path)
-    folder = experiments(repo_root, tmp_path, {"snap": ""})
-    hold = tmp_path / "hold"
-    hold.mkdir()
-    (hold / "sbatch").write_text(f'#!/bin/sh\nexec "{shutil.which("sbatch")}" --hold "$@"\n')
-    (hold / "sbatch").chmod(0o755)
-    held = {**os.environ, "PATH": f"{hold}{os.pathsep}{os.environ['PATH']}"}
+    folder = experiments(tmp_path, {"snap": ""})
+    held = {**os.environ, **holding_sbatch(tmp_path / "hold")}
     launched = launch_in(copy, "--all", "--config-dir", str(folder), "--backend", "slurm", env=held)
     assert launched.returncode == 0, launched.stdout + launched.stderr
 
     # Queued and held: now the user edits the code (here: breaks it), then the job starts.
     recipe = copy / "train" / "recipe.py"
     recipe.write_text(recipe.read_text() + BREAK)
-    subprocess.run(["scontrol", "release", last_record(tmp_path, "snap/train")["job_id"]], check=True)
+    subprocess.run(["scontrol", "release", record(tmp_path, "snap/train")["job_id"]], check=True)
     waited = launch_in(copy, "--all", "--config-dir", str(folder), "--backend", "slurm", "--wait")
     assert waited.returncode == 0, waited.stdout + waited.stderr
     assert_ran_from_snapshot(tmp_path, "snap/train", head_of(copy))
@@ -110,7 +97,7 @@ def test_a_queued_slurm_job_runs_the_code_it_was_launched_with(repo_root, tmp_pa
 @pytest.mark.slow
 def test_a_waiting_local_job_runs_the_code_it_was_launched_with(repo_root, tmp_path, tiny):
     copy = project_copy(repo_root, tmp_path)
-    folder = experiments(repo_root, tmp_path, {"first": "", "second": "first"})
+    folder = experiments(tmp_path, {"first": "", "second": "first"})
     run = launch_in(copy, "--all", "--config-dir", str(folder), "--backend", "local", wait=False)
     try:
         deadline = time.monotonic() + 120

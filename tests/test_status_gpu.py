@@ -12,8 +12,9 @@ from slurm.experiments import load_experiments
 from slurm.plan import build_plan
 from slurm.profile import load_profile
 from slurm.render import status_table
-from slurm.states import State
 from slurm.status import SchedulerInfo, job_status
+from spec.rundir import JobRecord
+from spec.states import State
 from tests.conftest import write_cluster_yaml
 
 EXPERIMENT = """\
@@ -60,7 +61,7 @@ def test_running_jobs_show_gpu_use_from_progress_and_others_stay_blank(tmp_path)
         "3": SchedulerInfo(State.FAILED),
     }
     rows = [
-        job_status(job, {"job_id": job_id, "backend": "slurm"}, scheduler, {}, str(tmp_path / "logs"))
+        job_status(job, JobRecord(job_id, "slurm"), scheduler, {}, str(tmp_path / "logs"))
         for job, job_id in ((on_gpu, "1"), (on_cpu, "2"), (finished, "3"))
     ]
     assert (rows[0].gpu_util_percent, rows[0].gpu_mem_gb, rows[1].gpu_util_percent) == (87.4, 41.23, None)

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 
-from slurm.states import State, from_slurm, jobs_verdict, parent_verdict
 from slurm.status import (
     Allocation,
     SchedulerInfo,
@@ -25,6 +24,8 @@ from slurm.status import (
     parse_squeue,
     tres_gpus,
 )
+from spec.durations import format_eta
+from spec.states import State, from_slurm, jobs_verdict, parent_verdict
 
 SQUEUE = """\
 461|PENDING|DependencyNeverSatisfied|0:00
@@ -181,7 +182,7 @@ def test_gpus_are_read_from_untyped_or_typed_tres_counts():
 )
 def test_one_dependency_rule_as_slurm_applies_it(kind, parent, verdict):
     """afterok blocks on a parent that did not complete, afterany waits only for its end: the rule the local
-    backend, a pack's lanes and --status all take from slurm/states.py."""
+    backend, a pack's lanes and --status all take from spec/states.py."""
     assert parent_verdict(kind, parent) == verdict
 
 
@@ -193,8 +194,6 @@ def test_a_blocking_parent_blocks_even_while_another_still_runs():
 
 def test_an_eta_past_a_day_keeps_its_days():
     """Before: the ETA was a 24-hour clock: 93,600 s (26 hours) read 02:00:00."""
-    from slurm.status import format_eta
-
     assert format_eta(93_600) == "1-02:00:00"
     assert format_eta(3_723.4) == "01:02:03"
     assert format_eta(None) == format_eta(float("inf")) == ""

@@ -3,8 +3,12 @@ every mistake in it is reported at once with the key it sits under (spec/sweep.p
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
+from slurm.experiments import to_problem
+from slurm.yamlfile import YamlFile
 from spec.config import SAFE_NAME
 from spec.sweep import MAX_POINTS, SweepError, SweepSelect, expand, float_text, nested
 
@@ -21,9 +25,11 @@ RANDOM = {
 
 
 def problems_of(block, name="exp") -> list[tuple[tuple, str]]:
+    """(where in the block, the message the loader shows there) for each problem, in the order shown."""
     with pytest.raises(SweepError) as raised:
         expand(block, name)
-    return raised.value.problems
+    chain = [YamlFile(Path("exp.yaml"), {"sweep": block}, {})]
+    return [(error["loc"], to_problem(error, chain, ("sweep",)).message) for error in raised.value.errors]
 
 
 def paths_of(block, name="exp") -> list[tuple]:
@@ -362,14 +368,19 @@ def test_malformed_dotted_keys_are_refused():
 
 def test_select_is_kept_and_checked():
     select = {"metric": "eval_loss", "mode": "min"}
-    assert expand({**LR_BY_RANK, "select": select}, "exp").select == SweepSelect("eval_loss", "min")
+    assert expand({**LR_BY_RANK, "select": select}, "exp").select == SweepSelect(
+        metric="eval_loss", mode="min"
+    )
     assert paths_of({**LR_BY_RANK, "select": "eval_loss"}) == [("select",)]
     assert paths_of({**LR_BY_RANK, "select": {"metric": "", "mode": "lowest", "metrc": "x"}}) == [
         ("select", "metrc"),
         ("select", "metric"),
         ("select", "mode"),
     ]
-    assert paths_of({**LR_BY_RANK, "select": {"metric": "rouge_l"}}) == [("select",)]
+    # A missing key is reported at that key, on the line of the mapping it is missing from.
+    assert problems_of({**LR_BY_RANK, "select": {"metric": "rouge_l"}}) == [
+        (("select", "mode"), "is required but missing")
+    ]
 
 
 def test_every_problem_is_reported_at_once_not_only_the_first():
@@ -390,6 +401,12 @@ def test_every_problem_is_reported_at_once_not_only_the_first():
         ("seeds",),
         ("select", "mode"),
     ]
+
+
+def test_a_key_swept_twice_is_still_reported_beside_another_sections_mistake():
+    # Pydantic checks across fields only once all are valid; the sweep checks the valid sections anyway.
+    block = {"sed": 1, **LR_BY_RANK, "random": {"adapter.rank": {"choice": [4, 8]}}, "samples": 2}
+    assert paths_of(block) == [("sed",), ("random", "adapter.rank")]
 
 
 def test_more_than_the_cap_of_points_is_refused_saying_how_many():

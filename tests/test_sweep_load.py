@@ -79,6 +79,27 @@ def test_a_malformed_sweep_is_refused_at_its_key_before_anything_is_planned(tmp_
     assert "lr.yaml:10: sweep.seeds:" in capsys.readouterr().err
 
 
+def test_a_typo_in_a_sweeps_keys_is_shown_at_its_line_with_the_key_meant_like_any_blocks(tmp_path, capsys):
+    folder = folder_of(tmp_path)
+    text = (folder / "lr.yaml").read_text()
+    text = text.replace("  grid:", "  gird:").replace("mode: min}", "mode: min, metrc: x}")
+    (folder / "lr.yaml").write_text(text)
+    assert launch.main(["--all", "--dry-run", "--config-dir", str(folder)]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "lr.yaml:7: sweep.gird: unknown key (did you mean 'grid'?)" in err
+    assert "lr.yaml:11: sweep.select.metrc: unknown key (did you mean 'metric'?)" in err
+
+
+def test_a_bad_swept_key_is_shown_at_that_key_and_line_not_at_pydantics_key_marker(tmp_path, capsys):
+    folder = folder_of(tmp_path)
+    text = (folder / "lr.yaml").read_text().replace("    adapter.rank: [4, 8]", "    name: [a, b]")
+    (folder / "lr.yaml").write_text(text)
+    assert launch.main(["--all", "--dry-run", "--config-dir", str(folder)]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "lr.yaml:9: sweep.grid.name: name cannot be swept" in err
+    assert "[key]" not in err
+
+
 def test_exp_names_a_whole_sweep_or_one_point_and_after_a_sweep_waits_for_every_point(tmp_path, capsys):
     folder = folder_of(tmp_path, **{"after-all": AFTER})
     assert launch.main(["--exp", "lr", "--dry-run", "--json", "--config-dir", str(folder)]) == 0
@@ -103,7 +124,7 @@ def test_a_sweeps_name_taken_by_another_experiment_is_refused(tmp_path, capsys):
 
 def test_export_of_a_sweep_exports_each_of_its_points_not_a_missing_experiment(tmp_path):
     # Before: --export lr (a sweep) looked for an experiment named lr: an IndexError traceback.
-    from slurm.cli import export_targets
+    from slurm.commands.export import export_targets
     from slurm.plan import build_plan, with_exports
 
     folder = folder_of(tmp_path)

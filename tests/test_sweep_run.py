@@ -11,21 +11,14 @@ import pytest
 
 import launch
 from tests.conftest import squeue_ids, write_cluster_yaml
-from tests.helpers import wait_until
+from tests.helpers import tiny_sql_base, wait_until
 
 SWEEP = """\
 name: sweep
-model: {{name_or_path: {root}/models/tiny-llama, kind: causal}}
-adapter: {{rank: 4, alpha: 8, dropout: 0.0, max_trainable_percent: 40}}
-data:
-  train: {root}/data/demo/sql/easy.jsonl
-  eval: {root}/data/demo/sql/dev.jsonl
-  input_field: question
-  target_field: sql
-  prompt_template: "{{schema}} | {{question}} | SQL: "
-train: {{epochs: 1, batch_size: 16, eval_every_epochs: 1, logging_steps: 1}}
-eval: {{metrics: []}}
-resources: {{gpus: 0, cpus: 1, mem_gb: 1, time: "00:15:00"}}
+inherits: _tiny-sql.yaml
+adapter: {{max_trainable_percent: 40}}
+data: {{eval: {root}/data/demo/sql/dev.jsonl}}
+train: {{epochs: 1, batch_size: 16, eval_every_epochs: 1}}
 sweep:
   grid:
     train.learning_rate: [{rates}]
@@ -39,6 +32,7 @@ def sweep_folder(tmp: Path, repo_root: Path, rates: str = "1.0e-3, 3.0e-3") -> P
     folder = tmp / "configs"
     folder.mkdir(exist_ok=True)
     write_cluster_yaml(folder, tmp, local_parallel_jobs=2)
+    tiny_sql_base(folder)
     (folder / "sweep.yaml").write_text(SWEEP.format(root=repo_root, rates=rates))
     return folder
 

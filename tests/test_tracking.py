@@ -6,29 +6,19 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from tests.train_helpers import ROOT, StopAfter, make_job, read_jsonl
+from tests.train_helpers import (
+    ROOT,
+    StopAfter,
+    assert_same_curve,
+    logged_losses,
+    make_job,
+    tensorboard_losses,
+)
 from train.recipe import run_stage
 from train.tracking import StageTensorBoard, wandb_run_id
-
-
-def tensorboard_losses(run_dir: Path) -> list[tuple[int, float]]:
-    events = EventAccumulator(str(run_dir / "tb"))
-    events.Reload()
-    return [(e.step, e.value) for e in events.Scalars("train/loss")]
-
-
-def logged_losses(run_dir: Path, offset: int = 0) -> list[tuple[int, float]]:
-    return [(r["step"] + offset, r["loss"]) for r in read_jsonl(run_dir / "metrics.jsonl") if "loss" in r]
-
-
-def assert_same_curve(actual, expected) -> None:
-    assert [step for step, _ in actual] == [step for step, _ in expected]
-    assert [value for _, value in actual] == pytest.approx([value for _, value in expected], rel=1e-6)
 
 
 def test_tensorboard_is_on_by_default_and_equals_metrics_jsonl(tiny, tmp_path):

@@ -16,8 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_train_resume import assert_same_adapter
-from tests.train_helpers import ROOT, SQL, make_job, read_jsonl, sql_data
+from tests.train_helpers import ROOT, SQL, assert_same_adapter, make_job, read_jsonl, sql_data
 from train.checkpoints import checkpoints, is_valid, step_of
 from train.recipe import run_stage
 

@@ -12,9 +12,8 @@ import shutil
 from pathlib import Path
 
 import pytest
-from safetensors.torch import load_file
 
-from tests.train_helpers import StopAfter, make_job, read_jsonl, sql_data
+from tests.train_helpers import StopAfter, assert_same_adapter, make_job, read_jsonl, sql_data
 from train.checkpoints import MARKER, latest_valid_checkpoint, step_of
 from train.recipe import run_stage
 
@@ -34,14 +33,6 @@ def resumable_job(tiny, run_dir: Path, method: str = "lora"):
         save_every_steps=4,
         logging_steps=2,
     )
-
-
-def assert_same_adapter(a: Path, b: Path) -> None:
-    expected = load_file(str(a / "adapter" / "adapter_model.safetensors"))
-    actual = load_file(str(b / "adapter" / "adapter_model.safetensors"))
-    assert expected.keys() == actual.keys()
-    for name in expected:
-        assert (expected[name] - actual[name]).abs().max().item() <= 1e-6, name
 
 
 # Stopping in the second epoch covers the reshuffle of a resumed epoch; QLoRA covers the 4-bit path.

@@ -15,11 +15,10 @@ import threading
 from pathlib import Path
 
 import pytest
-from safetensors.torch import load_file
 
 import launch
 from tests.conftest import write_cluster_yaml
-from tests.train_helpers import StopAfter, make_job, sql_data
+from tests.train_helpers import StopAfter, assert_same_adapter, make_job, sql_data
 from train.device import FAKE_FREE_GPU_GB
 from train.recipe import StageRecipe, run_stage
 
@@ -39,16 +38,8 @@ def job(tiny, run_dir: Path, kind: str, **train):
     )
 
 
-def adapter_tensors(run_dir: Path) -> dict:
-    return load_file(run_dir / "adapter" / "adapter_model.safetensors")
-
-
-def assert_same_adapter(a: Path, b: Path) -> None:
-    first, second = adapter_tensors(a), adapter_tensors(b)
-    assert first.keys() == second.keys()
-    for key in first:
-        # fp32 sums in another order: 1e-6 apart; a changed effective batch or example order is far more
-        assert (first[key] - second[key]).abs().max() <= 1e-4 * max(1.0, float(second[key].abs().max())), key
+# fp32 sums in another order: 1e-6 apart; a changed effective batch or example order is far more.
+SAME_SUMS = 1e-4
 
 
 def train_recipe(job_) -> StageRecipe:
@@ -65,7 +56,7 @@ def test_an_asked_micro_batch_of_8_trains_the_adapter_of_the_users_2x4(tiny, tmp
     assert run_stage(job(tiny, whole, kind, micro_batch=8)) == "completed"
     ran = json.loads((whole / "summary.json").read_text())["split"]
     assert (ran["micro_batch"], ran["grad_accum"], ran["how"]) == (8, 1, "asked")
-    assert_same_adapter(whole, written)
+    assert_same_adapter(whole, written, relative=SAME_SUMS)
 
 
 @pytest.mark.parametrize("kind", ["seq2seq", "causal"])
@@ -88,7 +79,7 @@ def test_auto_with_a_gpus_free_memory_runs_the_trainer_at_the_chosen_split_not_t
     assert summary["split"]["usable_gb"] == pytest.approx(76.0)
     assert json.loads((chosen / "split.json").read_text()) == summary["split"]
     assert summary["global_step"] == json.loads((written / "summary.json").read_text())["global_step"]
-    assert_same_adapter(chosen, written)
+    assert_same_adapter(chosen, written, relative=SAME_SUMS)
 
 
 def test_auto_with_too_little_memory_turns_checkpointing_on_and_keeps_the_effective_batch(

@@ -1,15 +1,19 @@
 """Helpers for the trainer's tests (tests/test_train_*.py): small jobs over the demo data on the tiny models
-(the `tiny` fixture in conftest.py). Everything runs offline on the CPU."""
+(the `tiny` fixture in conftest.py), and what a run leaves read back (adapter, loss curve), which the
+launching tests compare too. Everything runs offline on the CPU."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
 import threading
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 SQL = ROOT / "data" / "demo" / "sql"
@@ -68,6 +72,30 @@ class StopAfter(threading.Event):
         return self.calls > self.steps
 
 
+class KillAfter(threading.Event):
+    """A stop flag that kills its own process (SIGKILL: no cleanup, nothing flushed, what a kill -9 or a lost
+    node leaves) the (n+1)-th time it is asked. run_eval asks before the first batch and after each one, so
+    the process dies right after its n-th batch was written."""
+
+    def __init__(self, batches: int):
+        super().__init__()
+        self.batches, self.calls = batches, 0
+
+    def is_set(self) -> bool:
+        self.calls += 1
+        if self.calls > self.batches:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return False
+
+
+def killed_after(config: str, batches: int) -> None:
+    """In a child process: the eval job of `config` (its JSON file), killed after `batches` batches."""
+    from eval.job import run_eval
+    from spec.config import EvalJob
+
+    run_eval(EvalJob.model_validate_json(Path(config).read_text()), KillAfter(batches))
+
+
 def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
@@ -105,3 +133,46 @@ def run_ranks(job, ranks: int = 2, timeout_s: float = 180) -> list[dict]:
             process.kill()
     assert codes == [0] * ranks, f"rank exit codes {codes}"
     return [json.loads(out.read_text()) for _, out in started]
+
+
+# What a training run leaves, read back: its adapter, and its loss curve in metrics.jsonl and TensorBoard.
+
+
+def adapter_tensors(run_dir: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(run_dir / "adapter" / "adapter_model.safetensors"))
+
+
+def assert_same_adapter(a: Path, b: Path, relative: float | None = None) -> None:
+    """The two runs saved the same adapter: equal within 1e-6 (the same arithmetic, resumed or not), or
+    with `relative`, within that share of each tensor's scale (at least 1): fp32 sums in another order."""
+    first, second = adapter_tensors(a), adapter_tensors(b)
+    assert first.keys() == second.keys()
+    for key in first:
+        bound = 1e-6 if relative is None else relative * max(1.0, float(second[key].abs().max()))
+        assert (first[key] - second[key]).abs().max().item() <= bound, key
+
+
+def assert_every_step_logged_once(run_dir: Path, global_step: int, every: int = 4) -> None:
+    """Across all the allocations, metrics.jsonl holds each logging step exactly once: none repeated after a
+    resume, none skipped. (The last step is logged only if it falls on the logging interval.)"""
+    logged = [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl") if "loss" in r]
+    assert logged == [1, *range(every, global_step + 1, every)]
+
+
+def tensorboard_losses(run_dir: Path) -> list[tuple[int, float]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir / "tb"))
+    events.Reload()
+    return [(e.step, e.value) for e in events.Scalars("train/loss")]
+
+
+def logged_losses(run_dir: Path, offset: int = 0) -> list[tuple[int, float]]:
+    return [(r["step"] + offset, r["loss"]) for r in read_jsonl(run_dir / "metrics.jsonl") if "loss" in r]
+
+
+def assert_same_curve(actual, expected) -> None:
+    assert [step for step, _ in actual] == [step for step, _ in expected]
+    assert [value for _, value in actual] == pytest.approx([value for _, value in expected], rel=1e-6)

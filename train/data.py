@@ -21,6 +21,7 @@ import datasets
 
 from spec.config import DataSpec
 from spec.examples import check_file, check_rows, numbered_csv, numbered_jsonl, prompt_of
+from spec.hashing import CACHE_KEY_CHARS, content_hash
 
 log = logging.getLogger("train.data")
 FIXED_LENGTHS = (128, 256, 512, 1024, 2048)
@@ -113,7 +114,7 @@ def cache_key(source: str, spec: DataSpec, tokenizer, kind: str) -> str:
         spec.input_field,
         spec.target_field,
     ]
-    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:20]
+    return content_hash(parts, CACHE_KEY_CHARS)
 
 
 def tokenized(source: str, spec: DataSpec, tokenizer, kind: str) -> datasets.Dataset:

@@ -14,8 +14,8 @@ from functools import cache
 from pathlib import Path
 
 from spec.config import TrainJob
+from spec.names import TOKENIZER_FILES
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "spiece.model", "tokenizer.model", "vocab.json")
 WEIGHT_FILES = (  # one of these is enough: an index names its shards
     "model.safetensors",
     "model.safetensors.index.json",

@@ -46,7 +46,8 @@ def jobs_verdict(verdicts: list[State | None]) -> State | None:
     return None if None in verdicts else State.PENDING
 
 
-# A packed unit's state as its lane writes it (lane.json, slurm/lanes.py) → ours.
+# The words a packed unit's lane.json held before lanes wrote State's own (slurm/lanes.py): still read, so
+# a pack queued by an earlier version is shown as it runs.
 LANE_STATES: dict[str, State] = {
     "waiting": State.PENDING,
     "interrupted": State.PENDING,  # resumes when the allocation is requeued
@@ -55,6 +56,13 @@ LANE_STATES: dict[str, State] = {
     "failed": State.FAILED,
     "blocked": State.BLOCKED,
 }
+
+
+def lane_state(word: object) -> State | None:
+    """A packed unit's state as its lane.json says it; None when it says nothing known."""
+    if not isinstance(word, str):
+        return None
+    return LANE_STATES.get(word) or State.__members__.get(word)
 
 
 # Pending reasons that never resolve by waiting, with what they mean (--status shows them as such).

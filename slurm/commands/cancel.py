@@ -1,0 +1,134 @@
+"""--cancel [--exp NAME ... | --config-dir X | --removed]: stop the queued and running jobs of what is
+watched (slurm/commands/watch.py), never what another experiment still needs (a shared base eval, a
+packed allocation that runs other experiments' units), and, with --removed, the jobs of experiments no
+config folder has any more."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from slurm.commands.watch import watched_of, watched_plan
+from slurm.plan import Plan, build_plan
+from slurm.render import err, out
+from slurm.request import LaunchRequest
+from slurm.scheduler import cancel_rows
+from slurm.status import plan_status
+from spec.problems import ConfigError, Problem
+from spec.rundir import RunDir, current_job, mark_cancelled
+
+
+def cancel(request: LaunchRequest, profile) -> int:
+    if request.removed:
+        return cancel_removed(request, profile)
+    watching = watched_plan(request, profile)
+    if watching is None:
+        return 0
+    plan = watching[1]
+    # --cancel --exp A or --config-dir X: what else the run root holds, loaded and planned once for both
+    # checks below (a base eval or a pack another folder's experiment needs is not this cancel's to stop).
+    narrowed = request.experiments or request.config_dir_named
+    everything = (
+        build_plan(watched_of(request, profile, None, named=False).experiments, profile) if narrowed else None
+    )
+    return cancel_live(
+        without_shared_bases(plan, everything),
+        profile.log_dir,
+        sharing_packs(plan, everything, profile.log_dir),
+    )
+
+
+def cancel_live(plan: Plan, log_root: str, sharing: dict[str, list[str]] | None = None) -> int:
+    live = [r for r in plan_status(plan, log_root) if r.state.live and r.scheduler_id]
+    shared = sorted({r.scheduler_id for r in live} & set(sharing or {}))
+    if shared:
+        problems = [
+            Problem(
+                "command line",
+                "--cancel",
+                f"packed job {pack} also runs {', '.join(sharing[pack])}: cancelling it stops them too; "
+                "name their experiments as well (--exp ...), or --all",
+            )
+            for pack in shared
+        ]
+        raise ConfigError(problems)
+    running = cancel_rows(live, log_root)
+    done = [r.job.id for r in live if r.job.id not in running]
+    out.print(f"Cancelled {len(done)} job(s): " + (", ".join(done) or "none was queued"))
+    if running:
+        err.print(f"[red]error:[/] could not be stopped, still running: {', '.join(running)}")
+        return 1
+    return 0
+
+
+def without_shared_bases(plan: Plan, everything: Plan | None) -> Plan:
+    """--cancel --exp A: A's jobs, less the base-model evals an experiment it did not name also needs
+    (its base row and its export read them); `everything`: the run root's plan (None: nothing narrowed)."""
+    if everything is None or not plan.base_of:
+        return plan
+    chosen = set(plan.experiments())
+    needed = {job for name, job in everything.base_of.items() if name not in chosen}
+    return plan.only({j.id for j in plan.jobs} - needed)
+
+
+def sharing_packs(plan: Plan, everything: Plan | None, log_root: str) -> dict[str, list[str]]:
+    """Packed job id → the live units of other experiments in it: cancelling the pack would stop them;
+    `everything`: the run root's plan (None: nothing narrowed, nothing else to stop)."""
+    if everything is None:
+        return {}
+    chosen = {job.id for job in plan.jobs}
+    others: dict[str, list[str]] = {}
+    for row in plan_status(everything, log_root):
+        record = current_job(Path(row.job.run_dir))
+        if record and record.pack and row.state.live and row.job.id not in chosen:
+            others.setdefault(row.scheduler_id, []).append(row.job.id)
+    return others
+
+
+def cancel_removed(request: LaunchRequest, profile) -> int:
+    """--cancel --removed: the queued or running jobs of experiments the run root holds that no config
+    folder has any more (points removed from a sweep). Their configs are gone, so their job records are
+    all there is: each unfinished stage's last job, if the scheduler still has it live."""
+    from slurm.scheduler import cancel as cancel_jobs
+    from slurm.scheduler import local_alive, scheduler_job
+    from slurm.status import query_slurm
+
+    gone = watched_of(request, profile, None, named=False).gone
+    records = {
+        f"{name}/{stage.name}": record
+        for name in gone
+        for stage in sorted(p for p in (Path(profile.run_dir) / name).iterdir() if p.is_dir())
+        if (record := current_job(stage)) and not RunDir(stage).done.exists()
+    }
+    packed = sorted(job for job, record in records.items() if record.pack)
+    live_slurm = query_slurm([r.job_id for r in records.values() if r.on_slurm])
+    jobs = {
+        job: scheduler_job(profile.log_dir, job, record)
+        for job, record in records.items()
+        if job not in packed
+    }
+
+    def still_live(job: str) -> bool:
+        record = records[job]
+        if record.local:
+            return local_alive(jobs[job])
+        return record.job_id in live_slurm and live_slurm[record.job_id].state.live
+
+    live = {job: handle for job, handle in jobs.items() if still_live(job)}
+    for job in live:
+        if records[job].local:
+            mark_cancelled(Path(profile.run_dir) / job, records[job].job_id)
+    still = set(cancel_jobs(list(live.values())))
+    done = [job for job, handle in live.items() if str(handle.job_id) not in still]
+    out.print(
+        f"Cancelled {len(done)} job(s) of experiments no config folder has any more: "
+        + (", ".join(done) or "none was live")
+        + (f" ({len(gone)} such experiment(s) in {profile.run_dir}/)" if gone else ""),
+        highlight=False,
+        soft_wrap=True,
+    )
+    if packed:
+        err.print(
+            f"[yellow]warning:[/] not cancelled, units of a packed allocation: {', '.join(packed)}",
+            highlight=False,
+        )
+    return 1 if still else 0

@@ -1,0 +1,236 @@
+"""--all/--exp, --dry-run, --preflight, --calibrate, --retry-failed: load and validate every experiment,
+plan, check what can be checked here, then submit (slurm/queueing.py) or, for a dry run, print."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from slurm.commands.report import written_report
+from slurm.decisions import weigh
+from slurm.estimate import record_exact_tokens, record_splits
+from slurm.experiments import LoadedExperiment, load_experiments, parse_overrides
+from slurm.pack import pack_plan
+from slurm.plan import Plan, build_plan, calibration_plan, estimated_again
+from slurm.queueing import submit
+from slurm.render import edges_text, err, fit, out, packing_text, plan_table, totals_text
+from slurm.request import LaunchRequest
+from slurm.watched import removed_from, removed_text
+from spec.problems import ConfigError, Problem
+from spec.split import label as split_label
+from spec.states import State
+
+# A job's state in a dry run, as a relaunch would decide it (slurm/decisions.py weigh).
+DRY_RUN_STATES = {
+    "submit": State.PLANNED.value,
+    "done": "COMPLETED (done)",
+    "queued": "queued as SLURM job",
+    "running": "still running, pid",
+    "refused": "REFUSED (see below)",
+    "held": "not retried",
+}
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """The experiments a launch names, validated, and their plan."""
+
+    experiments: list[LoadedExperiment]
+    plan: Plan
+
+    @property
+    def files(self) -> dict[str, str]:
+        return {e.name: str(e.file) for e in self.experiments}
+
+
+def loaded(request: LaunchRequest, profile) -> Loaded:
+    """Load and validate (every problem at once, ConfigError), plan; say what the run root holds that the
+    folder no longer has."""
+    overrides = parse_overrides(list(request.overrides))
+    experiments = load_experiments(request.config_dir, profile, overrides, request.experiments)
+    plan = build_plan(experiments, profile)
+    if request.action == "calibrate":
+        plan = calibration_plan(plan, request.calibrate_steps)
+    if removed := removed_from(Path(profile.run_dir), request.config_dir, overrides):
+        err.print(removed_text(removed, Path(profile.run_dir)), highlight=False, soft_wrap=True)
+    return Loaded(experiments, plan)
+
+
+def launch(request: LaunchRequest, profile) -> int:
+    """--all/--exp and --retry-failed: submit what is not done, queued or running; a run that ended here
+    (local, or --wait) with every job completed ends with the comparison the user ran it for."""
+    run = loaded(request, profile)
+    pack = requested_pack(request, profile)
+    code = submit(checked(run, request, profile), profile, request, pack, files_of(run))
+    if code == 0 and (request.wait or request.backend == "local"):
+        written = written_report(profile, request)
+        out.print(f"All {len(run.plan.jobs)} job(s) completed. Report: {written[0]}", highlight=False)
+    return code
+
+
+def calibrate(request: LaunchRequest, profile) -> int:
+    """--calibrate: a few dozen steps of each experiment on the real GPUs, for the estimates."""
+    run = loaded(request, profile)
+    pack = requested_pack(request, profile)
+    code = submit(checked(run, request, profile), profile, request, pack, files_of(run))
+    out.print(
+        f"Calibration runs write their speed to {profile.run_dir}/speeds.jsonl as they end; then "
+        "--dry-run estimates these experiments from it (source: calibrated).",
+        highlight=False,
+    )
+    return code
+
+
+def files_of(run: Loaded) -> dict[str, Path]:
+    return {e.name: e.file for e in run.experiments}
+
+
+def checked(run: Loaded, request: LaunchRequest, profile) -> Plan:
+    """The plan to submit, once what needs no queue is checked: this machine's GPUs for a local run
+    (before preflight: it may take minutes), preflight (whose exact token counts re-estimate the plan)."""
+    if request.backend == "local":
+        from slurm.local_gpus import refuse_too_many_gpus
+
+        refuse_too_many_gpus(run.plan.jobs, run.files)
+    if not request.preflight:
+        return run.plan
+    run_preflight(run.plan, run.files, profile, show=False, as_json=False)
+    return estimated_again(run.plan, profile, run.files)
+
+
+def preflight(request: LaunchRequest, profile) -> int:
+    """--preflight alone: the checks' table (or --json); nothing is submitted."""
+    run = loaded(request, profile)
+    requested_pack(request, profile)  # a --budget without --pack is refused here too
+    return run_preflight(run.plan, run.files, profile, show=True, as_json=request.as_json)
+
+
+def run_preflight(plan: Plan, files: dict[str, str], profile, show: bool, as_json: bool) -> int:
+    """Refuse (exit 2) what the jobs would refuse or could not fit, before anything is queued; torch is
+    imported only on a preflight cache miss, never by the dry run or the status commands."""
+    from slurm.preflight import preflight_plan
+
+    fetching = profile.hub_downloads == "login"
+    results, problems = preflight_plan(plan, files, profile.gpu_mem_for, fetch=fetching)
+    specs = {j.id: j.spec for j in plan.jobs if j.kind == "train"}
+    record_exact_tokens(
+        plan.run_root,
+        [(specs[r.job], r.examples, r.tokens_per_epoch) for r in results if r.tokens_per_epoch],
+    )
+    chosen = [(specs[r.job], r.gpu_mem_gb, r.split) for r in results if r.split and r.split["how"] == "auto"]
+    record_splits(plan.run_root, chosen)
+    if as_json:
+        print(json.dumps([r.as_json() for r in results], indent=1))
+    elif show and results:  # no empty box when nothing could be computed (the errors below say why)
+        out.print(fit(preflight_table(results), out.width, PREFLIGHT_PRIORITY))
+    if not fetching and (fetch := list(dict.fromkeys(c for r in results for c in r.fetch))):
+        err.print(fetch_note(fetch), highlight=False, soft_wrap=True)  # fetching: they are problems
+    if problems:
+        raise ConfigError(problems)
+    return 0
+
+
+def fetch_note(commands: list[str]) -> str:
+    """hub_downloads: nodes: not a refusal, the nodes download at the job's start; if they cannot after
+    all, the note says how to fetch on this machine into the cache the nodes share."""
+    lines = "\n".join(f"  {c}" for c in commands)
+    return (
+        "[yellow]warning:[/] not in this machine's Hugging Face cache, so jobs on nodes without network "
+        f"would fail at their start; fetch into the shared cache (HF_HOME) first:\n{lines}"
+    )
+
+
+# preflight_table's columns, most important first (slurm/render.py fit).
+PREFLIGHT_PRIORITY = (
+    "job",
+    "fits",
+    "memory/GPU",
+    "micro-batch",
+    "trainable",
+    "max_length",
+    "cut at max_length",
+    "tokens/epoch",
+    "lengths p50/p90/p99/max",
+)
+
+
+def preflight_table(results):
+    from rich.table import Table
+
+    table = Table(
+        "job",
+        "trainable",
+        "lengths p50/p90/p99/max",
+        "max_length",
+        "tokens/epoch",
+        "cut at max_length",
+        "memory/GPU",
+        "fits",
+        "micro-batch",
+    )
+    for r in results:
+        memory = (
+            f"{r.memory_gb:.1f} GB" + (f" of {r.gpu_mem_gb:g}" if r.gpu_mem_gb else "")
+            if r.memory_gb
+            else "-"
+        )
+        table.add_row(
+            r.job,
+            f"{r.trainable_percent:.2f}% ({r.trainable_params:,})",
+            "\n".join(
+                ("targets " if part == "targets" else "") + "/".join(map(str, values))
+                for part, values in r.length_percentiles.items()
+            )
+            or "-",
+            str(r.max_length) if r.max_length else f"skipped: {r.tokens_skipped}",
+            f"{r.tokens_per_epoch:,}" if r.tokens_per_epoch else "-",
+            str(r.truncated_inputs) if r.truncated_inputs is not None else "-",
+            memory,
+            {True: "yes", False: f"no (batch {r.largest_batch} fits)", None: "-"}[r.fits],
+            split_label(r.split) or "-",
+        )
+    return table
+
+
+def requested_pack(request: LaunchRequest, profile) -> tuple[int, str] | None:
+    """(GPUs, budget) of a packed allocation: --pack/--budget, else cluster.yaml's pack/budget. A local
+    launch runs unpacked (cluster.yaml's pack is for SLURM; a --pack here was refused at the door)."""
+    if request.budget and not (request.pack or profile.pack):
+        message = "is the time of a packed allocation: add --pack G (its GPUs)"
+        raise ConfigError([Problem("command line", "--budget", message)])
+    gpus = request.pack if request.pack is not None else profile.pack
+    if not gpus or (request.submits and request.backend == "local"):  # --pack 0: no pack
+        return None
+    return gpus, request.budget or profile.budget or profile.max_time
+
+
+def dry_run(request: LaunchRequest, profile) -> int:
+    """The plan, each job in the state a relaunch would give it (done, queued, still running, refused,
+    or planned: to be submitted), with the makespan and GPU-hours of what is left and, for a pack, the
+    lanes of what is left. Reads the run folders and asks squeue once (only if some job was queued)."""
+    plan = loaded(request, profile).plan
+    pack = requested_pack(request, profile)
+    decisions, refusals = weigh(plan, force=request.force)
+    states = {d.job.id: d.action if d.action != "submit" else "planned" for d in decisions}
+    left = plan.left(states)
+    packing = pack_plan(list(left.jobs), *pack, profile) if pack and left.jobs else None
+    if request.as_json:
+        extra = {"packing": packing.to_json()} if packing else {}
+        print(json.dumps({**plan.to_json(states), **extra}, indent=1))
+        return 0
+    shown = {
+        d.job.id: DRY_RUN_STATES[d.action] + (f" {d.scheduler_id}" if d.scheduler_id else "")
+        for d in decisions
+    }
+    out.print(plan_table(plan, shown, out.width))
+    if left.jobs:
+        out.print(totals_text(left), highlight=False, soft_wrap=True)
+    else:
+        out.print("Nothing left to run: every job is done.", highlight=False)
+    if packing:
+        out.print(packing_text(packing), highlight=False, soft_wrap=True)
+    out.print(edges_text(plan), highlight=False)
+    for problem in refusals:
+        err.print(f"[yellow]a launch would refuse:[/] {problem}", highlight=False, soft_wrap=True)
+    return 0

@@ -1,0 +1,35 @@
+"""--sync: upload the W&B runs that jobs wrote offline."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from slurm.render import err, out
+from slurm.request import LaunchRequest
+
+
+def sync(request: LaunchRequest, profile) -> int:
+    return sync_wandb(Path(profile.run_dir))
+
+
+def sync_wandb(run_root: Path) -> int:
+    """--sync: upload the W&B runs that jobs wrote offline (WANDB_MODE=offline on nodes without network),
+    skipping those already synced (wandb marks them with a `.synced` file)."""
+    runs = [
+        run for run in sorted(run_root.glob("*/*/wandb/offline-run-*")) if not any(run.glob("*.wandb.synced"))
+    ]
+    if not runs:
+        out.print(f"No offline W&B runs to sync under {run_root}/.", highlight=False)
+        return 0
+    out.print(f"Syncing {len(runs)} offline W&B run(s) with `wandb sync`:", highlight=False)
+    done = subprocess.run([sys.executable, "-m", "wandb", "sync", *map(str, runs)], check=False)
+    if done.returncode:
+        err.print(
+            f"[red]error:[/] wandb sync failed (exit {done.returncode}), see above: log in on this machine "
+            "first (`wandb login`, or WANDB_API_KEY in the environment), with network",
+            highlight=False,
+        )
+        return 1
+    return 0

@@ -1,0 +1,20 @@
+"""CUDA_VISIBLE_DEVICES read as CUDA reads it, torch-free: for the launcher's local backend (which GPUs it
+may hand out), a pack's lanes (which GPU each binds) and the report (how many GPUs a local job held)."""
+
+from __future__ import annotations
+
+import re
+
+# A CUDA_VISIBLE_DEVICES entry CUDA accepts: an index, or a (prefix of a) GPU or MIG UUID.
+DEVICE_ENTRY = re.compile(r"^(\d+|GPU-[0-9A-Za-z-]+|MIG-[0-9A-Za-z/-]+)$")
+
+
+def visible_devices(value: str) -> tuple[str, ...]:
+    """The devices CUDA shows for this CUDA_VISIBLE_DEVICES: the list ends at the first entry it cannot
+    read, so "-1" (a common way to hide every GPU) and "" leave none, and "0,-1,1" leaves only 0."""
+    devices: list[str] = []
+    for entry in value.split(","):
+        if not DEVICE_ENTRY.match(entry.strip()):
+            break
+        devices.append(entry.strip())
+    return tuple(devices)
