@@ -240,7 +240,7 @@ def qwen_shaped():
 
 
 def memory_job(folder: str, batch: int):
-    from spec.config import TrainJob
+    from core.config import TrainJob
 
     return TrainJob(
         experiment="gpu-check",
@@ -271,7 +271,7 @@ def adapted_on_gpu(config, fused: bool, seed: int = 0):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from spec.config import AdapterSpec
+    from core.config import AdapterSpec
     from train.loss import TargetTokenLoss, liger_linear_cross_entropy
     from train.model import new_adapter
 

@@ -48,8 +48,8 @@ from transformers import (  # noqa: E402
 )
 
 from bench.train_throughput import StepTimer, model_flops_utilisation  # noqa: E402
+from core.config import DataSpec, ModelSpec, TrainJob  # noqa: E402
 from demo.tiny import build_tiny_models  # noqa: E402
-from spec.config import DataSpec, ModelSpec, TrainJob  # noqa: E402
 from train import data as data_lib  # noqa: E402
 from train.device import FAKE_FREE_GPU_GB, Placement, current  # noqa: E402
 from train.memory import CUDA_RESERVE_GB  # noqa: E402

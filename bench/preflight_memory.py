@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from spec.config import AdapterSpec, ModelSpec, TrainJob
+from core.config import AdapterSpec, ModelSpec, TrainJob
 from train.memory import CUDA_RESERVE_GB, EVAL_BATCH_FACTOR, GB, padded_length
 from train.preflight import measure_memory, trainer_loss
 

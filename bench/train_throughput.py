@@ -39,8 +39,8 @@ from transformers import (  # noqa: E402
     TrainingArguments,
 )
 
+from core.config import DataSpec, TrainJob  # noqa: E402
 from demo.tiny import build_tiny_models, tiny_llama  # noqa: E402
-from spec.config import DataSpec, TrainJob  # noqa: E402
 from train import data as data_lib  # noqa: E402
 from train.device import Placement, current  # noqa: E402
 from train.model import load_tokenizer  # noqa: E402
@@ -130,7 +130,7 @@ def bench_model(folder: Path, placement: Placement) -> Path:
 
 
 def DATA_MODEL(path: Path):  # noqa: N802 - a ModelSpec for a folder
-    from spec.config import ModelSpec
+    from core.config import ModelSpec
 
     return ModelSpec(name_or_path=str(path), kind="causal")
 

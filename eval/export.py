@@ -47,10 +47,10 @@ from pathlib import Path
 import torch
 import yaml
 
-from spec.config import EvalJob, EvalSpec, TrainJob
-from spec.files import read_text, write_atomic
-from spec.hashing import content_hash
-from spec.rundir import RunDir, read_spec
+from core.config import EvalJob, EvalSpec, TrainJob
+from core.files import read_text, write_atomic
+from core.hashing import content_hash
+from core.rundir import RunDir, read_spec
 
 log = logging.getLogger("eval.export")
 # Bump when the export writes different files for the same stage: older exports are then redone.

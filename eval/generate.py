@@ -10,8 +10,8 @@ from collections.abc import Iterator
 import torch
 from transformers import GenerationConfig
 
-from spec.config import EvalJob, EvalSpec
-from spec.rundir import RunDir
+from core.config import EvalJob, EvalSpec
+from core.rundir import RunDir
 from train import vl
 from train.device import Hardware, Placement, decide, ranks
 from train.model import load_base, load_tokenizer, load_trained
@@ -27,7 +27,7 @@ def trained_precision(adapter_dir: str | None) -> str:
     if adapter_dir is None:
         return "auto"
     summary = RunDir.of_adapter(adapter_dir).read_summary()
-    return summary.get("precision", "auto")  # an unreadable summary is named in a warning (spec/files.py)
+    return summary.get("precision", "auto")  # an unreadable summary is named in a warning (core/files.py)
 
 
 def eval_placement(adapter_dir: str | None, hardware: Hardware | None = None) -> Placement:

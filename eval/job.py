@@ -15,11 +15,11 @@ import threading
 import time
 from pathlib import Path
 
+from core.config import EvalJob
+from core.files import write_atomic
+from core.hashing import content_hash
+from core.rundir import RunDir
 from eval.predictions import PartialPredictions, rows, write_final
-from spec.config import EvalJob
-from spec.files import write_atomic
-from spec.hashing import content_hash
-from spec.rundir import RunDir
 
 log = logging.getLogger("eval.job")
 SAMPLE_FOR_ADAPTER_CHECK = 4
@@ -154,7 +154,7 @@ def fingerprint(job: EvalJob, placement) -> str:
 def write_speed(job: EvalJob, device_name: str, batches: int, loaded: float, generated: float) -> None:
     """This job's row in the speed book: the next plans estimate eval jobs on this model from it. `batches`:
     those this run generated (a resumed one generates only the rest)."""
-    from spec import speeds
+    from core import speeds
     from train.callbacks import process_started_at
 
     book = speeds.eval_book_of(job.out_dir, job.experiment)
@@ -177,7 +177,7 @@ def write_speed(job: EvalJob, device_name: str, batches: int, loaded: float, gen
 
 def image_paths(source: str, job: EvalJob) -> list[str]:
     """The image file of each scored example (image-text), in the order of the prompts."""
-    from spec.examples import image_path
+    from core.examples import image_path
     from train.data import read_rows
 
     rows = read_rows(source, job.data)[: job.eval.limit]

@@ -12,7 +12,7 @@ from collections.abc import Iterable, Sequence
 import sacrebleu
 from rouge_score import rouge_scorer
 
-from spec.names import TEXT_METRICS
+from core.names import TEXT_METRICS
 
 SQL_START = re.compile(r"\s*(select|with)\b", re.IGNORECASE)
 SQL_STRING = re.compile(r"'(?:[^']|'')*'")  # a single-quoted literal, '' escaping a quote inside

@@ -17,8 +17,8 @@ import json
 import os
 from pathlib import Path
 
-from spec.files import write_atomic
-from spec.rundir import RunDir
+from core.files import write_atomic
+from core.rundir import RunDir
 
 
 def rows(

@@ -1,7 +1,7 @@
 """The comparison report: one row per experiment (and per published baseline), one per job (what it held
 of the cluster, its Trainer clock, GPU utilisation, tokens/s), loss curves, as files.
 
-Takes the run root's jobs as typed records (spec/runs.py `JobRun`: each job's state, resources and
+Takes the run root's jobs as typed records (core/runs.py `JobRun`: each job's state, resources and
 summary.json, read once by slurm/commands/report.py) and reads the rest of the run folders itself:
 `metrics.jsonl` of each stage, `results.json` of the eval job. It never sees the plan or the scheduler.
 GPU-hours are what the cluster charged: each job's elapsed time x the GPUs it held, every requeue, eval
@@ -10,7 +10,7 @@ a local job's own clock). A job without such a figure (run by hand, unknown to t
 Trainer clock x its GPUs, and the report says so; a CPU run (device "cpu") costs no GPU-hours.
 An experiment that failed or never ran is a row that says so, never a silent gap.
 
-The points of a `sweep:` block (spec/sweep.py) are compared like with like: one table per sweep, a row per
+The points of a `sweep:` block (core/sweep.py) are compared like with like: one table per sweep, a row per
 point, its replicates (one per seed) as mean ± sample standard deviation; a point whose seeds have not all
 finished says so instead of averaging fewer. report.csv keeps one row per replicate.
 
@@ -30,13 +30,13 @@ from pathlib import Path
 
 import yaml
 
-from spec.files import read_jsonl, write_atomic
-from spec.names import REPORT_COLUMNS
-from spec.rundir import METRICS_FIELDS, RunDir
-from spec.runs import BaseEval, JobRun, PlanUsage
-from spec.split import label as split_label
-from spec.states import State
-from spec.sweep import SweepMember
+from core.files import read_jsonl, write_atomic
+from core.names import REPORT_COLUMNS
+from core.rundir import METRICS_FIELDS, RunDir
+from core.runs import BaseEval, JobRun, PlanUsage
+from core.split import label as split_label
+from core.states import State
+from core.sweep import SweepMember
 
 COLUMNS = (
     "experiment",
@@ -349,13 +349,13 @@ def write_report(
 ) -> list[Path]:
     """report.md (one table per task, each with the published baselines of that task, then one table per
     sweep), report.csv (every row, with its task) and the loss curves. `jobs`: the run root's, in plan
-    order (spec/runs.py; nothing else: the report never drives the plan). `tasks`: experiment name → its
+    order (core/runs.py; nothing else: the report never drives the plan). `tasks`: experiment name → its
     `task:` (None: not set); `gpu_hour_cost` (cluster.yaml) adds a cost per experiment and in total;
     `usage`: what the packs held, which jobs sacct knew nothing of (a job's own figure is its `used`;
     without one it counts its Trainer clock); `sweeps`: experiment name → the sweep point it is (absent:
     not a sweep point); `base_evals`: experiment name → its base-model eval (absent: none, no Δ)."""
     if not all(isinstance(job, JobRun) for job in jobs):  # a plan handed in would be read half-right
-        raise TypeError("write_report takes the run root's jobs as spec.runs.JobRun records")
+        raise TypeError("write_report takes the run root's jobs as core.runs.JobRun records")
     tasks, sweeps, base_evals = tasks or {}, sweeps or {}, base_evals or {}
     rows, bases, job_rows = scored_rows(jobs, tasks, base_evals, gpu_hour_cost)
     published = published_baselines(baselines)

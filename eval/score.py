@@ -20,12 +20,12 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from core.databases import NotADatabaseError, check_database
+from core.files import write_atomic
+from core.names import DEFAULT_METRICS, METRICS, SCORE_KEYS, SQL_TIMEOUT_S, TEXT_METRICS, missing_inputs
 from eval.bertscore import BertScoreError
 from eval.metrics import text_metrics
 from eval.sql import sql_metrics
-from spec.databases import NotADatabaseError, check_database
-from spec.files import write_atomic
-from spec.names import DEFAULT_METRICS, METRICS, SCORE_KEYS, SQL_TIMEOUT_S, TEXT_METRICS, missing_inputs
 
 # The order results are written and shown in (eval/report.py lists its columns in the same order).
 RESULT_KEYS = ("n", *SCORE_KEYS, "sql_gold_errors", "sql_unscored_reason")

@@ -23,8 +23,8 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from spec.databases import check_database, connect_read_only
-from spec.names import SQL_TIMEOUT_S
+from core.databases import check_database, connect_read_only
+from core.names import SQL_TIMEOUT_S
 
 log = logging.getLogger("eval.sql")
 

@@ -21,6 +21,11 @@ from pathlib import Path
 
 import submitit
 
+from core.config import Resources
+from core.layout import PACKS
+from core.problems import ConfigError
+from core.rundir import current_job, log_folder
+from core.states import State, jobs_verdict, parent_verdict
 from slurm.client import run_client
 from slurm.jobs import EvalStage, ExportStage, TrainStage
 from slurm.lanes import PackJob
@@ -30,11 +35,6 @@ from slurm.plan import PlannedJob
 from slurm.profile import ClusterProfile
 from slurm.scheduler import COMMENT_MARK, cancel, local_failure, stop_local
 from slurm.snapshot import CodeSnapshot
-from spec.config import Resources
-from spec.layout import PACKS
-from spec.problems import ConfigError
-from spec.rundir import current_job, log_folder
-from spec.states import State, jobs_verdict, parent_verdict
 
 CONTROLLER_LOG = "controller.err"  # in a local job's log folder: its submitit controller's own stderr
 
@@ -132,7 +132,7 @@ class SlurmBackend:
 
 
 def job_comment(token: str, what: str) -> dict:
-    """The SLURM comment of a submission: its intent's token (spec/rundir.py record_intent), by which the
+    """The SLURM comment of a submission: its intent's token (core/rundir.py record_intent), by which the
     next launch finds the job in the queue if this one dies before recording it, and what it runs, for
     people reading squeue. No token, no comment."""
     return {"comment": f"{COMMENT_MARK} {token} {' '.join(what.split())}"} if token else {}

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import errno
 
+from core.files import forget_warnings
+from core.problems import ConfigError, Problem
 from slurm.commands import cancel, export, launch, report, sync, watch
 from slurm.profile import load_profile
 from slurm.queueing import LaunchError
 from slurm.render import err
 from slurm.request import LaunchRequest, action_of, nothing_done, request_from
-from spec.files import forget_warnings
-from spec.problems import ConfigError, Problem
 
 # What a read-only, full or hand-altered run folder raises where a command writes (the report, the launch
 # lock, a job's record): a sentence naming the file, exit 1, never a traceback.

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import subprocess
 
-from spec.config import ascii_int
+from core.config import ascii_int
 
 # How long one client command may take. Each answers from slurmctld's or slurmdbd's memory in well under a
 # second; a busy controller (a backfill pass over thousands of jobs) can take tens of seconds, and a

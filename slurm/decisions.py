@@ -13,12 +13,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from slurm.plan import Plan, PlannedJob
-from slurm.status import config_changes, named_changes, query_slurm
-from spec.files import warn_unreadable
-from spec.layout import archive_folder
-from spec.problems import ConfigError, Problem
-from spec.rundir import (
+from core.files import warn_unreadable
+from core.layout import archive_folder
+from core.problems import ConfigError, Problem
+from core.rundir import (
     UNREADABLE,
     JobRecord,
     RunDir,
@@ -31,6 +29,8 @@ from spec.rundir import (
     record_job,
     results_lost,
 )
+from slurm.plan import Plan, PlannedJob
+from slurm.status import config_changes, named_changes, query_slurm
 
 # queued: a live SLURM job; running: a local job an earlier launch started, still running (its launcher
 # may be gone: killed, a dropped SSH session); both are never started again.

@@ -8,7 +8,7 @@ Training: tokens to process ÷ tokens/s + start-up + in-training evals + checkpo
   ÷ CHARS_PER_TOKEN. An `hf:` dataset is not read on the login node: its size comes from preflight or
   from the speed book when a stage trained on it before.
   tokens/s, start-up and eval/save seconds come from the speed book (RUN_ROOT/speeds.jsonl, written by
-  every finished stage: spec/speeds.py) when it has a row for this model, adapter method, precision
+  every finished stage: core/speeds.py) when it has a row for this model, adapter method, precision
   (`auto`: what the job's device runs) and gradient checkpointing, on the job's kind of device (never a
   CPU row for a GPU job, nor a GPU row for a CPU job), the nearest in batch size and max length, newest
   first ("measured"); else from the model's size on assumed hardware (slurm/guesses.py: "guess").
@@ -33,16 +33,16 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
 
+from core import layout
+from core.config import DataSpec, EvalJob, TrainJob, TrainSpec
+from core.examples import TextSize
+from core.files import is_kind, read_json, warn_unreadable, write_json_atomic
+from core.hashing import CACHE_KEY_CHARS, content_hash
+from core.names import TOKENIZER_FILES
+from core.speeds import FILE, EvalSpeedRecord, SpeedRecord, read_book, read_eval_book
+from core.split import Split, resolve
 from slurm import guesses
 from slurm.experiments import read_examples
-from spec import layout
-from spec.config import DataSpec, EvalJob, TrainJob, TrainSpec
-from spec.examples import TextSize
-from spec.files import is_kind, read_json, warn_unreadable, write_json_atomic
-from spec.hashing import CACHE_KEY_CHARS, content_hash
-from spec.names import TOKENIZER_FILES
-from spec.speeds import FILE, EvalSpeedRecord, SpeedRecord, read_book, read_eval_book
-from spec.split import Split, resolve
 
 # The usual rule of thumb for English under BPE or SentencePiece vocabularies; code and SQL run nearer 3,
 # so their estimates come out a little short until the speed book or an exact count takes over.
@@ -106,7 +106,7 @@ def exact_key(spec: TrainJob) -> str:
 
 def read_exact_tokens(run_root: str | Path) -> dict[str, DataTokens]:
     """Entries of another shape, or with no example or token (the estimates divide by both), are left
-    out, the file named in a warning (spec/files.py)."""
+    out, the file named in a warning (core/files.py)."""
     path = Path(run_root) / TOKENS_FILE
     kept = read_json(path, {}, expected=dict)
     found = {
@@ -133,7 +133,7 @@ def record_exact_tokens(run_root: str | Path, counted: Iterable[tuple[TrainJob, 
         write_json_atomic(Path(run_root) / TOKENS_FILE, book | new)
 
 
-# ---- the batch split preflight chose (spec/split.py), for the dry run and the estimate ------------------
+# ---- the batch split preflight chose (core/split.py), for the dry run and the estimate ------------------
 def split_key(spec: TrainJob, gpu_mem_gb: float | None) -> str:
     """What the split a job chooses depends on, found without torch: the training file and model
     (exact_key), the adapter, the train keys the memory model reads, an eval's presence, the GPU's memory."""

@@ -13,6 +13,13 @@ from pathlib import Path
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from core.config import DataSpec, Experiment, StageSpec, TrainSpec, kind_mismatch
+from core.databases import NotADatabaseError, check_database
+from core.examples import ExampleError, TextSize, check_file, needed_fields
+from core.files import read_json
+from core.names import REPORT_COLUMNS, SCORES_OF
+from core.problems import ConfigError, Problem, did_you_mean
+from core.sweep import SweepError, SweepMember, SweepSpec, expand, nested, source_of
 from slurm.profile import ClusterProfile
 from slurm.yamlfile import (
     COMMAND_LINE,
@@ -24,16 +31,9 @@ from slurm.yamlfile import (
     load_chain,
     where,
 )
-from spec.config import DataSpec, Experiment, StageSpec, TrainSpec, kind_mismatch
-from spec.databases import NotADatabaseError, check_database
-from spec.examples import ExampleError, TextSize, check_file, needed_fields
-from spec.files import read_json
-from spec.names import REPORT_COLUMNS, SCORES_OF
-from spec.problems import ConfigError, Problem, did_you_mean
-from spec.sweep import SweepError, SweepMember, SweepSpec, expand, nested, source_of
 
 # Sections whose keys a "did you mean" can suggest from, by their place in the file; `sweep:` is validated on
-# its own, before its points are (spec/sweep.py).
+# its own, before its points are (core/sweep.py).
 SECTIONS: dict[str, type[BaseModel]] = {
     name: info.annotation
     for name, info in Experiment.model_fields.items()
@@ -156,7 +156,7 @@ def expanded(
     raw: dict, chain: list[YamlFile]
 ) -> tuple[list[tuple[dict, list[YamlFile], SweepMember | None]], list[Problem]]:
     """An experiment file's config → the experiments it stands for: itself, or one per point of its
-    `sweep:` block (spec/sweep.py), each the config with the point's values merged in, named
+    `sweep:` block (core/sweep.py), each the config with the point's values merged in, named
     EXP-SUFFIX; a point's value is blamed on the line of the sweep that gave it."""
     block = raw.get("sweep")
     if block is None:

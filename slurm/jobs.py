@@ -15,8 +15,8 @@ from pathlib import Path
 
 import submitit
 
+from core.rundir import mark_done
 from slurm.redact import redact_job_output
-from spec.rundir import mark_done
 
 log = logging.getLogger("slurm.jobs")
 
@@ -49,7 +49,7 @@ class TrainStage(StageJob):
     On SIGTERM (scancel, `scontrol requeue`, preemption with a grace time) it also checkpoints first."""
 
     def run(self, spec: dict, config_hash: str) -> str:
-        from spec.config import TrainJob
+        from core.config import TrainJob
         from train.recipe import run_stage
 
         job = TrainJob.model_validate(spec)
@@ -79,8 +79,8 @@ class EvalStage(StageJob):
     and submitit requeues this same call; on SIGTERM it stops the same way and SLURM requeues or cancels."""
 
     def run(self, spec: dict, config_hash: str) -> str:
+        from core.config import EvalJob
         from eval.job import run_eval
-        from spec.config import EvalJob
 
         job = EvalJob.model_validate(spec)
         stop = StopRequest()
@@ -102,8 +102,8 @@ class ExportStage(StageJob):
     made from the same adapter and settings is skipped."""
 
     def run(self, spec: dict, config_hash: str) -> str:
+        from core.config import ExportJob
         from eval.export import eval_inputs, export_stage
-        from spec.config import ExportJob
 
         job = ExportJob.model_validate(spec)
         ran = [Path(c) for c in job.eval_configs if Path(c).is_file()]  # an eval never submitted has none

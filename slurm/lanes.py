@@ -27,13 +27,13 @@ from pathlib import Path
 import submitit
 from submitit.core.utils import JobPaths
 
+from core.devices import visible_devices
+from core.files import write_atomic
+from core.rundir import RunDir, done_hash, is_done, read_lane
+from core.states import State, lane_state, parent_verdict
 from slurm.jobs import StopRequest, _configure_logging
 from slurm.pack import Unit
 from slurm.redact import redact_job_output
-from spec.devices import visible_devices
-from spec.files import write_atomic
-from spec.rundir import RunDir, done_hash, is_done, read_lane
-from spec.states import State, lane_state, parent_verdict
 
 log = logging.getLogger("slurm.lanes")
 # How often the lanes look at their children: a lane idles at most this long after its unit ends. (A

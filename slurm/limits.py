@@ -15,10 +15,10 @@ import re
 from dataclasses import dataclass, field
 from functools import cache
 
+from core.config import ascii_int
+from core.durations import read_duration, slurm_time
+from core.problems import Problem
 from slurm.client import gpu_counts, run_client, tres_counts
-from spec.config import ascii_int
-from spec.durations import read_duration, slurm_time
-from spec.problems import Problem
 
 
 @dataclass(frozen=True)

@@ -16,8 +16,8 @@ import subprocess
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from spec.devices import visible_devices
-from spec.problems import ConfigError, Problem
+from core.devices import visible_devices
+from core.problems import ConfigError, Problem
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from spec.layout import LAUNCH_LOCK
+from core.layout import LAUNCH_LOCK
 
 LOCK_NAME = LAUNCH_LOCK
 

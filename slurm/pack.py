@@ -20,11 +20,11 @@ from typing import Literal
 
 from pydantic import ValidationError
 
+from core.config import SLURM_TIMER_S, Resources
+from core.durations import slurm_seconds, slurm_time
+from core.problems import ConfigError, Problem
 from slurm.plan import PlannedJob
 from slurm.profile import ClusterProfile
-from spec.config import SLURM_TIMER_S, Resources
-from spec.durations import slurm_seconds, slurm_time
-from spec.problems import ConfigError, Problem
 
 
 @dataclass(frozen=True)

@@ -15,16 +15,16 @@ from typing import Literal
 
 from pydantic import ValidationError
 
+from core import layout
+from core.config import AdapterSpec, EvalJob, ExportJob, Resources, TrainJob, what_it_computes
+from core.durations import slurm_time
+from core.hashing import content_hash
+from core.problems import ConfigError, Problem
+from core.rundir import ADAPTER, CONFIG, in_folder, run_folder
 from slurm import guesses
 from slurm.estimate import Estimate, Estimator, auto_time_limit_s
 from slurm.experiments import LoadedExperiment
 from slurm.profile import ClusterProfile
-from spec import layout
-from spec.config import AdapterSpec, EvalJob, ExportJob, Resources, TrainJob, what_it_computes
-from spec.durations import slurm_time
-from spec.hashing import content_hash
-from spec.problems import ConfigError, Problem
-from spec.rundir import ADAPTER, CONFIG, in_folder, run_folder
 
 DependencyKind = Literal["afterok", "afterany"]
 
@@ -48,7 +48,7 @@ class PlannedJob:
     wave: int  # how many jobs must end before this one can start, along the longest chain
     estimate: Estimate = Estimate(None, "unknown", "not estimated")
     time_auto: bool = False  # `time: auto`: resources.time is set from the estimate (estimated)
-    sweep: str | None = None  # the sweep its experiment is a point of (spec/sweep.py)
+    sweep: str | None = None  # the sweep its experiment is a point of (core/sweep.py)
 
     @property
     def run_dir(self) -> str:

@@ -19,12 +19,12 @@ from pathlib import Path
 
 from pydantic import TypeAdapter, ValidationError
 
-from spec.config import TrainJob, kind_mismatch
-from spec.files import read_json, warn_unreadable, write_json_atomic
-from spec.hashing import CACHE_KEY_CHARS, content_hash
-from spec.names import TOKENIZER_FILES
-from spec.preflight import JobPreflight
-from spec.problems import Problem
+from core.config import TrainJob, kind_mismatch
+from core.files import read_json, warn_unreadable, write_json_atomic
+from core.hashing import CACHE_KEY_CHARS, content_hash
+from core.names import TOKENIZER_FILES
+from core.preflight import JobPreflight
+from core.problems import Problem
 from train import data as data_lib
 from train import hub_cache
 from train.hub_cache import (

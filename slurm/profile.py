@@ -9,11 +9,11 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
+from core.config import SlurmNames, SlurmTime
+from core.durations import slurm_seconds
+from core.problems import ConfigError, Problem
 from slurm.redact import literal_secret
 from slurm.yamlfile import YamlProblem, find_inherited, read_yaml
-from spec.config import SlurmNames, SlurmTime
-from spec.durations import slurm_seconds
-from spec.problems import ConfigError, Problem
 
 
 def no_literal_secret(line: str) -> str:

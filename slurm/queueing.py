@@ -19,6 +19,18 @@ from pathlib import Path
 
 from rich.live import Live
 
+from core.config import Resources
+from core.problems import ConfigError
+from core.rundir import (
+    current_job,
+    forget_intent,
+    mark_cancelled,
+    record_intent,
+    record_job,
+    record_origin,
+    write_spec,
+)
+from core.states import NEVER_STARTS_MARK, State
 from slurm.decisions import (
     Decision,
     adopt_unrecorded,
@@ -33,18 +45,6 @@ from slurm.plan import Plan, PlannedJob
 from slurm.render import err, out, packing_text, plan_table, problem_lines, status_table
 from slurm.request import LaunchRequest
 from slurm.status import plan_status
-from spec.config import Resources
-from spec.problems import ConfigError
-from spec.rundir import (
-    current_job,
-    forget_intent,
-    mark_cancelled,
-    record_intent,
-    record_job,
-    record_origin,
-    write_spec,
-)
-from spec.states import NEVER_STARTS_MARK, State
 
 SKIPPED = {
     "done": "COMPLETED (done)",

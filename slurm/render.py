@@ -6,13 +6,13 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from core.durations import format_duration, format_eta, slurm_time
+from core.layout import BASE_EVAL_PREFIX
+from core.states import NEVER_STARTS, NEVER_STARTS_MARK, State
 from slurm.estimate import GUESS_MARGIN
 from slurm.pack import Packing
 from slurm.plan import Plan, PlannedJob
 from slurm.status import JobStatus
-from spec.durations import format_duration, format_eta, slurm_time
-from spec.layout import BASE_EVAL_PREFIX
-from spec.states import NEVER_STARTS, NEVER_STARTS_MARK, State
 
 WIDE = 160  # columns, when output goes to a file or a CI log: no terminal to fit
 # Each table's columns, most important first: in a narrow terminal the last ones are left out.

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, get_args
 
-from spec.config import slurm_duration
-from spec.problems import ConfigError, Problem
+from core.config import slurm_duration
+from core.problems import ConfigError, Problem
 
 Action = Literal[
     "launch",

@@ -23,9 +23,9 @@ from pathlib import Path
 import submitit
 from submitit.core.utils import pickle_load
 
+from core.config import ascii_int
+from core.rundir import JobRecord, current_job, log_folder, mark_cancelled
 from slurm.client import run_client
-from spec.config import ascii_int
-from spec.rundir import JobRecord, current_job, log_folder, mark_cancelled
 
 EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*: ")  # "ValueError: ...", "torch.OutOfMemoryError: ..."
 COMMENT_MARK = "slurm-lora"  # a job's SLURM comment: "slurm-lora TOKEN WHAT" (slurm/backends.py)
@@ -34,7 +34,7 @@ COMMENT_MARK = "slurm-lora"  # a job's SLURM comment: "slurm-lora TOKEN WHAT" (s
 # (slurm/jobs.py); SIGKILL is for what ignores both (a job started with SIGINT ignored, as a script's `&`
 # does, whose trainer is stuck in one long step).
 STOP_STEPS = ((signal.SIGINT, 10.0), (signal.SIGTERM, 30.0), (signal.SIGKILL, 10.0))
-RECORD_TIME = "%Y-%m-%dT%H:%M:%S"  # spec/rundir.py TIME_STAMP
+RECORD_TIME = "%Y-%m-%dT%H:%M:%S"  # core/rundir.py TIME_STAMP
 
 
 class RecordedLocalJob(submitit.LocalJob):

@@ -1,6 +1,6 @@
 """The code a launch submits, frozen: queued jobs run it, whatever the working tree holds when they start.
 
-The packages a job imports (spec/, slurm/, train/, eval/ and launch.py) are copied into `LOG_DIR/.code/<hash>/`,
+The packages a job imports (core/, slurm/, train/, eval/ and launch.py) are copied into `LOG_DIR/.code/<hash>/`,
 named by a hash of their content, so relaunching unchanged code reuses the folder. Jobs start with that
 folder as their working directory (Python puts it first on sys.path), then move to the user's directory,
 where relative data paths point. submitit's RsyncSnapshot would need git-tracked files and rsync on the
@@ -16,10 +16,10 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from spec.layout import CODE_SNAPSHOTS
+from core.layout import CODE_SNAPSHOTS
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("spec", "slurm", "train", "eval")  # pyproject.toml's packages, less demo/ (no job imports it)
+PACKAGES = ("core", "slurm", "train", "eval")  # pyproject.toml's packages, less demo/ (no job imports it)
 MODULES = ("launch.py",)
 
 

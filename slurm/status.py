@@ -6,12 +6,9 @@ import getpass
 from dataclasses import dataclass
 from pathlib import Path
 
-from slurm.client import GPUS, gpu_counts, run_client, tres_counts
-from slurm.limits import never_starts
-from slurm.plan import Plan, PlannedJob
-from spec.config import ascii_int, what_it_computes
-from spec.durations import read_duration
-from spec.rundir import (
+from core.config import ascii_int, what_it_computes
+from core.durations import read_duration
+from core.rundir import (
     PROGRESS_FIELDS,
     UNREADABLE,
     JobRecord,
@@ -23,7 +20,10 @@ from spec.rundir import (
     read_lane,
     read_spec,
 )
-from spec.states import NEVER_STARTS, NEVER_STARTS_MARK, State, from_slurm, lane_state, parent_verdict
+from core.states import NEVER_STARTS, NEVER_STARTS_MARK, State, from_slurm, lane_state, parent_verdict
+from slurm.client import GPUS, gpu_counts, run_client, tres_counts
+from slurm.limits import never_starts
+from slurm.plan import Plan, PlannedJob
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,7 @@ class JobStatus:
     gpu_util_percent: float | None = None  # progress.json: the trainer's latest NVML samples
     gpu_mem_gb: float | None = None
     gpu_mem_total_gb: float | None = None
-    split: str | None = None  # progress.json: micro-batch x accumulation the trainer chose (spec/split.py)
+    split: str | None = None  # progress.json: micro-batch x accumulation the trainer chose (core/split.py)
     log_path: str = ""
     backend: str = ""  # "slurm" or "local": what scheduler_id is (a SLURM job id or a local pid)
     stuck: bool = False  # queued in SLURM but waiting on a dependency that can never be satisfied

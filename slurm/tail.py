@@ -11,10 +11,10 @@ from pathlib import Path
 from rich.console import Console
 from submitit.core.utils import JobPaths
 
+from core.problems import ConfigError, Problem, did_you_mean
+from core.states import State
 from slurm.plan import Plan, PlannedJob
 from slurm.status import plan_status
-from spec.problems import ConfigError, Problem, did_you_mean
-from spec.states import State
 
 POLL_S = float(os.environ.get("LAUNCH_POLL_S", "5"))
 

@@ -20,12 +20,12 @@ from pathlib import Path
 
 from submitit.core.utils import JobPaths, pickle_load
 
+from core.devices import visible_devices
+from core.layout import PACKS
+from core.rundir import JobRecord, job_records, log_folder, read_lane
+from core.runs import JobUsage, PackUsage, PlanUsage
 from slurm.pack import Unit
 from slurm.status import Allocation, query_allocations
-from spec.devices import visible_devices
-from spec.layout import PACKS
-from spec.rundir import JobRecord, job_records, log_folder, read_lane
-from spec.runs import JobUsage, PackUsage, PlanUsage
 
 VISIBLE_LINE = re.compile(r"CUDA_VISIBLE_DEVICES=(\(not set\)|\S*)")
 LOG_HEAD_BYTES = 64 * 1024  # the line is logged before the work starts

@@ -1,7 +1,7 @@
 """Which experiments --status, --tail, --cancel and --report look at: what the run root holds.
 
 Every experiment with a run folder is loaded from the config folder it was launched from
-(RUN_ROOT/EXP/origin.json, spec/rundir.py), so a `make demo` is seen by a plain `--status` and a plain
+(RUN_ROOT/EXP/origin.json, core/rundir.py), so a `make demo` is seen by a plain `--status` and a plain
 `--report` covers it, whatever folder the default --config-dir names. `--config-dir` and `--exp` narrow
 that; a named --config-dir also shows its experiments that have not run yet (as PLANNED).
 """
@@ -12,9 +12,9 @@ import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from core.problems import Problem, did_you_mean
+from core.rundir import Origin, run_root_experiments
 from slurm.experiments import LoadedExperiment, chosen, load_watchable_experiments
-from spec.problems import Problem, did_you_mean
-from spec.rundir import Origin, run_root_experiments
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import yaml
 
-from spec.files import NotARegularFile, read_regular
-from spec.problems import Problem
+from core.files import NotARegularFile, read_regular
+from core.problems import Problem
 
 KeyPath = tuple  # e.g. ("train", "learning_rate") or ("stages", 1, "name")
 COMMAND_LINE = "command line"
@@ -89,7 +89,7 @@ class YamlProblem(Exception):
 
 def _read_text(path: Path) -> str:
     """The file's text, read no further than MAX_BYTES, and only from a regular file (a FIFO named *.yaml
-    would block the launch: spec/files.py read_regular)."""
+    would block the launch: core/files.py read_regular)."""
     try:
         raw = read_regular(path, MAX_BYTES)
     except NotARegularFile as exc:

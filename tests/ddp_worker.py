@@ -17,7 +17,7 @@ import sys
 import threading
 from pathlib import Path
 
-from spec.config import TrainJob
+from core.config import TrainJob
 from tests.train_helpers import StopAfter
 from train import distributed
 from train.recipe import StageRecipe

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import launch
-from spec.rundir import RunDir, job_records
+from core.rundir import RunDir, job_records
 from tests.conftest import write_cluster_yaml
 from tests.helpers import holding_sbatch, start_launcher, tiny_sql_base
 

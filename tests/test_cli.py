@@ -16,7 +16,7 @@ import pytest
 from submitit.core.utils import JobPaths
 
 import launch
-from spec.layout import archive_folder
+from core.layout import archive_folder
 from tests.conftest import write_cluster_yaml
 from tests.helpers import TINY_SQL_EXPERIMENT, alive, configs, record, tiny_sql_base, wait_until
 

@@ -14,8 +14,8 @@ from pathlib import Path
 from submitit.core.utils import JobPaths
 
 import launch
+from core.states import State
 from slurm.status import query_slurm
-from spec.states import State
 from tests.helpers import fault_experiment, slurm_id, submit, wait_until
 from tests.train_helpers import (
     assert_every_step_logged_once,

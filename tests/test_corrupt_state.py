@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 import launch
-from spec.rundir import RunDir
+from core.rundir import RunDir
 from tests.conftest import write_cluster_yaml
 from tests.helpers import tiny_sql_base
 

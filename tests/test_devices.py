@@ -1,4 +1,4 @@
-"""spec/devices.py visible_devices: CUDA_VISIBLE_DEVICES read once, as CUDA reads it (the list ends at the
+"""core/devices.py visible_devices: CUDA_VISIBLE_DEVICES read once, as CUDA reads it (the list ends at the
 first entry CUDA cannot read), by all three torch-free readers: the local backend (which GPUs it hands
 out), a pack's lanes (which GPU each binds) and the report (how many GPUs a local job held, from its log)."""
 
@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
+from core.devices import visible_devices
 from slurm.lanes import lane_devices
 from slurm.local_gpus import VisibleGpus
 from slurm.usage import given_gpus
-from spec.devices import visible_devices
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""spec/durations.py: the one reader and writer of durations. A config's strict form and the looser ones
+"""core/durations.py: the one reader and writer of durations. A config's strict form and the looser ones
 SLURM's tools print are read by the same module and agree; odd text is no figure, never a crash. (The
 ETA's 24-hour wrap: tests/test_status_parse.py test_an_eta_past_a_day_keeps_its_days.)"""
 
@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
+from core.durations import TIME_FORMAT, format_duration, read_duration, slurm_seconds, slurm_time
 from slurm.status import elapsed_seconds
-from spec.durations import TIME_FORMAT, format_duration, read_duration, slurm_seconds, slurm_time
 
 
 @pytest.mark.parametrize(

@@ -12,7 +12,7 @@ import pytest
 from submitit.core.utils import JobPaths
 
 import launch
-from spec.speeds import read_eval_book
+from core.speeds import read_eval_book
 from tests.conftest import squeue_ids, write_cluster_yaml
 from tests.helpers import DEMO_JOBS, demo_configs, record, slurm_id
 from tests.train_helpers import assert_same_curve, logged_losses, tensorboard_losses

@@ -1,4 +1,4 @@
-"""Estimates (slurm/estimate.py), the speed book (spec/speeds.py) and `resources.time: auto`."""
+"""Estimates (slurm/estimate.py), the speed book (core/speeds.py) and `resources.time: auto`."""
 
 from __future__ import annotations
 
@@ -7,14 +7,14 @@ from pathlib import Path
 
 import pytest
 
+from core.config import DataSpec, EvalJob, ModelSpec, TrainJob
+from core.problems import ConfigError
+from core.speeds import EvalSpeedRecord, SpeedRecord, book_of, read_book
 from slurm import guesses
 from slurm.estimate import DataTokens, Estimator, auto_time_limit_s, read_exact_tokens, record_exact_tokens
 from slurm.experiments import load_experiments
 from slurm.plan import estimated_again
 from slurm.profile import load_profile
-from spec.config import DataSpec, EvalJob, ModelSpec, TrainJob
-from spec.problems import ConfigError
-from spec.speeds import EvalSpeedRecord, SpeedRecord, book_of, read_book
 from tests.helpers import plan_for, sized, write_experiments
 
 MODEL = {"name_or_path": "org/some-model-0.5B", "kind": "causal"}
@@ -409,8 +409,8 @@ def test_an_eval_row_from_a_cpu_never_estimates_a_gpu_eval_and_another_gpus_is_s
 
 
 def test_the_gpu_model_a_job_gets_is_read_from_its_constraint_then_its_partition():
+    from core.config import Resources
     from slurm.guesses import job_gpu
-    from spec.config import Resources
 
     assert job_gpu(Resources(gpus=1, constraint="h100&ib", partition="gpu-a100")) == "H100"
     assert job_gpu(Resources(gpus=1, constraint="ib", partition="gpu-a100")) == "A100"

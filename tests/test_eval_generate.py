@@ -12,9 +12,9 @@ import pytest
 import torch
 from transformers import AutoConfig, GenerationConfig
 
+from core.config import EvalJob, EvalSpec, ModelSpec
 from eval.generate import decode, eval_placement, framing_ids, generate, load_for_eval
 from eval.job import run_eval
-from spec.config import EvalJob, EvalSpec, ModelSpec
 from tests.train_helpers import make_job, model_spec, sql_data
 from train.device import Hardware, decide
 from train.model import add_tokens, load_base, load_tokenizer

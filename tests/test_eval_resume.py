@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from core.config import EvalJob
+from core.rundir import RunDir
 from eval.job import run_eval
-from spec.config import EvalJob
-from spec.rundir import RunDir
 from tests.train_helpers import StopAfter, make_job, model_spec, sql_data
 from train.recipe import run_stage
 

@@ -262,9 +262,9 @@ def test_scoring_modules_do_not_import_torch(repo_root):
 
 
 def test_an_eval_job_that_scores_nothing_fails_and_a_rerun_only_scores(tiny, tmp_path, repo_root):
+    from core.config import EvalJob
     from eval.job import run_eval
     from eval.score import UnscoredError
-    from spec.config import EvalJob
     from tests.train_helpers import make_job, model_spec, sql_data
     from train.recipe import run_stage
 
@@ -300,9 +300,9 @@ def test_eval_score_gives_a_query_as_long_as_an_eval_job_does():
     import argparse
     import inspect
 
+    from core.config import EvalSpec
     from eval import score as score_module
     from eval.sql import execute_many, sql_metrics
-    from spec.config import EvalSpec
 
     parser = argparse.ArgumentParser()
     score_module.add_parser(parser.add_subparsers())

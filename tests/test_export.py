@@ -15,11 +15,11 @@ from peft.tuners.tuners_utils import BaseTuner
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer
 
+from core.config import AdapterSpec, DataSpec, EvalSpec, ModelSpec
+from core.rundir import RunDir, mark_done, write_spec
 from eval import export
 from eval.export import ExportCheckFailed, ExportError, export_stage
 from eval.generate import explicit_decoding, generate
-from spec.config import AdapterSpec, DataSpec, EvalSpec, ModelSpec
-from spec.rundir import RunDir, mark_done, write_spec
 from tests.train_helpers import make_job, model_spec, sql_data
 from train.data import prompts_and_targets
 from train.device import Hardware, decide
@@ -363,7 +363,7 @@ def test_an_image_text_export_loads_with_auto_classes_and_generates_as_the_adapt
 
 
 def test_by_hand_the_eval_configs_give_the_decoding_and_the_table_with_the_base_row_first(tiny, tmp_path):
-    from spec.config import EvalJob
+    from core.config import EvalJob
 
     def eval_folder(name: str, adapter_dir: str | None, scores: dict) -> Path:
         job = EvalJob(

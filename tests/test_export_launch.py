@@ -13,9 +13,9 @@ import pytest
 from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer
 
 import launch
+from core.config import EvalJob
+from core.rundir import job_records, read_spec
 from eval.generate import explicit_decoding, generate
-from spec.config import EvalJob
-from spec.rundir import job_records, read_spec
 from tests.conftest import write_cluster_yaml
 from tests.helpers import demo_configs, tiny_sql_base
 from train.data import prompts_and_targets
@@ -106,11 +106,11 @@ def test_export_runs_as_a_slurm_job_after_the_training_it_needs(
 def test_a_finished_export_asked_again_in_another_format_is_redone_in_place_not_refused(repo_root, tmp_path):
     # Before: --export-format gguf after a safetensors export was "already finished: rerun with --force",
     # and --force archived the whole export folder (gigabytes for a 7B) before making it again.
+    from core.rundir import mark_done, write_spec
     from slurm.decisions import archive_stale, weigh
     from slurm.experiments import load_experiments
     from slurm.plan import build_plan, with_exports
     from slurm.profile import load_profile
-    from spec.rundir import mark_done, write_spec
 
     folder = tmp_path / "configs"
     folder.mkdir()

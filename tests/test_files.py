@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from spec.files import read_json, write_atomic, write_json_atomic
+from core.files import read_json, write_atomic, write_json_atomic
 
 
 def test_replaces_the_file_and_leaves_no_temporary_behind(tmp_path):

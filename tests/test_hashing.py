@@ -1,4 +1,4 @@
-"""spec/hashing.py content_hash: the one content hash, byte for byte what the four copies it replaced gave
+"""core/hashing.py content_hash: the one content hash, byte for byte what the four copies it replaced gave
 (`sha256(json.dumps(value, sort_keys=True, default=str))[:16]` for an identity, `[:20]` for a cache key,
 and train/data.py's `json.dumps(parts)` without options): a run folder made before keeps its identity."""
 
@@ -8,7 +8,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from spec.hashing import CACHE_KEY_CHARS, IDENTITY, IDENTITY_CHARS, content_hash
+from core.hashing import CACHE_KEY_CHARS, IDENTITY, IDENTITY_CHARS, content_hash
 
 # An identity as slurm/plan.py builds one: nested dicts (keys out of order), a float, None, a Path (not
 # JSON: written as str), a non-ASCII character (escaped by json.dumps).
@@ -41,7 +41,7 @@ def test_the_tokenized_data_cache_key_is_unchanged_without_the_json_options():
 
 
 def test_the_run_folder_reads_back_exactly_the_identities_it_is_given():
-    """spec/rundir.py tells a DONE holding a config hash from a torn one by IDENTITY: a length set in two
+    """core/rundir.py tells a DONE holding a config hash from a torn one by IDENTITY: a length set in two
     places could drift and every DONE would read as unreadable."""
     assert IDENTITY.fullmatch(content_hash(SAMPLE)) and len(content_hash(SAMPLE)) == IDENTITY_CHARS
     assert not IDENTITY.fullmatch(content_hash(SAMPLE, CACHE_KEY_CHARS))

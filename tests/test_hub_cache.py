@@ -11,7 +11,7 @@ import pytest
 from tests.helpers import hub_cache
 
 LOAD = """
-from spec.config import ModelSpec
+from core.config import ModelSpec
 from train.device import Hardware, decide
 from train.hub_cache import NotInCache
 from train.model import load_base, load_tokenizer

@@ -1,4 +1,4 @@
-"""The floors (README "How it works"): spec/ is the ground floor and imports nothing of the project; the
+"""The floors (README "How it works"): core/ is the ground floor and imports nothing of the project; the
 trainer (train/) and eval (eval/) never import the scheduler layer (slurm/); no module imports itself back
 through others. Read from the source (every import, a function's own included), not from what one run
 happens to import."""
@@ -9,17 +9,17 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PROJECT = ("spec", "train", "eval", "slurm", "demo", "bench", "launch")
-# What each floor may import of the project, besides itself: the ground floor (spec) only, except the
+PROJECT = ("core", "train", "eval", "slurm", "demo", "bench", "launch")
+# What each floor may import of the project, besides itself: the ground floor (core) only, except the
 # edges named in CROSSING. bench and demo sit beside the product and may use its floors.
 ALLOWED = {
-    "spec": set(),
-    "train": {"spec"},
-    "eval": {"spec"},
-    "demo": {"spec", "train"},
-    "slurm": {"spec"},
+    "core": set(),
+    "train": {"core"},
+    "eval": {"core"},
+    "demo": {"core", "train"},
+    "slurm": {"core"},
     "launch": set(),
-    "bench": {"spec", "train", "eval", "slurm", "demo"},
+    "bench": {"core", "train", "eval", "slurm", "demo"},
 }
 # Every import from one product floor into another, by name: anything else fails the test below.
 CROSSING = {
@@ -30,7 +30,7 @@ CROSSING = {
     ("slurm.preflight", "train.preflight"),  # login-node preflight (torch on a cache miss only)
     ("slurm.preflight", "train.data"),
     ("slurm.preflight", "train.hub_cache"),
-    ("slurm.commands.report", "eval.report"),  # the report renderer, handed spec/runs.py records
+    ("slurm.commands.report", "eval.report"),  # the report renderer, handed core/runs.py records
     ("eval.export", "train.data"),  # eval loads models and data as the trainer does
     ("eval.export", "train.model"),
     ("eval.export", "train.vl"),
@@ -99,7 +99,7 @@ def test_train_and_eval_never_import_the_scheduler_layer():
     wrong = [
         f"{m} imports {i}"
         for m, imported in graph().items()
-        if m.split(".")[0] in ("train", "eval", "spec")
+        if m.split(".")[0] in ("train", "eval", "core")
         for i in imported
         if i.split(".")[0] in ("slurm", "launch")
     ]
@@ -140,11 +140,11 @@ RUN_FOLDER_NAMES = {
 
 
 def test_only_the_run_folders_owner_spells_its_file_names():
-    """spec/rundir.py's RunDir names each file; a module that spells one itself (`run_dir / "summary.json"`,
+    """core/rundir.py's RunDir names each file; a module that spells one itself (`run_dir / "summary.json"`,
     or the name alone) is a second owner whose copy can drift."""
     spelt = set()
     for name, path in project_modules().items():
-        if name == "spec.rundir" or name.split(".")[0] in ("bench", "demo"):
+        if name == "core.rundir" or name.split(".")[0] in ("bench", "demo"):
             continue
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             joined = isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div) and node.right

@@ -1,4 +1,4 @@
-"""The names the pipeline writes beside experiments and stages (spec/layout.py) are the names refused for
+"""The names the pipeline writes beside experiments and stages (core/layout.py) are the names refused for
 them: the writers run here for real, and whatever they leave must be a name validation refuses."""
 
 from __future__ import annotations
@@ -6,6 +6,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from core.layout import taken_experiment_name, taken_stage_name
+from core.rundir import write_spec
+from core.speeds import book_of, eval_book_of
 from eval.report import write_report
 from slurm.commands.report import job_runs
 from slurm.decisions import archive_stale
@@ -15,9 +18,6 @@ from slurm.lock import launch_lock
 from slurm.plan import build_plan, calibration_plan
 from slurm.profile import load_profile
 from slurm.snapshot import take_snapshot
-from spec.layout import taken_experiment_name, taken_stage_name
-from spec.rundir import write_spec
-from spec.speeds import book_of, eval_book_of
 from tests.conftest import write_cluster_yaml
 
 EXPERIMENT = """\

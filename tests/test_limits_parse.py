@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from core.config import Resources
 from slurm.client import gpu_counts, tres_counts
 from slurm.limits import (
     Cap,
@@ -28,7 +29,6 @@ from slurm.limits import (
     partition_times,
 )
 from slurm.status import tres_gpus
-from spec.config import Resources
 
 FIXTURES = Path(__file__).parent / "fixtures" / "scontrol"
 PARTITIONS = (FIXTURES / "partitions-22.05.8.txt").read_text()  # debug: MaxTime=UNLIMITED; short: 00:10:00

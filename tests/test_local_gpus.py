@@ -17,8 +17,8 @@ import pytest
 from submitit.core.utils import JobPaths
 
 import launch
+from core.devices import visible_devices
 from slurm.local_gpus import GpuPool, VisibleGpus, count_listed, gpus_needed
-from spec.devices import visible_devices
 from tests.conftest import write_cluster_yaml
 from tests.helpers import record, tiny_sql_base
 

@@ -14,8 +14,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoModelForSeq2SeqLM
 
 from bench import preflight_memory as bench
-from spec.config import AdapterSpec
-from spec.split import MemoryFigures, StepLine, choose, usable_gb
+from core.config import AdapterSpec
+from core.split import MemoryFigures, StepLine, choose, usable_gb
 from train.loss import TargetTokenLoss, chunk_size, chunked_linear_cross_entropy, fusable
 from train.model import new_adapter
 

@@ -116,8 +116,8 @@ def test_qlora_weights_are_counted_as_held_fp32_upcasts_and_4bit_constants(doubl
 def test_memory_is_in_decimal_gb_as_cluster_yaml_and_nvml_readings_are():
     """One unit: an "80 GB" H100 written as gpu_mem_gb: 80 must not be filled by a step of 79.9 GiB
     (85.8 GB), and preflight's figures compare with the GPU readings status shows (train/gpu_use.py)."""
+    from core.preflight import JobPreflight
     from slurm.preflight import refusals
-    from spec.preflight import JobPreflight
     from train import gpu_use, memory
 
     assert memory.GB == gpu_use.GB == 10**9

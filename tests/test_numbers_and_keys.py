@@ -12,8 +12,8 @@ import pytest
 from pydantic import BaseModel, TypeAdapter, ValidationError
 from transformers import TrainerState
 
+from core import config
 from slurm.profile import ClusterProfile
-from spec import config
 from tests.helpers import dry_run, experiment_folder
 from tests.train_helpers import make_job
 from train.callbacks import FailOnNonFiniteLoss, NonFiniteLoss

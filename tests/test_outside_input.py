@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 
+from core.config import ascii_int
+from core.durations import read_duration
+from core.files import read_json, read_jsonl, read_text
+from core.rundir import UNREADABLE, done_hash
 from slurm import limits
 from slurm.client import run_client
 from slurm.status import elapsed_seconds, tres_gpus
-from spec.config import ascii_int
-from spec.durations import read_duration
-from spec.files import read_json, read_jsonl, read_text
-from spec.rundir import UNREADABLE, done_hash
 from tests.conftest import write_cluster_yaml
 
 ROOT = Path(__file__).resolve().parent.parent

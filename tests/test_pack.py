@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 
 import launch
+from core.problems import ConfigError
+from core.states import State, lane_state
 from slurm.estimate import Estimate
 from slurm.experiments import load_experiments, parse_overrides
 from slurm.pack import Unit, pack_plan, pack_resources, simulate
 from slurm.plan import build_plan
 from slurm.profile import load_profile
-from spec.problems import ConfigError
-from spec.states import State, lane_state
 from tests.helpers import sized
 
 SECONDS = {"a/one": 1000, "a/two": 1000, "b/train": 1500, "c/train": 500}
@@ -216,8 +216,8 @@ def lane_record(tmp_path: Path, name: str) -> dict:
 def test_how_a_unit_ended_decides_whether_it_resumes_fails_or_blocks(tmp_path):
     import signal
 
+    from core.rundir import mark_done
     from slurm.lanes import Lanes
-    from spec.rundir import mark_done
 
     lanes = Lanes(lane_units(tmp_path), ["0", "1"], "77", str(tmp_path), str(tmp_path))
     lanes.ended("one", 0, -signal.SIGUSR2, stopping=False)  # killed by SLURM's signal while starting
@@ -239,8 +239,8 @@ def test_how_a_unit_ended_decides_whether_it_resumes_fails_or_blocks(tmp_path):
 
 
 def test_a_requeued_allocation_skips_done_keeps_failed_and_runs_the_rest_again(tmp_path):
+    from core.rundir import mark_done
     from slurm.lanes import Lanes
-    from spec.rundir import mark_done
 
     units = lane_units(tmp_path)
     first = Lanes(units, ["0"], "77", str(tmp_path), str(tmp_path))

@@ -377,8 +377,8 @@ def test_the_dry_run_and_the_watching_commands_import_no_torch(
 
 
 def test_gpu_memory_is_looked_up_by_constraint_then_partition_then_default():
+    from core.config import Resources
     from slurm.profile import ClusterProfile
-    from spec.config import Resources
 
     profile = ClusterProfile(partition="gpu", gpu_mem_gb={"a100_80": 80, "gpu": 40, "default": 24})
     assert profile.gpu_mem_for(Resources(constraint="a100_80")) == 80

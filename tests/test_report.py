@@ -16,6 +16,9 @@ import submitit
 from submitit.core.utils import DelayedSubmission, JobPaths
 
 import launch
+from core.rundir import job_records, record_job
+from core.runs import BaseEval
+from core.states import State
 from eval.report import write_report
 from slurm.commands.report import job_runs
 from slurm.experiments import load_experiments
@@ -25,9 +28,6 @@ from slurm.plan import build_plan
 from slurm.profile import load_profile
 from slurm.status import parse_sacct_allocations
 from slurm.usage import plan_usage, usage_of
-from spec.rundir import job_records, record_job
-from spec.runs import BaseEval
-from spec.states import State
 from tests.conftest import write_cluster_yaml
 
 # sacct's own figures for jobs 1-7 of the dev cluster (see tests/test_status_parse.py): 1 held 2 GPUs
@@ -208,7 +208,7 @@ def test_mean_gpu_utilisation_and_non_pad_tokens_per_second_per_experiment(tmp_p
             if (name, stage) == (
                 "gpu",
                 "one",
-            ):  # the split auto chose (spec/split.py), as the trainer records it
+            ):  # the split auto chose (core/split.py), as the trainer records it
                 summary["split"] = {
                     "micro_batch": 32,
                     "grad_accum": 1,
@@ -807,5 +807,5 @@ def test_the_report_renderer_refuses_slurms_plan_and_reads_typed_rows_only(tmp_p
     with pytest.raises(TypeError):
         write_report(plan, tmp_path / "runs")
     rows = job_runs(plan, {"good/one": "FAILED"})
-    assert [type(r).__module__ for r in rows] == ["spec.runs"] * len(plan.jobs)
+    assert [type(r).__module__ for r in rows] == ["core.runs"] * len(plan.jobs)
     assert rows[0].state is State.FAILED and rows[0].summary == {}

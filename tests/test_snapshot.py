@@ -114,7 +114,7 @@ def test_a_waiting_local_job_runs_the_code_it_was_launched_with(repo_root, tmp_p
 
 
 def test_code_provenance_is_not_part_of_the_spec_a_relaunch_compares(tmp_path):
-    from spec.rundir import read_spec, write_spec
+    from core.rundir import read_spec, write_spec
 
     spec = {"experiment": "x", "train": {"epochs": 2}}
     write_spec(tmp_path, spec, {"commit": "0123abc", "dirty": True, "snapshot": "/logs/.code/ff"})

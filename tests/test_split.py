@@ -1,4 +1,4 @@
-"""spec/split.py: the micro-batch, accumulation and checkpointing a job runs its effective batch with, on
+"""core/split.py: the micro-batch, accumulation and checkpointing a job runs its effective batch with, on
 hand-computed memory lines (GB = fixed + micro-batch x per example). Usable memory is the GPU's less 5 %
 (HEADROOM): 40 GB → 38, 80 GB → 76."""
 
@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from spec.config import TrainSpec
-from spec.split import HEADROOM, MemoryFigures, Split, StepLine, choose, divisors, resolve, usable_gb
+from core.config import TrainSpec
+from core.split import HEADROOM, MemoryFigures, Split, StepLine, choose, divisors, resolve, usable_gb
 from train.device import split_memory_gb
 
 # A 7B causal model under QLoRA at 4096 tokens (illustrative lines of its order): 4-bit weights, LoRA state

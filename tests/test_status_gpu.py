@@ -8,13 +8,13 @@ from pathlib import Path
 
 from rich.console import Console
 
+from core.rundir import JobRecord
+from core.states import State
 from slurm.experiments import load_experiments
 from slurm.plan import build_plan
 from slurm.profile import load_profile
 from slurm.render import status_table
 from slurm.status import SchedulerInfo, job_status
-from spec.rundir import JobRecord
-from spec.states import State
 from tests.conftest import write_cluster_yaml
 
 EXPERIMENT = """\

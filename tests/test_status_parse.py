@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from core.durations import format_eta
+from core.states import State, from_slurm, jobs_verdict, parent_verdict
 from slurm.status import (
     Allocation,
     SchedulerInfo,
@@ -24,8 +26,6 @@ from slurm.status import (
     parse_squeue,
     tres_gpus,
 )
-from spec.durations import format_eta
-from spec.states import State, from_slurm, jobs_verdict, parent_verdict
 
 SQUEUE = """\
 461|PENDING|DependencyNeverSatisfied|0:00
@@ -182,7 +182,7 @@ def test_gpus_are_read_from_untyped_or_typed_tres_counts():
 )
 def test_one_dependency_rule_as_slurm_applies_it(kind, parent, verdict):
     """afterok blocks on a parent that did not complete, afterany waits only for its end: the rule the local
-    backend, a pack's lanes and --status all take from spec/states.py."""
+    backend, a pack's lanes and --status all take from core/states.py."""
     assert parent_verdict(kind, parent) == verdict
 
 

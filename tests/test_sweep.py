@@ -1,5 +1,5 @@
 """A sweep block expands into the points written, named readably, uniquely and within SAFE_NAME, and
-every mistake in it is reported at once with the key it sits under (spec/sweep.py)."""
+every mistake in it is reported at once with the key it sits under (core/sweep.py)."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from core.config import SAFE_NAME
+from core.sweep import MAX_POINTS, SweepError, SweepSelect, expand, float_text, nested
 from slurm.experiments import to_problem
 from slurm.yamlfile import YamlFile
-from spec.config import SAFE_NAME
-from spec.sweep import MAX_POINTS, SweepError, SweepSelect, expand, float_text, nested
 
 LR_BY_RANK = {"grid": {"train.learning_rate": [1.0e-4, 3.0e-4], "adapter.rank": [8, 16]}}
 RANDOM = {

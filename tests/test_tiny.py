@@ -113,7 +113,7 @@ def test_tiny_qwen_vl_reloads_through_the_auto_classes_and_generates_from_an_ima
     from PIL import Image
     from transformers import AutoModelForImageTextToText
 
-    from spec.config import ModelSpec
+    from core.config import ModelSpec
     from train.vl import chat_prompt, load_processor
 
     processor = load_processor(str(built["tiny-qwen-vl"]), ModelSpec(name_or_path="x", kind="image-text"))

@@ -90,7 +90,7 @@ def test_wandb_offline_keeps_one_run_id_across_a_resume(tiny, tmp_path, monkeypa
     job = make_job(tiny, run_dir, max_steps=8, save_every_steps=4).model_copy(update={"tracking": ["wandb"]})
     assert run_stage(job, StopAfter(5)) == "interrupted"
     # The requeued allocation is a new process, as on the cluster.
-    resume = "import sys; from spec.config import TrainJob; from train.recipe import run_stage; "
+    resume = "import sys; from core.config import TrainJob; from train.recipe import run_stage; "
     resume += "sys.exit(run_stage(TrainJob.model_validate_json(sys.argv[1])) != 'completed')"
     done = subprocess.run([sys.executable, "-c", resume, job.model_dump_json()], cwd=ROOT, check=False)
     assert done.returncode == 0

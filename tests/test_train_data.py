@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from spec.config import DataSpec, ModelSpec
+from core.config import DataSpec, ModelSpec
 from tests.train_helpers import PROMPT, SQL, model_spec, sql_data
 from train import data as data_lib
 from train.model import load_tokenizer

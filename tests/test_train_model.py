@@ -11,7 +11,7 @@ import torch
 from peft import PeftModel
 from safetensors.torch import load_file
 
-from spec.config import AdapterSpec, ModelSpec
+from core.config import AdapterSpec, ModelSpec
 from tests.train_helpers import make_job, model_spec
 from train.device import Hardware, decide
 from train.model import (

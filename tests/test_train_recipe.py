@@ -12,7 +12,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from spec.config import ModelSpec
+from core.config import ModelSpec
 from tests.train_helpers import make_job, read_jsonl, sql_data
 from train import data as data_lib
 from train.checkpoints import checkpoints, step_of

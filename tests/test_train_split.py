@@ -148,7 +148,7 @@ def test_the_dry_run_shows_the_split_preflight_chose_and_estimates_at_it(
 def test_the_split_is_not_part_of_a_stages_identity(repo_root, tmp_path, monkeypatch, capsys):
     """Changing micro_batch changes how a stage runs, not what it computes: the same config hash (so a
     finished stage stays finished), and no 'changed' key for the relaunch to refuse."""
-    from spec.config import what_it_computes
+    from core.config import what_it_computes
 
     monkeypatch.chdir(repo_root)
     argv = ["--exp", "sql-t5-lora", "--config-dir", str(repo_root / "configs" / "demo")]

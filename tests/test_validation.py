@@ -376,7 +376,7 @@ def test_the_split_is_checked(config_dir, capsys):
 def test_an_eval_job_run_by_hand_scores_the_split_it_names(tmp_path):
     from pydantic import ValidationError
 
-    from spec.config import EvalJob
+    from core.config import EvalJob
 
     job = {
         "experiment": "a",
@@ -397,7 +397,7 @@ def test_an_eval_job_run_by_hand_scores_the_split_it_names(tmp_path):
 
 
 def test_the_default_split_leaves_the_eval_hash_alone():
-    from spec.config import EvalSpec
+    from core.config import EvalSpec
 
     # An eval that finished before `split` existed keeps its hash (it hashes the dumped spec): not rerun.
     assert "split" not in EvalSpec().model_dump()

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import launch
-from spec.config import AdapterSpec, DataSpec, ModelSpec
+from core.config import AdapterSpec, DataSpec, ModelSpec
 from tests.conftest import write_cluster_yaml
 
 SHAPES = Path(__file__).resolve().parent.parent / "data" / "demo" / "shapes"

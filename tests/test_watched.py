@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from core.rundir import record_origin
 from slurm.experiments import load_watchable_experiments
 from slurm.watched import removed_from, watched_experiments
-from spec.rundir import record_origin
 from tests.helpers import experiment_folder
 
 

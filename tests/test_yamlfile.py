@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from core.problems import ConfigError
 from slurm import yamlfile
 from slurm.experiments import parse_overrides
 from slurm.yamlfile import YamlProblem, load_chain, read_yaml
-from spec.problems import ConfigError
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -38,7 +38,7 @@ def model_spec(tiny: dict[str, Path], kind: str = "causal", **extra) -> dict:
 
 def make_job(tiny, run_dir: Path, kind: str = "causal", *, model=None, adapter=None, data=None, **train):
     """A small TrainJob: LoRA r8 without dropout (deterministic), 3 steps, a log row per step, no eval."""
-    from spec.config import TrainJob
+    from core.config import TrainJob
 
     return TrainJob(
         experiment="t",
@@ -90,8 +90,8 @@ class KillAfter(threading.Event):
 
 def killed_after(config: str, batches: int) -> None:
     """In a child process: the eval job of `config` (its JSON file), killed after `batches` batches."""
+    from core.config import EvalJob
     from eval.job import run_eval
-    from spec.config import EvalJob
 
     run_eval(EvalJob.model_validate_json(Path(config).read_text()), KillAfter(batches))
 

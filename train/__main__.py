@@ -18,7 +18,7 @@ def main(argv: list[str]) -> int:
         print("usage: python -m train path/to/job.yaml", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from spec.config import TrainJob
+    from core.config import TrainJob
     from train.recipe import run_stage
 
     job = TrainJob.model_validate(yaml.safe_load(Path(argv[0]).read_text()))

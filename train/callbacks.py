@@ -14,8 +14,8 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
-from spec.files import read_json, write_atomic, write_json_atomic
-from spec.rundir import RunDir
+from core.files import read_json, write_atomic, write_json_atomic
+from core.rundir import RunDir
 from train import distributed
 from train.checkpoints import commit, rotate
 from train.gpu_use import GpuSampler, summarize
@@ -28,7 +28,7 @@ class RunDirectoryLog(TrainerCallback):
 
     def __init__(self, run_dir: Path, gpu_sampler: GpuSampler | None = None, split: str | None = None):
         self.run_dir = run_dir
-        self.split = split  # how the batch is split (spec/split.py Split.describe), for --status
+        self.split = split  # how the batch is split (core/split.py Split.describe), for --status
         self.gpu_sampler = gpu_sampler
         self.gpu_use: dict[str, float] = {}  # the latest summary: progress.json keeps it between samples
         self.last_time: float | None = None
@@ -245,7 +245,7 @@ class RuntimeClock(TrainerCallback):
 
 
 class StageTimer(TrainerCallback):
-    """Where a stage's time goes, for the speed book (spec/speeds.py): start-up (process start to the end
+    """Where a stage's time goes, for the speed book (core/speeds.py): start-up (process start to the end
     of the first optimizer step), each in-training eval, each checkpoint save, and the steps in between.
     A step's time runs from the previous event (step end, log, eval or save) to its own end, so evals and
     saves are never counted as stepping."""

@@ -14,7 +14,7 @@ import re
 import shutil
 from pathlib import Path
 
-from spec.files import fsync_path, write_atomic
+from core.files import fsync_path, write_atomic
 
 log = logging.getLogger("train.checkpoints")
 MARKER = "COMMITTED"

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import datasets
 
-from spec.config import DataSpec
-from spec.examples import check_file, check_rows, numbered_csv, numbered_jsonl, prompt_of
-from spec.hashing import CACHE_KEY_CHARS, content_hash
+from core.config import DataSpec
+from core.examples import check_file, check_rows, numbered_csv, numbered_jsonl, prompt_of
+from core.hashing import CACHE_KEY_CHARS, content_hash
 
 log = logging.getLogger("train.data")
 FIXED_LENGTHS = (128, 256, 512, 1024, 2048)

@@ -13,8 +13,8 @@ from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
 
-from spec.config import TrainJob
-from spec.names import TOKENIZER_FILES
+from core.config import TrainJob
+from core.names import TOKENIZER_FILES
 
 WEIGHT_FILES = (  # one of these is enough: an index names its shards
     "model.safetensors",

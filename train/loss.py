@@ -10,7 +10,7 @@ chunk by chunk and never holds the logits. The model's forward then hands the lo
 `output_as_hidden` makes the output layer pass its input through for the step (whatever the model kind does
 before it, T5's scaling of tied embeddings included, stays in the model's own code), and the loss applies
 the output layer's weight itself. Only for an output layer that is a plain Linear without bias, not adapted
-(`fusable`), and only where the batch split chose it (spec/split.py: where it lets a larger micro-batch fit).
+(`fusable`), and only where the batch split chose it (core/split.py: where it lets a larger micro-batch fit).
 `chunked_linear_cross_entropy` is the same computation in torch, chunked as Liger chunks: the memory model
 runs it on fake tensors (Triton kernels cannot), and it is the reference the GPU check compares against.
 """

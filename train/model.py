@@ -20,7 +20,7 @@ from transformers import (
     BitsAndBytesConfig,
 )
 
-from spec.config import AdapterSpec, DataSpec, ModelSpec
+from core.config import AdapterSpec, DataSpec, ModelSpec
 from train import vl
 from train.device import TRAINABLE_DTYPE, Placement
 from train.hub_cache import fetch_hint, require_tokenizer_files

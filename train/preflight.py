@@ -20,9 +20,9 @@ import numpy
 import torch
 from transformers import AutoConfig
 
-from spec.config import TrainJob
-from spec.preflight import JobPreflight
-from spec.split import MemoryFigures, Split, StepLine, resolve
+from core.config import TrainJob
+from core.preflight import JobPreflight
+from core.split import MemoryFigures, Split, StepLine, resolve
 from train import data as data_lib
 from train import memory, vl
 from train.hub_cache import first_line
@@ -59,7 +59,7 @@ def meta_model(job: TrainJob, dtype: torch.dtype = torch.float32, tokenizer=None
 @lru_cache(maxsize=32)
 def cached_tokenizer(name_or_path: str, revision: str | None, kind: str, pixels: tuple = (None, None)):
     """The tokenizer (image-text: the processor, with its pixel bounds) once per process."""
-    from spec.config import DataSpec, ModelSpec
+    from core.config import DataSpec, ModelSpec
 
     bounds = DataSpec(train="-", min_pixels=pixels[0], max_pixels=pixels[1])
     return load_tokenizer(
@@ -168,7 +168,7 @@ def memory_shape(job: TrainJob, result: JobPreflight) -> dict | None:
 
 def judge_memory(result: JobPreflight, job: TrainJob, tokenizer) -> None:
     """The larger of the training step and the in-training eval step, at the split the job will run with
-    on this partition's GPU (spec/split.py), against the GPU's memory. `micro_batch: auto` is refused only
+    on this partition's GPU (core/split.py), against the GPU's memory. `micro_batch: auto` is refused only
     when a micro-batch of 1 with checkpointing does not fit; an explicit split when it does not fit."""
     shape = memory_shape(job, result)
     if shape is None:

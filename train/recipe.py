@@ -91,11 +91,11 @@ from transformers import (
 )
 from transformers.trainer_pt_utils import LengthGroupedSampler
 
-from spec import speeds
-from spec.config import TrainJob
-from spec.files import read_json, read_jsonl, write_atomic, write_json_atomic
-from spec.rundir import RunDir
-from spec.split import Split, as_written, resolve
+from core import speeds
+from core.config import TrainJob
+from core.files import read_json, read_jsonl, write_atomic, write_json_atomic
+from core.rundir import RunDir
+from core.split import Split, as_written, resolve
 from train import data as data_lib
 from train import distributed, vl
 from train.callbacks import (
@@ -310,7 +310,7 @@ class StageRecipe:
         self.trainer = self.build_trainer()
 
     def choose_split(self) -> Split:
-        """How this rank splits its effective batch (spec/split.py): a resumed run keeps the split it started
+        """How this rank splits its effective batch (core/split.py): a resumed run keeps the split it started
         with (split.json); a fresh one chooses with the smallest free GPU memory of all ranks, so that every
         rank makes the same choice, and rank 0 records it."""
         recorded = RunDir(self.run_dir).split
@@ -590,7 +590,7 @@ class StageRecipe:
         write_json_atomic(RunDir(self.run_dir).summary, summary, indent=1)
 
     def write_speed(self) -> None:
-        """This stage's row in the speed book (spec/speeds.py), from which the launcher estimates the next
+        """This stage's row in the speed book (core/speeds.py), from which the launcher estimates the next
         jobs on this model. Nothing when fewer than two steps ran in this process (no speed to measure)."""
         book, timer, train = speeds.book_of(self.job), self.timer, self.job.train
         if book is None or timer.steps_timed == 0 or timer.stepping_s <= 0:

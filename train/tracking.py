@@ -20,8 +20,8 @@ from pathlib import Path
 
 from transformers.integrations import TensorBoardCallback, WandbCallback
 
-from spec.config import TrainJob
-from spec.rundir import RunDir
+from core.config import TrainJob
+from core.rundir import RunDir
 
 WANDB_PROJECT = "slurm-lora"  # unless WANDB_PROJECT is set
 

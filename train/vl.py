@@ -31,8 +31,8 @@ from transformers import (
     Qwen3VLProcessor,
 )
 
-from spec.config import DataSpec, ModelSpec
-from spec.examples import image_path, prompt_of
+from core.config import DataSpec, ModelSpec
+from core.examples import image_path, prompt_of
 from train.data import FIXED_LENGTHS, LengthReport, round_up
 
 log = logging.getLogger("train.vl")

@@ -7,14 +7,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from core.problems import ConfigError, Problem
+from core.rundir import RunDir, current_job, mark_cancelled
 from slurm.commands.watch import watched_of, watched_plan
 from slurm.plan import Plan, build_plan
 from slurm.render import err, out
 from slurm.request import LaunchRequest
 from slurm.scheduler import cancel_rows
 from slurm.status import plan_status
-from spec.problems import ConfigError, Problem
-from spec.rundir import RunDir, current_job, mark_cancelled
 
 
 def cancel(request: LaunchRequest, profile) -> int:

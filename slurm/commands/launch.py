@@ -7,6 +7,9 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from core.problems import ConfigError, Problem
+from core.split import label as split_label
+from core.states import State
 from slurm.commands.report import written_report
 from slurm.decisions import weigh
 from slurm.estimate import record_exact_tokens, record_splits
@@ -17,9 +20,6 @@ from slurm.queueing import submit
 from slurm.render import edges_text, err, fit, out, packing_text, plan_table, totals_text
 from slurm.request import LaunchRequest
 from slurm.watched import removed_from, removed_text
-from spec.problems import ConfigError, Problem
-from spec.split import label as split_label
-from spec.states import State
 
 # A job's state in a dry run, as a relaunch would decide it (slurm/decisions.py weigh).
 DRY_RUN_STATES = {

@@ -5,6 +5,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from core.problems import ConfigError, Problem
+from core.rundir import RunDir
+from core.runs import BaseEval, JobRun, PlanUsage
+from core.states import State
 from slurm.commands.watch import warned, watched_of
 from slurm.plan import Plan, build_plan
 from slurm.render import out
@@ -12,10 +16,6 @@ from slurm.request import LaunchRequest
 from slurm.status import plan_status
 from slurm.watched import Watched
 from slurm.yamlfile import find_inherited
-from spec.problems import ConfigError, Problem
-from spec.rundir import RunDir
-from spec.runs import BaseEval, JobRun, PlanUsage
-from spec.states import State
 
 
 def report(request: LaunchRequest, profile) -> int:

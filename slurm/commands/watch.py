@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
+from core.problems import ConfigError, short_path
 from slurm.decisions import adopt_unrecorded
 from slurm.experiments import parse_overrides
 from slurm.plan import Plan, build_plan
@@ -14,7 +15,6 @@ from slurm.render import err, out, problem_lines, status_table
 from slurm.request import LaunchRequest
 from slurm.status import plan_status
 from slurm.watched import Watched, watched_experiments
-from spec.problems import ConfigError, short_path
 
 
 def status(request: LaunchRequest, profile) -> int:

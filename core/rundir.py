@@ -9,7 +9,7 @@ metrics.jsonl  one row per logging step and per in-training eval (the trainer's 
 checkpoints/   the trainer's checkpoints, each committed by a marker (train/checkpoints.py)
 adapter/       the trained adapter and its tokenizer (the trainer, at its end)
 split.json     how the effective batch was split (micro-batch, accumulation, checkpointing, why): the
-               trainer's rank 0 at a fresh start; a resumed run keeps it (spec/split.py)
+               trainer's rank 0 at a fresh start; a resumed run keeps it (core/split.py)
 summary.json   what the stage did: steps, runtime, tokens, device, precision, world size (the trainer, last)
 lane.json      for a unit of a packed allocation: its lane, GPU and how it ended (slurm/lanes.py)
 predictions.jsonl, predictions.partial.jsonl, results.json   an eval's (eval/job.py, eval/predictions.py)
@@ -19,7 +19,7 @@ EXPORT_DONE    an export's identity, its files and self-check figures, written l
 Beside the stages, RUN_ROOT/EXP/origin.json says which config file and folder the experiment was launched
 from (`Origin`), so watching finds what the run root holds, not only what one config folder names.
 
-Its readers tolerate what a crash, a full disk or a hand edit leaves (spec/files.py): the file is named
+Its readers tolerate what a crash, a full disk or a hand edit leaves (core/files.py): the file is named
 in a warning and read as absent, except DONE, which is never taken for absent (the stage would run twice).
 """
 
@@ -33,13 +33,13 @@ from pathlib import Path
 
 import yaml
 
-from spec.files import is_kind, read_json, read_text, warn_unreadable, write_atomic
-from spec.hashing import IDENTITY
-from spec.layout import ORIGIN
-from spec.names import REPORT_COLUMNS
+from core.files import is_kind, read_json, read_text, warn_unreadable, write_atomic
+from core.hashing import IDENTITY
+from core.layout import ORIGIN
+from core.names import REPORT_COLUMNS
 
 # What the readers take from the trainer's and the eval's files, and the kind each must hold: a file or
-# key of another shape is named in a warning and left out (spec/files.py), never a traceback.
+# key of another shape is named in a warning and left out (core/files.py), never a traceback.
 PROGRESS_FIELDS = {  # --status (absent keys are None, e.g. no GPU)
     "step": int,
     "total_steps": int,
@@ -214,7 +214,7 @@ def run_root_experiments(run_root: Path) -> dict[str, Origin | None]:
     origins were) or cannot be read (warned about)."""
     found: dict[str, Origin | None] = {}
     try:
-        # Not experiments: hidden folders, and the base-model evals (`_base-*`, spec/layout.py)
+        # Not experiments: hidden folders, and the base-model evals (`_base-*`, core/layout.py)
         folders = sorted(p for p in Path(run_root).iterdir() if p.is_dir() and p.name[0] not in "._")
     except OSError:
         return found

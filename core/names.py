@@ -1,6 +1,6 @@
 """Every metric name, in one place: what a config may ask for and what results.json holds.
 
-Standard library only: spec/config.py (the torch-free login-node schema) imports it, as do the scorers
+Standard library only: core/config.py (the torch-free login-node schema) imports it, as do the scorers
 and the report.
 """
 

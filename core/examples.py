@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from spec.config import DataSpec, placeholders
+from core.config import DataSpec, placeholders
 
 TABLE_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
 

@@ -21,9 +21,9 @@ from pydantic import (
     model_validator,
 )
 
-from spec import layout
-from spec.durations import TIME_FORMAT, slurm_seconds, slurm_time
-from spec.names import DEFAULT_METRICS, METRICS, SPLITS, SQL_TIMEOUT_S, missing_inputs
+from core import layout
+from core.durations import TIME_FORMAT, slurm_seconds, slurm_time
+from core.names import DEFAULT_METRICS, METRICS, SPLITS, SQL_TIMEOUT_S, missing_inputs
 
 SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 # What SLURM accepts as partition, account and qos names (',' between several) and as a --constraint
@@ -179,7 +179,7 @@ class TrainSpec(Section):
     batch_size: Annotated[int, Field(ge=1)] = 8
     grad_accum: Annotated[int, Field(ge=1)] = 1
     # How the effective batch (batch_size x grad_accum per rank) is split on a GPU: auto chooses the
-    # largest micro-batch that fits (spec/split.py); N is honoured as written. Not part of a stage's
+    # largest micro-batch that fits (core/split.py); N is honoured as written. Not part of a stage's
     # identity: the split does not change what is computed.
     micro_batch: Literal["auto"] | Annotated[int, Field(ge=1)] = "auto"
     warmup_ratio: Annotated[float, Field(ge=0, le=0.5)] = 0.03
@@ -363,7 +363,7 @@ class EvalResources(Resources):
         return Resources(**values)
 
 
-Metric = Literal[METRICS]  # spec/names.py owns the list
+Metric = Literal[METRICS]  # core/names.py owns the list
 
 
 class GenerationSpec(Section):
@@ -604,7 +604,7 @@ def safe_name(value: str) -> str:
 
 
 def free_name(value: str, taken_by: str | None, kind: str) -> str:
-    """`value`, unless the run folders' layout (spec/layout.py) already gives that name to `taken_by`:
+    """`value`, unless the run folders' layout (core/layout.py) already gives that name to `taken_by`:
     the two would write into one folder, and the run's last step or its evaluation would be lost."""
     if taken_by:
         raise ValueError(f"{value!r} is taken by {taken_by}; give the {kind} another name")

@@ -52,7 +52,7 @@ from pydantic import (
 )
 from pydantic_core import InitErrorDetails
 
-from spec.config import SAFE_NAME, Section
+from core.config import SAFE_NAME, Section
 
 DISTRIBUTIONS = ("uniform", "loguniform", "choice", "int")
 BOUNDS_EXAMPLE = {"uniform": "[0.0, 0.2]", "loguniform": "[1.0e-5, 1.0e-3]", "int": "[1, 3]"}

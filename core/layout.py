@@ -4,13 +4,13 @@ An experiment's folders are RUN_ROOT/EXP and LOG_DIR/EXP, a stage's RUN_ROOT/EXP
 a user's name shares those folders with the names below, so validation refuses every one of them
 (`taken_experiment_name`, `taken_stage_name`). The writers take their names from here, so a name added here
 is refused from then on; tests/test_layout.py runs every writer and checks that what it leaves is refused.
-Torch-free and standard library only: the experiment schema (spec/config.py) imports it.
+Torch-free and standard library only: the experiment schema (core/config.py) imports it.
 """
 
 from __future__ import annotations
 
 # RUN_ROOT/: files of the whole run root.
-SPEED_BOOK = "speeds.jsonl"  # spec/speeds.py
+SPEED_BOOK = "speeds.jsonl"  # core/speeds.py
 PREFLIGHT_TOKENS = "preflight-tokens.json"  # slurm/estimate.py
 PREFLIGHT_SPLITS = "preflight-splits.json"  # slurm/estimate.py
 REPORT_MD = "report.md"  # eval/report.py
@@ -36,7 +36,7 @@ LOG_ROOT = {PACKS: "the packed allocations' logs", CODE_SNAPSHOTS: "the code sna
 EVAL = "eval"  # the eval of the last stage; the others' are eval-STAGE (eval_folder)
 EXPORT = "export"  # the export job's folder
 EXPERIMENT_LOSS_PLOT = "loss.png"  # eval/report.py
-ORIGIN = "origin.json"  # spec/rundir.py: the config file and folder the experiment was launched from
+ORIGIN = "origin.json"  # core/rundir.py: the config file and folder the experiment was launched from
 EXPERIMENT_FOLDER = {
     EVAL: "the eval job's folder",
     EXPORT: "the export job's folder",
@@ -46,7 +46,7 @@ EXPERIMENT_FOLDER = {
 EVAL_PREFIX = f"{EVAL}-"
 EXPORT_PREFIX = f"{EXPORT}-"
 # RUN_ROOT/_base-MODEL-KEY/eval: a base-model eval, shared by the experiments it is the base row of. No
-# experiment's name starts with '_' (spec/config.py SAFE_NAME), so it cannot take an experiment's folder.
+# experiment's name starts with '_' (core/config.py SAFE_NAME), so it cannot take an experiment's folder.
 BASE_EVAL_PREFIX = "_base-"
 CALIBRATION_SUFFIX = "-calibrate"
 ARCHIVE_INFIX = ".old-"

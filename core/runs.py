@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from spec.states import State
+from core.states import State
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 forms SLURM's tools print, and the rough `1h12m` of an estimate.
 
 A duration we write (a config's `resources.time`, cluster.yaml's `max_time` and `budget`, `--budget`, a
-`#SBATCH --time`) has one strict form, TIME_FORMAT, checked by spec/config.py `SlurmTime`. What sacctmgr,
+`#SBATCH --time`) has one strict form, TIME_FORMAT, checked by core/config.py `SlurmTime`. What sacctmgr,
 scontrol, squeue and sacct print is read with `read_duration`, which also takes `MM:SS` and `MM` and reads
 UNLIMITED, INFINITE or an odd value as None (no limit, or no figure): never a crash.
 """

@@ -16,10 +16,10 @@ from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 from typing import get_args, get_type_hints
 
-from spec import layout
-from spec.config import TrainJob
-from spec.files import read_jsonl, warn_unreadable
-from spec.rundir import RunDir
+from core import layout
+from core.config import TrainJob
+from core.files import read_jsonl, warn_unreadable
+from core.rundir import RunDir
 
 FILE = layout.SPEED_BOOK
 

@@ -29,7 +29,7 @@ class JobPreflight:
     memory_gb: float | None = None  # the larger of the training step's and the in-training eval's peak
     memory: dict = field(default_factory=dict)
     gpu_mem_gb: float | None = None
-    split: dict | None = None  # spec/split.py Split.as_json(): what the job will run with on this GPU
+    split: dict | None = None  # core/split.py Split.as_json(): what the job will run with on this GPU
     fits: bool | None = None  # None: no gpu_mem_gb for this job's partition, or no length to judge by
     largest_batch: int | None = None
     alternatives: list[str] = field(default_factory=list)

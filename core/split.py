@@ -196,7 +196,7 @@ def resolve(
     why_not: str = "",
     fused: MemoryFigures | None = None,
 ) -> Split:
-    """The split a job runs with, for its `train` section (spec/config.py TrainSpec), its memory figures
+    """The split a job runs with, for its `train` section (core/config.py TrainSpec), its memory figures
     and the GPU memory it may fill (None: no GPU, or unknown). `why_not`: why there is no GPU or figure.
     `fused`: the figures with a fused loss, where one can run (CUDA, the extra installed, a plain output
     layer); an explicit micro_batch never takes it (it is honoured as written)."""
