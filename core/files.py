@@ -16,7 +16,9 @@ import os
 import stat
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import IO
 
 # The most a state file (job.json, summary.json, DONE, a config) may hold, and a metrics or predictions
 # file: far above what any writer here leaves, far below what fills a login node's memory (a DONE linked to
@@ -76,6 +78,56 @@ def write_atomic(path: Path, text: str) -> None:
             raise naming(exc, path) from None
         raise
     fsync_path(path.parent)
+
+
+def write_atomic_with(path: Path, write: Callable[[Path], None]) -> None:
+    """A library's writer (matplotlib's savefig) aimed at a fresh temporary path in the same folder, then
+    renamed over `path`: a link planted at `path` is replaced, never written through."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=path.suffix)
+    os.close(fd)
+    try:
+        write(Path(tmp))
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def open_append(path: Path, binary: bool = False) -> IO:
+    """`path` opened to append, created if absent, never through a link: a symbolic link planted at it
+    (a shared runs/ folder: `speeds.jsonl` -> someone's file) fails with ELOOP instead of receiving rows."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+    return os.fdopen(fd, "ab") if binary else os.fdopen(fd, "a", encoding="utf-8")
+
+
+def open_lock(path: Path) -> IO:
+    """`path` opened to read and write (a lock file that holds its holder's name), created if absent, never
+    through a link, never truncated on opening."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+    return os.fdopen(fd, "r+", encoding="utf-8")
+
+
+def links_below(root: Path) -> list[Path]:
+    """Every symbolic link below `root`, not followed (a linked folder is listed, never entered), but W&B's
+    own (`wandb/latest-run`, `wandb/debug.log`: links it makes inside its folder to inside it). `root`
+    itself may be a link: where the run root lives is the user's choice."""
+    found = []
+    for folder, folders, files in os.walk(root):
+        found += [
+            Path(folder, name)
+            for name in (*folders, *files)
+            if os.path.islink(os.path.join(folder, name)) and not wandbs_own(Path(folder, name))
+        ]
+    return sorted(found)
+
+
+def wandbs_own(link: Path) -> bool:
+    """A link W&B made: in a `wandb` folder, pointing inside that folder."""
+    if link.parent.name != "wandb":
+        return False
+    inside = os.path.realpath(link.parent)
+    return os.path.commonpath([os.path.realpath(link), inside]) == inside
 
 
 def naming(exc: OSError, path: Path) -> OSError:

@@ -18,7 +18,7 @@ from typing import get_args, get_type_hints
 
 from core import layout
 from core.config import TrainJob
-from core.files import read_jsonl, warn_unreadable
+from core.files import open_append, read_jsonl, warn_unreadable
 from core.rundir import RunDir
 
 FILE = layout.SPEED_BOOK
@@ -83,7 +83,7 @@ def eval_book_of(out_dir: str, experiment: str) -> Path | None:
 def append(book: Path, record: SpeedRecord | EvalSpeedRecord) -> None:
     """One line in append mode: a row shorter than the filesystem's atomic append never interleaves, and
     a row cut by a kill is skipped by the reader."""
-    with open(book, "a", encoding="utf-8") as fh:
+    with open_append(book) as fh:
         fh.write(json.dumps(asdict(record)) + "\n")
 
 

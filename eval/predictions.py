@@ -17,7 +17,7 @@ import json
 import os
 from pathlib import Path
 
-from core.files import write_atomic
+from core.files import open_append, write_atomic
 from core.rundir import RunDir
 
 
@@ -62,7 +62,7 @@ class PartialPredictions:
 
     def append(self, made: list[dict]) -> None:
         """One batch's rows, on disk before this returns: a kill after it cannot lose them."""
-        with open(self.path, "a", encoding="utf-8") as fh:
+        with open_append(self.path) as fh:
             fh.write("".join(json.dumps(row) + "\n" for row in made))
             fh.flush()
             os.fsync(fh.fileno())

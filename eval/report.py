@@ -26,11 +26,12 @@ import csv
 import io
 import math
 import statistics
+from functools import partial
 from pathlib import Path
 
 import yaml
 
-from core.files import read_jsonl, write_atomic
+from core.files import read_jsonl, write_atomic, write_atomic_with
 from core.names import REPORT_COLUMNS
 from core.rundir import METRICS_FIELDS, RunDir
 from core.runs import BaseEval, JobRun, PlanUsage
@@ -681,7 +682,7 @@ def plot_losses(
     draw_all(ax, series, experiments, sweeps)
     banded = "; sweep points: mean of their seeds, band min–max" if sweeps.keys() & series.keys() else ""
     finish(ax, f"Loss of every experiment (dotted lines: stage boundaries{banded})")
-    fig.savefig(paths[0], dpi=110, bbox_inches="tight")
+    write_atomic_with(paths[0], partial(fig.savefig, dpi=110, bbox_inches="tight"))
     plt.close(fig)
     for name, (train, evals, boundaries) in series.items():
         fig, ax = plt.subplots(figsize=(7, 4))
@@ -689,7 +690,7 @@ def plot_losses(
         finish(ax, f"{name}: loss")
         paths.append(run_root / name / "loss.png")
         paths[-1].parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(paths[-1], dpi=110, bbox_inches="tight")
+        write_atomic_with(paths[-1], partial(fig.savefig, dpi=110, bbox_inches="tight"))
         plt.close(fig)
     return paths
 

@@ -22,6 +22,7 @@ from pathlib import Path
 import submitit
 
 from core.config import Resources
+from core.files import open_append
 from core.layout import PACKS
 from core.problems import ConfigError
 from core.rundir import current_job, log_folder
@@ -76,7 +77,7 @@ def stderr_into(path: Path):
     sys.stderr.flush()
     saved = os.dup(2)
     try:
-        with open(path, "a", encoding="utf-8") as log:
+        with open_append(path) as log:
             os.dup2(log.fileno(), 2)
         yield
     finally:

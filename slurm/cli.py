@@ -5,8 +5,9 @@ mistakes end here as messages and exit code 2; a launch stopped midway as exit 1
 from __future__ import annotations
 
 import errno
+from pathlib import Path
 
-from core.files import forget_warnings
+from core.files import forget_warnings, links_below
 from core.problems import ConfigError, Problem
 from slurm.commands import cancel, export, launch, report, sync, watch
 from slurm.profile import load_profile
@@ -74,10 +75,30 @@ def run(args) -> int:
         return 130
 
 
+# The verbs that write under the run and log roots, or start jobs that do.
+WRITING = {"launch", "retry_failed", "calibrate", "preflight", "report", "export", "cancel"}
+
+
 def dispatch(request: LaunchRequest) -> int:
     if not request.config_dir.is_dir():
         raise ConfigError(
             [Problem(str(request.config_dir), "--config-dir", "is not a folder of experiment YAMLs")]
         )
     profile, _ = load_profile(request.config_dir)
+    if request.action in WRITING:
+        refuse_links(Path(profile.run_dir), Path(profile.log_dir))
     return VERBS[request.action](request, profile)
+
+
+def refuse_links(*roots: Path) -> None:
+    """Anyone who can write a shared runs/ can plant a link there (`speeds.jsonl` -> another user's file,
+    a stage folder -> theirs) and make this launch, its jobs or the report write through it: every link
+    below the run and log roots is refused before anything is written. A root that is itself a link is
+    the user's choice and stays allowed."""
+    found = [link for root in roots for link in links_below(root)]
+    if found:
+        message = (
+            "is a symbolic link below the run or log root: a launch, its jobs or the report would write "
+            "into what it points to; remove it (a run root that is itself a link is fine)"
+        )
+        raise ConfigError([Problem(str(link), "", message) for link in found])

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import submitit
 
+from core.files import links_below
 from core.rundir import mark_done
 from slurm.redact import redact_job_output
 
@@ -37,10 +38,24 @@ class StageJob(submitit.helpers.Checkpointable):
         # The GPUs SLURM or the local backend gave this task, as it got them (torch renumbers them).
         log.info("CUDA_VISIBLE_DEVICES=%s", os.environ.get("CUDA_VISIBLE_DEVICES", "(not set)"))
         _use_allocated_cpus()  # before torch is imported
+        refuse_links_in(Path(spec.get("run_dir") or spec["out_dir"]))
         return self.run(spec, config_hash)
 
     def run(self, spec: dict, config_hash: str) -> str:
         raise NotImplementedError
+
+
+def refuse_links_in(folder: Path) -> None:
+    """A link planted in this job's folder after its launch checked the run root (slurm/cli.py
+    refuse_links) would make the trainer, TensorBoard or the eval write through it: the job fails first,
+    naming it. RUN_ROOT/EXP/FOLDER: the experiment's and the job's own folder may not be links either."""
+    found = [p for p in (folder.parent, folder) if p.is_symlink()]
+    found += links_below(folder) if folder.is_dir() and not found else []
+    if found:
+        raise RuntimeError(
+            f"symbolic link(s) in the run folder, refused (a job never writes through one): "
+            f"{', '.join(map(str, found))}; remove them and relaunch"
+        )
 
 
 class TrainStage(StageJob):

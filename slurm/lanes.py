@@ -28,7 +28,7 @@ import submitit
 from submitit.core.utils import JobPaths
 
 from core.devices import visible_devices
-from core.files import write_atomic
+from core.files import open_append, write_atomic
 from core.rundir import RunDir, done_hash, is_done, read_lane
 from core.states import State, lane_state, parent_verdict
 from slurm.jobs import StopRequest, _configure_logging
@@ -200,7 +200,7 @@ class Lanes:
         if self.cpus:
             env["LORA_PACK_CPUS"] = ",".join(map(str, self.cpus[lane]))
         # Where a separate job's log would be (`--tail`, --status and the report find it unchanged).
-        logfile = open(JobPaths(folder, self.job_id, task_id=0).stdout, "ab")  # noqa: SIM115 (the child's)
+        logfile = open_append(JobPaths(folder, self.job_id, task_id=0).stdout, binary=True)
         try:
             return subprocess.Popen(
                 [sys.executable, "-m", "slurm.unit", str(order)],

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from core.files import open_lock
 from core.layout import LAUNCH_LOCK
 
 LOCK_NAME = LAUNCH_LOCK
@@ -25,12 +26,13 @@ LOCK_NAME = LAUNCH_LOCK
 def launch_lock(run_root: Path, on_wait: Callable[[str], None]) -> Iterator[None]:
     """Hold the run root's launch lock; `on_wait(holder)` is called once if another launch has it."""
     run_root.mkdir(parents=True, exist_ok=True)
-    with open(run_root / LOCK_NAME, "a+", encoding="utf-8") as fh:
+    with open_lock(run_root / LOCK_NAME) as fh:
         try:
             fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             on_wait(holder(fh))
             fcntl.flock(fh, fcntl.LOCK_EX)
+        fh.seek(0)
         fh.truncate(0)
         fh.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
         fh.flush()

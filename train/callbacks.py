@@ -14,7 +14,7 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
-from core.files import read_json, write_atomic, write_json_atomic
+from core.files import open_append, read_json, write_atomic, write_json_atomic
 from core.rundir import RunDir
 from train import distributed
 from train.checkpoints import commit, rotate
@@ -69,7 +69,7 @@ class RunDirectoryLog(TrainerCallback):
         self.gpu_use = gpu_use or self.gpu_use
         if len(row) > 3:
             row |= gpu_use
-            with open(RunDir(self.run_dir).metrics, "a", encoding="utf-8") as fh:
+            with open_append(RunDir(self.run_dir).metrics) as fh:
                 fh.write(json.dumps(row) + "\n")
         self.write_progress(state, logs.get("loss"))
 
