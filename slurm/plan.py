@@ -9,8 +9,10 @@ concrete time limit. The plan is printed by --dry-run, tested as data, and only 
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Literal
 
 from pydantic import ValidationError
@@ -20,7 +22,7 @@ from core.config import AdapterSpec, EvalJob, ExportJob, Resources, TrainJob, wh
 from core.durations import slurm_time
 from core.hashing import content_hash
 from core.problems import ConfigError, Problem
-from core.rundir import ADAPTER, CONFIG, in_folder, run_folder
+from core.rundir import ADAPTER, CONFIG, done_hash, in_folder, run_folder
 from slurm import guesses
 from slurm.estimate import Estimate, Estimator, auto_time_limit_s
 from slurm.experiments import LoadedExperiment
@@ -226,9 +228,33 @@ def build_plan(
 def base_eval_job(loaded: LoadedExperiment, profile: ClusterProfile) -> PlannedJob:
     """The eval of the experiment's base model without an adapter, on the prompts, metrics, generation
     settings and split of its own eval (after its last stage): one job per distinct such eval, named by
-    its content, so every experiment and sweep point that shares it shares one job, planned and hashed
-    like any other. A QLoRA experiment's base is scored 4-bit, as its adapter is: the difference is the
-    adapter's alone."""
+    its content's full identity (a 24-bit name once let two generation settings share one folder), so
+    every experiment and sweep point that shares it shares one job, planned and hashed like any other.
+    A local model path is named relative to where the launch runs (`./models/x`, `models/x/` and its
+    absolute path are one base, and moving the repository changes nothing). A QLoRA experiment's base is
+    scored 4-bit, as its adapter is: the difference is the adapter's alone. A base eval finished under
+    the name it had before (`legacy_base_eval_job`) is recognised and kept, never run again."""
+    content = base_eval_content(loaded)
+    local = normalised_model_path(content.model.name_or_path)
+    if local is not None:
+        content = content.model_copy(
+            update={"model": content.model.model_copy(update={"name_or_path": local})}
+        )
+    job = named_base_eval(content, content_hash(content.model_dump()), loaded, profile)
+    if Path(job.run_dir).exists():
+        return job
+    old = legacy_base_eval_job(loaded, profile)
+    return old if done_hash(Path(old.run_dir)) == old.config_hash else job
+
+
+def legacy_base_eval_job(loaded: LoadedExperiment, profile: ClusterProfile) -> PlannedJob:
+    """The base eval as it was planned before its name held the full identity: the model path as
+    written, 6 hex characters of the content's hash."""
+    content = base_eval_content(loaded)
+    return named_base_eval(content, content_hash(content.model_dump(), 6), loaded, profile)
+
+
+def base_eval_content(loaded: LoadedExperiment) -> EvalJob:
     exp, stage = loaded.experiment, loaded.stages[-1]
     scored = stage.data.eval if exp.eval.split == "eval" else stage.data.train
     # What only training reads is left at its default: a curriculum's `order` makes no other base row.
@@ -236,7 +262,7 @@ def base_eval_job(loaded: LoadedExperiment, profile: ClusterProfile) -> PlannedJ
     adapter = AdapterSpec(
         method=exp.adapter.method, quant_type=exp.adapter.quant_type, double_quant=exp.adapter.double_quant
     )
-    content = EvalJob(
+    return EvalJob(
         experiment=layout.BASE_EVAL_PREFIX,
         stage=layout.EVAL,
         model=exp.model,
@@ -246,8 +272,24 @@ def base_eval_job(loaded: LoadedExperiment, profile: ClusterProfile) -> PlannedJ
         adapter_dir=None,
         out_dir="",
     )
+
+
+def normalised_model_path(name_or_path: str) -> str | None:
+    """A local model folder's path relative to where the launch runs (a folder outside it: absolute);
+    None for a hub id."""
+    if not Path(name_or_path).is_dir():
+        return None
+    absolute = os.path.abspath(name_or_path)
+    relative = os.path.relpath(absolute)
+    return absolute if relative.startswith("..") else relative
+
+
+def named_base_eval(
+    content: EvalJob, identity: str, loaded: LoadedExperiment, profile: ClusterProfile
+) -> PlannedJob:
+    exp = loaded.experiment
     model = re.sub(r"[^A-Za-z0-9_.]+", "_", exp.model.name_or_path.rstrip("/").rsplit("/", 1)[-1])[:24]
-    name = f"{layout.BASE_EVAL_PREFIX}{model}-{content_hash(content.model_dump(), 6)}"
+    name = f"{layout.BASE_EVAL_PREFIX}{model}-{identity}"
     spec = content.model_copy(
         update={"experiment": name, "out_dir": run_folder(profile.run_dir, name, layout.EVAL)}
     )

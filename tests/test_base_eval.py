@@ -10,9 +10,13 @@ from pathlib import Path
 import pytest
 
 import launch
-from core.rundir import RunDir, job_records
+from core.rundir import RunDir, job_records, mark_done
+from slurm.decisions import weigh
+from slurm.experiments import load_experiments
+from slurm.plan import legacy_base_eval_job
+from slurm.profile import load_profile
 from tests.conftest import write_cluster_yaml
-from tests.helpers import holding_sbatch, start_launcher, tiny_sql_base
+from tests.helpers import holding_sbatch, plan_for, start_launcher, tiny_sql_base
 
 EXPERIMENT = """\
 name: {name}
@@ -81,3 +85,73 @@ def test_cancelling_one_experiment_keeps_the_base_eval_another_still_needs(
         assert base_job in squeue_ids(under=tmp_path)
     finally:
         launch.main(["--cancel", "--all", "--config-dir", str(folder)])
+
+
+# Issue 31, rule 9: one base eval per base, exactly.
+BASE_ONLY = """\
+name: {name}
+inherits: _tiny-sql.yaml
+model: {{name_or_path: {model}}}
+data: {{eval: {root}/data/demo/sql/dev.jsonl}}
+train: {{epochs: 1}}
+eval: {{metrics: [exact_match], max_new_tokens: {tokens}, baseline: true}}
+"""
+
+
+def base_plan(tmp_path: Path, repo_root: Path, **experiments: dict):
+    folder = tmp_path / "configs"
+    folder.mkdir(exist_ok=True)
+    write_cluster_yaml(folder, tmp_path)
+    tiny_sql_base(folder)
+    for name, fields in experiments.items():
+        fields = {"model": "./models/tiny-llama", "tokens": 16, "root": repo_root, **fields}
+        (folder / f"{name}.yaml").write_text(BASE_ONLY.format(name=name, **fields))
+    return plan_for(folder=folder)
+
+
+def test_two_generation_settings_never_share_one_base_eval_folder(tmp_path, repo_root, monkeypatch):
+    # Before: folders were named by 24 bits of the content's hash, and max_new_tokens 1261 and 3619
+    # shared one, so one point's delta was measured against a base scored with other settings.
+    monkeypatch.chdir(repo_root)
+    plan = base_plan(tmp_path, repo_root, short={"tokens": 1261}, long={"tokens": 3619})
+    short, long = plan.base_of["short"], plan.base_of["long"]
+    assert short != long
+    for job_id in (short, long):
+        identity = job_id.split("/")[0].rsplit("-", 1)[1]
+        assert len(identity) == 16 and int(identity, 16) >= 0  # the full identity, as a run's hash
+
+
+def test_three_spellings_of_one_local_model_path_are_one_base_eval(tmp_path, repo_root, monkeypatch):
+    monkeypatch.chdir(repo_root)
+    spellings = {
+        "dot": {"model": "./models/tiny-llama"},
+        "slash": {"model": "models/tiny-llama/"},
+        "absolute": {"model": repo_root / "models" / "tiny-llama"},
+    }
+    plan = base_plan(tmp_path, repo_root, **spellings)
+    assert len(set(plan.base_of.values())) == 1
+    (base,) = [j for j in plan.jobs if j.id == plan.base_of["dot"]]
+    assert base.spec.model.name_or_path == "models/tiny-llama"  # relative: moving the repository is no change
+
+
+def test_a_base_eval_finished_under_its_old_name_is_kept_and_another_contents_is_not_taken(
+    tmp_path, repo_root, monkeypatch
+):
+    # Finished runs stay finished: a run root from before full-identity names has its base eval under
+    # the old name (6 hex characters, the model path as written); it is recognised, not run again.
+    monkeypatch.chdir(repo_root)
+    plan = base_plan(tmp_path, repo_root, one={})
+    new_id = plan.base_of["one"]
+    profile, _ = load_profile(tmp_path / "configs")
+    (loaded,) = load_experiments(tmp_path / "configs", profile)
+    old = legacy_base_eval_job(loaded, profile)
+    assert old.id != new_id and len(old.id.split("/")[0].rsplit("-", 1)[1]) == 6
+    Path(old.run_dir).mkdir(parents=True)
+    mark_done(Path(old.run_dir), "0123456789abcdef")  # another content's base eval shared the old name
+    assert base_plan(tmp_path, repo_root, one={}).base_of["one"] == new_id  # not taken for this one
+    mark_done(Path(old.run_dir), old.config_hash)  # this content's, finished before names were full
+    RunDir(Path(old.run_dir)).results.write_text('{"exact_match": 0.5, "n": 1}')
+    again = base_plan(tmp_path, repo_root, one={})
+    assert again.base_of["one"] == old.id
+    decisions, _ = weigh(again)
+    assert {d.job.id: d.action for d in decisions}[old.id] == "done"
