@@ -18,15 +18,17 @@ The block is a pydantic model, SweepSpec, like every other block of an experimen
 and every problem is reported at once, in pydantic's shape (SweepError), so the loader shows each like any
 other block's, at `file:line: sweep.KEY: what (hint)` (slurm/experiments.py to_problem).
 
-Names. A suffix is `label+value` for each key the block sweeps, joined by '-', then `-s{seed}`
-(`lr3e-04-r8-s1`); labels come from SHORT_KEYS, else the key's last part, lengthened (`rank`, then
-`adapter_rank`, ...) where two keys would share one. Values: ints as written, floats in the shorter of
-`0.0003` and `3e-04` that reads back as the value trained, text after its last '/' with anything
-outside [A-Za-z0-9_.] turned into '_', true/false, none, lists joined by '_'. Where any name would pass
-64 characters, every point drops its labels (`3e-04-8-s1`), and if that is still too long, becomes
-`p{n}-{hash of its values}` (`p3-1a2b3c-s1`). A repeated suffix (equal draws, or text that slugs alike,
-compared without case) gets `_2`, `_3`, ... in order of appearance. Replicates of a point share
-`point`, the suffix without its seed part.
+Names. A point's name comes from its own values alone, never from its neighbours' (adding, removing or
+reordering values renames no other point, and no finished point is planned again under a new name). Its
+suffix is `label+value` for each key the block sweeps, joined by '-', then `-s{seed}` (`lr3e-04-r8-s1`);
+labels come from SHORT_KEYS, else the key's last part, lengthened (`rank`, then `adapter_rank`, ...) where
+two keys would share one. Values: ints as written, floats in the shorter of `0.0003` and `3e-04` that
+reads back as the value trained, true/false, none, text after its last '/' with anything outside
+[A-Za-z0-9_.] turned into '_', lists joined by '_'; where that loses something (`org1/m` and `org2/m`), 4
+characters of the value's own hash follow (`m_1a2b`). A point whose name would pass 64 characters drops
+its labels (`3e-04-8-s1`), and if that is still too long is named by its values' hash (`h1a2b3c-s1`).
+Replicates of a point share `point`, the suffix without its seed part. Names of sweeps launched before
+names were stable are still found (`SweepPoint.legacy`, slurm/experiments.py).
 """
 
 from __future__ import annotations
@@ -101,6 +103,7 @@ class SweepPoint:
     values: dict  # dotted key -> value: grid keys, zip keys, random keys, then train.seed with seeds
     seed: int | None  # this replicate's training seed; None without `seeds:`
     point: str  # the suffix without its seed part: what the replicates of one point share
+    legacy: str | None = None  # the suffix this point had before names were stable (None: no such name)
 
 
 @dataclass(frozen=True)
@@ -479,35 +482,61 @@ def combinations(axes: list[Axis]) -> Iterable[dict]:
 
 
 def name_points(combos: list[dict], seeds: tuple[int, ...], experiment: str) -> list[SweepPoint]:
+    """Each point named from its own values alone, never from its neighbours': adding, removing or
+    reordering other values never renames a point (a finished one would be planned again under its new
+    name). Its `legacy` suffix is the one it had before (slurm/experiments.py finds a run folder by it)."""
     keys = list(combos[0]) + ([SEED_KEY] if seeds else [])
     label = labels(keys)
-    styles: list[Callable[[int, dict], str]] = [
-        lambda _, values: "-".join(label[key] + value_text(value) for key, value in values.items()),
-        lambda _, values: "-".join(value_text(value) for value in values.values()),
-        lambda index, values: f"p{index + 1}-{values_hash(values)}",
-    ]
-    for style in styles:
-        texts = made_unique([style(index, values) for index, values in enumerate(combos)])
-        points = replicated(combos, texts, seeds, label.get(SEED_KEY, ""))
-        if all_names_fit(experiment, points):
-            return points
-    longest = max((point.suffix for point in points), key=len)  # of the shortest style
-    room = NAME_MAX - 1 - len(longest)
-    message = (
-        f"the experiment's name {experiment!r} ({len(experiment)} characters) leaves no room for its "
-        f"points' names: with the shortest suffixes, such as {longest!r}, names pass {NAME_MAX} "
-        f"characters; shorten the experiment's name to {room} or fewer"
+    seed_label = label.get(SEED_KEY, "")
+    longest_seed = max((f"-{seed_label}{seed}" for seed in seeds), key=len, default="")
+    texts = [own_text(values, label, experiment, longest_seed) for values in combos]
+    points = replicated(combos, texts, seeds, seed_label, legacy_texts(combos, seeds, experiment))
+    names: dict[str, int] = {}
+    for index, point in enumerate(points):
+        other = names.setdefault(f"{experiment}-{point.suffix}".casefold(), index)
+        if other != index:
+            first = points[other]
+            message = (
+                f"points {experiment}-{first.suffix} ({first.values}) and {experiment}-{point.suffix} "
+                f"({point.values}) "
+                + (
+                    "are the same values: list each value once, or draw fewer samples"
+                    if first.values == point.values
+                    else "get names that differ only in case, which one folder holds on some disks: write the values apart"
+                )
+            )
+            raise SweepError([value_error((), message)])
+    if not all(SAFE_NAME.fullmatch(f"{experiment}-{point.suffix}") for point in points):
+        longest = max((point.suffix for point in points), key=len)
+        room = NAME_MAX - 1 - len(longest)
+        message = (
+            f"the experiment's name {experiment!r} ({len(experiment)} characters) leaves no room for its "
+            f"points' names: with the shortest suffixes, such as {longest!r}, names pass {NAME_MAX} "
+            f"characters; shorten the experiment's name to {room} or fewer"
+        )
+        raise SweepError([value_error((), message)])
+    return points
+
+
+def own_text(values: dict, label: dict[str, str], experiment: str, longest_seed: str) -> str:
+    """The first of `lr1e-04-r8`, `1e-04-8` and `h{hash of the values}` whose name fits, for this point
+    alone (with its longest seed part)."""
+    styles = (
+        "-".join(label[key] + value_text(value) for key, value in values.items()),
+        "-".join(value_text(value) for value in values.values()),
+        f"h{values_hash(values)}",
     )
-    raise SweepError([value_error((), message)])
+    return next((t for t in styles if SAFE_NAME.fullmatch(f"{experiment}-{t}{longest_seed}")), styles[-1])
 
 
 def replicated(
-    combos: list[dict], texts: list[str], seeds: tuple[int, ...], seed_label: str
+    combos: list[dict], texts: list[str], seeds: tuple[int, ...], seed_label: str, legacy: list[str] | None
 ) -> list[SweepPoint]:
+    legacy = legacy or [None] * len(combos)
     if not seeds:
         return [
-            SweepPoint(suffix=text, values=dict(values), seed=None, point=text)
-            for values, text in zip(combos, texts, strict=True)
+            SweepPoint(suffix=text, values=dict(values), seed=None, point=text, legacy=old)
+            for values, text, old in zip(combos, texts, legacy, strict=True)
         ]
     return [
         SweepPoint(
@@ -515,16 +544,34 @@ def replicated(
             values={**values, SEED_KEY: seed},
             seed=seed,
             point=text,
+            legacy=old and "-".join(part for part in (old, f"{seed_label}{seed}") if part),
         )
-        for values, text in zip(combos, texts, strict=True)
+        for values, text, old in zip(combos, texts, legacy, strict=True)
         for seed in seeds
     ]
 
 
-def all_names_fit(experiment: str, points: list[SweepPoint]) -> bool:
-    names = [f"{experiment}-{point.suffix}" for point in points]
-    distinct = len({name.casefold() for name in names}) == len(names)
-    return distinct and all(SAFE_NAME.fullmatch(name) for name in names)
+# Names as they were before they were stable, read to find the run folders of sweeps launched then: the
+# style was chosen for all points at once (one long value dropped every point's labels), a repeated text
+# got _2, _3 in order of appearance, and the last style numbered the points.
+
+
+def legacy_texts(combos: list[dict], seeds: tuple[int, ...], experiment: str) -> list[str] | None:
+    keys = list(combos[0]) + ([SEED_KEY] if seeds else [])
+    label = labels(keys)
+    seed_label = label.get(SEED_KEY, "")
+    styles: list[Callable[[int, dict], str]] = [
+        lambda _, values: "-".join(label[key] + slug(value) for key, value in values.items()),
+        lambda _, values: "-".join(slug(value) for value in values.values()),
+        lambda index, values: f"p{index + 1}-{values_hash(values)}",
+    ]
+    for style in styles:
+        texts = made_unique([style(index, values) for index, values in enumerate(combos)])
+        suffixes = [f"{t}-{seed_label}{s}" for t in texts for s in seeds] if seeds else texts
+        names = [f"{experiment}-{suffix}" for suffix in suffixes]
+        if len({n.casefold() for n in names}) == len(names) and all(SAFE_NAME.fullmatch(n) for n in names):
+            return texts
+    return None
 
 
 def made_unique(texts: list[str]) -> list[str]:
@@ -568,6 +615,18 @@ def label_at(key: str, depth: int) -> str:
 
 
 def value_text(value) -> str:
+    """A value in a name, telling every value from every other: as `slug`, and where `slug` loses
+    something (a hub id's organisation, characters a name cannot hold, list items that hold '_'), the
+    first characters of the value's own hash after it: org1/m -> m_1a2b, org2/m -> m_9f8e."""
+    text = slug(value)
+    if isinstance(value, list):
+        whole = all("_" not in slug(item) and slug(item) == value_text(item) for item in value)
+    else:
+        whole = not isinstance(value, str) or text == value
+    return text if whole else f"{text}_{hashlib.sha1(repr(value).encode()).hexdigest()[:4]}"
+
+
+def slug(value) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, int):
@@ -577,7 +636,7 @@ def value_text(value) -> str:
     if value is None:
         return "none"
     if isinstance(value, list):
-        return "_".join(value_text(item) for item in value) or "empty"
+        return "_".join(slug(item) for item in value) or "empty"
     # A hub id or a path is named by its last part: Qwen/Qwen2.5-0.5B -> Qwen2.5_0.5B.
     return re.sub(r"[^A-Za-z0-9_.]", "_", str(value).rsplit("/", 1)[-1]) or "_"
 

@@ -19,6 +19,7 @@ from core.examples import ExampleError, TextSize, check_file, needed_fields
 from core.files import read_json
 from core.names import REPORT_COLUMNS, SCORES_OF
 from core.problems import ConfigError, Problem, did_you_mean
+from core.rundir import run_root_experiments
 from core.sweep import SweepError, SweepMember, SweepSpec, expand, nested, source_of
 from slurm.profile import ClusterProfile
 from slurm.yamlfile import (
@@ -116,6 +117,8 @@ def load_experiments(
     files = experiment_files(config_dir)
     if not files:
         raise ConfigError([Problem(str(config_dir), "", "holds no experiment YAML files (*.yaml)")])
+    held_from = run_root_experiments(Path(profile.run_dir))
+    held = frozenset(held_from)
     for path in files:
         try:
             raw, chain = load_with_overrides(path, config_dir, overrides)
@@ -123,7 +126,7 @@ def load_experiments(
             problems.append(exc.problem)
             continue
         written.add(str(raw.get("name")))
-        points, found = expanded(raw, chain)
+        points, found = expanded(raw, chain, held)
         problems += found
         for raw, chain, member in points:
             experiment, found = validate_experiment(raw, chain)
@@ -141,6 +144,7 @@ def load_experiments(
                 loaded.append(LoadedExperiment(experiment, path, tuple(stages), member))
     loaded = after_whole_sweeps(loaded)
     problems += check_names(loaded, names, written) + same_runs(loaded)
+    problems += sweeps_named_as_others(loaded, held_from, config_dir, Path(profile.run_dir))
     problems = list(dict.fromkeys(problems))  # one sweep's points share the problems of their block
     if any(not p.warning for p in problems):
         raise ConfigError(problems)
@@ -153,11 +157,12 @@ def chosen(loaded: LoadedExperiment, names: list[str] | None) -> bool:
 
 
 def expanded(
-    raw: dict, chain: list[YamlFile]
+    raw: dict, chain: list[YamlFile], held: frozenset[str] = frozenset()
 ) -> tuple[list[tuple[dict, list[YamlFile], SweepMember | None]], list[Problem]]:
     """An experiment file's config → the experiments it stands for: itself, or one per point of its
     `sweep:` block (core/sweep.py), each the config with the point's values merged in, named
-    EXP-SUFFIX; a point's value is blamed on the line of the sweep that gave it."""
+    EXP-SUFFIX; a point's value is blamed on the line of the sweep that gave it. `held`: the experiments
+    the run root holds: a point launched under the name it had before names were stable keeps it."""
     block = raw.get("sweep")
     if block is None:
         return [(raw, chain, None)], []
@@ -176,9 +181,16 @@ def expanded(
         ]
         values = {k: v for k, v in point.values.items() if k in sweep.swept}
         member = SweepMember(name, point.point, values, point.seed, sweep.swept, sweep.select)
-        config = deep_merge(base, nested(point.values)) | {"name": f"{name}-{point.suffix}"}
+        config = deep_merge(base, nested(point.values)) | {"name": point_name(name, point, held)}
         points.append((config, [*given, *chain], member))
     return points, []
+
+
+def point_name(sweep: str, point, held: frozenset[str]) -> str:
+    """EXP-SUFFIX; the point's old name where the run root holds a folder of that name and none of the new
+    (the point was launched before names were stable: its finished stages stay finished)."""
+    name, old = f"{sweep}-{point.suffix}", point.legacy and f"{sweep}-{point.legacy}"
+    return old if old and old != name and old in held and name not in held else name
 
 
 def same_runs(loaded: list[LoadedExperiment]) -> list[Problem]:
@@ -280,7 +292,7 @@ def after_whole_sweeps(loaded: list[LoadedExperiment]) -> list[LoadedExperiment]
 
 
 def load_watchable_experiments(
-    config_dir: Path, overrides: dict | None = None
+    config_dir: Path, overrides: dict | None = None, held: frozenset[str] = frozenset()
 ) -> tuple[list[LoadedExperiment], list[Problem], set[str], set[Path]]:
     """For --status, --tail, --cancel and --report (slurm/watched.py): every experiment whose files parse
     and validate, the problems of the others as warnings, every name a file gives (loaded or not), and the
@@ -296,7 +308,7 @@ def load_watchable_experiments(
             broken.add(path)
             continue
         written.add(str(raw.get("name")))
-        points, found = expanded(raw, chain)
+        points, found = expanded(raw, chain, held)
         problems += found
         broken |= {path} if found else set()
         for raw, chain, member in points:
@@ -583,7 +595,15 @@ def check_names(
             other = by_name[item.name].file
             problems.append(Problem(str(item.file), "name", f"'{item.name}' is also the name in {other}"))
         by_name[item.name] = item
-    sweeps = {item.sweep.sweep: item.file for item in loaded if item.sweep is not None}
+    sweeps: dict[str, Path] = {}
+    for item in loaded:
+        if item.sweep is not None and sweeps.setdefault(item.sweep.sweep, item.file) != item.file:
+            first = sweeps[item.sweep.sweep]
+            message = (
+                f"the sweep '{item.sweep.sweep}' is also defined in {first}: its points, --exp "
+                f"{item.sweep.sweep} and the report's table would mix both; rename one"
+            )
+            problems.append(Problem(str(item.file), "name", message))
     for name in sweeps.keys() & by_name.keys():  # --exp and after: would mean both
         message = f"'{name}' is also a sweep's name (in {sweeps[name]}): --exp {name} would mean both"
         problems.append(Problem(str(by_name[name].file), "name", message))
@@ -606,6 +626,24 @@ def check_names(
                     "command line", "--exp", f"no experiment named '{name}'" + did_you_mean(name, by_name)
                 )
             )
+    return problems
+
+
+def sweeps_named_as_others(
+    loaded: list[LoadedExperiment], held: dict, config_dir: Path, run_root: Path
+) -> list[Problem]:
+    """A sweep named as an experiment the run root holds from another config folder: --exp, --cancel and
+    the report would take one for the other."""
+    here = config_dir.resolve()
+    problems = []
+    for name, file in {e.sweep.sweep: e.file for e in loaded if e.sweep is not None}.items():
+        origin = held.get(name)
+        if origin is not None and Path(origin.config_dir).resolve() != here:
+            message = (
+                f"the sweep '{name}' has the name of an experiment {run_root}/ holds from "
+                f"{origin.file}: --exp {name} would mean both; rename the sweep"
+            )
+            problems.append(Problem(str(file), "name", message))
     return problems
 
 

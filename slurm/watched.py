@@ -50,7 +50,7 @@ def watched_experiments(
     for folder in folders:
         if not folder.is_dir():
             continue  # its experiments are gone (below)
-        found, problems, names_given, broken = load_watchable_experiments(folder, overrides)
+        found, problems, names_given, broken = load_watchable_experiments(folder, overrides, frozenset(held))
         warnings += problems
         written |= names_given
         unsure |= broken
@@ -59,7 +59,7 @@ def watched_experiments(
                 loaded.append(experiment)
                 came_from[experiment.name] = folder
     if here not in folders and here.is_dir():  # what the folder looked at has is never gone
-        names_here, broken_here = present_in(here, overrides)
+        names_here, broken_here = present_in(here, overrides, frozenset(held))
         written |= names_here
         unsure |= broken_here
     known = {e.name for e in loaded}
@@ -107,10 +107,12 @@ def launched_from_any(origin: Origin, files: set[Path]) -> bool:
     return any(same_path(origin.file, file) for file in files)
 
 
-def present_in(config_dir: Path, overrides: dict | None) -> tuple[set[str], set[Path]]:
+def present_in(
+    config_dir: Path, overrides: dict | None, held: frozenset[str] = frozenset()
+) -> tuple[set[str], set[Path]]:
     """The experiments `config_dir` has (a sweep's points by name), the names its files give, and the files
     that do not load whole."""
-    found, _, names, broken = load_watchable_experiments(config_dir, overrides)
+    found, _, names, broken = load_watchable_experiments(config_dir, overrides, held)
     return {e.name for e in found} | names, broken
 
 
@@ -132,7 +134,7 @@ def removed_from(run_root: Path, config_dir: Path, overrides: dict | None = None
     ]
     if not launched:
         return []
-    found, _, written, broken = load_watchable_experiments(config_dir, overrides)
+    found, _, written, broken = load_watchable_experiments(config_dir, overrides, frozenset(held))
     has = {e.name for e in found} | written
     return [name for name in launched if name not in has and not launched_from_any(held[name], broken)]
 

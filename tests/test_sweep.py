@@ -3,6 +3,7 @@ every mistake in it is reported at once with the key it sits under (core/sweep.p
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -249,9 +250,12 @@ def test_floats_are_named_by_the_shorter_exact_form():
 
 def test_text_values_are_named_by_their_last_part_with_unsafe_characters_replaced():
     block = {"grid": {"model.name_or_path": ["Qwen/Qwen2.5-0.5B", "google/flan-t5-small"]}}
-    assert [p.suffix for p in expand(block, "exp").points] == ["mQwen2.5_0.5B", "mflan_t5_small"]
-    block = {"grid": {"train.gradient_checkpointing": [True, False]}}
-    assert [p.suffix for p in expand(block, "exp").points] == ["gctrue", "gcfalse"]
+    suffixes = [p.suffix for p in expand(block, "exp").points]
+    # What the last part loses (the organisation, '-') is told by 4 characters of the value's own hash.
+    assert [re.sub(r"_[0-9a-f]{4}$", "", s) for s in suffixes] == ["mQwen2.5_0.5B", "mflan_t5_small"]
+    assert all(re.search(r"_[0-9a-f]{4}$", s) for s in suffixes)
+    block = {"grid": {"train.gradient_checkpointing": [True, False], "adapter.rank": [8]}}
+    assert [p.suffix for p in expand(block, "exp").points] == ["gctrue-r8", "gcfalse-r8"]
 
 
 def test_keys_with_the_same_label_get_longer_labels_that_differ():
@@ -272,38 +276,50 @@ def test_names_are_safe_unique_and_the_same_every_time():
     assert names == [f"exp-{p.suffix}" for p in expand(block, "exp").points]
 
 
-def test_points_whose_names_would_repeat_are_made_unique_in_order():
-    # Two hub ids with the same last part, and texts differing only in case (one folder on some disks).
+def test_a_points_name_comes_from_its_own_values_never_from_its_neighbours():
+    # Before: repeats got _2, _3 in order of appearance, so inserting a value earlier renamed the finished
+    # points after it (their runs refused, their old configs planned again).
     block = {"grid": {"model.name_or_path": ["org1/m", "org2/m", "M"]}}
-    assert [p.suffix for p in expand(block, "exp").points] == ["mm", "mm_2", "mM_3"]
+    names = {p.values["model.name_or_path"]: p.suffix for p in expand(block, "exp").points}
+    assert len(set(names.values())) == 3 and names["M"] == "mM"
+    inserted = {"grid": {"model.name_or_path": ["org0/m", "org2/m", "M", "org1/m"]}}
+    again = {p.values["model.name_or_path"]: p.suffix for p in expand(inserted, "exp").points}
+    assert {k: again[k] for k in names} == names
+    alone = {v: expand({"grid": {"model.name_or_path": [v]}}, "exp").points[0].suffix for v in names}
+    assert alone == names
 
 
-def test_equal_random_draws_still_get_distinct_names():
+def test_equal_random_draws_are_one_run_and_refused_not_numbered():
+    # Before: r8, r8_2, r8_3... identical runs under three names.
     block = {"random": {"adapter.rank": {"choice": [4, 8]}}, "samples": 6}
-    suffixes = [p.suffix for p in expand(block, "exp").points]
-    assert len(set(suffixes)) == 6
-    assert all(s.split("_")[0] in ("r4", "r8") for s in suffixes)
+    with pytest.raises(SweepError) as refused:
+        expand(block, "exp")
+    assert "are the same values" in str(refused.value.errors)
 
 
-def test_long_names_drop_their_labels_before_becoming_numbered():
-    name = "e" * 50  # leaves 13 characters: 'lr1e-04-r16' fits, 'lr1e-04-r16-s1' does not
+def test_only_the_points_whose_names_would_be_too_long_drop_their_labels():
+    name = "e" * 50  # leaves 13 characters: 'lr1e-04-r8-s1' fits, 'lr1e-04-r16-s1' does not
     sweep = expand({**LR_BY_RANK, "seeds": [1]}, name)
-    assert [p.suffix for p in sweep.points] == ["1e-04-8-s1", "1e-04-16-s1", "3e-04-8-s1", "3e-04-16-s1"]
-    assert [p.point for p in sweep.points] == ["1e-04-8", "1e-04-16", "3e-04-8", "3e-04-16"]
+    assert [p.suffix for p in sweep.points] == [
+        "lr1e-04-r8-s1",
+        "1e-04-16-s1",
+        "lr3e-04-r8-s1",
+        "3e-04-16-s1",
+    ]
+    assert [p.point for p in sweep.points] == ["lr1e-04-r8", "1e-04-16", "lr3e-04-r8", "3e-04-16"]
 
 
-def test_names_too_long_even_without_labels_become_numbered_and_stay_unique():
+def test_names_too_long_even_without_labels_are_their_values_hash_whatever_the_order():
     files = [f"/data/a_rather_long_training_file_name_v{n}.jsonl" for n in range(12)]
     name = "e" * 40
     sweep = expand({"grid": {"data.train": files}, "seeds": [1, 2]}, name)
     names = [f"{name}-{p.suffix}" for p in sweep.points]
     assert all(SAFE_NAME.fullmatch(n) for n in names)
     assert len(set(names)) == 24
-    assert sweep.points[0].suffix.startswith("p1-") and sweep.points[0].suffix.endswith("-s1")
-    assert sweep.points[-1].suffix.startswith("p12-")
+    assert re.fullmatch(r"h[0-9a-f]{6}-s1", sweep.points[0].suffix)
     assert sweep.points[0].point == sweep.points[1].point
-    again = expand({"grid": {"data.train": files}, "seeds": [1, 2]}, name)
-    assert [p.suffix for p in again.points] == [p.suffix for p in sweep.points]
+    backwards = expand({"grid": {"data.train": files[::-1]}, "seeds": [1, 2]}, name)
+    assert {p.suffix for p in backwards.points} == {p.suffix for p in sweep.points}
 
 
 def test_an_experiment_name_with_no_room_left_is_reported_with_the_length_to_cut_to():
@@ -444,3 +460,29 @@ def test_nested_gives_each_point_its_own_lists():
 def test_nested_refuses_a_key_inside_a_value():
     with pytest.raises(ValueError):
         nested({"train": 1, "train.seed": 2})
+
+
+@pytest.mark.parametrize(
+    ("block", "name", "before"),
+    [  # names the code before stable names gave (recorded from it): run roots launched then hold them
+        ({"grid": {"model.name_or_path": ["org1/m", "org2/m", "M"]}}, "exp", ["mm", "mm_2", "mM_3"]),
+        (
+            {"grid": {"data.prompt_template": ["Q: {q} ->", "{q} | SQL:"]}},
+            "tpl",
+            ["prompt_templateQ___q____", "prompt_template_q____SQL_"],
+        ),
+        ({**LR_BY_RANK, "seeds": [1]}, "e" * 50, ["1e-04-8-s1", "1e-04-16-s1", "3e-04-8-s1", "3e-04-16-s1"]),
+        (
+            {
+                "grid": {
+                    "data.train": [f"/data/a_rather_long_training_file_name_v{n}.jsonl" for n in range(3)]
+                },
+                "seeds": [1, 2],
+            },
+            "e" * 40,
+            ["p1-b836a6-s1", "p1-b836a6-s2", "p2-92dbc7-s1", "p2-92dbc7-s2", "p3-0836e1-s1", "p3-0836e1-s2"],
+        ),
+    ],
+)
+def test_each_point_knows_the_name_it_had_before_names_were_stable(block, name, before):
+    assert [p.legacy for p in expand(block, name).points] == before

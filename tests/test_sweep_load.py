@@ -134,3 +134,53 @@ def test_export_of_a_sweep_exports_each_of_its_points_not_a_missing_experiment(t
     assert len(targets) == 12 and targets[0] == ("lr-lr1e-04-r4-s1", None)
     plan = with_exports(build_plan(loaded, profile), targets, gguf=False)
     assert sum(j.kind == "export" for j in plan.jobs) == 12
+
+
+# Issue 31, rule 5: one configuration trains once; names are stable.
+TEMPLATES = """\
+name: tpl
+model: {{name_or_path: org/model, kind: causal}}
+data: {{train: {data}, input_field: q, target_field: a}}
+eval: {{metrics: []}}
+resources: {{mem_gb: 4, cpus: 1}}
+sweep:
+  grid:
+    data.prompt_template: ["Q: {{q}} ->", "{{q}} | SQL:"]
+"""
+
+
+def test_a_point_launched_under_its_old_name_keeps_it_and_a_new_point_gets_a_stable_one(tmp_path):
+    from core.rundir import record_origin
+
+    folder = folder_of(tmp_path, tpl=TEMPLATES)
+    profile, _ = load_profile(folder)
+    fresh = {e.sweep.point: e.name for e in load_experiments(folder, profile) if e.name.startswith("tpl-")}
+    assert all(len(name.rsplit("_", 1)[1]) == 4 for name in fresh.values())  # the template's own hash
+    # A run root from before stable names: the first point ran as tpl-prompt_templateQ___q____ (the old slug).
+    old = "tpl-prompt_templateQ___q____"
+    record_origin(tmp_path / "runs" / old, folder / "tpl.yaml", folder)
+    again = {e.sweep.point: e.name for e in load_experiments(folder, profile) if e.name.startswith("tpl-")}
+    first, second = list(fresh)
+    assert again[first] == old and again[second] == fresh[second]
+
+
+def test_two_files_defining_one_sweep_name_are_refused(tmp_path, capsys):
+    # Before: both files' points were planned as one sweep: --exp lr and the report mixed them.
+    other = SWEPT.replace("train.learning_rate: [1.0e-4, {second_lr}]", "train.learning_rate: [5.0e-4]")
+    folder = folder_of(tmp_path, twin=other.replace("{second_lr}", "1"))
+    assert launch.main(["--all", "--dry-run", "--config-dir", str(folder)]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "twin.yaml: name: the sweep 'lr' is also defined in" in err and "lr.yaml" in err
+
+
+def test_a_sweep_named_as_an_experiment_of_another_folder_in_the_run_root_is_refused(tmp_path, capsys):
+    from core.rundir import record_origin
+
+    folder = folder_of(tmp_path)
+    elsewhere = tmp_path / "other-configs"
+    elsewhere.mkdir()
+    (elsewhere / "lr.yaml").write_text("name: lr\n")
+    record_origin(tmp_path / "runs" / "lr", elsewhere / "lr.yaml", elsewhere)
+    assert launch.main(["--all", "--dry-run", "--config-dir", str(folder)]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "lr.yaml: name: the sweep 'lr' has the name of an experiment" in err and "other-configs" in err
