@@ -109,25 +109,28 @@ def open_lock(path: Path) -> IO:
 
 
 def links_below(root: Path) -> list[Path]:
-    """Every symbolic link below `root`, not followed (a linked folder is listed, never entered), but W&B's
-    own (`wandb/latest-run`, `wandb/debug.log`: links it makes inside its folder to inside it). `root`
-    itself may be a link: where the run root lives is the user's choice."""
+    """Every symbolic link below `root`, not followed (a linked folder is listed, never entered), but the
+    ones our own tools make (`made_by_a_tool`). `root` itself may be a link: where the run root lives is
+    the user's choice."""
     found = []
     for folder, folders, files in os.walk(root):
         found += [
             Path(folder, name)
             for name in (*folders, *files)
-            if os.path.islink(os.path.join(folder, name)) and not wandbs_own(Path(folder, name))
+            if os.path.islink(os.path.join(folder, name)) and not made_by_a_tool(Path(folder, name))
         ]
     return sorted(found)
 
 
-def wandbs_own(link: Path) -> bool:
-    """A link W&B made: in a `wandb` folder, pointing inside that folder."""
-    if link.parent.name != "wandb":
+def made_by_a_tool(link: Path) -> bool:
+    """A link W&B makes (`wandb/latest-run`, `wandb/debug.log`: in its folder, to inside it), or submitit
+    (`.submission_file_UUID.sh`, kept beside the `JOBID_submission.sh` it was renamed to)."""
+    if link.parent.name == "wandb" or link.name.startswith(".submission_file_") and link.suffix == ".sh":
+        inside = link.parent
+    else:
         return False
-    inside = os.path.realpath(link.parent)
-    return os.path.commonpath([os.path.realpath(link), inside]) == inside
+    target, inside = os.path.realpath(link), os.path.realpath(inside)
+    return os.path.commonpath([target, inside]) == inside
 
 
 def naming(exc: OSError, path: Path) -> OSError:

@@ -140,12 +140,18 @@ def test_a_job_refuses_a_link_planted_in_its_folder_after_its_launch(tmp_path):
         refuse_links_in(stage)
 
 
-def test_wandbs_own_links_are_no_planted_links(tmp_path):
+def test_the_links_wandb_and_submitit_make_themselves_are_no_planted_links(tmp_path):
     wandb = tmp_path / "one" / "train" / "wandb"
     (wandb / "offline-run-1" / "logs").mkdir(parents=True)
     (wandb / "offline-run-1" / "logs" / "debug.log").write_text("")
     (wandb / "latest-run").symlink_to("offline-run-1")
     (wandb / "debug.log").symlink_to(wandb / "offline-run-1" / "logs" / "debug.log")
     assert links_below(tmp_path) == []
-    (wandb / "debug-internal.log").symlink_to(tmp_path.parent)  # pointing out of it: planted
-    assert links_below(tmp_path) == [wandb / "debug-internal.log"]
+    logs = tmp_path / "logs" / "one" / "train"
+    logs.mkdir(parents=True)
+    (logs / "42_submission.sh").write_text("#!/bin/bash\n")
+    (logs / ".submission_file_0a1b.sh").symlink_to(logs / "42_submission.sh")  # submitit keeps it
+    assert links_below(tmp_path) == []
+    (wandb / "debug-internal.log").symlink_to(tmp_path.parent)  # pointing out of them: planted
+    (logs / ".submission_file_2c3d.sh").symlink_to(tmp_path.parent / "victim")
+    assert links_below(tmp_path) == [logs / ".submission_file_2c3d.sh", wandb / "debug-internal.log"]
