@@ -122,15 +122,20 @@ def links_below(root: Path) -> list[Path]:
     return sorted(found)
 
 
+# The links W&B makes in its run folders (`wandb/latest-run`, `wandb/debug.log`, and in each run's logs
+# `debug-core.log`, to its own cache): it replaces them on every run and writes through none of ours.
+WANDB_LINKS = {"latest-run", "debug.log", "debug-internal.log", "debug-core.log"}
+
+
 def made_by_a_tool(link: Path) -> bool:
-    """A link W&B makes (`wandb/latest-run`, `wandb/debug.log`: in its folder, to inside it), or submitit
-    (`.submission_file_UUID.sh`, kept beside the `JOBID_submission.sh` it was renamed to)."""
-    if link.parent.name == "wandb" or link.name.startswith(".submission_file_") and link.suffix == ".sh":
-        inside = link.parent
-    else:
-        return False
-    target, inside = os.path.realpath(link), os.path.realpath(inside)
-    return os.path.commonpath([target, inside]) == inside
+    """A link W&B makes (WANDB_LINKS, below a `wandb` folder), or submitit (`.submission_file_UUID.sh`,
+    kept beside the `JOBID_submission.sh` it was renamed to, in the same folder)."""
+    if link.name in WANDB_LINKS and "wandb" in link.parent.parts:
+        return True
+    if link.name.startswith(".submission_file_") and link.suffix == ".sh":
+        target, inside = os.path.realpath(link), os.path.realpath(link.parent)
+        return os.path.commonpath([target, inside]) == inside
+    return False
 
 
 def naming(exc: OSError, path: Path) -> OSError:

@@ -75,8 +75,9 @@ def run(args) -> int:
         return 130
 
 
-# The verbs that write under the run and log roots, or start jobs that do.
-WRITING = {"launch", "retry_failed", "calibrate", "preflight", "report", "export", "cancel"}
+# The verbs that write under the run and log roots, or start jobs that do (--status too: it cancels jobs
+# that can never start and notes it in their job.json; --sync marks the W&B runs it uploaded).
+WRITING = {"launch", "retry_failed", "calibrate", "preflight", "report", "export", "cancel", "status", "sync"}
 
 
 def dispatch(request: LaunchRequest) -> int:

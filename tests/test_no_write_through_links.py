@@ -7,6 +7,8 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -57,7 +59,14 @@ def test_a_link_planted_at_anything_a_run_wrote_is_refused_by_every_writing_comm
     (victim / "folder" / "inside").write_text("precious too\n")
     before = fingerprint(victim)
     capsys.readouterr()
-    commands = (["--all"], ["--report"], ["--export", "one"], ["--cancel"], ["--all", "--retry-failed"])
+    commands = (
+        ["--all"],
+        ["--report"],
+        ["--export", "one"],
+        ["--cancel"],
+        ["--all", "--retry-failed"],
+        ["--status"],
+    )
     # Deepest first: a planted folder hides what is below it, which then is not planted itself.
     for path in sorted(written, key=lambda p: len(p.parts), reverse=True):
         aside = path.with_name(path.name + ".aside")
@@ -141,17 +150,28 @@ def test_a_job_refuses_a_link_planted_in_its_folder_after_its_launch(tmp_path):
 
 
 def test_the_links_wandb_and_submitit_make_themselves_are_no_planted_links(tmp_path):
-    wandb = tmp_path / "one" / "train" / "wandb"
-    (wandb / "offline-run-1" / "logs").mkdir(parents=True)
-    (wandb / "offline-run-1" / "logs" / "debug.log").write_text("")
-    (wandb / "latest-run").symlink_to("offline-run-1")
-    (wandb / "debug.log").symlink_to(wandb / "offline-run-1" / "logs" / "debug.log")
-    assert links_below(tmp_path) == []
+    # Found by the suite: submitit keeps .submission_file_UUID.sh in every SLURM job's log folder, and a
+    # real offline W&B run leaves latest-run, debug.log and its logs' debug-core.log (to W&B's own cache).
+    # In a process of its own: wandb.init in this one leaves state that changes later tests' W&B runs.
+    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_CONFIG_DIR": str(tmp_path / "wandb-config")}
+    script = (
+        "import sys, wandb; run = wandb.init(project='p', id='t-s-0', dir=sys.argv[1]); "
+        "run.log({'loss': 1.0}); run.finish()"
+    )
+    folder = tmp_path / "runs" / "one" / "train"
+    folder.mkdir(parents=True)
+    subprocess.run([sys.executable, "-c", script, str(folder)], env=env, check=True, capture_output=True)
+    runs = tmp_path / "runs"
+    made = [p for p in runs.rglob("*") if p.is_symlink()]
+    assert {p.name for p in made} >= {"latest-run", "debug.log"}
     logs = tmp_path / "logs" / "one" / "train"
     logs.mkdir(parents=True)
     (logs / "42_submission.sh").write_text("#!/bin/bash\n")
     (logs / ".submission_file_0a1b.sh").symlink_to(logs / "42_submission.sh")  # submitit keeps it
-    assert links_below(tmp_path) == []
-    (wandb / "debug-internal.log").symlink_to(tmp_path.parent)  # pointing out of them: planted
-    (logs / ".submission_file_2c3d.sh").symlink_to(tmp_path.parent / "victim")
-    assert links_below(tmp_path) == [logs / ".submission_file_2c3d.sh", wandb / "debug-internal.log"]
+    assert links_below(runs) == [] and links_below(tmp_path / "logs") == []
+    (tmp_path / "victim").write_text("precious\n")
+    offline = next((runs / "one" / "train" / "wandb").glob("offline-run-*"))
+    (offline / "files-elsewhere").symlink_to(tmp_path / "victim")  # not one W&B makes: planted
+    (logs / ".submission_file_2c3d.sh").symlink_to(tmp_path / "victim")  # out of its folder: planted
+    assert links_below(runs) == [offline / "files-elsewhere"]
+    assert links_below(tmp_path / "logs") == [logs / ".submission_file_2c3d.sh"]
