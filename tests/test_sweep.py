@@ -486,3 +486,16 @@ def test_nested_refuses_a_key_inside_a_value():
 )
 def test_each_point_knows_the_name_it_had_before_names_were_stable(block, name, before):
     assert [p.legacy for p in expand(block, name).points] == before
+
+
+def test_values_whose_texts_differ_only_in_case_are_refused_naming_both():
+    # One folder holds both on a case-insensitive disk (a laptop's local backend).
+    with pytest.raises(SweepError) as refused:
+        expand({"grid": {"model.name_or_path": ["abc", "ABC"]}}, "exp")
+    assert "differ only in case" in str(refused.value.errors) and "exp-mabc" in str(refused.value.errors)
+
+
+def test_list_values_whose_items_hold_underscores_keep_names_of_their_own():
+    # Joined by '_', ["q_proj"] and ["q", "proj"] would both read q_proj.
+    points = expand({"grid": {"adapter.target_modules": [["q_proj"], ["q", "proj"]]}}, "exp").points
+    assert len({p.suffix for p in points}) == 2
