@@ -96,7 +96,7 @@ def refuse_links(*roots: Path) -> None:
     a stage folder -> theirs) and make this launch, its jobs or the report write through it: every link
     below the run and log roots is refused before anything is written. A root that is itself a link is
     the user's choice and stays allowed."""
-    found = [link for root in roots for link in links_below(root)]
+    found = sorted({link for root in roots for link in links_below(root)})  # a log root inside the run root
     if found:
         message = (
             "is a symbolic link below the run or log root: a launch, its jobs or the report would write "

@@ -74,7 +74,7 @@ def submit(
     profile,
     request: LaunchRequest,
     pack: tuple[int, str] | None = None,
-    files: dict[str, Path] | None = None,
+    files: dict[str, str] | None = None,
 ) -> int:
     """Decide and submit under the run root's launch lock (a second launch waits, then finds the jobs
     queued); a local run keeps it until its jobs end. --wait follows SLURM jobs after letting it go.
@@ -119,12 +119,12 @@ def launch_decisions(plan: Plan, profile, request: LaunchRequest) -> list[Decisi
     return decisions
 
 
-def record_origins(plan: Plan, request: LaunchRequest, files: dict[str, Path]) -> None:
+def record_origins(plan: Plan, request: LaunchRequest, files: dict[str, str]) -> None:
     """Each experiment's YAML and folder (origin.json): a convenience for watching, never a reason to stop
     a launch."""
     for name, file in files.items():
         try:
-            record_origin(Path(plan.run_root) / name, file, request.config_dir)
+            record_origin(Path(plan.run_root) / name, Path(file), request.config_dir)
         except OSError as exc:
             err.print(
                 f"[yellow]warning:[/] cannot record where {name} came from ({exc.strerror}): "
@@ -170,8 +170,7 @@ def refuse_never_starting(jobs, files, profile, pack=None) -> None:
     def say(line: str) -> None:
         err.print(f"[yellow]warning:[/] {line}", highlight=False, soft_wrap=True)
 
-    names = {name: str(file) for name, file in (files or {}).items()}
-    if problems := cluster_problems(jobs, names, profile, say, pack=pack):
+    if problems := cluster_problems(jobs, files or {}, profile, say, pack=pack):
         raise ConfigError(problems)
 
 

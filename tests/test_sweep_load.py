@@ -137,16 +137,14 @@ def test_export_of_a_sweep_exports_each_of_its_points_not_a_missing_experiment(t
 
 
 # Issue 31, rule 5: one configuration trains once; names are stable.
-TEMPLATES = """\
-name: tpl
-model: {{name_or_path: org/model, kind: causal}}
-data: {{train: {data}, input_field: q, target_field: a}}
-eval: {{metrics: []}}
-resources: {{mem_gb: 4, cpus: 1}}
+TEMPLATES = (
+    SWEPT.split("sweep:")[0].replace("name: lr", "name: tpl")
+    + """\
 sweep:
   grid:
     data.prompt_template: ["Q: {{q}} ->", "{{q}} | SQL:"]
 """
+)
 
 
 def test_a_point_launched_under_its_old_name_keeps_it_and_a_new_point_gets_a_stable_one(tmp_path):

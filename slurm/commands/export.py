@@ -30,7 +30,7 @@ def export(request: LaunchRequest, profile) -> int:
         refuse_too_many_gpus(plan.jobs, files)
     if request.preflight:  # what is not trained yet is checked as a launch checks it
         run_preflight(plan, files, profile, show=False, as_json=False)
-    code = submit(plan, profile, request, None, {e.name: e.file for e in experiments})
+    code = submit(plan, profile, request, None, files)
     exports = [j for j in plan.jobs if j.kind == "export"]
     if code == 0 and request.backend == "local":
         out.print("Exported: " + ", ".join(f"{j.run_dir}/" for j in exports), highlight=False, soft_wrap=True)

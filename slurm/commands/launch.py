@@ -60,9 +60,7 @@ def loaded(request: LaunchRequest, profile) -> Loaded:
 def launch(request: LaunchRequest, profile) -> int:
     """--all/--exp and --retry-failed: submit what is not done, queued or running; a run that ended here
     (local, or --wait) with every job completed ends with the comparison the user ran it for."""
-    run = loaded(request, profile)
-    pack = requested_pack(request, profile)
-    code = submit(checked(run, request, profile), profile, request, pack, files_of(run))
+    run, code = submitted(request, profile)
     if code == 0 and (request.wait or request.backend == "local"):
         written = written_report(profile, request)
         out.print(f"All {len(run.plan.jobs)} job(s) completed. Report: {written[0]}", highlight=False)
@@ -71,9 +69,7 @@ def launch(request: LaunchRequest, profile) -> int:
 
 def calibrate(request: LaunchRequest, profile) -> int:
     """--calibrate: a few dozen steps of each experiment on the real GPUs, for the estimates."""
-    run = loaded(request, profile)
-    pack = requested_pack(request, profile)
-    code = submit(checked(run, request, profile), profile, request, pack, files_of(run))
+    _, code = submitted(request, profile)
     out.print(
         f"Calibration runs write their speed to {profile.run_dir}/speeds.jsonl as they end; then "
         "--dry-run estimates these experiments from it (source: calibrated).",
@@ -82,8 +78,11 @@ def calibrate(request: LaunchRequest, profile) -> int:
     return code
 
 
-def files_of(run: Loaded) -> dict[str, Path]:
-    return {e.name: e.file for e in run.experiments}
+def submitted(request: LaunchRequest, profile) -> tuple[Loaded, int]:
+    """Load, plan, check, submit (slurm/queueing.py): what a launch and a calibration share."""
+    run = loaded(request, profile)
+    pack = requested_pack(request, profile)
+    return run, submit(checked(run, request, profile), profile, request, pack, run.files)
 
 
 def checked(run: Loaded, request: LaunchRequest, profile) -> Plan:
