@@ -154,7 +154,7 @@ def hf_run(model_dir: Path, placement: Placement, epochs: int, users: bool) -> d
     timer = StepTimer()
     callbacks = [timer]
     if users:
-        prompts, _ = data_lib.prompts_and_targets(DATA.eval, DATA)
+        prompts, _ = data_lib.prompts_and_targets(DATA.eval, DATA, tokenizer, "causal")
         callbacks.append(GenerateEachEpoch(tokenizer, prompts))
     args = TrainingArguments(
         output_dir=tempfile.mkdtemp(),

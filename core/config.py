@@ -21,9 +21,9 @@ from pydantic import (
     model_validator,
 )
 
-from core import layout
+from core import chat_templates, layout
 from core.durations import TIME_FORMAT, slurm_seconds, slurm_time
-from core.names import DEFAULT_METRICS, METRICS, SPLITS, SQL_TIMEOUT_S, missing_inputs
+from core.names import DATA_FORMATS, DEFAULT_METRICS, METRICS, SPLITS, SQL_TIMEOUT_S, missing_inputs
 
 SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 # What SLURM accepts as partition, account and qos names (',' between several) and as a --constraint
@@ -134,6 +134,56 @@ class DataSpec(Section):
     image_field: str | None = Field(None, exclude_if=lambda value: value is None)
     min_pixels: Annotated[int, Field(ge=1)] | None = Field(None, exclude_if=lambda value: value is None)
     max_pixels: Annotated[int, Field(ge=1)] | None = Field(None, exclude_if=lambda value: value is None)
+    # How an example is written (core/conversations.py): `fields` (input_field, target_field,
+    # prompt_template) or a conversation: `messages` ([{role, content}], OpenAI/TRL), `sharegpt`
+    # ([{from, value}]), `alpaca` (instruction, input, output). Conversations are rendered with the model's
+    # chat template (or `chat_template`, a name in core/chat_templates or inline Jinja) and, by default,
+    # learn only the assistant turns (`train_on: all` learns every token). Each is left out of the spec
+    # (and so of its hash) at its default, as image_field: stages trained before these keys existed keep
+    # their identity.
+    format: Literal[DATA_FORMATS] = Field("fields", exclude_if=lambda value: value == "fields")
+    messages_field: str | None = Field(None, exclude_if=lambda value: value is None)
+    chat_template: str | None = Field(None, exclude_if=lambda value: value is None)
+    train_on: Literal["assistant", "all"] = Field("assistant", exclude_if=lambda value: value == "assistant")
+
+    @property
+    def conversation_field(self) -> str:
+        """The field holding each example's turns (messages / sharegpt)."""
+        return self.messages_field or {"sharegpt": "conversations"}.get(self.format, "messages")
+
+    @model_validator(mode="after")
+    def _keys_of_the_format(self):
+        if self.format == "fields":
+            written = [k for k in ("messages_field", "chat_template") if getattr(self, k) is not None]
+            written += ["train_on"] if self.train_on != "assistant" else []
+            if written:
+                raise ValueError(
+                    f"{', '.join(written)} {are(written)} for conversations (format: messages, sharegpt or alpaca); this "
+                    "data is format: fields (input_field, target_field, prompt_template): set data.format, or "
+                    "remove them"
+                )
+            return self
+        defaults = {"input_field": "input", "target_field": "target"}
+        written = [key for key, default in defaults.items() if getattr(self, key) != default]
+        written += ["prompt_template"] if self.prompt_template is not None else []
+        if written:
+            raise ValueError(
+                f"{', '.join(written)} {are(written)} for format: fields; a {self.format} example is rendered by the "
+                "model's chat template (data.chat_template to choose another): remove them"
+            )
+        if self.messages_field is not None and self.format == "alpaca":
+            raise ValueError(
+                "messages_field is for format: messages or sharegpt; alpaca examples have the fields "
+                "instruction, input (optional) and output"
+            )
+        return self
+
+    @field_validator("chat_template")
+    @classmethod
+    def _template_known_or_parses(cls, value):
+        if value is not None:
+            chat_templates.check(value)
+        return value
 
     @model_validator(mode="after")
     def _pixel_bounds_ordered(self):
@@ -507,6 +557,23 @@ class Experiment(Section):
             raise ValueError("adapter.train_vision is for model.kind image-text; remove it")
         return self
 
+    @model_validator(mode="after")
+    def _format_fits_the_model(self):
+        if self.model.kind != "seq2seq" or self.data.format == "fields":
+            return self
+        if self.data.format in ("messages", "sharegpt"):
+            raise ValueError(
+                f"data.format {self.data.format} is rendered with a chat template, and seq2seq models (T5) "
+                "have none: use format: alpaca (instruction and input → the encoder, output → the target) or "
+                "format: fields"
+            )
+        if self.data.chat_template is not None or self.data.train_on != "assistant":
+            raise ValueError(
+                "data.chat_template and train_on are for causal and image-text models: a seq2seq model reads "
+                "an alpaca example as input (instruction and input) and target (output); remove them"
+            )
+        return self
+
     @field_validator("stages")
     @classmethod
     def _unique_stages(cls, stages):
@@ -621,3 +688,7 @@ def placeholders(template: str) -> list[str]:
         raise ValueError(
             f"prompt_template does not parse ({exc}); write literal braces as '{{{{' and '}}}}'"
         ) from None
+
+
+def are(keys: list[str]) -> str:
+    return "is" if len(keys) == 1 else "are"

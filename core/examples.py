@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from core import conversations
 from core.config import DataSpec, placeholders
 
 TABLE_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
@@ -24,6 +25,28 @@ class ExampleError(ValueError):
         self.path, self.message, self.line = str(path), message, line
         super().__init__(f"{path}:{line}: {message}" if line else f"{path}: {message}")
 
+    @property
+    def errors(self) -> list[ExampleError]:
+        return [self]
+
+
+class ExampleErrors(ExampleError):
+    """Every malformed example of a file at once (conversations: each turn's mistakes, line by line)."""
+
+    def __init__(self, errors: list[ExampleError]):
+        first = errors[0]
+        super().__init__(first.path, first.message, first.line)
+        self.args = ("\n".join(str(e) for e in errors),)
+        self._errors = errors
+
+    @property
+    def errors(self) -> list[ExampleError]:
+        return self._errors
+
+
+# The most malformed examples one refusal lists; the count of the rest follows.
+MOST_LISTED = 20
+
 
 @dataclass(frozen=True)
 class TextSize:
@@ -34,9 +57,15 @@ class TextSize:
 
 
 def needed_fields(spec: DataSpec) -> list[str]:
-    inputs = placeholders(spec.prompt_template) if spec.prompt_template else [spec.input_field]
+    if spec.format == "alpaca":
+        texts = list(conversations.ALPACA_FIELDS)
+    elif spec.format != "fields":
+        texts = [spec.conversation_field]
+    else:
+        inputs = placeholders(spec.prompt_template) if spec.prompt_template else [spec.input_field]
+        texts = [*inputs, spec.target_field]
     images = [spec.image_field] if spec.image_field else []
-    return list(dict.fromkeys([*inputs, spec.target_field, *images]))
+    return list(dict.fromkeys([*texts, *images]))
 
 
 def image_path(row: dict, spec: DataSpec, data_file: Path | str) -> Path:
@@ -114,15 +143,8 @@ def numbered_lines(path: Path) -> Iterator[tuple[int, str]]:
                 ) from None
 
 
-def prompt_of(row: dict, spec: DataSpec) -> str:
-    if spec.prompt_template is None:
-        return str(row[spec.input_field])
-    return spec.prompt_template.format(**row)
-
-
 def text_size(rows: list[dict], spec: DataSpec) -> TextSize:
-    chars = sum(len(prompt_of(row, spec)) + len(str(row[spec.target_field])) for row in rows)
-    return TextSize(len(rows), chars)
+    return TextSize(len(rows), sum(conversations.chars(row, spec) for row in rows))
 
 
 def check_rows(rows: list[tuple[int, dict]], spec: DataSpec, path: Path) -> None:
@@ -130,6 +152,7 @@ def check_rows(rows: list[tuple[int, dict]], spec: DataSpec, path: Path) -> None
     if not rows:
         raise ExampleError(path, "has no examples (the file is empty)")
     needed = needed_fields(spec)
+    malformed = []
     for number, row in rows:
         missing = [field for field in needed if field not in row]
         if missing:
@@ -152,6 +175,14 @@ def check_rows(rows: list[tuple[int, dict]], spec: DataSpec, path: Path) -> None
                 f"image file not found: {image_path(row, spec, path)} (data.image_field "
                 f"{spec.image_field!r} = {row[spec.image_field]!r}, a path relative to the data file)",
             )
+        if spec.format != "fields":
+            malformed += [ExampleError(path, why, number) for why in conversations.problems(row, spec)]
+    if malformed:
+        listed = malformed[:MOST_LISTED]
+        if len(malformed) > MOST_LISTED:
+            more = f"and {len(malformed) - MOST_LISTED} more mistakes in this file"
+            listed.append(ExampleError(path, more, malformed[MOST_LISTED].line))
+        raise ExampleErrors(listed)
 
 
 def check_file(path: Path, spec: DataSpec) -> TextSize:
@@ -169,7 +200,8 @@ def check_file(path: Path, spec: DataSpec) -> TextSize:
         missing = [f for f in needed_fields(spec) if f not in columns]
         if missing:
             raise ExampleError(path, f"has no column {missing} (it has {sorted(columns)})")
-        rows = list(enumerate(pq.read_table(path, columns=needed_fields(spec)).to_pylist(), 1))
+        optional = ["input"] if spec.format == "alpaca" and "input" in columns else []
+        rows = list(enumerate(pq.read_table(path, columns=needed_fields(spec) + optional).to_pylist(), 1))
     else:
         rows = numbered_csv(path) if suffix == ".csv" else numbered_jsonl(path)
     check_rows(rows, spec, path)

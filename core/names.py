@@ -60,6 +60,9 @@ SCORES_OF = {
 REPORT_COLUMNS = {key: {"bertscore_f1": "bertscore"}.get(key, key) for key in SCORE_KEYS}
 # Splits an eval job may score: the eval data, or (opted into knowingly) the training data.
 SPLITS = ("eval", "train")
+# How examples are written (data.format, core/conversations.py): fields, or one of the conversations.
+CONVERSATIONS = ("messages", "sharegpt", "alpaca")
+DATA_FORMATS = ("fields", *CONVERSATIONS)
 
 # A model folder has a tokenizer when it has one of these (the hub cache check, the speed book's stamp).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "spiece.model", "tokenizer.model", "vocab.json")

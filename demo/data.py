@@ -3,7 +3,9 @@
     python -m demo.data [OUT_DIR]      # default OUT_DIR: data/demo
 
 writes `shop.db` and `sql/{train,dev,easy,medium,hard}.jsonl` (rows: id, question, schema, sql, difficulty),
-byte-identical on every run. easy + medium + hard is the train split cut by difficulty (a curriculum);
+and the same train and dev rows as conversations, `sql/chat-{train,dev}.jsonl` (data.format: messages: a
+system turn holding the schema, then question → SQL; in train, every pair of the first CHAT_PAIRED rows is
+one two-exchange conversation, a follow-up question in the same chat), byte-identical on every run. easy + medium + hard is the train split cut by difficulty (a curriculum);
 dev shares no question with train. Every gold query runs on shop.db. The SQL is short and in one canonical
 style (upper-case keywords, single quotes, aliases o/c/p in joins) so a tiny model learns it in a few epochs.
 
@@ -44,6 +46,8 @@ JOIN_C = "FROM orders o JOIN customers c ON o.customer_id = c.id"
 JOIN_P = "FROM orders o JOIN products p ON o.product_id = p.id"
 
 Pair = tuple[str, str]
+CHAT_PAIRED = 80  # train rows joined two by two into multi-turn conversations
+CHAT_SYSTEM = "Write one SQLite query for each question. Tables: {schema}"
 
 
 def table_rows(rng: random.Random) -> dict[str, list[tuple]]:
@@ -315,7 +319,27 @@ def build_demo_data(out_dir: Path) -> dict[str, Path]:
     for split, rows in splits.items():
         paths[split] = out_dir / "sql" / f"{split}.jsonl"
         write_jsonl(paths[split], rows)
+    for split in ("train", "dev"):
+        paths[f"chat-{split}"] = out_dir / "sql" / f"chat-{split}.jsonl"
+        write_jsonl(
+            paths[f"chat-{split}"], conversations(splits[split], CHAT_PAIRED if split == "train" else 0)
+        )
     return paths
+
+
+def conversations(rows: list[dict], paired: int) -> list[dict]:
+    """The rows as `messages` examples: the first `paired` rows two by two, the rest one by one."""
+    groups = [rows[i : i + 2] for i in range(0, paired, 2)] + [[row] for row in rows[paired:]]
+    chats = []
+    for group in groups:
+        messages = [{"role": "system", "content": CHAT_SYSTEM.format(schema=group[0]["schema"])}]
+        for row in group:
+            messages += [
+                {"role": "user", "content": row["question"]},
+                {"role": "assistant", "content": row["sql"]},
+            ]
+        chats.append({"id": "+".join(row["id"] for row in group), "messages": messages})
+    return chats
 
 
 def main(argv: list[str] | None = None) -> int:

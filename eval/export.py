@@ -247,8 +247,8 @@ def merged_and_checked(job: EvalJob, placement, min_agreement: float | None = No
     (for QLoRA then on the dequantized base), the merge, its outputs; ExportCheckFailed over a bound."""
     from eval.generate import load_for_eval
 
-    prompts, images = check_inputs(job)
     model, tokenizer = load_for_eval(job, placement)
+    prompts, images = check_inputs(job, tokenizer)
     references = {AS_TRAINED: greedy_outputs(model, tokenizer, job, prompts, images)}
     if job.adapter.method == "qlora":
         del model  # before the dequantized copy is loaded: both may not fit
@@ -279,6 +279,8 @@ def load_dequantized(job: EvalJob, placement):
     compute in (transformers' dequantize), in the order load_trained keeps: tokenizer, base, resize, adapter."""
     from peft import PeftModel
 
+    from core.conversations import templated
+    from eval.generate import stop_at_end_of_turn
     from train import vl
     from train.model import load_base, load_tokenizer
 
@@ -287,7 +289,10 @@ def load_dequantized(job: EvalJob, placement):
     vocabulary = len(vl.text_tokenizer(tokenizer))
     if vocabulary > base.get_input_embeddings().weight.shape[0]:
         base.resize_token_embeddings(vocabulary)
-    return PeftModel.from_pretrained(base, job.adapter_dir).eval(), tokenizer
+    model = PeftModel.from_pretrained(base, job.adapter_dir).eval()
+    if templated(job.data, job.model.kind):
+        stop_at_end_of_turn(model, tokenizer)
+    return model, tokenizer
 
 
 def readable(folder: Path) -> None:
@@ -338,12 +343,12 @@ def stage_spec(stage_dir: Path) -> TrainJob:
         raise ExportError(f"{RunDir(stage_dir).config}: not a training stage's spec ({exc})") from None
 
 
-def check_inputs(job: EvalJob) -> tuple[list[str], list[str] | None]:
+def check_inputs(job: EvalJob, tokenizer) -> tuple[list[str], list[str] | None]:
     """The first eval prompts (and their images), made as the eval job makes them."""
     from eval.job import image_paths
     from train.data import prompts_and_targets
 
-    prompts, _ = prompts_and_targets(job.source, job.data, limit=job.eval.limit)
+    prompts, _ = prompts_and_targets(job.source, job.data, tokenizer, job.model.kind, job.eval.limit)
     images = image_paths(job.source, job) if job.model.kind == "image-text" else None
     return prompts, images
 

@@ -11,8 +11,9 @@ import torch
 from transformers import GenerationConfig
 
 from core.config import EvalJob, EvalSpec
+from core.conversations import templated
 from core.rundir import RunDir
-from train import vl
+from train import chat, vl
 from train.device import Hardware, Placement, decide, ranks
 from train.model import load_base, load_tokenizer, load_trained
 
@@ -48,8 +49,22 @@ def load_for_eval(job: EvalJob, placement: Placement):
         model, tokenizer = load_trained(
             job.model, job.adapter_dir, quantize=job.adapter, placement=placement, data=job.data
         )
+    if templated(job.data, job.model.kind):
+        stop_at_end_of_turn(model, tokenizer)
     log.info("generating on %s (%s) in %s", placement.device, placement.device_name, placement.precision)
     return model.eval(), tokenizer
+
+
+def stop_at_end_of_turn(model, tokenizer) -> None:
+    """Generation ends at the chat template's end-of-turn token, as a chat endpoint's does: a base model
+    given a template (ChatML's <|im_end|> as an added token) has only its own eos in generation_config. The
+    export saves this generation_config with the merged model, so vLLM and Ollama stop there too."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    eos = base.generation_config.eos_token_id
+    eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    missing = [i for i in chat.end_of_turn_ids(tokenizer) if i not in eos]
+    if missing:
+        base.generation_config.eos_token_id = eos + missing
 
 
 def explicit_decoding(model, spec: EvalSpec) -> dict:
@@ -89,6 +104,8 @@ def framing_ids(model, tokenizer) -> set[int]:
     """Ids that frame an output rather than say anything: pad, bos, eos and the decoder start (T5: pad)."""
     ids = {tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id}
     ids.add(getattr(model.generation_config, "decoder_start_token_id", None))
+    eos = getattr(model.generation_config, "eos_token_id", None)  # an end-of-turn among them
+    ids.update(eos if isinstance(eos, list) else [eos])
     return {i for i in ids if i is not None}
 
 
@@ -129,12 +146,14 @@ def generated_batches(
     max_new_tokens: int,
     max_length: int | None = None,
     images: list[str] | None = None,
+    templated: bool = False,
 ) -> Iterator[tuple[list[int], list[str]]]:
     """(batch, its outputs) for each batch of prompt indices, generated on the model's device as asked for.
 
     Causal models pad on the left so every prompt ends where generation starts, and only the new tokens
-    are decoded. For image-text `tokenizer` is the processor, `images` the prompts' image files, and
-    prompts go through its chat template as in training (never truncated: that would cut image tokens).
+    are decoded. For image-text `tokenizer` is the processor and `images` the prompts' image files (never
+    truncated: that would cut image tokens). Chat prompts (`templated`, and every image-text one) come
+    rendered with their chat template, as in training (train/data.py prompts_and_targets).
     Decoding follows the model's generation_config: the eval job sets it (`explicit_decoding`).
     """
     processor, tokenizer = tokenizer, vl.text_tokenizer(tokenizer)
@@ -143,10 +162,7 @@ def generated_batches(
     for batch in batches:
         if kind == "image-text":
             encoded = vl.generation_inputs(
-                processor,
-                [vl.chat_prompt(processor, prompts[i]) for i in batch],
-                [images[i] for i in batch],
-                model.device,
+                processor, [prompts[i] for i in batch], [images[i] for i in batch], model.device
             )
         else:
             encoded = tokenizer(
@@ -155,7 +171,8 @@ def generated_batches(
                 padding=True,
                 truncation=max_length is not None,
                 max_length=max_length,
-                add_special_tokens=True,  # as in training (train/data.py encodes prompts the same way)
+                # as in training: a chat rendering holds its template's own bos (train/chat.py)
+                add_special_tokens=not templated,
             ).to(model.device)
         generated = model.generate(
             **encoded,

@@ -36,11 +36,11 @@ def run_eval(job: EvalJob, stop: threading.Event | None = None) -> dict | None:
     out = Path(job.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     source = job.source  # data.eval, or the training data when eval.split: train says so
-    prompts, references = prompts_and_targets(source, job.data, limit=job.eval.limit)
-    images = image_paths(source, job) if job.model.kind == "image-text" else None
     started = time.time()
     placement = eval_placement(job.adapter_dir)
-    model, tokenizer = load_for_eval(job, placement)
+    model, tokenizer = load_for_eval(job, placement)  # a chat prompt needs the tokenizer's template
+    prompts, references = prompts_and_targets(source, job.data, tokenizer, job.model.kind, job.eval.limit)
+    images = image_paths(source, job) if job.model.kind == "image-text" else None
     decoding = explicit_decoding(model, job.eval)
     loaded = time.time()
     partial = PartialPredictions(out, fingerprint(job, placement))
@@ -73,10 +73,13 @@ def run_eval(job: EvalJob, stop: threading.Event | None = None) -> dict | None:
 
 
 def generation_options(job: EvalJob) -> dict:
+    from core.conversations import templated
+
     return {
         "kind": job.model.kind,
         "num_beams": job.eval.num_beams,
         "max_new_tokens": job.eval.max_new_tokens,
+        "templated": templated(job.data, job.model.kind),
     }
 
 

@@ -7,13 +7,16 @@ imports torch: this runs on the login node before anything is queued.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from core import chat_templates
 from core.config import DataSpec, Experiment, StageSpec, TrainSpec, kind_mismatch
+from core.conversations import no_template_message, templated
 from core.databases import NotADatabaseError, check_database
 from core.examples import ExampleError, TextSize, check_file, needed_fields
 from core.files import read_json
@@ -139,6 +142,7 @@ def load_experiments(
                     + check_auto_time(experiment, stages, chain)
                     + check_select(experiment, member, chain)
                     + check_kind(experiment, chain)
+                    + check_chat_template(experiment, stages, chain)
                 )
                 problems += of_point(found, member)
                 loaded.append(LoadedExperiment(experiment, path, tuple(stages), member))
@@ -231,6 +235,21 @@ def check_kind(experiment: Experiment, chain: list[YamlFile]) -> list[Problem]:
         return []
     file, line = where(chain, ("model", "kind"))
     return [Problem(file, "model.kind", why, line)]
+
+
+def check_chat_template(experiment: Experiment, stages: list[Stage], chain: list[YamlFile]) -> list[Problem]:
+    """Conversations need a chat template: the model folder's own, or data.chat_template (a hub model's is
+    known on the node, where a missing one is refused the same way)."""
+    name = experiment.model.name_or_path
+    lacking = [
+        stage
+        for stage in stages
+        if templated(stage.data, experiment.model.kind) and stage.data.chat_template is None
+    ]
+    if not lacking or chat_templates.folder_has_template(Path(name)) is not False:
+        return []
+    file, line = where(chain, ("data", "format"))
+    return [Problem(file, "data.format", no_template_message(name, lacking[0].data.format), line)]
 
 
 def check_select(experiment: Experiment, member: SweepMember | None, chain: list[YamlFile]) -> list[Problem]:
@@ -345,6 +364,9 @@ def to_problem(error: dict, chain: list[YamlFile], prefix: tuple = ()) -> Proble
         )
     elif kind == "missing":
         message = "is required but missing"
+    elif kind == "literal_error" and isinstance(error.get("input"), str):
+        choices = re.findall(r"'([^']*)'", str(error.get("ctx", {}).get("expected", "")))
+        message = f"{message} (got {error['input']!r}){did_you_mean(error['input'], choices)}"
     elif kind == "finite_number":
         message = f"must be a finite number, not {error['input']!r} (YAML reads .inf and .nan as numbers)"
     elif "input" in error and kind not in ("value_error", "assertion_error"):
@@ -479,7 +501,7 @@ def read_examples(path: Path, spec: DataSpec) -> TextSize | ExampleError | OSErr
     experiments share it and whether validation or the estimates ask first."""
     try:
         stat = path.stat()
-        fields = (spec.prompt_template, *needed_fields(spec))  # the template's own text is counted too
+        fields = (spec.format, spec.prompt_template, *needed_fields(spec))  # the template's text counts too
         version = (str(path.resolve()), stat.st_mtime_ns, stat.st_size, fields)
         if version not in _read:
             _read[version] = _read_once(path, spec)
@@ -492,7 +514,7 @@ def check_examples(path: Path, spec: DataSpec, key: str) -> list[Problem]:
     """Malformed lines, missing fields and empty files are found now, not hours later on a node."""
     found = read_examples(path, spec)
     if isinstance(found, ExampleError):
-        return [Problem(found.path, "", f"{found.message} (used as {key})", found.line)]
+        return [Problem(e.path, "", f"{e.message} (used as {key})", e.line) for e in found.errors]
     if not isinstance(found, TextSize):
         return [Problem(str(path), "", f"cannot be read ({found})")]
     return []

@@ -15,6 +15,7 @@ import pytest
 from demo.data import SCHEMA, build_demo_data
 
 SPLITS = ("train", "dev", "easy", "medium", "hard")
+CHATS = ("chat-train", "chat-dev")  # train and dev as conversations (data.format: messages)
 FIELDS = ["id", "question", "schema", "sql", "difficulty"]
 
 
@@ -99,8 +100,8 @@ def test_the_schema_string_describes_the_db(shipped):
 
 def test_regenerating_gives_the_shipped_files(shipped, tmp_path):
     paths = build_demo_data(tmp_path / "demo")
-    assert set(paths) == {"db", *SPLITS}
-    for split in SPLITS:
+    assert set(paths) == {"db", *SPLITS, *CHATS}
+    for split in SPLITS + CHATS:
         assert paths[split].read_bytes() == (shipped / "sql" / f"{split}.jsonl").read_bytes(), split
     # The db's header records the SQLite library version, so against the shipped file compare contents;
     # two builds with the same library must still be the same bytes.
@@ -108,6 +109,15 @@ def test_regenerating_gives_the_shipped_files(shipped, tmp_path):
     again = build_demo_data(tmp_path / "again")
     assert again["db"].read_bytes() == paths["db"].read_bytes()
     assert not [p.name for p in (tmp_path / "demo").rglob("*") if p.name.endswith(".tmp")]
+
+
+def test_the_chats_hold_the_train_and_dev_rows_as_turns_some_with_a_follow_up(shipped, rows):
+    chats = {split: read_split(shipped, f"chat-{split}") for split in ("train", "dev")}
+    for split, conversations in chats.items():
+        answers = [t["content"] for chat in conversations for t in chat["messages"] if t["role"] == "assistant"]
+        assert answers == [row["sql"] for row in rows[split]], split  # every row once, in order
+    assert {len(chat["messages"]) for chat in chats["train"]} == {3, 5}  # one exchange or two, after the system
+    assert {len(chat["messages"]) for chat in chats["dev"]} == {3}  # each scored as its fields row is
 
 
 def dump(db_path: Path) -> list[str]:

@@ -86,7 +86,7 @@ def stage(tiny, tmp_path_factory):
 
 def eval_prompts() -> list[str]:
     """The first 8 prompts of the stages' eval data, as the eval job makes them."""
-    return prompts_and_targets(DATA.eval, DATA, limit=8)[0]
+    return prompts_and_targets(DATA.eval, DATA, None, "causal", 8)[0]
 
 
 def predictions(model, tokenizer, prompts: list[str], kind: str, spec: EvalSpec = CHECK, images=None):
@@ -234,7 +234,7 @@ def test_comparing_the_adapter_with_its_own_base_fails_the_check_with_the_figure
     stage_dir, _, _ = stage("causal-lora")
     model, tokenizer = adapter_on_base(tiny, stage_dir, "causal-lora")
     job = export.check_job(stage_dir, stage_dir / "unused", CHECK, check_prompts=8)
-    prompts, _ = export.check_inputs(job)
+    prompts, _ = export.check_inputs(job, tokenizer)
     with_adapter = export.greedy_outputs(model, tokenizer, job, prompts, None)
     with model.disable_adapter():
         without = export.greedy_outputs(model, tokenizer, job, prompts, None)
@@ -353,8 +353,8 @@ def test_an_image_text_export_loads_with_auto_classes_and_generates_as_the_adapt
     assert result.agreement == 1.0 and result.max_logit_diff < 1e-4
     assert "--mmproj" in (tmp_path / "export" / "mmproj.gguf").read_text()  # the vision part, on its own
     check = export.check_job(tmp_path / "stage", tmp_path / "unused", spec, check_prompts=8)
-    prompts, images = export.check_inputs(check)
     model, processor = load_for_eval(check, eval_placement(check.adapter_dir))
+    prompts, images = export.check_inputs(check, processor)
     as_trained = predictions(model, processor, prompts, "image-text", spec, images)
     merged = AutoModelForImageTextToText.from_pretrained(tmp_path / "export").eval()
     processor = AutoProcessor.from_pretrained(tmp_path / "export")

@@ -61,9 +61,9 @@ def test_the_demos_lora_and_qlora_exports_load_without_peft_and_predict_as_their
     for name, (kind, auto) in DEMO_EXPORTS.items():
         out = tmp_path / "runs" / name / "export"
         eval_job = EvalJob.model_validate(read_spec(tmp_path / "runs" / name / "eval"))
-        prompts = prompts_and_targets(eval_job.source, eval_job.data, limit=8)[0]
         merged = auto.from_pretrained(out).eval()  # no peft: a plain model
         tokenizer = AutoTokenizer.from_pretrained(out)
+        prompts = prompts_and_targets(eval_job.source, eval_job.data, tokenizer, kind, 8)[0]
         explicit_decoding(merged, eval_job.eval)
         options = {"num_beams": 1, "max_new_tokens": eval_job.eval.max_new_tokens, "batch_size": 8}
         ours = generate(merged, tokenizer, prompts, kind=kind, **options)

@@ -34,6 +34,7 @@ CROSSING = {
     ("eval.export", "train.data"),  # eval loads models and data as the trainer does
     ("eval.export", "train.model"),
     ("eval.export", "train.vl"),
+    ("eval.generate", "train.chat"),  # prompts rendered and stopped as in training
     ("eval.generate", "train.device"),
     ("eval.generate", "train.model"),
     ("eval.generate", "train.vl"),

@@ -114,7 +114,8 @@ def test_tiny_qwen_vl_reloads_through_the_auto_classes_and_generates_from_an_ima
     from transformers import AutoModelForImageTextToText
 
     from core.config import ModelSpec
-    from train.vl import chat_prompt, load_processor
+    from train.chat import rendered, with_image
+    from train.vl import load_processor
 
     processor = load_processor(str(built["tiny-qwen-vl"]), ModelSpec(name_or_path="x", kind="image-text"))
     model = AutoModelForImageTextToText.from_pretrained(built["tiny-qwen-vl"])
@@ -122,7 +123,9 @@ def test_tiny_qwen_vl_reloads_through_the_auto_classes_and_generates_from_an_ima
     assert 150_000 <= model.num_parameters() <= 270_000
     image = Image.open(repo_root / "data" / "demo" / "shapes" / "images" / "dev-red-circle-0.png")
     batch = processor(
-        text=[chat_prompt(processor, "What colour is the shape?")], images=[image], return_tensors="pt"
+        text=[rendered(processor, with_image([{"role": "user", "content": "What colour?"}]), True)],
+        images=[image],
+        return_tensors="pt",
     )
     image_pad = processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
     assert int((batch["input_ids"] == image_pad).sum()) == 4  # 56 x 56: 4 x 4 patches, merged 2 x 2

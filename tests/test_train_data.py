@@ -61,10 +61,12 @@ def test_csv_and_parquet_give_the_same_examples_as_jsonl(tmp_path):
         writer = csv.DictWriter(fh, fieldnames=columns)
         writer.writeheader()
         writer.writerows({c: r[c] for c in columns} for r in rows)
-    expected = data_lib.prompts_and_targets(str(SQL / "easy.jsonl"), DataSpec(**sql_data()), limit=5)
+    expected = data_lib.prompts_and_targets(
+        str(SQL / "easy.jsonl"), DataSpec(**sql_data()), None, "causal", 5
+    )
     for name in ("x.parquet", "x.csv"):
         spec = DataSpec(**sql_data(train=str(tmp_path / name)))
-        assert data_lib.prompts_and_targets(spec.train, spec) == expected, name
+        assert data_lib.prompts_and_targets(spec.train, spec, None, "causal") == expected, name
 
 
 def test_max_length_auto_is_the_smallest_multiple_of_8_that_cuts_nothing(tiny):

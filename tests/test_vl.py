@@ -36,6 +36,8 @@ def test_only_the_answer_is_learned_never_the_prompt_the_image_tokens_or_padding
     from train.vl import Collator, examples
 
     rows = examples(str(SHAPES / "dev.jsonl"), spec(), processor, limit=6)  # both questions, two lengths
+    lines = (SHAPES / "dev.jsonl").read_text().splitlines()[:6]
+    answers = [json.loads(line)["answer"] for line in lines]
     batch = Collator(processor)([rows[i] for i in range(len(rows))])
     tokenizer = processor.tokenizer
     image_pad = tokenizer.convert_tokens_to_ids("<|image_pad|>")
@@ -43,10 +45,11 @@ def test_only_the_answer_is_learned_never_the_prompt_the_image_tokens_or_padding
     for i, row in enumerate(rows):
         ids, labels, mask = batch["input_ids"][i], batch["labels"][i], batch["attention_mask"][i]
         learned = (labels != -100).nonzero().flatten()
-        # One block, right before the padding, that is the answer and the end of the turn, as the input has it.
+        # One block, the answer and the end of the turn as the input has it, then the newline ChatML puts
+        # between turns (not learnt: train/chat.py), then the padding.
         assert learned.numel() > 0 and bool((learned.diff() == 1).all())
-        assert int(learned[-1]) == int(mask.sum()) - 1
-        assert tokenizer.decode(labels[learned]) == row["target"] + "<|im_end|>"
+        assert int(learned[-1]) == int(mask.sum()) - 2 and tokenizer.decode(ids[int(learned[-1]) + 1]) == "\n"
+        assert tokenizer.decode(labels[learned]) == answers[i] + "<|im_end|>"
         assert bool((labels[learned] == ids[learned]).all())
         # Everything before it is -100: the system and user turns, the image and the assistant header.
         assert bool((labels[: int(learned[0])] == -100).all())
@@ -58,17 +61,38 @@ def test_only_the_answer_is_learned_never_the_prompt_the_image_tokens_or_padding
         )
         # The length counted from the image's size alone is the length of the encoded example.
         assert row["length"] == int(mask.sum())
-        # The prompt/answer split agrees with the chat template's own rendering of the whole conversation.
-        whole = [
-            {
-                "role": "user",
-                "content": [{"type": "image"}, {"type": "text", "text": "What colour and shape is this?"}],
-            },
-            {"role": "assistant", "content": [{"type": "text", "text": row["target"]}]},
-        ]
-        if "shape is this" in row["prompt"]:
-            rendered = processor.apply_chat_template(whole, tokenize=False)
-            assert rendered.startswith(row["prompt"] + row["target"] + "<|im_end|>")
+        # The text is the chat template's own rendering of the whole conversation, image first.
+        question = "What colour and shape is this?" if "shape is this" in row["text"] else None
+        if question:
+            whole = [
+                {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]},
+                {"role": "assistant", "content": [{"type": "text", "text": answers[i]}]},
+            ]
+            assert processor.apply_chat_template(whole, tokenize=False) == row["text"]
+
+
+def test_a_multi_turn_image_conversation_learns_every_answer_after_the_image(processor, tmp_path):
+    from train.vl import Collator, examples
+
+    image = str((SHAPES / "images").resolve() / sorted(p.name for p in (SHAPES / "images").iterdir())[0])
+    turns = [
+        {"role": "user", "content": "What colour is it?"},
+        {"role": "assistant", "content": "red"},
+        {"role": "user", "content": "And its shape?"},
+        {"role": "assistant", "content": "circle"},
+    ]
+    path = tmp_path / "chat.jsonl"
+    path.write_text(json.dumps({"image": image, "messages": turns}) + "\n")
+    data = DataSpec(train=str(path), image_field="image", format="messages")
+    rows = examples(str(path), data, processor)
+    batch = Collator(processor)([rows[0]])
+    labels, ids = batch["labels"][0], batch["input_ids"][0]
+    learned = (labels != -100).nonzero().flatten().tolist()
+    pieces = processor.tokenizer.decode(ids[learned])
+    assert pieces == "red<|im_end|>circle<|im_end|>"  # both answers, after the 4 image tokens, nothing else
+    image_pad = processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    assert max(i for i, t in enumerate(ids.tolist()) if t == image_pad) < learned[0]
+    assert rows[0]["length"] == len(ids)
 
 
 def lora_layers(model) -> list[str]:
@@ -139,7 +163,7 @@ def test_an_over_long_example_is_dropped_and_counted_never_cut(processor, tmp_pa
     assert dataset["length"][2] > 48 >= max(n for i, n in enumerate(dataset["length"]) if i != 2)
     assert lengths.inputs_truncated == 1
     kept = drop_too_long(dataset, lengths)
-    assert len(kept) == 4 and rows[2]["question"] not in " ".join(kept["prompt"])
+    assert len(kept) == 4 and rows[2]["question"] not in " ".join(kept["text"])
     # auto holds every example instead, the long one included
     assert choose_length(dataset, spec(train=str(data)), max_positions=512).inputs_truncated == 0
 

@@ -1,7 +1,9 @@
 """Examples → prompts → token ids, cached on disk under a key that changes with anything that matters.
 
 Causal LMs learn only the target: input = prompt + target + eos, prompt tokens labelled -100 (padding gets
--100 from the collator). Token ids are cached untruncated, and lengths are measured once, so
+-100 from the collator). Conversations (data.format messages, sharegpt, alpaca) are rendered with the model's
+chat template and learn only the assistant's answers (train/chat.py); a too-long one is cut after its last
+whole assistant turn that fits, and dropped (and counted) when not even its first does. Token ids are cached untruncated, and lengths are measured once, so
 `max_length: auto` can pick the smallest length that truncates nothing (up to the model's positions) instead
 of a blind 2048, and a new max_length reuses the cache (truncating is a cheap in-memory map). The examples
 the chosen lengths cut are counted, whichever way they were chosen.
@@ -20,8 +22,10 @@ from pathlib import Path
 import datasets
 
 from core.config import DataSpec
-from core.examples import check_file, check_rows, numbered_csv, numbered_jsonl, prompt_of
+from core.conversations import conversation, prompt_of, target_of, templated
+from core.examples import check_file, check_rows, numbered_csv, numbered_jsonl
 from core.hashing import CACHE_KEY_CHARS, content_hash
+from train import chat
 
 log = logging.getLogger("train.data")
 FIXED_LENGTHS = (128, 256, 512, 1024, 2048)
@@ -54,12 +58,36 @@ def read_rows(source: str, spec: DataSpec) -> list[dict]:
     return [row for _, row in (numbered_csv(path) if suffix == ".csv" else numbered_jsonl(path))]
 
 
-def prompts_and_targets(source: str, spec: DataSpec, limit: int | None = None) -> tuple[list[str], list[str]]:
+def prompts_and_targets(
+    source: str, spec: DataSpec, tokenizer, kind: str, limit: int | None = None
+) -> tuple[list[str], list[str]]:
+    """The eval's prompts and references. A conversation's prompt is its chat rendering up to the last
+    assistant turn with the generation prompt (what a chat endpoint sends), its reference that turn; an
+    image-text example's image is in its first user turn."""
     rows = read_rows(source, spec)[:limit]
-    return [prompt_of(r, spec) for r in rows], [str(r[spec.target_field]) for r in rows]
+    if not templated(spec, kind) and kind != "image-text":
+        return [prompt_of(r, spec) for r in rows], [target_of(r, spec) for r in rows]
+    pairs = [chat.eval_prompt(tokenizer, turns_of(row, spec, kind)) for row in rows]
+    return [prompt for prompt, _ in pairs], [reference for _, reference in pairs]
+
+
+def turns_of(row: dict, spec: DataSpec, kind: str) -> list[dict]:
+    turns = conversation(row, spec)
+    return chat.with_image(turns) if kind == "image-text" else turns
 
 
 # ---- tokens -------------------------------------------------------------------------------------------
+def encode_conversations(tokenizer, rows: list[dict], spec: DataSpec) -> dict[str, list]:
+    """Chat-rendered conversations; `turn_ends` says where each may be cut whole (see `truncate`)."""
+    encoded = [chat.encode(tokenizer, conversation(row, spec), spec.train_on) for row in rows]
+    return {
+        "input_ids": [e.input_ids for e in encoded],
+        "labels": [e.labels for e in encoded],
+        "length": [len(e.input_ids) for e in encoded],
+        "turn_ends": [e.turn_ends for e in encoded],
+    }
+
+
 def encode(tokenizer, prompts: list[str], targets: list[str], kind: str) -> dict[str, list]:
     """Token ids with no truncation; truncation comes later, once lengths are known."""
     if kind == "seq2seq":
@@ -114,6 +142,8 @@ def cache_key(source: str, spec: DataSpec, tokenizer, kind: str) -> str:
         spec.input_field,
         spec.target_field,
     ]
+    if spec.format != "fields":  # fields keys are as they were: caches made before formats stay valid
+        parts += [spec.format, spec.conversation_field, spec.train_on, chat.template_of(tokenizer)]
     return content_hash(parts, CACHE_KEY_CHARS)
 
 
@@ -124,15 +154,19 @@ def tokenized(source: str, spec: DataSpec, tokenizer, kind: str) -> datasets.Dat
     if (folder / "dataset_info.json").is_file():
         log.info("tokenized %s: from cache %s", source, folder)
         return datasets.load_from_disk(str(folder))
-    prompts, targets = prompts_and_targets(source, spec)
-    text = datasets.Dataset.from_dict({"prompt": prompts, "target": targets})
-    dataset = text.map(
-        lambda batch: encode(tokenizer, batch["prompt"], batch["target"], kind),
-        batched=True,
-        remove_columns=["prompt", "target"],
-        keep_in_memory=True,
-        new_fingerprint=key,  # the key already says what this is; hashing the tokenizer again is slow
-    )
+    if templated(spec, kind):
+        encoded = encode_conversations(tokenizer, read_rows(source, spec), spec)
+        dataset = datasets.Dataset.from_dict(encoded)
+    else:
+        prompts, targets = prompts_and_targets(source, spec, tokenizer, kind)
+        text = datasets.Dataset.from_dict({"prompt": prompts, "target": targets})
+        dataset = text.map(
+            lambda batch: encode(tokenizer, batch["prompt"], batch["target"], kind),
+            batched=True,
+            remove_columns=["prompt", "target"],
+            keep_in_memory=True,
+            new_fingerprint=key,  # the key already says what this is; hashing the tokenizer again is slow
+        )
     save_atomic(dataset, folder)
     log.info("tokenized %s: %d examples, cached in %s", source, len(dataset), folder)
     return datasets.load_from_disk(str(folder))
@@ -238,6 +272,9 @@ def truncate(dataset: datasets.Dataset, lengths: LengthReport, kind: str = "caus
     input_limit = lengths.max_length
     label_limit = lengths.max_target_length or lengths.max_length
     seq2seq = kind == "seq2seq"
+    if "turn_ends" in dataset.column_names:  # a conversation: the collator takes ids and labels only
+        cut_set = whole_turns(dataset, input_limit) if lengths.longest > input_limit else dataset
+        return cut_set.remove_columns("turn_ends")
     if lengths.longest <= input_limit and lengths.longest_target <= label_limit:
         return dataset
 
@@ -261,6 +298,41 @@ def truncate(dataset: datasets.Dataset, lengths: LengthReport, kind: str = "caus
             len(cut_set),
             input_limit,
         )
+    return kept
+
+
+def whole_turns(dataset: datasets.Dataset, limit: int) -> datasets.Dataset:
+    """Conversations cut after their last whole assistant turn within `limit` tokens; those whose first
+    answer does not fit are dropped, and both are counted (a turn cut mid-answer would teach the model to
+    stop mid-sentence, and one without its end-of-turn never to stop)."""
+
+    def cut_batch(batch):
+        for index, ends in enumerate(batch["turn_ends"]):
+            if batch["length"][index] <= limit:
+                continue
+            end = max((e for e in ends if e <= limit), default=0)
+            batch["input_ids"][index] = batch["input_ids"][index][:end]
+            batch["labels"][index] = batch["labels"][index][:end]
+            batch["length"][index] = end
+        return batch
+
+    cut_set = dataset.map(cut_batch, batched=True, keep_in_memory=True)
+    kept = cut_set.filter(lambda length: length > 0, input_columns="length")
+    cut = sum(1 for n in dataset["length"] if n > limit)
+    if len(kept) == 0:
+        raise ValueError(
+            f"max_length {limit} holds not even the first answer of any conversation (the shortest needs "
+            f"{min(min(e) for e in dataset['turn_ends'])} tokens): raise data.max_length or use 'auto'"
+        )
+    log.warning(
+        "%d of %d conversations are longer than max_length %d: %d cut after their last whole assistant turn "
+        "that fits, %d dropped (not even their first answer fits)",
+        cut,
+        len(dataset),
+        limit,
+        cut - (len(dataset) - len(kept)),
+        len(dataset) - len(kept),
+    )
     return kept
 
 

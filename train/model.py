@@ -21,7 +21,9 @@ from transformers import (
 )
 
 from core.config import AdapterSpec, DataSpec, ModelSpec
+from core.conversations import templated
 from train import vl
+from train.chat import use_template
 from train.device import TRAINABLE_DTYPE, Placement
 from train.hub_cache import fetch_hint, require_tokenizer_files
 
@@ -39,15 +41,19 @@ def model_class(kind: str):
 
 
 def load_tokenizer(source: str, spec: ModelSpec, data: DataSpec | None = None):
-    """The tokenizer; for image-text the processor (tokenizer + image processor, with data's pixel bounds)."""
+    """The tokenizer; for image-text the processor (tokenizer + image processor, with data's pixel bounds).
+    Conversations' chat template is set on it here (train/chat.py), so it is saved with the adapter."""
     if spec.kind == "image-text":
-        return vl.load_processor(source, spec, data)
-    revision = spec.revision if source == spec.name_or_path else None
-    with fetch_hint(source, revision):
-        tokenizer = AutoTokenizer.from_pretrained(source, revision=revision)
-    require_tokenizer_files(source, revision)
-    if tokenizer.pad_token is None:  # Llama-style tokenizers ship none; eos is the usual stand-in
-        tokenizer.pad_token = tokenizer.eos_token
+        tokenizer = vl.load_processor(source, spec, data)
+    else:
+        revision = spec.revision if source == spec.name_or_path else None
+        with fetch_hint(source, revision):
+            tokenizer = AutoTokenizer.from_pretrained(source, revision=revision)
+        require_tokenizer_files(source, revision)
+        if tokenizer.pad_token is None:  # Llama-style tokenizers ship none; eos is the usual stand-in
+            tokenizer.pad_token = tokenizer.eos_token
+    if data is not None and templated(data, spec.kind):
+        use_template(tokenizer, data, spec.name_or_path)
     return tokenizer
 
 

@@ -57,11 +57,15 @@ def meta_model(job: TrainJob, dtype: torch.dtype = torch.float32, tokenizer=None
 
 # ---- token lengths ----------------------------------------------------------------------------------
 @lru_cache(maxsize=32)
-def cached_tokenizer(name_or_path: str, revision: str | None, kind: str, pixels: tuple = (None, None)):
-    """The tokenizer (image-text: the processor, with its pixel bounds) once per process."""
+def cached_tokenizer(
+    name_or_path: str, revision: str | None, kind: str, pixels: tuple = (None, None), chat: tuple = ()
+):
+    """The tokenizer (image-text: the processor, with its pixel bounds) once per process; `chat`: the
+    data's (format, chat_template), whose template the job sets on it (train/chat.py)."""
     from core.config import DataSpec, ModelSpec
 
-    bounds = DataSpec(train="-", min_pixels=pixels[0], max_pixels=pixels[1])
+    rendering = dict(zip(("format", "chat_template"), chat, strict=False))
+    bounds = DataSpec(train="-", min_pixels=pixels[0], max_pixels=pixels[1], **rendering)
     return load_tokenizer(
         name_or_path, ModelSpec(name_or_path=name_or_path, kind=kind, revision=revision), bounds
     )
@@ -72,14 +76,22 @@ def tokenizer_or_reason(job: TrainJob):
     (load_tokenizer refuses a tokenizer without files, which would count a model with almost no vocabulary)."""
     try:  # fetched into the Hugging Face cache where this machine has network and HF_HUB_OFFLINE is unset
         pixels = (job.data.min_pixels, job.data.max_pixels)
-        return cached_tokenizer(job.model.name_or_path, job.model.revision, job.model.kind, pixels), None
+        chat = (job.data.format, job.data.chat_template) if job.data.format != "fields" else ()
+        return cached_tokenizer(
+            job.model.name_or_path, job.model.revision, job.model.kind, pixels, chat
+        ), None
     except (OSError, ValueError) as exc:
         return None, f"tokenizer of {job.model.name_or_path} not available here ({first_line(exc)})"
 
 
 def token_lengths(job: TrainJob, tokenizer, config) -> dict:
-    """max_length as the job will choose it (same cache, same choose_lengths), cuts and tokens per epoch."""
+    """max_length as the job will choose it (same cache, same choose_lengths), cuts and tokens per epoch.
+    The tokenizer holds model.added_tokens, as the job's does: a chat template's markers among them are one
+    token each, not a dozen characters."""
     kind = job.model.kind
+    if job.model.added_tokens:
+        tokenizer = copy.deepcopy(tokenizer)
+        vl.text_tokenizer(tokenizer).add_special_tokens({"additional_special_tokens": job.model.added_tokens})
     if kind == "image-text":  # the job's own count: prompt + image tokens + answer; over-long ones dropped
         dataset = vl.examples(job.data.train, job.data, tokenizer)
         lengths = vl.choose_length(dataset, job.data, max_positions(config))

@@ -1,11 +1,11 @@
 """Vision-language examples (`model.kind: image-text`): processor, chat prompts, lengths with the image
 tokens counted, the answer-only collator, and which layers LoRA may touch.
 
-An example is an image (data.image_field, a path relative to the data file), a question (the prompt template
-or input field) and an answer (target field). The prompt is the processor's chat template of one user turn,
-image then question, ending with the assistant header; the answer and the end-of-turn token follow. Prompt
-and answer are encoded apart, as train/data.py does for text, so the loss mask falls exactly on the answer:
-the system and user turns, every image token and the padding are -100.
+An example is an image (data.image_field, a path relative to the data file) and a conversation
+(core/conversations.py: a question and an answer as `fields`, or turns as `messages`/`sharegpt`/`alpaca`). The
+image leads the first user turn; the processor's chat template renders it, and train/chat.py labels the
+assistant's answers only, the same code as for text: the system and user turns, every image token and the
+padding are -100.
 
 Images are never cut: an example whose text and image tokens exceed max_length is dropped and counted
 (truncating through image tokens makes the processor raise mid-epoch). Lengths are known before any pixel is
@@ -32,7 +32,8 @@ from transformers import (
 )
 
 from core.config import DataSpec, ModelSpec
-from core.examples import image_path, prompt_of
+from core.examples import image_path
+from train import chat
 from train.data import FIXED_LENGTHS, LengthReport, round_up
 
 log = logging.getLogger("train.vl")
@@ -128,11 +129,6 @@ def text_tokenizer(tokenizer_or_processor):
     return getattr(tokenizer_or_processor, "tokenizer", tokenizer_or_processor)
 
 
-def chat_prompt(processor, text: str) -> str:
-    conversation = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}]}]
-    return processor.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
-
-
 def image_tokens(processor, path: Path) -> int:
     """How many image tokens the processor makes of this image, from its size alone (the file header)."""
     from PIL import Image
@@ -145,27 +141,25 @@ def image_tokens(processor, path: Path) -> int:
 
 # ---- examples and lengths -----------------------------------------------------------------------------
 def examples(source: str, spec: DataSpec, processor, limit: int | None = None) -> datasets.Dataset:
-    """One row per example: prompt (chat template applied), target, image (absolute path), length (prompt +
-    image + answer + end-of-turn tokens) and target_length (answer + end-of-turn)."""
-    from train.data import read_rows
+    """One row per example: text (the conversation through the processor's chat template, one image
+    placeholder in its first user turn), input_ids and labels of that text (answers only, train/chat.py),
+    image (absolute path), length (text + image tokens) and target_length (labelled tokens)."""
+    from train.data import read_rows, turns_of
 
-    tokenizer = processor.tokenizer
     rows = read_rows(source, spec)[:limit]
-    prompts = [chat_prompt(processor, prompt_of(row, spec)) for row in rows]
-    targets = [str(row[spec.target_field]) for row in rows]
+    turns = [turns_of(row, spec, "image-text") for row in rows]
+    encoded = [chat.encode(processor, t, spec.train_on) for t in turns]
     images = [str(image_path(row, spec, source).resolve()) for row in rows]
     # The template holds one image placeholder; the processor expands it to the image's tokens.
-    prompt_lengths = [len(ids) - 1 for ids in tokenizer(prompts, add_special_tokens=False)["input_ids"]]
-    target_lengths = [len(ids) + 1 for ids in tokenizer(targets, add_special_tokens=False)["input_ids"]]
     image_lengths = [image_tokens(processor, Path(path)) for path in images]
-    lengths = [p + i + t for p, i, t in zip(prompt_lengths, image_lengths, target_lengths, strict=True)]
     return datasets.Dataset.from_dict(
         {
-            "prompt": prompts,
-            "target": targets,
+            "text": [chat.rendered(processor, t) for t in turns],
+            "input_ids": [e.input_ids for e in encoded],
+            "labels": [e.labels for e in encoded],
             "image": images,
-            "length": lengths,
-            "target_length": target_lengths,
+            "length": [len(e.input_ids) - 1 + n for e, n in zip(encoded, image_lengths, strict=True)],
+            "target_length": [sum(1 for x in e.labels if x != -100) for e in encoded],
         }
     )
 
@@ -219,20 +213,28 @@ class Collator:
         self.multiple = pad_to_multiple_of or 1
 
     def encode(self, row: dict) -> dict:
+        """The row's text through the processor, which expands the image placeholder to the image's tokens;
+        labels are the row's, shifted by the tokens the image added (every answer follows the image)."""
         from PIL import Image
 
         with Image.open(row["image"]) as image:
-            encoded = self.processor(text=[row["prompt"]], images=[image.convert("RGB")], return_tensors="pt")
-        answer = self.tokenizer(row["target"], add_special_tokens=False)["input_ids"] + [
-            self.tokenizer.eos_token_id
-        ]
-        prompt = encoded["input_ids"][0].tolist()
+            encoded = self.processor(text=[row["text"]], images=[image.convert("RGB")], return_tensors="pt")
+        ids, labels = encoded["input_ids"][0].tolist(), row["labels"]
         types = encoded.get("mm_token_type_ids")
-        types = types[0].tolist() if types is not None else [0] * len(prompt)
+        image_id = getattr(self.processor, "image_token_id", None)
+        types = types[0].tolist() if types is not None else [int(i == image_id) for i in ids]
+        added = len(ids) - len(row["input_ids"])
+        first_answer = next(i for i, label in enumerate(labels) if label != -100)
+        if added < 0 or ids[added + first_answer :] != row["input_ids"][first_answer:]:
+            raise ValueError(f"{row['image']}: the processor's tokens differ from the chat rendering's")
+        if first_answer == 0:  # train_on: all: every text token, none of the image's
+            labels = [-100 if is_image else i for i, is_image in zip(ids, types, strict=True)]
+        else:
+            labels = [-100] * added + labels
         return {
-            "input_ids": prompt + answer,
-            "labels": [-100] * len(prompt) + answer,
-            "mm_token_type_ids": types + [0] * len(answer),
+            "input_ids": ids,
+            "labels": labels,
+            "mm_token_type_ids": types,
             "pixel_values": encoded["pixel_values"],
             "image_grid_thw": encoded["image_grid_thw"],
         }

@@ -1,0 +1,265 @@
+"""Conversations as users have them: each format reads to the same turns, malformed examples are refused at
+their line, and the chat template's rendering is labelled on the assistant's answers only, exactly.
+
+The templates are the verbatim ones of Qwen2.5-Instruct (ChatML) and Llama-3.1-Instruct
+(tests/fixtures/chat_templates, copied from their tokenizer_config.json), set on the tiny demo tokenizer with
+their markers added as special tokens. The token positions below were checked by hand on the printed
+tokens of the rendering (`" ".join(f"{i}:{tok.decode([t])!r}" ...)`)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import datasets
+import pytest
+from transformers import AutoTokenizer
+
+from core.config import DataSpec, Experiment
+from core.conversations import conversation, problems
+from core.examples import ExampleError, check_file
+from train import chat
+from train import data as data_lib
+
+TEMPLATES = Path(__file__).parent / "fixtures" / "chat_templates"
+CHATML_TOKENS = ["<|im_start|>", "<|im_end|>"]
+LLAMA3_TOKENS = ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+THREE_TURNS = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "how many?"},
+    {"role": "assistant", "content": "SELECT 1"},
+    {"role": "user", "content": "and two?"},
+    {"role": "assistant", "content": "SELECT 2"},
+]
+
+
+def tokenizer_with(template: str, tokens: list[str], repo_root: Path):
+    tokenizer = AutoTokenizer.from_pretrained(repo_root / "models" / "tiny-llama")
+    tokenizer.add_special_tokens({"additional_special_tokens": tokens})
+    tokenizer.chat_template = template
+    return tokenizer
+
+
+@pytest.fixture
+def qwen(tiny, repo_root):
+    return tokenizer_with((TEMPLATES / "qwen2.5-instruct.jinja").read_text(), CHATML_TOKENS, repo_root)
+
+
+@pytest.fixture
+def llama(tiny, repo_root):
+    return tokenizer_with((TEMPLATES / "llama-3.1-instruct.jinja").read_text(), LLAMA3_TOKENS, repo_root)
+
+
+def labelled(encoded: chat.Encoded) -> list[int]:
+    return [i for i, label in enumerate(encoded.labels) if label != -100]
+
+
+# ---- the label mask, by hand ----------------------------------------------------------------------------
+def test_chatml_labels_each_answer_and_its_im_end_but_never_the_newline_after_or_the_header(qwen):
+    encoded = chat.encode(qwen, THREE_TURNS)
+    # 26-33: <|im_start|> a s s i st an t \n (the header, given by the generation prompt); 34 SELECT, 35 ' 1',
+    # 36 <|im_end|>; 37 the newline between turns. The second answer: 58 SELECT, 59 ' 2', 60 <|im_end|>, 61 \n.
+    assert labelled(encoded) == [34, 35, 36, 58, 59, 60]
+    assert len(encoded.input_ids) == 62 and qwen.decode(encoded.input_ids[61:]) == "\n"
+    assert [qwen.decode(encoded.input_ids[a : b + 1]) for a, b in ((34, 36), (58, 60))] == [
+        "SELECT 1<|im_end|>",
+        "SELECT 2<|im_end|>",
+    ]
+    assert encoded.labels[34:37] == encoded.input_ids[34:37]  # labels are the ids themselves (shifted by HF)
+    assert encoded.turn_ends == [38, 62]  # through each assistant turn's separator
+
+
+def test_llama31_labels_each_answer_and_its_eot_id_and_not_its_dated_system_header(llama):
+    encoded = chat.encode(llama, THREE_TURNS)
+    # 0 <s> (the template's own bos_token, once), 1-58 the system turn with its dates; 69-78 the assistant
+    # header <|start_header_id|> assistant <|end_header_id|> \n \n; 79 SELECT, 80 ' 1', 81 <|eot_id|>.
+    assert labelled(encoded) == [79, 80, 81, 105, 106, 107]
+    assert encoded.input_ids.count(llama.bos_token_id) == 1
+    assert llama.decode(encoded.input_ids[105:108]) == "SELECT 2<|eot_id|>"
+    assert encoded.turn_ends == [82, 108]
+
+
+def test_train_on_all_learns_every_token(qwen):
+    encoded = chat.encode(qwen, THREE_TURNS, train_on="all")
+    assert encoded.labels == encoded.input_ids
+
+
+@pytest.mark.parametrize("which", ["qwen", "llama"])
+def test_the_eval_prompt_is_the_training_rendering_up_to_the_last_answer(which, request):
+    tokenizer = request.getfixturevalue(which)
+    prompt, reference = chat.eval_prompt(tokenizer, THREE_TURNS)
+    full = chat.rendered(tokenizer, THREE_TURNS)
+    assert reference == "SELECT 2"
+    assert full.startswith(prompt) and full[len(prompt) :].startswith("SELECT 2")
+    # ... and in tokens: the answer's labelled tokens start right where the prompt's tokens end.
+    prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    encoded = chat.encode(tokenizer, THREE_TURNS)
+    assert encoded.input_ids[: len(prompt_ids)] == prompt_ids
+    assert labelled(encoded)[-3] == len(prompt_ids)
+
+
+def test_qwen3s_template_drops_earlier_think_blocks_so_it_is_refused_naming_train_on(tiny, repo_root):
+    tokenizer = tokenizer_with((TEMPLATES / "qwen3.jinja").read_text(), CHATML_TOKENS, repo_root)
+    with pytest.raises(chat.ChatTemplateError, match="train_on: all"):
+        chat.encode(tokenizer, THREE_TURNS)
+    assert chat.encode(tokenizer, THREE_TURNS, train_on="all").labels  # learnt whole, as asked
+
+
+MARKED_CHATML = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['role'] == 'assistant' %}{% generation %}{{ message['content'] }}<|im_end|>\n{% endgeneration %}"
+    "{% else %}{{ message['content'] }}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_generation_markers_give_the_same_labels_as_prefix_rendering_less_the_newline(tiny, repo_root):
+    marked = tokenizer_with(MARKED_CHATML, CHATML_TOKENS, repo_root)
+    plain = tokenizer_with(
+        MARKED_CHATML.replace("{% generation %}", "").replace("{% endgeneration %}", ""),
+        CHATML_TOKENS,
+        repo_root,
+    )
+    # The markers hold the newline after <|im_end|>; it is whitespace between turns and is not learnt.
+    assert chat.encode(marked, THREE_TURNS) == chat.encode(plain, THREE_TURNS)
+
+
+UNSTABLE_MARKED = MARKED_CHATML.replace(
+    "{% generation %}", "{% if loop.last %}(final) {% endif %}{% generation %}"
+)
+
+
+def test_a_template_that_is_not_prefix_stable_is_labelled_by_its_markers(tiny, repo_root):
+    tokenizer = tokenizer_with(UNSTABLE_MARKED, CHATML_TOKENS, repo_root)
+    encoded = chat.encode(tokenizer, THREE_TURNS)
+    answers = [tokenizer.decode([encoded.input_ids[i]]) for i in labelled(encoded)]
+    assert "".join(answers) == "SELECT 1<|im_end|>SELECT 2<|im_end|>"
+
+
+def test_the_end_of_turn_token_is_where_generation_stops(qwen, llama):
+    assert chat.end_of_turn_ids(qwen) == [qwen.convert_tokens_to_ids("<|im_end|>")]
+    assert chat.end_of_turn_ids(llama) == [llama.convert_tokens_to_ids("<|eot_id|>")]
+
+
+def test_a_model_without_a_template_is_refused_with_the_fix(tiny, repo_root):
+    tokenizer = AutoTokenizer.from_pretrained(repo_root / "models" / "tiny-llama")
+    with pytest.raises(chat.ChatTemplateError, match="data.chat_template"):
+        chat.use_template(tokenizer, DataSpec(train="x.jsonl", format="messages"), "tiny-llama")
+    chat.use_template(tokenizer, DataSpec(train="x.jsonl", format="messages", chat_template="chatml"), "x")
+    assert "<|im_start|>" in tokenizer.chat_template
+
+
+# ---- formats --------------------------------------------------------------------------------------------
+ONE_EXCHANGE = [{"role": "user", "content": "Do\n\nthis"}, {"role": "assistant", "content": "done"}]
+
+
+@pytest.mark.parametrize(
+    ("spec", "row"),
+    [
+        (
+            {"format": "fields", "prompt_template": "{a}\n\n{b}", "target_field": "c"},
+            {"a": "Do", "b": "this", "c": "done"},
+        ),
+        ({"format": "messages"}, {"messages": ONE_EXCHANGE}),
+        ({"format": "messages", "messages_field": "chat"}, {"chat": ONE_EXCHANGE}),
+        (
+            {"format": "sharegpt"},
+            {"conversations": [{"from": "human", "value": "Do\n\nthis"}, {"from": "gpt", "value": "done"}]},
+        ),
+        ({"format": "alpaca"}, {"instruction": "Do", "input": "this", "output": "done"}),
+    ],
+    ids=["fields", "messages", "messages-field", "sharegpt", "alpaca"],
+)
+def test_each_format_reads_to_the_same_conversation(spec, row):
+    data = DataSpec(train="x.jsonl", **spec)
+    if data.format != "fields":  # fields are checked by their presence (core/examples.py)
+        assert problems(row, data) == []
+    assert conversation(row, data) == ONE_EXCHANGE
+
+
+def test_alpaca_without_input_is_the_instruction_alone():
+    data = DataSpec(train="x.jsonl", format="alpaca")
+    row = {"instruction": "List cities", "input": "", "output": "SELECT city FROM customers"}
+    assert conversation(row, data)[0] == {"role": "user", "content": "List cities"}
+
+
+def test_every_malformed_conversation_is_refused_at_its_line_at_once(tmp_path):
+    rows = [
+        {"messages": ONE_EXCHANGE},
+        {"messages": [{"role": "usr", "content": "q"}, {"role": "assistant", "content": "a"}]},
+        {"messages": []},
+        {"messages": [{"role": "user", "content": "q"}]},
+        {"messages": [{"role": "user", "content": ["an", "image"]}, {"role": "assistant", "content": "a"}]},
+        {"messages": "hello"},
+    ]
+    path = tmp_path / "chat.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    with pytest.raises(ExampleError) as caught:
+        check_file(path, DataSpec(train=str(path), format="messages"))
+    found = [(error.line, error.message) for error in caught.value.errors]
+    assert [line for line, _ in found] == [2, 3, 4, 5, 6]
+    assert "unknown role 'usr' (did you mean 'user'?)" in found[0][1]
+    assert "is empty" in found[1][1]
+    assert "no assistant turn" in found[2][1]
+    assert "messages[0].content is not text (list)" in found[3][1]
+    assert "must be a list of turns" in found[4][1]
+
+
+def test_seq2seq_refuses_messages_but_reads_alpaca_as_input_and_target():
+    model = {"name_or_path": "t5", "kind": "seq2seq"}
+    with pytest.raises(ValueError, match="format: alpaca"):
+        Experiment(name="x", model=model, data={"train": "x.jsonl", "format": "messages"})
+    experiment = Experiment(name="x", model=model, data={"train": "x.jsonl", "format": "alpaca"})
+    assert not chat_rendered(experiment)
+
+
+def chat_rendered(experiment: Experiment) -> bool:
+    from core.conversations import templated
+
+    return templated(experiment.data, experiment.model.kind)
+
+
+def test_a_prompt_template_with_a_conversation_format_is_a_clear_error():
+    with pytest.raises(ValueError, match="prompt_template is for format: fields"):
+        DataSpec(train="x.jsonl", format="messages", prompt_template="{q}")
+
+
+# ---- downstream: cache, lengths, truncation ------------------------------------------------------------
+def write_chats(path: Path, chats: list[list[dict]]) -> str:
+    path.write_text("".join(json.dumps({"messages": turns}) + "\n" for turns in chats))
+    return str(path)
+
+
+def test_tokenized_conversations_carry_answer_only_labels_and_the_cache_knows_the_template(
+    qwen, tmp_path, monkeypatch
+):
+    monkeypatch.setenv("LORA_CACHE_DIR", str(tmp_path / "cache"))
+    source = write_chats(tmp_path / "c.jsonl", [THREE_TURNS, THREE_TURNS[1:3]])
+    spec = DataSpec(train=source, format="messages")
+    dataset = data_lib.tokenized(source, spec, qwen, "causal")
+    assert dataset[0]["labels"] == chat.encode(qwen, THREE_TURNS).labels
+    key = data_lib.cache_key(source, spec, qwen, "causal")
+    qwen.chat_template = qwen.chat_template.replace("You are Qwen", "You are Q")
+    assert data_lib.cache_key(source, spec, qwen, "causal") != key  # another template: tokenized again
+    all_tokens = spec.model_copy(update={"train_on": "all"})
+    assert data_lib.cache_key(source, all_tokens, qwen, "causal") != data_lib.cache_key(
+        source, spec, qwen, "causal"
+    )
+
+
+def test_a_too_long_conversation_keeps_its_whole_turns_from_the_start_or_is_dropped(
+    qwen, tmp_path, monkeypatch
+):
+    monkeypatch.setenv("LORA_CACHE_DIR", str(tmp_path / "cache"))
+    long_first = [{"role": "user", "content": "x" * 200}, {"role": "assistant", "content": "a"}]
+    source = write_chats(tmp_path / "c.jsonl", [THREE_TURNS, long_first, THREE_TURNS[:3]])
+    spec = DataSpec(train=source, format="messages", max_length=40)
+    dataset = data_lib.tokenized(source, spec, qwen, "causal")
+    lengths = data_lib.choose_lengths(dataset, spec, "causal")
+    cut = data_lib.truncate(dataset, lengths, "causal")
+    # THREE_TURNS (62 tokens) is cut after its first exchange (38: through its separator); the 200-x
+    # question cannot hold even its first answer and is dropped; the one-exchange chat (38) is kept whole.
+    assert cut["length"] == [38, 38]
+    assert cut[0]["input_ids"] == chat.encode(qwen, THREE_TURNS).input_ids[:38]
+    assert "turn_ends" not in cut.column_names  # the collator takes ids and labels only
+    assert isinstance(cut, datasets.Dataset)
