@@ -114,9 +114,12 @@ def test_regenerating_gives_the_shipped_files(shipped, tmp_path):
 def test_the_chats_hold_the_train_and_dev_rows_as_turns_some_with_a_follow_up(shipped, rows):
     chats = {split: read_split(shipped, f"chat-{split}") for split in ("train", "dev")}
     for split, conversations in chats.items():
-        answers = [t["content"] for chat in conversations for t in chat["messages"] if t["role"] == "assistant"]
+        answers = [
+            t["content"] for chat in conversations for t in chat["messages"] if t["role"] == "assistant"
+        ]
         assert answers == [row["sql"] for row in rows[split]], split  # every row once, in order
-    assert {len(chat["messages"]) for chat in chats["train"]} == {3, 5}  # one exchange or two, after the system
+    # After the system turn, one exchange or two.
+    assert {len(chat["messages"]) for chat in chats["train"]} == {3, 5}
     assert {len(chat["messages"]) for chat in chats["dev"]} == {3}  # each scored as its fields row is
 
 
