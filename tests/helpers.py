@@ -223,6 +223,8 @@ DEMO_JOBS = {
     "shapes-vl-qlora-curriculum/colours",
     "shapes-vl-qlora-curriculum/shapes",
     "shapes-vl-qlora-curriculum/eval",
+    "sql-llama-chat/train",
+    "sql-llama-chat/eval",
 }
 
 

@@ -9,18 +9,25 @@ tokens of the rendering (`" ".join(f"{i}:{tok.decode([t])!r}" ...)`)."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import datasets
 import pytest
 from transformers import AutoTokenizer
 
+import launch
 from core.config import DataSpec, Experiment
 from core.conversations import conversation, problems
 from core.examples import ExampleError, check_file
+from tests.helpers import configs
 from train import chat
 from train import data as data_lib
 
+REPO = Path(__file__).resolve().parent.parent
 TEMPLATES = Path(__file__).parent / "fixtures" / "chat_templates"
 CHATML_TOKENS = ["<|im_start|>", "<|im_end|>"]
 LLAMA3_TOKENS = ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
@@ -263,3 +270,44 @@ def test_a_too_long_conversation_keeps_its_whole_turns_from_the_start_or_is_drop
     assert cut[0]["input_ids"] == chat.encode(qwen, THREE_TURNS).input_ids[:38]
     assert "turn_ends" not in cut.column_names  # the collator takes ids and labels only
     assert isinstance(cut, datasets.Dataset)
+
+
+# ---- refused before anything is queued -------------------------------------------------------------------
+CHAT_EXPERIMENT = """\
+name: chat
+inherits: _tiny-sql.yaml
+model: {{name_or_path: {model}}}
+data: {{train: {train}, format: messages, input_field: input, target_field: target, prompt_template: null}}
+"""
+
+
+def chat_configs(tmp_path: Path, model: str) -> Path:
+    folder = configs(tmp_path, REPO)
+    train = write_chats(tmp_path / "chat.jsonl", [THREE_TURNS])
+    (folder / "chat.yaml").write_text(CHAT_EXPERIMENT.format(model=model, train=train))
+    return folder
+
+
+def test_a_local_model_folder_without_a_template_is_refused_at_data_format(tiny, tmp_path, capsys):
+    folder = chat_configs(tmp_path, str(REPO / "models" / "tiny-llama"))
+    assert launch.main(["--all", "--config-dir", str(folder), "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert "chat.yaml:4: data.format:" in err and "has none (a base model)" in err and "chat_template" in err
+
+
+def test_a_hub_model_without_a_template_is_refused_by_preflight_once_its_tokenizer_is_here(tiny, tmp_path):
+    """The login node knows a hub model's tokenizer once preflight fetched it: it is refused then, before
+    anything is queued, not on the node after hours in the queue."""
+    snapshot = tmp_path / "hub" / "models--org--base-llama" / "snapshots" / ("0" * 40)
+    shutil.copytree(REPO / "models" / "tiny-llama", snapshot)
+    (snapshot.parents[1] / "refs").mkdir()
+    (snapshot.parents[1] / "refs" / "main").write_text("0" * 40)
+    folder = chat_configs(tmp_path, "org/base-llama")
+    # huggingface_hub reads HF_HUB_CACHE once, at import: the launch runs in a process of its own.
+    env = os.environ | {"HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
+    env["LORA_CACHE_DIR"] = str(tmp_path / "cache")
+    argv = [sys.executable, "launch.py", "--all", "--config-dir", str(folder), "--preflight"]
+    done = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr
+    assert "chat/train: the job would fail at its start: data.format:" in done.stderr
+    assert "data.chat_template" in done.stderr and "Traceback" not in done.stderr

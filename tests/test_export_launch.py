@@ -13,6 +13,7 @@ import pytest
 from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer
 
 import launch
+from core import chat_templates
 from core.config import EvalJob
 from core.rundir import job_records, read_spec
 from eval.generate import explicit_decoding, generate
@@ -31,9 +32,10 @@ resources: {{mem_gb: 2}}
 """
 
 
-DEMO_EXPORTS = {  # the demo's LoRA and QLoRA experiments: their kind, and their last stage's folder
+DEMO_EXPORTS = {  # the demo's LoRA, QLoRA and chat experiments: their kind, and their last stage's folder
     "sql-t5-lora": ("seq2seq", AutoModelForSeq2SeqLM),
     "sql-llama-qlora-curriculum": ("causal", AutoModelForCausalLM),
+    "sql-llama-chat": ("causal", AutoModelForCausalLM),
 }
 
 
@@ -65,7 +67,13 @@ def test_the_demos_lora_and_qlora_exports_load_without_peft_and_predict_as_their
         tokenizer = AutoTokenizer.from_pretrained(out)
         prompts = prompts_and_targets(eval_job.source, eval_job.data, tokenizer, kind, 8)[0]
         explicit_decoding(merged, eval_job.eval)
+        templated = eval_job.data.format == "messages"
+        if templated:  # the chat template and its end-of-turn travel with the model, for vLLM and Ollama
+            assert tokenizer.chat_template == chat_templates.CHATML
+            assert tokenizer.convert_tokens_to_ids("<|im_end|>") in merged.generation_config.eos_token_id
+            assert prompts[0].endswith("<|im_start|>assistant\n")
         options = {"num_beams": 1, "max_new_tokens": eval_job.eval.max_new_tokens, "batch_size": 8}
+        options["templated"] = templated
         ours = generate(merged, tokenizer, prompts, kind=kind, **options)
         rows = (tmp_path / "runs" / name / "eval" / "predictions.jsonl").read_text().splitlines()
         assert ours == [json.loads(row)["prediction"] for row in rows][:8], name

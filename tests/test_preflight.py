@@ -64,7 +64,7 @@ def test_demo_preflight_equals_what_the_finished_jobs_write(repo_root, tiny, tmp
     jobs = [j for j in plan.jobs if j.kind == "train"]
     assert sorted(predicted) == sorted(
         j.id for j in jobs
-    )  # 5 training jobs: two one-stage, a chain, 2 stages
+    )  # 6 training jobs: three one-stage (one of them chat), a chain, 2 stages
     assert all(r["fetch"] == [] for r in predicted.values())  # local models and files: nothing to fetch
     for planned in jobs:
         fast = planned.spec.train.model_copy(update={"max_steps": 1, "eval_every_epochs": None})

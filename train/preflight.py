@@ -25,6 +25,7 @@ from core.preflight import JobPreflight
 from core.split import MemoryFigures, Split, StepLine, resolve
 from train import data as data_lib
 from train import memory, vl
+from train.chat import ChatTemplateError
 from train.hub_cache import first_line
 from train.loss import fusable, liger_installed
 from train.model import add_tokens, load_tokenizer, max_positions, model_class, new_adapter, trainable_report
@@ -80,6 +81,8 @@ def tokenizer_or_reason(job: TrainJob):
         return cached_tokenizer(
             job.model.name_or_path, job.model.revision, job.model.kind, pixels, chat
         ), None
+    except ChatTemplateError:  # a hub model without a template, known now: the job would refuse it
+        raise
     except (OSError, ValueError) as exc:
         return None, f"tokenizer of {job.model.name_or_path} not available here ({first_line(exc)})"
 
