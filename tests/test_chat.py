@@ -311,3 +311,12 @@ def test_a_hub_model_without_a_template_is_refused_by_preflight_once_its_tokeniz
     assert done.returncode == 2, done.stderr
     assert "chat/train: the job would fail at its start: data.format:" in done.stderr
     assert "data.chat_template" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_seq2seq_model_reads_alpaca_as_its_prompt_and_target(tmp_path):
+    path = tmp_path / "alpaca.jsonl"
+    rows = [{"instruction": "Do", "input": "this", "output": "done"}, {"instruction": "Go", "output": "gone"}]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    spec = DataSpec(train=str(path), format="alpaca")
+    prompts, targets = data_lib.prompts_and_targets(str(path), spec, None, "seq2seq")
+    assert (prompts, targets) == (["Do\n\nthis", "Go"], ["done", "gone"])  # no template: T5 has none

@@ -64,8 +64,9 @@ def with_image(turns: list[dict]) -> list[dict]:
     return [*turns[:first], {"role": "user", "content": content}, *turns[first + 1 :]]
 
 
-def text_tokenizer(tokenizer):
-    return getattr(tokenizer, "tokenizer", tokenizer)
+def text_tokenizer(tokenizer_or_processor):
+    """The text tokenizer, whether given a tokenizer or a processor holding one."""
+    return getattr(tokenizer_or_processor, "tokenizer", tokenizer_or_processor)
 
 
 def rendered(tokenizer, turns: list[dict], generation_prompt: bool = False) -> str:

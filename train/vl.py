@@ -34,6 +34,7 @@ from transformers import (
 from core.config import DataSpec, ModelSpec
 from core.examples import image_path
 from train import chat
+from train.chat import text_tokenizer  # noqa: F401  (train.vl.text_tokenizer: its callers)
 from train.data import FIXED_LENGTHS, LengthReport, round_up
 
 log = logging.getLogger("train.vl")
@@ -122,11 +123,6 @@ def image_only(source: str, revision: str | None, failure: Exception):
         raise failure
     log.warning("%s: %s; loading its images-only part (%s)", source, failure, subclass[named].__name__)
     return subclass[named].from_pretrained(source, revision=revision)
-
-
-def text_tokenizer(tokenizer_or_processor):
-    """The text tokenizer, whether given a tokenizer or a processor holding one."""
-    return getattr(tokenizer_or_processor, "tokenizer", tokenizer_or_processor)
 
 
 def image_tokens(processor, path: Path) -> int:
