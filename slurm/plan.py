@@ -18,7 +18,15 @@ from typing import Literal
 from pydantic import ValidationError
 
 from core import layout
-from core.config import AdapterSpec, EvalJob, ExportJob, Resources, TrainJob, what_it_computes
+from core.config import (
+    AdapterSpec,
+    EvalJob,
+    ExportJob,
+    PruneJob,
+    Resources,
+    TrainJob,
+    what_it_computes,
+)
 from core.durations import slurm_time
 from core.hashing import content_hash
 from core.problems import ConfigError, Problem
@@ -438,6 +446,7 @@ def experiment_jobs(
             init_adapter=in_folder(previous.run_dir, ADAPTER) if previous else None,
             run_dir=run_folder(profile.run_dir, exp.name, stage.name),
             tracking=exp.tracking,
+            prune=pruning_of(loaded),
         )
         deps = [Dependency(previous.id, "afterok")] if previous else list(first_deps)
         previous = make_job(
@@ -449,6 +458,14 @@ def experiment_jobs(
             name = layout.eval_folder(stage.name, is_last)
             jobs.append(eval_job(exp, stage, previous, name, resources, profile, {**known, **_ids(jobs)}))
     return jobs
+
+
+def pruning_of(loaded: LoadedExperiment) -> PruneJob | None:
+    """A pruned sweep's point: its block, and the sweep whose rung records it joins."""
+    member = loaded.sweep
+    if member is None or member.prune is None:
+        return None
+    return PruneJob(**member.prune.model_dump(), sweep=member.sweep)
 
 
 def of_stage(exp, stage) -> dict:
