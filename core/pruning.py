@@ -136,7 +136,7 @@ def judged(
         return record
 
 
-def mark_pruned(run_dir: Path, record: RungRecord) -> None:
+def mark_pruned(run_dir: Path, record: RungRecord, evaluate: bool = True) -> None:
     """The stage's own note that it stopped at a rung (RunDir.pruned): --status, the report and the eval
-    read it; its DONE, written when the stage ends, says it ended."""
-    write_json_atomic(RunDir(run_dir).pruned, asdict(record), indent=1)
+    read it (`evaluate`: prune.eval_pruned); its DONE, written when the stage ends, says it ended."""
+    write_json_atomic(RunDir(run_dir).pruned, {**asdict(record), "evaluate": evaluate}, indent=1)

@@ -64,12 +64,23 @@ SUMMARY_FIELDS = {  # the report, the eval (precision), the next stage (steps), 
     "global_step": int,
     "split": dict,
 }
-RESULTS_FIELDS = {"split": str, "adapter_changes_output": bool, **dict.fromkeys(REPORT_COLUMNS, float)}
+RESULTS_FIELDS = {
+    "split": str,
+    "skipped": str,
+    "adapter_changes_output": bool,
+    **dict.fromkeys(REPORT_COLUMNS, float),
+}
 METRICS_FIELDS = {"step": int, "loss": float, "eval_loss": float, "gpu_util_percent": float}
 # EXPORT_DONE as eval/export.py writes it (identity None: an export that was being moved in)
 EXPORT_DONE_FIELDS = {"identity": str, "files": list, "result": dict}
 # PRUNED as core/pruning.py writes it (a RungRecord)
-PRUNED_FIELDS = {"rung": (int, float), "eval_loss": (int, float), "cutoff": (int, float), "points": int}
+PRUNED_FIELDS = {
+    "rung": (int, float),
+    "eval_loss": (int, float),
+    "cutoff": (int, float),
+    "points": int,
+    "evaluate": bool,
+}
 # lane.json as slurm/lanes.py writes it
 LANE_FIELDS = {
     "pack_job": (str, int),

@@ -197,10 +197,12 @@ def status_text(jobs: list[JobRun], has_results: bool) -> str:
             read_results(j.run_dir).get("adapter_changes_output") is False for j in jobs if j.kind == "eval"
         )
         return UNCHANGED if flagged else "complete"
-    if all(j.kind == "train" and j.state is State.COMPLETED for j in jobs):
+    if all(j.kind == "train" and j.state and j.state.finished for j in jobs):
         return "complete (no eval asked)"  # before: "missing: not run yet" for a trained experiment
     bad = [
-        f"{j.stage} {j.state.value}" for j in jobs if j.state not in (None, State.COMPLETED, State.PLANNED)
+        f"{j.stage} {j.state.value}"
+        for j in jobs
+        if j.state not in (None, State.COMPLETED, State.PRUNED, State.PLANNED)
     ]
     return ("missing: " + ", ".join(bad)) if bad else "missing: not run yet"
 

@@ -86,6 +86,7 @@ def natural_width(column) -> int:
 
 STATE_STYLE = {
     State.COMPLETED: "green",
+    State.PRUNED: "green",
     State.RUNNING: "cyan",
     State.PENDING: "yellow",
     State.FAILED: "red",

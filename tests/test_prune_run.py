@@ -1,0 +1,73 @@
+"""A pruned sweep run for real on the tiny model (issue 33): six learning rates, the three hopeless ones
+(1e-9) last, judged at epoch 1 of 2 with keep 0.5 and min_points 3. The hopeless runs stop at rung 1
+(PRUNED, their best checkpoint saved as their adapter), the others train to the end; --status shows PRUNED
+with its rung; a relaunch queues nothing."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import launch
+from core.pruning import rung_records
+from core.rundir import RunDir
+from tests.conftest import write_cluster_yaml
+from tests.helpers import tiny_sql_base
+
+PRUNED_SWEEP = """\
+name: asha
+inherits: _tiny-sql.yaml
+adapter: {{max_trainable_percent: 40}}
+data: {{eval: {root}/data/demo/sql/dev.jsonl}}
+train: {{epochs: 2, batch_size: 16, eval_every_epochs: 1}}
+sweep:
+  grid:
+    train.learning_rate: [3.0e-3, 5.0e-3, 8.0e-3, 1.0e-9, 1.1e-9, 1.2e-9]
+  prune: {{rungs: [1], keep: 0.5, min_points: 3}}
+"""
+GOOD = ["asha-lr0.003", "asha-lr0.005", "asha-lr0.008"]
+HOPELESS = ["asha-lr1e-09", "asha-lr1.1e-09", "asha-lr1.2e-09"]
+
+
+def pruned_sweep_folder(tmp: Path, repo_root: Path, parallel: int) -> Path:
+    folder = tmp / "configs"
+    folder.mkdir(exist_ok=True)
+    write_cluster_yaml(folder, tmp, local_parallel_jobs=parallel)
+    tiny_sql_base(folder)
+    (folder / "asha.yaml").write_text(PRUNED_SWEEP.format(root=repo_root))
+    return folder
+
+
+def check_the_hopeless_runs_were_pruned_at_rung_1(runs: Path) -> None:
+    records = {r.run: r for r in rung_records(runs, "asha", 1)}
+    assert set(records) == set(GOOD + HOPELESS), records
+    whole = RunDir(runs / GOOD[0] / "train").read_summary()["global_step"]  # two epochs' steps
+    for name in HOPELESS:
+        stage = RunDir(runs / name / "train")
+        pruned = stage.read_pruned()
+        assert pruned["rung"] == 1 and pruned["eval_loss"] > pruned["cutoff"], (name, pruned)
+        assert stage.read_summary()["global_step"] * 2 == whole  # stopped at the end of epoch 1 of 2
+        assert stage.done.is_file() and (stage.adapter / "adapter_config.json").is_file()
+    for name in GOOD:
+        stage = RunDir(runs / name / "train")
+        assert not stage.pruned.exists(), (name, records[name])
+        assert json.loads(stage.summary.read_text())["epochs_done"] == 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("parallel", [1, 2])
+def test_a_pruned_sweep_stops_its_hopeless_rates_at_rung_1_and_a_relaunch_queues_nothing(
+    repo_root, tmp_path, tiny, monkeypatch, capsys, parallel
+):
+    monkeypatch.chdir(tmp_path)
+    folder = pruned_sweep_folder(tmp_path, repo_root, parallel)
+    assert launch.main(["--all", "--config-dir", str(folder), "--backend", "local"]) == 0
+    capsys.readouterr()
+    check_the_hopeless_runs_were_pruned_at_rung_1(tmp_path / "runs")
+    assert launch.main(["--all", "--config-dir", str(folder), "--backend", "local"]) == 0
+    assert "Nothing to submit" in capsys.readouterr().out
+    assert launch.main(["--status", "--config-dir", str(folder)]) == 0
+    status = " ".join(capsys.readouterr().out.split())
+    assert status.count("PRUNED") >= 3 and "at rung 1: eval_loss" in status, status
