@@ -148,7 +148,8 @@ def queue_pack(plan: Plan, profile, decisions, skipped: dict[str, str], pack, co
     from slurm.backends import SlurmBackend
 
     todo = [d.job for d in decisions if d.action == "submit"]
-    packing = pack_plan(todo, *pack, profile)  # what is not queued elsewhere already
+    gpus, budget, basis = pack
+    packing = pack_plan(todo, gpus, budget, profile, basis)  # what is not queued elsewhere already
     resources = pack_resources(todo, packing, profile)
     refuse_never_starting(todo, files, profile, pack=resources)
     ids = submit_pack(decisions, SlurmBackend(profile, Path.cwd(), code), resources)
