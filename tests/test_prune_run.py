@@ -6,6 +6,7 @@ with its rung; a relaunch queues nothing."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -26,6 +27,7 @@ sweep:
   grid:
     train.learning_rate: [3.0e-3, 5.0e-3, 8.0e-3, 1.0e-9, 1.1e-9, 1.2e-9]
   prune: {{rungs: [1], keep: 0.5, min_points: 3}}
+  select: {{metric: eval_loss, mode: min}}
 """
 GOOD = ["asha-lr0.003", "asha-lr0.005", "asha-lr0.008"]
 HOPELESS = ["asha-lr1e-09", "asha-lr1.1e-09", "asha-lr1.2e-09"]
@@ -38,6 +40,19 @@ def pruned_sweep_folder(tmp: Path, repo_root: Path, parallel: int) -> Path:
     tiny_sql_base(folder)
     (folder / "asha.yaml").write_text(PRUNED_SWEEP.format(root=repo_root))
     return folder
+
+
+def check_the_report_shows_the_pruning_and_picks_a_completed_point(runs: Path) -> None:
+    report = (runs / "report.md").read_text()
+    section = report.split("### Sweep: asha", 1)[1]
+    assert "Pruning (asynchronous successive halving: rungs 1, keep 0.5, min_points 3" in section
+    runs_table = [line for line in section.splitlines() if line.startswith("| asha-")]
+    assert sum("at rung 1 (" in line and "> cutoff" in line for line in runs_table) == 3, runs_table
+    saved = re.search(r"pruning saved ~\S+ GPU-hours \(~([0-9.e+-]+) training minutes\)", section)
+    assert saved and float(saved.group(1)) > 0, section  # each pruned run ran 1 of its 2 epochs
+    best = next(line for line in section.splitlines() if "✓" in line)
+    assert any(f"| {name.removeprefix('asha-')} |" in best for name in GOOD), best  # never a pruned point
+    assert sum("1/1 done" in line for line in section.splitlines()) == 3
 
 
 def check_the_hopeless_runs_were_pruned_at_rung_1(runs: Path) -> None:
@@ -66,6 +81,7 @@ def test_a_pruned_sweep_stops_its_hopeless_rates_at_rung_1_and_a_relaunch_queues
     assert launch.main(["--all", "--config-dir", str(folder), "--backend", "local"]) == 0
     capsys.readouterr()
     check_the_hopeless_runs_were_pruned_at_rung_1(tmp_path / "runs")
+    check_the_report_shows_the_pruning_and_picks_a_completed_point(tmp_path / "runs")
     assert launch.main(["--all", "--config-dir", str(folder), "--backend", "local"]) == 0
     assert "Nothing to submit" in capsys.readouterr().out
     assert launch.main(["--status", "--config-dir", str(folder)]) == 0
