@@ -14,7 +14,7 @@ import pytest
 import launch
 from core.pruning import rung_records
 from core.rundir import RunDir
-from tests.conftest import write_cluster_yaml
+from tests.conftest import squeue_ids, write_cluster_yaml
 from tests.helpers import tiny_sql_base
 
 PRUNED_SWEEP = """\
@@ -62,7 +62,7 @@ def check_the_hopeless_runs_were_pruned_at_rung_1(runs: Path) -> None:
     for name in HOPELESS:
         stage = RunDir(runs / name / "train")
         pruned = stage.read_pruned()
-        assert pruned["rung"] == 1 and pruned["eval_loss"] > pruned["cutoff"], (name, pruned)
+        assert pruned.get("rung") == 1 and pruned["eval_loss"] > pruned["cutoff"], (name, records)
         assert stage.read_summary()["global_step"] * 2 == whole  # stopped at the end of epoch 1 of 2
         assert stage.done.is_file() and (stage.adapter / "adapter_config.json").is_file()
     for name in GOOD:
@@ -87,3 +87,58 @@ def test_a_pruned_sweep_stops_its_hopeless_rates_at_rung_1_and_a_relaunch_queues
     assert launch.main(["--status", "--config-dir", str(folder)]) == 0
     status = " ".join(capsys.readouterr().out.split())
     assert status.count("PRUNED") >= 3 and "at rung 1: eval_loss" in status, status
+
+
+def launch_on_slurm(folder: Path, *extra: str) -> int:
+    return launch.main(["--all", "--config-dir", str(folder), "--backend", "slurm", "--no-preflight", *extra])
+
+
+def test_a_pruned_sweep_on_the_cluster_stops_its_hopeless_rates_and_a_relaunch_queues_nothing(
+    repo_root, tmp_path, tiny, slurm_cluster, monkeypatch, capsys
+):
+    monkeypatch.chdir(tmp_path)
+    folder = pruned_sweep_folder(tmp_path, repo_root, 2)
+    # Two jobs at a time on the node's 8 CPUs, started in submission order: the hopeless rates come last,
+    # as they do locally (all six at once would reach the rung in any order: asynchronous, early runs go on).
+    text = (folder / "asha.yaml").read_text()
+    (folder / "asha.yaml").write_text(text + "resources: {cpus: 4}\n")
+    assert launch_on_slurm(folder, "--wait") == 0
+    assert "Submitted 6 job(s)" in capsys.readouterr().out
+    check_the_hopeless_runs_were_pruned_at_rung_1(tmp_path / "runs")
+    leaving = squeue_ids(under=tmp_path)  # ended, perhaps still COMPLETING when --wait returns
+    assert launch_on_slurm(folder) == 0
+    assert "Nothing to submit" in capsys.readouterr().out and squeue_ids(under=tmp_path) <= leaving
+    assert launch.main(["--status", "--config-dir", str(folder)]) == 0
+    status = " ".join(capsys.readouterr().out.split())
+    assert status.count("PRUNED") >= 3 and "at rung 1: eval_loss" in status, status
+    assert launch.main(["--report", "--config-dir", str(folder)]) == 0
+    check_the_report_shows_the_pruning_and_picks_a_completed_point(tmp_path / "runs")
+
+
+def test_in_a_pack_a_pruned_unit_frees_its_lane_for_the_next_unit(
+    repo_root, tmp_path, tiny, slurm_cluster, monkeypatch, capsys
+):
+    monkeypatch.chdir(tmp_path)
+    folder = pruned_sweep_folder(tmp_path, repo_root, 2)
+    text = (folder / "asha.yaml").read_text()
+    (folder / "asha.yaml").write_text(text + "resources: {gpus: 1, cpus: 1, mem_gb: 2}\n")
+    assert launch_on_slurm(folder, "--pack", "2", "--budget", "00:30:00", "--wait") == 0
+    runs = tmp_path / "runs"
+    check_the_hopeless_runs_were_pruned_at_rung_1(runs)
+    lanes = {name: json.loads((runs / name / "train" / "lane.json").read_text()) for name in GOOD + HOPELESS}
+    assert {name: lane["state"] for name, lane in lanes.items()} == {
+        **dict.fromkeys(GOOD, "COMPLETED"),
+        **dict.fromkeys(HOPELESS, "PRUNED"),
+    }
+    # Each lane ran its units one after another; a unit pruned before the lane's last was followed at
+    # once by the next, which started after it ended (two lanes, six units: three each).
+    by_lane: dict[int, list[dict]] = {}
+    for lane in lanes.values():
+        by_lane.setdefault(lane["lane"], []).append(lane)
+    assert sorted(len(units) for units in by_lane.values()) == [3, 3]
+    for units in by_lane.values():
+        units.sort(key=lambda lane: lane["started_s"])
+        for before, after in zip(units, units[1:], strict=False):
+            assert after["started_s"] >= before["ended_s"]
+    assert launch_on_slurm(folder, "--pack", "2", "--budget", "00:30:00") == 0
+    assert "Nothing to submit" in capsys.readouterr().out
