@@ -7,15 +7,19 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from pathlib import Path
 
 import pytest
 
 import launch
-from core.pruning import rung_records
-from core.rundir import RunDir
+from core.config import PruneJob
+from core.pruning import judged, rung_records
+from core.rundir import RunDir, record_job
 from tests.conftest import squeue_ids, write_cluster_yaml
 from tests.helpers import tiny_sql_base
+from tests.train_helpers import make_job, sql_data
+from train.recipe import run_stage
 
 PRUNED_SWEEP = """\
 name: asha
@@ -142,3 +146,51 @@ def test_in_a_pack_a_pruned_unit_frees_its_lane_for_the_next_unit(
             assert after["started_s"] >= before["ended_s"]
     assert launch_on_slurm(folder, "--pack", "2", "--budget", "00:30:00") == 0
     assert "Nothing to submit" in capsys.readouterr().out
+
+
+# The trainer's side, on one run: a requeue after its decision never decides again; a fresh folder does.
+PRUNE = {"rungs": [1], "keep": 0.5, "min_points": 3, "sweep": "sw"}
+
+
+def pruned_job(tiny, run_dir: Path):
+    # 85 examples / 8 = 11 steps an epoch, two epochs; judged at the eval of epoch 1 (step 11).
+    job = make_job(
+        tiny, run_dir, data=sql_data("easy", eval_split="dev"), max_steps=None, epochs=2, eval_every_epochs=1
+    )
+    return job.model_copy(update={"prune": PruneJob.model_validate(PRUNE)})
+
+
+def record_others(run_root: Path, losses: list[float], prefix: str) -> None:
+    spec = PruneJob.model_validate(PRUNE)
+    for index, loss in enumerate(losses):
+        judged(run_root, "sw", f"{prefix}{index}", "h", 1, loss, spec)
+
+
+@pytest.mark.slow
+def test_a_run_requeued_after_it_was_pruned_stops_again_without_deciding_and_a_fresh_folder_decides_anew(
+    tiny, tmp_path
+):
+    run_root, stage = tmp_path / "runs", tmp_path / "runs" / "t" / "s"
+    stage.mkdir(parents=True)
+    record_job(stage, "101", "local")
+    record_others(run_root, [0.1, 0.1, 0.1], "low")  # every earlier run far better: this one stops
+    assert run_stage(pruned_job(tiny, stage)) == "pruned"
+    note = RunDir(stage).read_pruned()
+    assert note["rung"] == 1 and note["points"] == 4 and note["cutoff"] == pytest.approx(0.1)
+    assert RunDir(stage).read_summary()["global_step"] == 11
+    # Killed after its rung's checkpoint was committed, before its adapter was written: the requeue resumes
+    # at step 11. Records made since would let it go on, were it judged again; it is not.
+    shutil.rmtree(RunDir(stage).adapter)
+    RunDir(stage).summary.unlink()
+    record_others(run_root, [100.0] * 5, "high")
+    assert run_stage(pruned_job(tiny, stage)) == "pruned"
+    assert RunDir(stage).read_summary()["global_step"] <= 12  # the step under way, at most, then stopped
+    assert (RunDir(stage).adapter / "adapter_config.json").is_file()
+    assert [r.run for r in rung_records(run_root, "sw", 1)].count("t") == 1
+    # --force moves the folder aside and submits anew: a new run in a fresh folder, judged afresh.
+    stage.rename(tmp_path / "runs" / "t" / "s.old")
+    stage.mkdir()
+    record_job(stage, "202", "local")
+    assert run_stage(pruned_job(tiny, stage)) == "completed"
+    mine = [r for r in rung_records(run_root, "sw", 1) if r.run == "t"]
+    assert len(mine) == 2 and mine[-1].stop is False and not RunDir(stage).pruned.exists()

@@ -98,7 +98,7 @@ from core import speeds
 from core.config import TrainJob, what_it_computes
 from core.files import read_json, read_jsonl, write_atomic, write_json_atomic
 from core.hashing import content_hash
-from core.rundir import RunDir
+from core.rundir import RunDir, job_records
 from core.split import Split, as_written, resolve
 from train import data as data_lib
 from train import distributed, vl
@@ -510,11 +510,15 @@ class StageRecipe:
 
     def pruning(self, eval_steps: int) -> PruneAtRungs:
         """Each rung's eval step as the Trainer schedules evals (every eval_steps), and the run's identity
-        in the rung records: its spec as it computes (a rerun under another config decides anew)."""
+        in the rung records: its spec as it computes and its run folder's first submission (job.json). A
+        requeue or a retry keeps both, and takes its decision back; a rerun under another config, or in a
+        fresh folder (--force archives the old one), decides anew."""
         per_rung = {
             rung: round(rung / self.job.train.eval_every_epochs) * eval_steps for rung in self.job.prune.rungs
         }
-        identity = content_hash(what_it_computes(self.job.model_dump()))
+        first = job_records(self.run_dir)[:1]
+        folder = f"{first[0].job_id}@{first[0].submitted_at}" if first else ""
+        identity = content_hash({"spec": what_it_computes(self.job.model_dump()), "folder": folder})
         steps = {step: rung for rung, step in per_rung.items()}
         return PruneAtRungs(self.run_dir, self.job.prune, self.job.experiment, identity, steps)
 
