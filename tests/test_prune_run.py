@@ -160,10 +160,10 @@ def pruned_job(tiny, run_dir: Path):
     return job.model_copy(update={"prune": PruneJob.model_validate(PRUNE)})
 
 
-def record_others(run_root: Path, losses: list[float], prefix: str) -> None:
+def record_others(run_root: Path, losses: list[float], prefix: str, sweep: str = "sw") -> None:
     spec = PruneJob.model_validate(PRUNE)
     for index, loss in enumerate(losses):
-        judged(run_root, "sw", f"{prefix}{index}", "h", 1, loss, spec)
+        judged(run_root, sweep, f"{prefix}{index}", "h", 1, loss, spec)
 
 
 @pytest.mark.slow
@@ -194,3 +194,36 @@ def test_a_run_requeued_after_it_was_pruned_stops_again_without_deciding_and_a_f
     assert run_stage(pruned_job(tiny, stage)) == "completed"
     mine = [r for r in rung_records(run_root, "sw", 1) if r.run == "t"]
     assert len(mine) == 2 and mine[-1].stop is False and not RunDir(stage).pruned.exists()
+
+
+EVALUATED = """\
+name: {name}
+inherits: _tiny-sql.yaml
+data: {{eval: {root}/data/demo/sql/dev.jsonl}}
+train: {{epochs: 2, batch_size: 16, eval_every_epochs: 1}}
+eval: {{metrics: [exact_match], max_new_tokens: 8}}
+sweep:
+  grid: {{train.learning_rate: [1.0e-9]}}
+  prune: {{rungs: [1], keep: 0.5, eval_pruned: {evaluate}}}
+"""
+
+
+@pytest.mark.slow
+def test_a_pruned_runs_eval_runs_on_its_best_checkpoint_unless_eval_pruned_is_false(
+    repo_root, tmp_path, tiny, monkeypatch, capsys
+):
+    monkeypatch.chdir(tmp_path)
+    folder = pruned_sweep_folder(tmp_path, repo_root, 2)
+    (folder / "asha.yaml").unlink()
+    for name, evaluate in (("kept", "true"), ("skipped", "false")):
+        (folder / f"{name}.yaml").write_text(EVALUATED.format(name=name, root=repo_root, evaluate=evaluate))
+        record_others(tmp_path / "runs", [0.1, 0.1, 0.1], "low", sweep=name)  # far better runs came first
+    assert launch.main(["--all", "--config-dir", str(folder), "--backend", "local"]) == 0
+    kept, skipped = (tmp_path / "runs" / f"{name}-lr1e-09" for name in ("kept", "skipped"))
+    assert RunDir(kept / "train").read_pruned()["rung"] == 1 and RunDir(skipped / "train").read_pruned()
+    assert "exact_match" in RunDir(kept / "eval").read_results()  # scored on the pruned run's adapter
+    assert RunDir(skipped / "eval").read_results() == {"skipped": "pruned (prune.eval_pruned: false)"}
+    assert not RunDir(skipped / "eval").predictions.exists()  # nothing generated
+    capsys.readouterr()
+    assert launch.main(["--all", "--config-dir", str(folder), "--backend", "local"]) == 0
+    assert "Nothing to submit" in capsys.readouterr().out
