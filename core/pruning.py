@@ -74,7 +74,11 @@ def quantile(values: list[float], q: float) -> float:
 
 def decision(own_loss: float, recorded: list[float], keep: float, min_points: int) -> Decision:
     """Whether a run with `own_loss` stops, judged against `recorded` (every loss at the rung, its own
-    included). A loss equal to the cutoff goes on: ties are kept."""
+    included). A loss equal to the cutoff goes on: ties are kept. A loss that is not a finite number (a
+    diverged eval) stops at once and is left out of the others' judgements."""
+    if not math.isfinite(own_loss):
+        return Decision(True, None, len(recorded))
+    recorded = [loss for loss in recorded if math.isfinite(loss)]
     if len(recorded) < min_points:
         return Decision(False, None, len(recorded))
     cutoff = quantile(recorded, keep)

@@ -562,8 +562,12 @@ def pruning_lines(sweep: SweepMember, replicates: list[dict], run_root: Path) ->
                 **{f"rung {rung:g}": loss_at(recorded[rung].get(name)) for rung in prune.rungs},
                 "pruned": f"at rung {note['rung']:g} ({note['eval_loss']:.4g} > cutoff {note['cutoff']:.4g} "
                 f"of {note['points']})"
-                if {"rung", "eval_loss", "cutoff", "points"} <= note.keys()
-                else "",
+                if all(note.get(key) is not None for key in ("rung", "eval_loss", "cutoff", "points"))
+                else (
+                    f"at rung {note['rung']:g} (eval_loss {note.get('eval_loss')})"
+                    if note.get("rung")
+                    else ""
+                ),
                 "gpu_hours": row.get("gpu_hours"),
                 "train_min": row.get("train_min"),
             }

@@ -357,3 +357,11 @@ def test_a_pack_budget_admits_a_pruned_sweep_on_its_worst_case_unless_asked_for_
         pack_plan(list(plan.jobs), 2, "01:45:00", profile)
     packing = pack_plan(list(plan.jobs), 2, "01:45:00", profile, "expected")
     assert packing.makespan_s == pytest.approx(4800) and packing.basis == "expected"
+
+
+def test_budget_basis_without_a_pack_is_refused_naming_what_it_is_for(tmp_path, capsys):
+    folder = folder_with(tmp_path, p=PRUNED_SWEEP)
+    assert launch.main(["--all", "--dry-run", "--config-dir", str(folder), "--budget-basis", "expected"]) == 2
+    assert "--budget-basis: says how a packed allocation's budget counts a pruned sweep" in " ".join(
+        capsys.readouterr().err.split()
+    )

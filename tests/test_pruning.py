@@ -3,6 +3,7 @@ a recorded decision taken back on requeue, two processes deciding at once."""
 
 from __future__ import annotations
 
+import math
 import multiprocessing
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import pytest
 
 from core.config import PruneSpec
 from core.pruning import (
+    Decision,
     decision,
     expected_epochs,
     judged,
@@ -49,6 +51,13 @@ def test_with_fewer_than_min_points_losses_every_run_goes_on_however_bad():
     early = decision(100.0, [1.0, 100.0], 0.5, 3)
     assert (early.stop, early.cutoff, early.points) == (False, None, 2)
     assert decision(100.0, [1.0, 1.0, 100.0], 0.5, 3).stop is True
+
+
+def test_a_loss_that_is_not_a_number_stops_and_never_moves_the_others_cutoff():
+    assert decision(math.nan, [1.0, 2.0, math.nan], 0.5, 3) == Decision(True, None, 3)
+    assert decision(math.inf, [1.0], 0.5, 3).stop is True
+    # The NaN recorded by a diverged run is left out: 2.0 is judged among 1.0, 3.0 and itself (median 2).
+    assert decision(2.0, [1.0, 3.0, math.nan, 2.0], 0.5, 3) == Decision(False, 2.0, 3)
 
 
 def test_expected_epochs_follow_the_halving_sum_and_no_rung_is_the_worst_case():
