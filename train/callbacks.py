@@ -228,7 +228,8 @@ class PruneAtRungs(TrainerCallback):
     committed) finds its decision recorded and stops at once instead of training on.
 
     `rung_steps`: the optimizer step of each rung's eval, as the Trainer schedules its evals. `identity`:
-    the run's config, so a rerun under another config decides anew."""
+    the run's config and its folder's first submission (train/recipe.py pruning): a requeue keeps it, a
+    rerun under another config or in a fresh folder decides anew."""
 
     def __init__(self, run_dir: Path, prune: PruneJob, run: str, identity: str, rung_steps: dict[int, float]):
         self.run_dir, self.prune, self.run, self.identity = run_dir, prune, run, identity
@@ -249,7 +250,13 @@ class PruneAtRungs(TrainerCallback):
         if state.is_world_process_zero:
             loss = float((metrics or {})["eval_loss"])
             record = judged(
-                self.run_dir.parent.parent, self.prune.sweep, self.run, self.identity, rung, loss, self.prune
+                RunDir(self.run_dir).run_root,
+                self.prune.sweep,
+                self.run,
+                self.identity,
+                rung,
+                loss,
+                self.prune,
             )
             stop = record.stop
             if stop:
@@ -259,7 +266,7 @@ class PruneAtRungs(TrainerCallback):
         return control
 
     def recorded_stop(self, rung: float) -> bool:
-        records = rung_records(self.run_dir.parent.parent, self.prune.sweep, rung)
+        records = rung_records(RunDir(self.run_dir).run_root, self.prune.sweep, rung)
         return any(r.stop for r in records if (r.run, r.config_hash) == (self.run, self.identity))
 
 

@@ -217,7 +217,10 @@ def dry_run(request: LaunchRequest, profile) -> int:
     decisions, refusals = weigh(plan, force=request.force)
     states = {d.job.id: d.action if d.action != "submit" else "planned" for d in decisions}
     left = plan.left(states)
-    packing = pack_plan(list(left.jobs), *pack[:2], profile, pack[2]) if pack and left.jobs else None
+    packing = None
+    if pack and left.jobs:
+        gpus, budget, basis = pack
+        packing = pack_plan(list(left.jobs), gpus, budget, profile, basis)
     if request.as_json:
         extra = {"packing": packing.to_json()} if packing else {}
         print(json.dumps({**plan.to_json(states), **extra}, indent=1))
