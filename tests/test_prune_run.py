@@ -17,7 +17,7 @@ from core.config import PruneJob
 from core.pruning import judged, rung_records
 from core.rundir import RunDir, record_job
 from tests.conftest import squeue_ids, write_cluster_yaml
-from tests.helpers import tiny_sql_base
+from tests.helpers import slurm_id, tiny_sql_base, wait_until
 from tests.train_helpers import make_job, sql_data
 from train.recipe import run_stage
 
@@ -128,6 +128,9 @@ def test_in_a_pack_a_pruned_unit_frees_its_lane_for_the_next_unit(
     (folder / "asha.yaml").write_text(text + "resources: {gpus: 1, cpus: 1, mem_gb: 2}\n")
     assert launch_on_slurm(folder, "--pack", "2", "--budget", "00:30:00", "--wait") == 0
     runs = tmp_path / "runs"
+    # --wait ends when every unit's DONE is there; the lanes write each unit's end when they reap it.
+    pack_id = slurm_id(tmp_path, f"{GOOD[0]}/train")
+    wait_until(lambda: pack_id not in squeue_ids(tmp_path), "the packed job to end", 120)
     check_the_hopeless_runs_were_pruned_at_rung_1(runs)
     lanes = {name: json.loads((runs / name / "train" / "lane.json").read_text()) for name in GOOD + HOPELESS}
     assert {name: lane["state"] for name, lane in lanes.items()} == {
