@@ -411,6 +411,7 @@ def calibration_plan(plan: Plan, steps: int, estimator: Estimator | None = None)
                 "run_dir": run_folder(plan.run_root, name, stage),
                 "tracking": [],
                 "calibration": True,
+                "prune": None,  # a calibration measures speed: it joins no sweep's rung records
             }
         )
         resources = first.resources.model_copy(update={"time": slurm_time(min(first.resources.time_s, 3600))})

@@ -348,6 +348,8 @@ def test_a_pruned_sweeps_expected_gpu_hours_are_the_halving_sum_and_its_worst_ca
     assert plan.gpu_hours("expected") == pytest.approx(8 / 3)
     assert plan.sweep_totals(plan.sweeps()["p"])["expected_gpu_hours"] == pytest.approx(2.667, abs=1e-3)
     assert "4.0 GPU-hours at worst (no run pruned), 2.7 expected with pruning" in totals_text(plan)
+    shown = plan.to_json()
+    assert (shown["gpu_hours"], shown["expected_gpu_hours"]) == (4.0, pytest.approx(2.667, abs=1e-3))
 
 
 def test_a_pack_budget_admits_a_pruned_sweep_on_its_worst_case_unless_asked_for_the_expected(tmp_path):
