@@ -93,6 +93,13 @@ def add_options(parser: argparse.ArgumentParser) -> None:
         metavar="HH:MM:SS",
         help="with --pack: the allocation's time limit; a plan whose estimates do not fit is refused",
     )
+    parser.add_argument(
+        "--budget-basis",
+        choices=["worst", "expected"],
+        default="worst",
+        help="with --pack --budget: count a pruned sweep's runs whole (worst, the default) or at the epochs "
+        "pruning is expected to leave them (expected)",
+    )
     parser.add_argument("--force", action="store_true", help="rerun finished stages whose config changed")
     parser.add_argument(
         "--export-format",

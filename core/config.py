@@ -586,6 +586,34 @@ class Experiment(Section):
         return stages
 
 
+class PruneSpec(Section):
+    """A sweep's `prune:` block (asynchronous successive halving, core/pruning.py): at each rung (an epoch)
+    a run records its in-training eval_loss and stops if it is above the `keep` quantile of every loss
+    recorded at that rung so far, once there are `min_points` of them. The experiment-level checks (eval
+    data, eval_every_epochs, rungs below epochs, one stage) are slurm/experiments.py check_prune's."""
+
+    rungs: list[Annotated[float, Field(gt=0)]]
+    keep: Annotated[float, Field(gt=0, lt=1)]
+    min_points: Annotated[int, Field(ge=1)] = 3
+    eval_pruned: bool = True  # a pruned run's best checkpoint is still evaluated
+
+    @field_validator("rungs")
+    @classmethod
+    def _increasing(cls, value):
+        if not value:
+            raise ValueError("is empty: list the epochs at which runs are judged, e.g. rungs: [1, 2]")
+        if any(later <= earlier for earlier, later in zip(value, value[1:], strict=False)):
+            raise ValueError(f"must rise strictly, each rung judged once, e.g. [1, 2]; got {value}")
+        return value
+
+
+class PruneJob(PruneSpec):
+    """What a training job of a pruned sweep needs: the block, and the sweep whose records it joins
+    (RUN_ROOT/.rungs/SWEEP/, core/pruning.py)."""
+
+    sweep: str
+
+
 class TrainJob(Section):
     """What one training job needs, fully resolved: the trainer takes this and nothing else."""
 
@@ -599,6 +627,9 @@ class TrainJob(Section):
     run_dir: str
     tracking: list[Tracker] = Field(default_factory=lambda: ["tensorboard"])
     calibration: bool = Field(False, description="a --calibrate run: its speed-book row is `calibrated`")
+    # A point of a pruned sweep (left out of the spec, and so of its hash, otherwise): part of what it
+    # computes, since a run may stop at a rung.
+    prune: PruneJob | None = Field(None, exclude_if=lambda value: value is None)
 
     @model_validator(mode="after")
     def _early_stopping_has_eval_data(self):

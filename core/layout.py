@@ -17,6 +17,7 @@ REPORT_MD = "report.md"  # eval/report.py
 REPORT_CSV = "report.csv"  # eval/report.py
 LOSS_CURVES = "loss_curves.png"  # eval/report.py
 LAUNCH_LOCK = ".launch.lock"  # slurm/lock.py
+RUNGS = ".rungs"  # core/pruning.py: RUNGS/SWEEP/RUNG.jsonl, a pruned sweep's losses at each rung
 RUN_ROOT = {
     SPEED_BOOK: "the speed book",
     PREFLIGHT_TOKENS: "preflight's token counts",
@@ -25,6 +26,7 @@ RUN_ROOT = {
     REPORT_CSV: "the report's table",
     LOSS_CURVES: "the report's loss curves",
     LAUNCH_LOCK: "the launch lock",
+    RUNGS: "the pruned sweeps' rung records",
 }
 
 # LOG_DIR/: folders beside the experiments' log folders.

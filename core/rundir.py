@@ -13,6 +13,8 @@ split.json     how the effective batch was split (micro-batch, accumulation, che
 summary.json   what the stage did: steps, runtime, tokens, device, precision, world size (the trainer, last)
 lane.json      for a unit of a packed allocation: its lane, GPU and how it ended (slurm/lanes.py)
 predictions.jsonl, predictions.partial.jsonl, results.json   an eval's (eval/job.py, eval/predictions.py)
+PRUNED         a stage of a pruned sweep stopped at a rung: the rung, its loss and the cutoff it was above
+               (core/pruning.py, the trainer's rank 0 when it decides; its DONE follows as for a completed one)
 DONE           the config hash, written last: a stage with a matching DONE never runs again
 EXPORT_DONE    an export's identity, its files and self-check figures, written last (eval/export.py)
 
@@ -62,10 +64,23 @@ SUMMARY_FIELDS = {  # the report, the eval (precision), the next stage (steps), 
     "global_step": int,
     "split": dict,
 }
-RESULTS_FIELDS = {"split": str, "adapter_changes_output": bool, **dict.fromkeys(REPORT_COLUMNS, float)}
+RESULTS_FIELDS = {
+    "split": str,
+    "skipped": str,
+    "adapter_changes_output": bool,
+    **dict.fromkeys(REPORT_COLUMNS, float),
+}
 METRICS_FIELDS = {"step": int, "loss": float, "eval_loss": float, "gpu_util_percent": float}
 # EXPORT_DONE as eval/export.py writes it (identity None: an export that was being moved in)
 EXPORT_DONE_FIELDS = {"identity": str, "files": list, "result": dict}
+# PRUNED as core/pruning.py writes it (a RungRecord)
+PRUNED_FIELDS = {
+    "rung": (int, float),
+    "eval_loss": (int, float),
+    "cutoff": (int, float),
+    "points": int,
+    "evaluate": bool,
+}
 # lane.json as slurm/lanes.py writes it
 LANE_FIELDS = {
     "pack_job": (str, int),
@@ -174,6 +189,10 @@ class RunDir:
     def export_done(self) -> Path:
         return self.path / "EXPORT_DONE"
 
+    @property
+    def pruned(self) -> Path:
+        return self.path / "PRUNED"
+
     def read_progress(self) -> dict:
         return read_json(self.progress, {}, expected=dict, fields=PROGRESS_FIELDS)
 
@@ -186,6 +205,12 @@ class RunDir:
     def read_lane(self) -> dict:
         """What a packed unit's lane wrote; {} when nothing readable."""
         return read_json(self.lane, {}, expected=dict, fields=LANE_FIELDS)
+
+    def read_pruned(self) -> dict:
+        """Where and against what a pruned stage stopped; {} for a stage that was not pruned."""
+        if not self.pruned.exists():
+            return {}
+        return read_json(self.pruned, {}, expected=dict, fields=PRUNED_FIELDS)
 
     def read_export_done(self) -> dict:
         """An export folder's marker; {} when absent or unreadable (the export is then redone)."""

@@ -10,6 +10,7 @@ class State(str, Enum):
     PENDING = "PENDING"
     RUNNING = "RUNNING"
     COMPLETED = "COMPLETED"
+    PRUNED = "PRUNED"  # a pruned sweep's run stopped at a rung (core/pruning.py): ended, not failed
     FAILED = "FAILED"
     TIMEOUT = "TIMEOUT"
     CANCELLED = "CANCELLED"
@@ -26,17 +27,23 @@ class State(str, Enum):
 
     @property
     def ended(self) -> bool:
-        return self is State.COMPLETED or self.failed
+        return self.finished or self.failed
+
+    @property
+    def finished(self) -> bool:
+        """Ended as it should: its DONE is written, and what depends on its results may start."""
+        return self in (State.COMPLETED, State.PRUNED)
 
 
 def parent_verdict(kind: str, parent: State | None) -> State | None:
     """What one parent lets a job do, as SLURM decides for the dependency's kind: None (wait: the parent
     has not ended, or is not known), State.PENDING (may start as far as this parent goes), State.BLOCKED
-    (`afterok` on a parent that did not complete: it will never run; `afterany` only waits for the end).
+    (`afterok` on a parent that did not finish: it will never run; `afterany` only waits for the end). A
+    pruned parent finished: its eval runs on its best checkpoint.
     The one rule of the local backend, a pack's lanes and --status."""
     if parent is None or not parent.ended:
         return None
-    return State.PENDING if parent is State.COMPLETED or kind == "afterany" else State.BLOCKED
+    return State.PENDING if parent.finished or kind == "afterany" else State.BLOCKED
 
 
 def jobs_verdict(verdicts: list[State | None]) -> State | None:

@@ -8,6 +8,7 @@
       seed: 0             # the draws' seed (default 0): the same file gives the same draws
       seeds: [1, 2, 3]    # training seeds: every point trained once per seed, into train.seed
       select: {metric: eval_loss, mode: min}   # kept for the report
+      prune: {rungs: [1, 2], keep: 0.33, min_points: 3, eval_pruned: true}  # stop losing runs early
 
 Points are grid's product (first key slowest) x the zip groups' product x random's draws, each replicated
 over `seeds`. A point is the experiment's raw config with `nested(point.values)` deep-merged in, named
@@ -54,7 +55,7 @@ from pydantic import (
 )
 from pydantic_core import InitErrorDetails
 
-from core.config import SAFE_NAME, Section
+from core.config import SAFE_NAME, PruneSpec, Section
 
 DISTRIBUTIONS = ("uniform", "loguniform", "choice", "int")
 BOUNDS_EXAMPLE = {"uniform": "[0.0, 0.2]", "loguniform": "[1.0e-5, 1.0e-3]", "int": "[1, 3]"}
@@ -111,6 +112,7 @@ class Sweep:
     points: tuple[SweepPoint, ...]
     swept: tuple[str, ...]  # the keys grid, zip and random vary (train.seed from seeds is not one)
     select: SweepSelect | None
+    prune: PruneSpec | None = None
 
 
 @dataclass(frozen=True)
@@ -288,6 +290,7 @@ class SweepSpec(Section):
     seed: StrictInt = 0
     seeds: Annotated[tuple[int, ...], PlainValidator(distinct_seeds)] = ()
     select: SweepSelect | None = None
+    prune: PruneSpec | None = None
 
     @field_validator("grid", "zip", "random")
     @classmethod
@@ -429,7 +432,7 @@ def expand(block: object, experiment_name: str) -> Sweep:
     axes = spec.axes()
     points = name_points(list(combinations(axes)), spec.seeds, experiment_name)
     swept = tuple(key for axis in axes for key in axis.keys)
-    return Sweep(points=tuple(points), swept=swept, select=spec.select)
+    return Sweep(points=tuple(points), swept=swept, select=spec.select, prune=spec.prune)
 
 
 def nested(values: dict) -> dict:
@@ -716,6 +719,7 @@ class SweepMember:
     seed: int | None
     swept: tuple[str, ...]
     select: SweepSelect | None
+    prune: PruneSpec | None = None  # the sweep's `prune:` block: its runs may stop at a rung
 
 
 def source_of(block: dict, key: str, seeded: bool) -> KeyPath:

@@ -12,7 +12,9 @@ An experiment that failed or never ran is a row that says so, never a silent gap
 
 The points of a `sweep:` block (core/sweep.py) are compared like with like: one table per sweep, a row per
 point, its replicates (one per seed) as mean ± sample standard deviation; a point whose seeds have not all
-finished says so instead of averaging fewer. report.csv keeps one row per replicate.
+finished says so instead of averaging fewer. report.csv keeps one row per replicate. A pruned sweep's
+table is followed by its runs' losses at each rung, where each was pruned and against which cutoff
+(core/pruning.py's records), and what pruning spent and saved; a point with a pruned seed is never the best.
 
 Did fine-tuning help? An experiment may have a base-model eval (`base_evals`): a job that scored the base
 model, without any adapter, on the same prompts, metrics, generation settings and split. Its row heads the
@@ -33,7 +35,8 @@ import yaml
 
 from core.files import read_jsonl, write_atomic, write_atomic_with
 from core.names import REPORT_COLUMNS
-from core.rundir import METRICS_FIELDS, RunDir
+from core.pruning import latest_by_run, rung_records
+from core.rundir import METRICS_FIELDS, RunDir, read_spec
 from core.runs import BaseEval, JobRun, PlanUsage
 from core.split import label as split_label
 from core.states import State
@@ -191,16 +194,26 @@ def split_marker(results: dict) -> str | None:
 UNCHANGED = "complete (adapter did not change outputs!)"  # done, but the adapter changed no prediction
 
 
+PRUNED = "pruned"  # a pruned sweep's run stopped at a rung: ended, but not a complete run
+
+
 def status_text(jobs: list[JobRun], has_results: bool) -> str:
+    pruned = next(
+        (note for j in jobs if j.kind == "train" and (note := RunDir.of(j.run_dir).read_pruned())), None
+    )
+    if pruned:
+        return f"{PRUNED} at rung {pruned['rung']:g}" if "rung" in pruned else PRUNED
     if has_results:
         flagged = any(
             read_results(j.run_dir).get("adapter_changes_output") is False for j in jobs if j.kind == "eval"
         )
         return UNCHANGED if flagged else "complete"
-    if all(j.kind == "train" and j.state is State.COMPLETED for j in jobs):
+    if all(j.kind == "train" and j.state and j.state.finished for j in jobs):
         return "complete (no eval asked)"  # before: "missing: not run yet" for a trained experiment
     bad = [
-        f"{j.stage} {j.state.value}" for j in jobs if j.state not in (None, State.COMPLETED, State.PLANNED)
+        f"{j.stage} {j.state.value}"
+        for j in jobs
+        if j.state not in (None, State.COMPLETED, State.PRUNED, State.PLANNED)
     ]
     return ("missing: " + ", ".join(bad)) if bad else "missing: not run yet"
 
@@ -381,7 +394,7 @@ def write_report(
         if task in published and published[task][1]:
             md += [f"Published baselines ({task}): {published[task][1]}.", ""]
         for sweep, points in sweep_points([r for r in rows if r["task"] == task], sweeps).items():
-            md += sweep_section(sweep, points, sweeps, base_evals)
+            md += sweep_section(sweep, points, sweeps, base_evals, run_root)
     md += ["## Jobs", "", to_markdown(list(job_rows.values()), list(JOB_COLUMNS)), ""]
     md += [totals_text(list(job_rows.values()), usage, gpu_hour_cost), ""]
     md += [f"![loss curves]({p.relative_to(run_root)})" for p in written[:1]]
@@ -484,11 +497,16 @@ def finished(row: dict) -> bool:
     return row["status"].startswith("complete")
 
 
+def was_pruned(row: dict) -> bool:
+    return row["status"].startswith(PRUNED)
+
+
 def sweep_section(
     name: str,
     points: dict[str, list[dict]],
     sweeps: dict[str, SweepMember],
     base_evals: dict[str, BaseEval] | None = None,
+    run_root: Path | None = None,
 ) -> list[str]:
     """### Sweep: NAME, its table (a Δ per score where its replicates have a base eval), which point is
     best by its `select` (and why none is), which replicates did not finish or have no base row."""
@@ -509,7 +527,9 @@ def sweep_section(
         next(row for row in table if row["point"] == best)["best"] = "✓"
     lines += [to_markdown(table, columns + metrics), ""]
     lines += [verdict, ""] if verdict else []
-    unfinished = [f"{r['experiment']} ({r['status']})" for r in replicates if not finished(r)]
+    unfinished = [
+        f"{r['experiment']} ({r['status']})" for r in replicates if not finished(r) and not was_pruned(r)
+    ]
     if unfinished:
         lines += [f"Replicates not complete: {', '.join(unfinished)}.", ""]
     flagged = [
@@ -517,18 +537,83 @@ def sweep_section(
     ]
     if flagged:  # counted as done, but a mean hides what its row would have said
         lines += [f"Replicates complete with a warning: {', '.join(flagged)}.", ""]
+    lines += pruning_lines(first, replicates, run_root) if first.prune and run_root else []
     return lines + left_out_lines([r["experiment"] for r in replicates], base_evals or {})
+
+
+def pruning_lines(sweep: SweepMember, replicates: list[dict], run_root: Path) -> list[str]:
+    """A pruned sweep's runs: each one's eval_loss at each rung (as recorded: core/pruning.py), where it was
+    pruned and against which cutoff, and the GPU-hours (and training minutes) spent and saved against
+    running every run to the end: a pruned run's own figure scaled to its full epochs, less what it spent."""
+    prune = sweep.prune
+    recorded = {rung: latest_by_run(rung_records(run_root, sweep.sweep, rung)) for rung in prune.rungs}
+    rows, spent, saved = [], {"gpu_hours": 0.0, "train_min": 0.0}, {"gpu_hours": 0.0, "train_min": 0.0}
+    for row in replicates:
+        name = row["experiment"]
+        stage = run_root / name / row["stages"]
+        note = RunDir(stage).read_pruned()
+        share = unrun_share(stage, note)
+        for key in spent:
+            spent[key] += row.get(key) or 0.0
+            saved[key] += (row.get(key) or 0.0) * share
+        rows.append(
+            {
+                "run": name,
+                **{f"rung {rung:g}": loss_at(recorded[rung].get(name)) for rung in prune.rungs},
+                "pruned": f"at rung {note['rung']:g} ({note['eval_loss']:.4g} > cutoff {note['cutoff']:.4g} "
+                f"of {note['points']})"
+                if all(note.get(key) is not None for key in ("rung", "eval_loss", "cutoff", "points"))
+                else (
+                    f"at rung {note['rung']:g} (eval_loss {note.get('eval_loss')})"
+                    if note.get("rung")
+                    else ""
+                ),
+                "gpu_hours": row.get("gpu_hours"),
+                "train_min": row.get("train_min"),
+            }
+        )
+    columns = ["run", *(f"rung {rung:g}" for rung in prune.rungs), "pruned", "gpu_hours", "train_min"]
+    rungs = ", ".join(f"{rung:g}" for rung in prune.rungs)
+    return [
+        f"Pruning (asynchronous successive halving: rungs {rungs}, keep {prune.keep:g}, min_points "
+        f"{prune.min_points}; each run is judged against every run recorded at its rung before it, so early "
+        "runs are rarely stopped). A point with a pruned seed is out of the selection.",
+        "",
+        to_markdown(rows, columns),
+        "",
+        f"Spent {spent['gpu_hours']:.4g} GPU-hours ({spent['train_min']:.4g} training minutes); pruning saved "
+        f"~{saved['gpu_hours']:.4g} GPU-hours (~{saved['train_min']:.4g} training minutes) against running "
+        "every run to the end.",
+        "",
+    ]
+
+
+def loss_at(record) -> str:
+    return f"{record.eval_loss:.4g}" if record is not None else "-"
+
+
+def unrun_share(stage: Path, note: dict) -> float:
+    """The epochs a pruned run did not train, per epoch it trained (0 for a run that was not pruned):
+    what running it to the end would have cost more, as a share of what it cost."""
+    if not note:
+        return 0.0
+    epochs = ((read_spec(stage) or {}).get("train") or {}).get("epochs")
+    done = RunDir(stage).read_summary().get("epochs_done") or note.get("rung")
+    if not isinstance(epochs, (int, float)) or not done:
+        return 0.0
+    return max(0.0, epochs / done - 1)
 
 
 def point_row(point: str, replicates: list[dict], sweeps: dict[str, SweepMember], metrics: list[str]) -> dict:
     """One point: its swept values, how many of its seeds are done, and each metric over its replicates."""
     done = sum(finished(r) for r in replicates)
     complete = done == len(replicates)
+    pruned = sum(was_pruned(r) for r in replicates)
     splits = dict.fromkeys(r["eval_split"] for r in replicates if r.get("eval_split"))
     return {
         "point": point,
         **sweeps[replicates[0]["experiment"]].values,
-        "seeds": f"{done}/{len(replicates)} done",
+        "seeds": f"{done}/{len(replicates)} done" + (f", {pruned} pruned" if pruned else ""),
         "eval_split": ", ".join(splits) or None,
         "best": "",
         **{c: cell_of(c, [r.get(c) for r in replicates]) if complete else INCOMPLETE for c in metrics},

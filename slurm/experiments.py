@@ -141,6 +141,7 @@ def load_experiments(
                     + check_resources(experiment, profile, chain)
                     + check_auto_time(experiment, stages, chain)
                     + check_select(experiment, member, chain)
+                    + check_prune(experiment, stages, member, chain)
                     + check_kind(experiment, chain)
                     + check_chat_template(experiment, stages, chain)
                 )
@@ -184,7 +185,7 @@ def expanded(
             for file, line in [where(chain, ("sweep", *source_of(block, key, point.seed is not None)))]
         ]
         values = {k: v for k, v in point.values.items() if k in sweep.swept}
-        member = SweepMember(name, point.point, values, point.seed, sweep.swept, sweep.select)
+        member = SweepMember(name, point.point, values, point.seed, sweep.swept, sweep.select, sweep.prune)
         config = deep_merge(base, nested(point.values)) | {"name": point_name(name, point, held)}
         points.append((config, [*given, *chain], member))
     return points, []
@@ -268,6 +269,48 @@ def check_select(experiment: Experiment, member: SweepMember | None, chain: list
         "eval.metrics"
     )
     return [sweep_problem(chain, ("select", "metric"), message)]
+
+
+def check_prune(
+    experiment: Experiment, stages: list[Stage], member: SweepMember | None, chain: list[YamlFile]
+) -> list[Problem]:
+    """A sweep's `prune:` judges each run's in-training eval_loss at its rungs (core/pruning.py): the only
+    score every run has there. So it needs eval data and eval_every_epochs, rungs on eval epochs below the
+    last epoch, and one stage (a later stage's rungs would judge runs that started from different
+    adapters)."""
+    if member is None or member.prune is None:
+        return []
+    block: list[tuple[str, str]] = []  # problems with the block as a whole, at its line
+    if len(stages) > 1:
+        names = ", ".join(stage.name for stage in stages)
+        block.append(("prune", f"prunes single-stage sweeps only for now; this one has stages {names}"))
+    train, data = stages[0].train, stages[0].data
+    if not data.eval:
+        block.append(("prune", "needs data.eval: runs are judged on their in-training eval_loss"))
+    if train.eval_every_epochs is None:
+        block.append(("prune", "needs train.eval_every_epochs: a run is judged at an in-training eval"))
+    if train.max_steps is not None:
+        block.append(("prune", "judges at epochs, and train.max_steps overrides epochs: remove max_steps"))
+    for rung in member.prune.rungs:
+        if train.eval_every_epochs and not is_multiple(rung, train.eval_every_epochs):
+            block.append(
+                (
+                    "prune.rungs",
+                    f"rung {rung:g} is not a multiple of train.eval_every_epochs {train.eval_every_epochs:g}: "
+                    "a run is judged at an in-training eval",
+                )
+            )
+        if rung >= train.epochs:
+            message = (
+                f"rung {rung:g} is not below train.epochs {train.epochs:g}: a run stopped there saves nothing"
+            )
+            block.append(("prune.rungs", message))
+    return [sweep_problem(chain, tuple(key.split(".")), message) for key, message in block]
+
+
+def is_multiple(value: float, step: float) -> bool:
+    ratio = value / step
+    return abs(ratio - round(ratio)) < 1e-6 and round(ratio) >= 1
 
 
 def sweep_problem(chain: list[YamlFile], path: tuple, message: str) -> Problem:

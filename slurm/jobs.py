@@ -15,8 +15,8 @@ from pathlib import Path
 
 import submitit
 
-from core.files import links_below
-from core.rundir import mark_done
+from core.files import links_below, write_json_atomic
+from core.rundir import RunDir, mark_done
 from slurm.redact import redact_job_output
 
 log = logging.getLogger("slurm.jobs")
@@ -98,6 +98,9 @@ class EvalStage(StageJob):
         from eval.job import run_eval
 
         job = EvalJob.model_validate(spec)
+        if skipped_as_pruned(job):
+            mark_done(Path(job.out_dir), config_hash)
+            return job.out_dir
         stop = StopRequest()
         requeue = stop.listen()
         if run_eval(job, stop.event) is None:
@@ -109,6 +112,17 @@ class EvalStage(StageJob):
             )
         mark_done(Path(job.out_dir), config_hash)
         return job.out_dir
+
+
+def skipped_as_pruned(job) -> bool:
+    """A pruned run whose sweep says `prune.eval_pruned: false` is not evaluated: its results.json says so
+    (the eval is then done, and the report shows the run as pruned, without scores)."""
+    pruned = RunDir.of_adapter(job.adapter_dir).read_pruned() if job.adapter_dir else {}
+    if pruned.get("evaluate") is not False:
+        return False
+    Path(job.out_dir).mkdir(parents=True, exist_ok=True)
+    write_json_atomic(RunDir(Path(job.out_dir)).results, {"skipped": "pruned (prune.eval_pruned: false)"})
+    return True
 
 
 class ExportStage(StageJob):

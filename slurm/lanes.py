@@ -222,9 +222,11 @@ class Lanes:
     def ended(self, uid: str, lane: int, code: int, stopping: bool) -> None:
         unit = self.units[uid]
         if is_done(Path(unit.run_dir), unit.config_hash, unit.kind):
-            self.state[uid] = State.COMPLETED
-            self.write_lane(unit, lane, State.COMPLETED)
-            log.info("lane %d: %s done", lane, uid)
+            # A pruned unit ends at its rung: its lane takes the next unit at once, as for any end.
+            ended = State.PRUNED if RunDir(Path(unit.run_dir)).read_pruned() else State.COMPLETED
+            self.state[uid] = ended
+            self.write_lane(unit, lane, ended)
+            log.info("lane %d: %s %s", lane, uid, "pruned" if ended is State.PRUNED else "done")
         elif stopping or code in (-signal.SIGUSR2, -signal.SIGTERM):
             # Stopped, not broken: SLURM's signal reaches every process of the allocation, and a unit
             # that was still starting dies of it; an eval stops after its batch, its predictions kept.

@@ -6,7 +6,9 @@ same rule is simulated with the plan's estimates, before anything is queued: the
 `--dry-run` prints, and a makespan over the budget is refused with the GPU count that would fit.
 
 A unit's duration is its estimate; a unit without one counts as its whole time limit (pessimistic: the
-packing then fits for sure or is refused). The makespan must end before SLURM's stop signal (the budget
+packing then fits for sure or is refused). A pruned sweep's training units count whole (no run stopped),
+unless `--budget-basis expected` counts them at the epochs pruning is expected to leave them (slurm/plan.py
+PlannedJob.seconds); a pruned unit that ends at its rung frees its lane at once (slurm/lanes.py). The makespan must end before SLURM's stop signal (the budget
 less the units' signal_delay_s and SLURM's 30 s timer). Units needing several GPUs (DDP) are refused: a
 lane is one GPU. A lane gets the CPUs (capped at the node's) and memory (refused beyond it) of the
 hungriest unit.
@@ -15,7 +17,7 @@ hungriest unit.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Literal
 
 from pydantic import ValidationError
@@ -23,7 +25,7 @@ from pydantic import ValidationError
 from core.config import SLURM_TIMER_S, Resources
 from core.durations import slurm_seconds, slurm_time
 from core.problems import ConfigError, Problem
-from slurm.plan import PlannedJob
+from slurm.plan import Basis, PlannedJob
 from slurm.profile import ClusterProfile
 
 
@@ -34,6 +36,7 @@ class Packing:
     lanes: tuple[tuple[str, ...], ...]  # job ids per lane, in the order the lane runs them
     starts: dict[str, float]  # simulated start and end of each unit, seconds from the allocation's start
     ends: dict[str, float]
+    basis: Basis = "worst"  # what a pruned sweep's units were counted at
 
     @property
     def makespan_s(self) -> float:
@@ -51,15 +54,17 @@ class Packing:
             "budget_s": self.budget_s,
             "makespan_s": round(self.makespan_s),
             "utilisation": round(self.utilisation, 3),
+            "basis": self.basis,
             "lanes": [list(lane) for lane in self.lanes],
         }
 
 
-def unit_seconds(job: PlannedJob) -> float:
-    return job.estimate.seconds if job.estimate.seconds is not None else float(job.resources.time_s)
+def unit_seconds(job: PlannedJob, basis: Basis = "worst") -> float:
+    seconds = job.seconds(basis)
+    return seconds if seconds is not None else float(job.resources.time_s)
 
 
-def simulate(jobs: list[PlannedJob], gpus: int) -> Packing:
+def simulate(jobs: list[PlannedJob], gpus: int, basis: Basis = "worst") -> Packing:
     """Run the lanes' rule on the estimates: whenever a lane is free, it takes the ready unit with the
     longest estimate (lowest lane number first); a unit is ready when its parents in `jobs` have ended.
     Parents outside `jobs` are done or run elsewhere before the allocation starts."""
@@ -73,11 +78,11 @@ def simulate(jobs: list[PlannedJob], gpus: int) -> Packing:
     now = 0.0
     while waiting or running:
         ready = [j for j in waiting if all(d.job_id in ends or d.job_id not in ids for d in j.depends_on)]
-        for job in sorted(ready, key=unit_seconds, reverse=True)[: len(free)]:
+        for job in sorted(ready, key=lambda j: unit_seconds(j, basis), reverse=True)[: len(free)]:
             lane = free.pop(0)
             waiting.remove(job)
             starts[job.id] = now
-            running.append((now + unit_seconds(job), lane, job.id))
+            running.append((now + unit_seconds(job, basis), lane, job.id))
             lanes[lane].append(job.id)
         running.sort()
         now = running[0][0]
@@ -86,12 +91,15 @@ def simulate(jobs: list[PlannedJob], gpus: int) -> Packing:
             ends[job_id] = end
             free.append(lane)
         free.sort()
-    return Packing(gpus, 0, tuple(tuple(lane) for lane in lanes), starts, ends)
+    return Packing(gpus, 0, tuple(tuple(lane) for lane in lanes), starts, ends, basis)
 
 
-def pack_plan(jobs: list[PlannedJob], gpus: int, budget: str, profile: ClusterProfile) -> Packing:
-    """The packing of `jobs` (the plan's jobs still to run) on `gpus` lanes; ConfigError if a unit cannot
-    take a lane or the simulated makespan exceeds the budget."""
+def pack_plan(
+    jobs: list[PlannedJob], gpus: int, budget: str, profile: ClusterProfile, basis: Basis = "worst"
+) -> Packing:
+    """The packing of `jobs` (the plan's jobs still to run) on `gpus` lanes, a pruned sweep's units
+    counted on `basis`; ConfigError if a unit cannot take a lane or the simulated makespan exceeds the
+    budget."""
     problems = []
     if not 1 <= gpus <= profile.max_gpus_per_node:
         problems.append(
@@ -111,20 +119,19 @@ def pack_plan(jobs: list[PlannedJob], gpus: int, budget: str, profile: ClusterPr
             f"{budget} is longer than cluster.yaml's max_time {profile.max_time} (the partition's limit)"
         )
         raise ConfigError([Problem("command line", "--budget", message)])
-    packing = simulate(jobs, gpus)
-    packing = Packing(gpus, budget_s, packing.lanes, packing.starts, packing.ends)
+    packing = replace(simulate(jobs, gpus, basis), budget_s=budget_s)
     if packing.makespan_s > usable_s(jobs, budget_s):
         raise ConfigError([Problem("command line", "--budget", over_budget(jobs, packing, profile))])
     return packing
 
 
-def points_that_fit(jobs: list[PlannedJob], gpus: int, budget_s: float) -> str:
+def points_that_fit(jobs: list[PlannedJob], gpus: int, budget_s: float, basis: Basis = "worst") -> str:
     """For a plan with sweep points: how many of them fit on `gpus` lanes within the budget when the most
     expensive (GPU-seconds of all its jobs) are dropped first, and which; "" without sweeps."""
     cost: dict[str, float] = {}
     for job in jobs:
         if job.sweep is not None:
-            cost[job.experiment] = cost.get(job.experiment, 0.0) + unit_seconds(job) * max(
+            cost[job.experiment] = cost.get(job.experiment, 0.0) + unit_seconds(job, basis) * max(
                 1, job.resources.gpus
             )
     if not cost:
@@ -133,7 +140,7 @@ def points_that_fit(jobs: list[PlannedJob], gpus: int, budget_s: float) -> str:
     for dropped in range(1, len(dearest)):
         gone = set(dearest[:dropped])
         kept = [j for j in jobs if j.experiment not in gone]
-        if simulate(kept, gpus).makespan_s <= budget_s:
+        if simulate(kept, gpus, basis).makespan_s <= budget_s:
             named = ", ".join(dearest[:dropped][:6]) + (f" and {dropped - 6} more" if dropped > 6 else "")
             return (
                 f"; {len(dearest) - dropped} of the {len(dearest)} sweep points fit on {gpus} GPU(s): drop "
@@ -164,11 +171,15 @@ def over_budget(jobs: list[PlannedJob], packing: Packing, profile: ClusterProfil
         f"{slurm_time(round(makespan - budget))} over the {slurm_time(round(budget))} the budget "
         f"{slurm_time(packing.budget_s)} leaves before SLURM's stop signal"
     )
-    message += points_that_fit(jobs, packing.gpus, budget)
+    if packing.basis == "worst" and any(j.expected_share < 1.0 for j in jobs):
+        message += " (a pruned sweep counted with no run stopped; --budget-basis expected counts what pruning is expected to leave)"
+    message += points_that_fit(jobs, packing.gpus, budget, packing.basis)
     for gpus in range(packing.gpus + 1, profile.max_gpus_per_node + 1):
-        if simulate(jobs, gpus).makespan_s <= budget:
+        if simulate(jobs, gpus, packing.basis).makespan_s <= budget:
             return f"{message}; they would fit on {gpus} GPUs (--pack {gpus})"
-    alone = simulate(jobs, max(1, len(jobs))).makespan_s  # as many lanes as units: the longest chain alone
+    alone = simulate(
+        jobs, max(1, len(jobs)), packing.basis
+    ).makespan_s  # as many lanes as units: the longest chain alone
     return (
         f"{message}; no pack of up to {profile.max_gpus_per_node} GPUs fits, as its longest chain alone "
         f"takes {slurm_time(round(alone))}: raise --budget, or pack fewer experiments (--exp)"

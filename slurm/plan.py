@@ -18,10 +18,19 @@ from typing import Literal
 from pydantic import ValidationError
 
 from core import layout
-from core.config import AdapterSpec, EvalJob, ExportJob, Resources, TrainJob, what_it_computes
+from core.config import (
+    AdapterSpec,
+    EvalJob,
+    ExportJob,
+    PruneJob,
+    Resources,
+    TrainJob,
+    what_it_computes,
+)
 from core.durations import slurm_time
 from core.hashing import content_hash
 from core.problems import ConfigError, Problem
+from core.pruning import expected_epochs
 from core.rundir import ADAPTER, CONFIG, done_hash, in_folder, run_folder
 from slurm import guesses
 from slurm.estimate import Estimate, Estimator, auto_time_limit_s
@@ -29,6 +38,9 @@ from slurm.experiments import LoadedExperiment
 from slurm.profile import ClusterProfile
 
 DependencyKind = Literal["afterok", "afterany"]
+# What a pruned sweep's runs are counted at: every run to its end (worst), or the epochs successive halving
+# is expected to leave them (expected: core/pruning.py expected_epochs).
+Basis = Literal["worst", "expected"]
 
 
 @dataclass(frozen=True)
@@ -60,6 +72,21 @@ class PlannedJob:
     def tasks(self) -> int:
         """Processes the job runs: one per GPU for training (DDP); an eval job is one process."""
         return self.resources.tasks if self.kind == "train" else 1
+
+    @property
+    def expected_share(self) -> float:
+        """The share of its estimate a job is expected to run: for a training stage of a pruned sweep, its
+        expected epochs (core/pruning.py: every rung keeps `keep` of the runs) over its epochs; else 1."""
+        if not isinstance(self.spec, TrainJob) or self.spec.prune is None:
+            return 1.0
+        train, prune = self.spec.train, self.spec.prune
+        return expected_epochs(train.epochs, prune.rungs, prune.keep) / train.epochs
+
+    def seconds(self, basis: Basis = "worst") -> float | None:
+        """Its estimate; `expected`: the part a pruned run is expected to run (the worst case stops none)."""
+        if self.estimate.seconds is None:
+            return None
+        return self.estimate.seconds * (self.expected_share if basis == "expected" else 1.0)
 
     @property
     def effective_batch(self) -> int | None:
@@ -104,13 +131,24 @@ class Plan:
         return (end[path[0]] if path else 0.0), path[::-1]
 
     def sweep_totals(self, points: list[str]) -> dict:
-        """A sweep's points, and the GPU-hours and makespan (every point at once) of what is left of it."""
+        """A sweep's points, and the GPU-hours and makespan (every point at once) of what is left of it;
+        a pruned sweep's GPU-hours as expected too (its worst case stops no run)."""
         unknown = bool(self.unestimated())
+        pruned = self.pruned()
         return {
             "points": len(points),
             "gpu_hours": None if unknown else round(self.gpu_hours(), 3),
+            **(
+                {"expected_gpu_hours": None if unknown else round(self.gpu_hours("expected"), 3)}
+                if pruned
+                else {}
+            ),
             "makespan_s": None if unknown else round(self.critical_path()[0]),
         }
+
+    def pruned(self) -> bool:
+        """Whether any of its jobs may stop at a rung (a pruned sweep's training stage)."""
+        return any(j.expected_share < 1.0 for j in self.jobs)
 
     def experiments(self) -> list[str]:
         return list(dict.fromkeys(j.experiment for j in self.jobs))
@@ -120,8 +158,8 @@ class Plan:
         unknown = any(j.estimate.seconds is None for j in self.jobs if j.experiment == name)
         return {"critical_path_s": None if unknown else round(seconds), "critical_path": path}
 
-    def gpu_hours(self) -> float:
-        return sum((j.estimate.seconds or 0.0) * j.resources.gpus for j in self.jobs) / 3600
+    def gpu_hours(self, basis: Basis = "worst") -> float:
+        return sum((j.seconds(basis) or 0.0) * j.resources.gpus for j in self.jobs) / 3600
 
     def file_of(self, job: PlannedJob, files: dict[str, str]) -> str:
         """The YAML a job's problems are reported in: its experiment's; a base-model eval's is that of the
@@ -165,6 +203,11 @@ class Plan:
             "log_root": self.log_root,
             "makespan_s": None if unknown else round(left.critical_path()[0]),
             "gpu_hours": None if unknown else round(left.gpu_hours(), 3),
+            **(
+                {"expected_gpu_hours": None if unknown else round(left.gpu_hours("expected"), 3)}
+                if left.pruned()
+                else {}
+            ),
             "experiments": {name: self.experiment_path(name) for name in self.experiments()},
             "sweeps": {
                 name: left.of_sweep(name).sweep_totals(points) for name, points in self.sweeps().items()
@@ -368,6 +411,7 @@ def calibration_plan(plan: Plan, steps: int, estimator: Estimator | None = None)
                 "run_dir": run_folder(plan.run_root, name, stage),
                 "tracking": [],
                 "calibration": True,
+                "prune": None,  # a calibration measures speed: it joins no sweep's rung records
             }
         )
         resources = first.resources.model_copy(update={"time": slurm_time(min(first.resources.time_s, 3600))})
@@ -438,6 +482,7 @@ def experiment_jobs(
             init_adapter=in_folder(previous.run_dir, ADAPTER) if previous else None,
             run_dir=run_folder(profile.run_dir, exp.name, stage.name),
             tracking=exp.tracking,
+            prune=pruning_of(loaded),
         )
         deps = [Dependency(previous.id, "afterok")] if previous else list(first_deps)
         previous = make_job(
@@ -449,6 +494,14 @@ def experiment_jobs(
             name = layout.eval_folder(stage.name, is_last)
             jobs.append(eval_job(exp, stage, previous, name, resources, profile, {**known, **_ids(jobs)}))
     return jobs
+
+
+def pruning_of(loaded: LoadedExperiment) -> PruneJob | None:
+    """A pruned sweep's point: its block, and the sweep whose rung records it joins."""
+    member = loaded.sweep
+    if member is None or member.prune is None:
+        return None
+    return PruneJob(**member.prune.model_dump(), sweep=member.sweep)
 
 
 def of_stage(exp, stage) -> dict:

@@ -148,7 +148,8 @@ def queue_pack(plan: Plan, profile, decisions, skipped: dict[str, str], pack, co
     from slurm.backends import SlurmBackend
 
     todo = [d.job for d in decisions if d.action == "submit"]
-    packing = pack_plan(todo, *pack, profile)  # what is not queued elsewhere already
+    gpus, budget, basis = pack
+    packing = pack_plan(todo, gpus, budget, profile, basis)  # what is not queued elsewhere already
     resources = pack_resources(todo, packing, profile)
     refuse_never_starting(todo, files, profile, pack=resources)
     ids = submit_pack(decisions, SlurmBackend(profile, Path.cwd(), code), resources)
@@ -195,7 +196,7 @@ def run_here(plan: Plan, profile, decisions, code) -> int:
     with live_status(plan, profile):
         states = run_locally(decisions, backend, report)
     out.print(status_table(plan_status(plan, profile.log_dir), out.width))
-    return 1 if any(s is not State.COMPLETED for s in states.values()) else 0
+    return 1 if any(not s.finished for s in states.values()) else 0
 
 
 @contextmanager
@@ -240,7 +241,7 @@ def wait(plan: Plan, profile) -> int:
         out.print(status_table(rows, out.width))
     for line in problem_lines(rows):
         err.print(line, highlight=False, soft_wrap=True)
-    return 1 if any(r.state is not State.COMPLETED for r in rows) else 0
+    return 1 if any(not r.state.finished for r in rows) else 0
 
 
 def never_starting(rows) -> set[str]:

@@ -86,6 +86,7 @@ def natural_width(column) -> int:
 
 STATE_STYLE = {
     State.COMPLETED: "green",
+    State.PRUNED: "green",
     State.RUNNING: "cyan",
     State.PENDING: "yellow",
     State.FAILED: "red",
@@ -143,8 +144,8 @@ def totals_text(plan: Plan) -> str:
             sweep = plan.of_sweep(sweep_of[name])
             seconds, path = sweep.critical_path()
             lines.append(
-                f"  sweep {sweep_of[name]}: {len(sweep.experiments())} point(s), {sweep.gpu_hours():.1f} "
-                f"GPU-hours, ~{format_duration(seconds)} with every point at once ({' -> '.join(path)})"
+                f"  sweep {sweep_of[name]}: {len(sweep.experiments())} point(s), {sweep_hours(sweep)}, "
+                f"~{format_duration(seconds)} with every point at once ({' -> '.join(path)})"
             )
     guessed = [j.id for j in plan.jobs if j.estimate.source == "guess"]
     if guessed:
@@ -156,12 +157,25 @@ def totals_text(plan: Plan) -> str:
     return "\n".join(lines)
 
 
+def sweep_hours(sweep: Plan) -> str:
+    """`1.2 GPU-hours`; a pruned sweep's worst case (no run stopped) and what it is expected to cost."""
+    worst = f"{sweep.gpu_hours():.1f} GPU-hours"
+    if not sweep.pruned():
+        return worst
+    return f"{worst} at worst (no run pruned), {sweep.gpu_hours('expected'):.1f} expected with pruning"
+
+
 def packing_text(packing: Packing) -> str:
     """The simulated lanes: which units each GPU runs in order, and whether the makespan fits the budget."""
     lines = [
         f"Pack: one allocation of {packing.gpus} GPU(s) for {slurm_time(packing.budget_s)}; simulated makespan "
         f"~{format_duration(packing.makespan_s)}, lanes busy {packing.utilisation:.0%} "
         "(a free lane takes the ready job with the longest estimate)"
+        + (
+            "; pruned sweeps counted as expected (--budget-basis expected)"
+            if packing.basis == "expected"
+            else ""
+        )
     ]
     for lane, units in enumerate(packing.lanes):
         steps = [

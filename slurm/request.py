@@ -51,6 +51,8 @@ class LaunchRequest:
     wait: bool = False
     pack: int | None = None  # --pack G; None: cluster.yaml's `pack`, if any
     budget: str | None = None  # --pack's time limit, a SLURM duration
+    # --budget-basis: a pruned sweep's runs counted whole (worst) or as pruning is expected to leave them
+    budget_basis: Literal["worst", "expected"] = "worst"
     force: bool = False
     removed: bool = False  # --cancel --removed
     export: tuple[str, ...] = ()  # --export EXP[/STAGE] ...: what to export (with --all: every experiment)
@@ -91,6 +93,7 @@ def request_from(args) -> LaunchRequest:
         wait=args.wait,
         pack=args.pack,
         budget=args.budget,
+        budget_basis=args.budget_basis,
         force=args.force,
         removed=args.removed,
         export=tuple(args.export or ()),

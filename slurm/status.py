@@ -184,9 +184,11 @@ def job_status(
     if done == UNREADABLE:
         return JobStatus(job, State.UNKNOWN, reason=f"{run_dir}/DONE cannot be read", **common)
     if is_done(run_dir, job.config_hash, job.kind):
+        pruned = RunDir(run_dir).read_pruned() if job.kind == "train" else {}
         return JobStatus(
             job,
-            State.COMPLETED,
+            State.PRUNED if pruned else State.COMPLETED,
+            reason=pruned_reason(pruned),
             **common,
             elapsed=scheduler.get(scheduler_id, SchedulerInfo(State.COMPLETED)).elapsed,
         )
@@ -225,6 +227,17 @@ def job_status(
         state = State.BLOCKED
         reason = f"parent {parent} {earlier[parent].state.value}" if failed_parent else "a parent failed"
     return JobStatus(job, state, reason=reason, elapsed=info.elapsed, stuck=stuck, **common)
+
+
+def pruned_reason(pruned: dict) -> str:
+    """Where a pruned run stopped and why: `at rung 1: eval_loss 3.21 > cutoff 1.15 of 4 runs`."""
+    if not pruned:
+        return ""
+    figures = [pruned.get(key) for key in ("rung", "eval_loss", "cutoff", "points")]
+    if None in figures:
+        return "at a rung"
+    rung, loss, cutoff, points = figures
+    return f"at rung {rung:g}: eval_loss {loss:.4g} > cutoff {cutoff:.4g} of {points} runs"
 
 
 def another_config(job, run_dir: Path) -> str:

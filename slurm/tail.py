@@ -33,9 +33,7 @@ def pick_job(plan: Plan, target: str, log_root: str) -> PlannedJob:
         experiments = {j.experiment for j in plan.jobs}
         message = f"no experiment '{target}'" + did_you_mean(target, experiments)
         raise ConfigError([Problem("command line", "--tail", message)])
-    active = (
-        [r for r in rows if r.state.live] or [r for r in rows if r.state is not State.COMPLETED] or rows[-1:]
-    )
+    active = [r for r in rows if r.state.live] or [r for r in rows if not r.state.finished] or rows[-1:]
     return active[0].job
 
 
@@ -56,7 +54,7 @@ def follow(plan: Plan, target: str, log_root: str, console: Console, rank: int =
         if not row.state.live and row.state is not State.PLANNED:
             shown = print_new(row.log_path, shown)
             console.print(f"{job.id}: {row.state.value} {row.reason}".rstrip(), highlight=False)
-            return 0 if row.state is State.COMPLETED else 1
+            return 0 if row.state.finished else 1
         if row.state is State.PLANNED:
             console.print(f"{job.id} has not been submitted.")
             return 1

@@ -311,3 +311,59 @@ def test_a_lane_json_an_earlier_version_wrote_in_its_own_words_is_read_as_our_st
     assert lane_record(tmp_path, "two")["state"] == "PENDING"
     assert lane_state("done") is State.COMPLETED and lane_state("RUNNING") is State.RUNNING
     assert lane_state("sideways") is None and lane_state(3) is None
+
+
+# Issue 33: a pruned sweep's GPU-hours at worst (no run stopped) and as expected, and the budget's basis.
+PRUNED_SWEEP = """\
+name: p
+model: {name_or_path: org/some-model, kind: causal}
+data: {train: DATA, eval: DATA}
+train: {epochs: 3, eval_every_epochs: 1}
+eval: {metrics: []}
+resources: {gpus: 1, cpus: 1, mem_gb: 4, time: "02:00:00"}
+sweep:
+  grid: {train.learning_rate: [1.0e-4, 2.0e-4, 3.0e-4, 4.0e-4]}
+  prune: {rungs: [1], keep: 0.5}
+"""
+
+
+def hour_each(spec, gpus, gpu=None, gpu_mem_gb=None) -> Estimate:
+    return Estimate(3600, "measured", "fixed by the test")
+
+
+def pruned_plan(tmp_path: Path):
+    folder = folder_with(tmp_path, p=PRUNED_SWEEP)
+    profile, _ = load_profile(folder)
+    return build_plan(
+        load_experiments(folder, profile, parse_overrides([]), None), profile, hour_each
+    ), profile
+
+
+def test_a_pruned_sweeps_expected_gpu_hours_are_the_halving_sum_and_its_worst_case_stops_nothing(tmp_path):
+    from slurm.render import totals_text
+
+    plan, _ = pruned_plan(tmp_path)
+    # 4 runs of 3 epochs, rung 1, keep 0.5: 1 + 0.5 x 2 = 2 epochs expected of 3, so 4 x 2/3 h.
+    assert plan.gpu_hours() == 4.0
+    assert plan.gpu_hours("expected") == pytest.approx(8 / 3)
+    assert plan.sweep_totals(plan.sweeps()["p"])["expected_gpu_hours"] == pytest.approx(2.667, abs=1e-3)
+    assert "4.0 GPU-hours at worst (no run pruned), 2.7 expected with pruning" in totals_text(plan)
+    shown = plan.to_json()
+    assert (shown["gpu_hours"], shown["expected_gpu_hours"]) == (4.0, pytest.approx(2.667, abs=1e-3))
+
+
+def test_a_pack_budget_admits_a_pruned_sweep_on_its_worst_case_unless_asked_for_the_expected(tmp_path):
+    plan, profile = pruned_plan(tmp_path)
+    # Two lanes, two units each: 2 h at worst, over what 01:45:00 leaves; 2 x 40 min as expected.
+    with pytest.raises(ConfigError, match="--budget-basis expected counts what pruning"):
+        pack_plan(list(plan.jobs), 2, "01:45:00", profile)
+    packing = pack_plan(list(plan.jobs), 2, "01:45:00", profile, "expected")
+    assert packing.makespan_s == pytest.approx(4800) and packing.basis == "expected"
+
+
+def test_budget_basis_without_a_pack_is_refused_naming_what_it_is_for(tmp_path, capsys):
+    folder = folder_with(tmp_path, p=PRUNED_SWEEP)
+    assert launch.main(["--all", "--dry-run", "--config-dir", str(folder), "--budget-basis", "expected"]) == 2
+    assert "--budget-basis: says how a packed allocation's budget counts a pruned sweep" in " ".join(
+        capsys.readouterr().err.split()
+    )

@@ -809,3 +809,43 @@ def test_the_report_renderer_refuses_slurms_plan_and_reads_typed_rows_only(tmp_p
     rows = job_runs(plan, {"good/one": "FAILED"})
     assert [type(r).__module__ for r in rows] == ["core.runs"] * len(plan.jobs)
     assert rows[0].state is State.FAILED and rows[0].summary == {}
+
+
+def test_a_point_with_a_pruned_seed_is_never_the_best_and_the_pruning_and_its_savings_are_shown(tmp_path):
+    from core.config import PruneJob
+    from core.pruning import judged, mark_pruned
+    from core.rundir import write_spec
+
+    prune = ", seeds: [1, 2], select: {metric: eval_loss, mode: min}, prune: {rungs: [1], keep: 0.5}"
+    plan, sweeps = sweep_plan(tmp_path, prune)
+    runs = tmp_path / "runs"
+    spec = PruneJob(rungs=[1], keep=0.5, sweep="lr")
+    for name, loss in (("lr-lr3e-04-r8-s1", 1.0), ("lr-lr3e-04-r8-s2", 1.2), ("lr-lr1e-04-r8-s1", 0.5)):
+        write_replicate(runs, name, loss, {"exact_match": 0.5})
+        judged(runs, "lr", name, "h", 1, loss + 1, spec)
+    # Seed 2 of lr1e-04-r8 stopped at rung 1 of 3 epochs, with the best loss of all: were it counted, its
+    # point (mean 0.45) would beat lr3e-04-r8 (mean 1.1).
+    pruned = "lr-lr1e-04-r8-s2"
+    write_replicate(runs, pruned, 0.4, {"exact_match": 0.5})
+    write_spec(runs / pruned / "one", {"train": {"epochs": 3}})
+    summary = json.loads((runs / pruned / "one" / "summary.json").read_text())
+    (runs / pruned / "one" / "summary.json").write_text(json.dumps(summary | {"epochs_done": 1}))
+    record = judged(runs, "lr", pruned, "h", 1, 9.0, spec)
+    mark_pruned(runs / pruned / "one", record)
+
+    write_report(job_runs(plan), runs, sweeps=sweeps)
+
+    report = (runs / "report.md").read_text()
+    assert md_line(report, "| lr1e-04-r8 ").startswith(
+        "| lr1e-04-r8 | 0.0001 | 8 | 1/2 done, 1 pruned | eval |  |"
+    )
+    assert "Best by eval_loss (min, eval split): lr3e-04-r8" in report
+    # cutoff: the median of 2.0, 2.2, 1.5 and 9.0 is 2.1
+    assert (
+        md_line(report, f"| {pruned} ") == f"| {pruned} | 9 | at rung 1 (9 > cutoff 2.1 of 4) | 0.0167 | 1 |"
+    )
+    assert "Replicates not complete" not in report
+    # Spent: four runs of 1 minute each; saved: the pruned run's 2 epochs not trained, 2 minutes.
+    assert (
+        "Spent 0.0668 GPU-hours (4 training minutes); pruning saved ~0.0334 GPU-hours (~2 training" in report
+    )

@@ -182,3 +182,73 @@ def test_a_sweep_named_as_an_experiment_of_another_folder_in_the_run_root_is_ref
     assert launch.main(["--all", "--dry-run", "--config-dir", str(folder)]) == 2
     err = " ".join(capsys.readouterr().err.split())
     assert "lr.yaml: name: the sweep 'lr' has the name of an experiment" in err and "other-configs" in err
+
+
+# Issue 33: sweep.prune, checked with the experiment it prunes.
+PRUNED = """\
+name: pr
+model: {{name_or_path: org/model, kind: causal}}
+data: {{train: {data}, eval: {data}, input_field: q, target_field: a}}
+train: {{epochs: 3, eval_every_epochs: 1}}
+eval: {{metrics: []}}
+resources: {{mem_gb: 4, cpus: 1}}
+sweep:
+  grid:
+    train.learning_rate: [1.0e-4, 3.0e-4]
+  prune:
+    rungs: [1, 2]
+    keep: 0.5
+"""
+
+
+def pruned_folder(tmp_path: Path, text: str) -> Path:
+    folder = folder_of(tmp_path)
+    (folder / "lr.yaml").unlink()
+    (folder / "pr.yaml").write_text(text.format(data=tmp_path / "d.jsonl"))
+    return folder
+
+
+def test_a_pruned_sweeps_points_carry_the_block_and_their_sweep_into_their_training_job(tmp_path, capsys):
+    folder = pruned_folder(tmp_path, PRUNED)
+    assert launch.main(["--all", "--dry-run", "--json", "--config-dir", str(folder)]) == 0
+    jobs = json.loads(capsys.readouterr().out)["jobs"]
+    prune = {j["id"]: j["spec"].get("prune") for j in jobs if j["kind"] == "train"}
+    assert len(prune) == 2
+    expected = {"rungs": [1.0, 2.0], "keep": 0.5, "min_points": 3, "eval_pruned": True, "sweep": "pr"}
+    assert all(block == expected for block in prune.values())
+
+
+def test_a_prune_block_without_eval_data_or_evals_is_refused_at_its_line(tmp_path, capsys):
+    text = PRUNED.replace(" eval: {data},", "").replace("eval_every_epochs: 1", "eval_every_epochs: null")
+    folder = pruned_folder(tmp_path, text)
+    assert launch.main(["--all", "--dry-run", "--config-dir", str(folder)]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "pr.yaml:10: sweep.prune: needs data.eval" in err
+    assert "pr.yaml:10: sweep.prune: needs train.eval_every_epochs" in err
+
+
+def test_rungs_off_the_eval_epochs_or_not_below_the_last_epoch_are_refused_at_the_rungs_line(
+    tmp_path, capsys
+):
+    text = PRUNED.replace("eval_every_epochs: 1", "eval_every_epochs: 0.5").replace("[1, 2]", "[0.75, 3]")
+    folder = pruned_folder(tmp_path, text)
+    assert launch.main(["--all", "--dry-run", "--config-dir", str(folder)]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "pr.yaml:11: sweep.prune.rungs: rung 0.75 is not a multiple of train.eval_every_epochs 0.5" in err
+    assert "pr.yaml:11: sweep.prune.rungs: rung 3 is not below train.epochs 3" in err
+
+
+def test_a_keep_outside_zero_and_one_and_falling_rungs_are_refused_at_their_keys(tmp_path, capsys):
+    folder = pruned_folder(tmp_path, PRUNED.replace("keep: 0.5", "keep: 1.0").replace("[1, 2]", "[2, 1]"))
+    assert launch.main(["--all", "--dry-run", "--config-dir", str(folder)]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "pr.yaml:11: sweep.prune.rungs: must rise strictly" in err
+    assert "pr.yaml:12: sweep.prune.keep:" in err and "less than 1" in err
+
+
+def test_a_multi_stage_pruned_sweep_is_refused_with_the_reason(tmp_path, capsys):
+    text = PRUNED.replace("sweep:", "stages: [{{name: one}}, {{name: two}}]\nsweep:")
+    folder = pruned_folder(tmp_path, text)
+    assert launch.main(["--all", "--dry-run", "--config-dir", str(folder)]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "sweep.prune: prunes single-stage sweeps only for now; this one has stages one, two" in err

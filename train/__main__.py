@@ -32,7 +32,7 @@ def main(argv: list[str]) -> int:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
     print(outcome)
-    return 0 if outcome == "completed" else 3
+    return 3 if outcome == "interrupted" else 0  # a pruned run ended as it should
 
 
 if __name__ == "__main__":

@@ -14,7 +14,9 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
+from core.config import PruneJob
 from core.files import open_append, read_json, write_atomic, write_json_atomic
+from core.pruning import judged, mark_pruned, rung_records
 from core.rundir import RunDir
 from train import distributed
 from train.checkpoints import commit, rotate
@@ -216,6 +218,56 @@ def record_eval(checkpoint: Path, state, logged: int) -> None:
         saved.best_model_checkpoint = str(checkpoint)
     text = json.dumps(dataclasses.asdict(saved), indent=2, sort_keys=True) + "\n"
     write_atomic(checkpoint / "trainer_state.json", text)
+
+
+class PruneAtRungs(TrainerCallback):
+    """A run of a pruned sweep, at each rung's in-training eval: record its eval_loss, decide (core/pruning.py)
+    and stop when it is losing. The stop is collective (rank 0 decides, every rank hears the same answer).
+    The Trainer saves after this eval as at every eval point, then loads the best checkpoint: the adapter
+    written is the run's best so far. A run requeued after it stopped (its checkpoint at the rung is
+    committed) finds its decision recorded and stops at once instead of training on.
+
+    `rung_steps`: the optimizer step of each rung's eval, as the Trainer schedules its evals. `identity`:
+    the run's config and its folder's first submission (train/recipe.py pruning): a requeue keeps it, a
+    rerun under another config or in a fresh folder decides anew."""
+
+    def __init__(self, run_dir: Path, prune: PruneJob, run: str, identity: str, rung_steps: dict[int, float]):
+        self.run_dir, self.prune, self.run, self.identity = run_dir, prune, run, identity
+        self.rung_steps = rung_steps
+        self.pruned = False
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        passed = [rung for step, rung in self.rung_steps.items() if step <= state.global_step]
+        if distributed.any_rank(any(self.recorded_stop(rung) for rung in passed)):
+            control.should_training_stop = self.pruned = True  # after the step under way: the Trainer's rule
+        return control
+
+    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+        rung = self.rung_steps.get(state.global_step)
+        if rung is None:
+            return control
+        stop = False
+        if state.is_world_process_zero:
+            loss = float((metrics or {})["eval_loss"])
+            record = judged(
+                RunDir(self.run_dir).run_root,
+                self.prune.sweep,
+                self.run,
+                self.identity,
+                rung,
+                loss,
+                self.prune,
+            )
+            stop = record.stop
+            if stop:
+                mark_pruned(self.run_dir, record, evaluate=self.prune.eval_pruned)
+        if distributed.any_rank(stop):
+            control.should_training_stop = self.pruned = True
+        return control
+
+    def recorded_stop(self, rung: float) -> bool:
+        records = rung_records(RunDir(self.run_dir).run_root, self.prune.sweep, rung)
+        return any(r.stop for r in records if (r.run, r.config_hash) == (self.run, self.identity))
 
 
 class RuntimeClock(TrainerCallback):

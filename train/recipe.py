@@ -1,6 +1,6 @@
 """The shared LoRA/QLoRA trainer: one stage of one experiment, read top to bottom.
 
-    run_stage(TrainJob, stop) → "completed" | "interrupted"      (python -m train JOB.yaml does the same)
+    run_stage(TrainJob, stop) → "completed" | "pruned" | "interrupted"   (python -m train JOB.yaml too)
 
 StageRecipe: setup() → train() → save(). The job wrapper sets `stop` on SLURM's time-limit or preemption
 signal; the recipe then checkpoints at the next step end and returns "interrupted". The next start resumes
@@ -57,6 +57,9 @@ Feature → config key:
   epoch ends (a last short accumulation still steps)             → train.eval_every_epochs, data.eval
 - early stopping, best model loaded at the end                    → train.early_stopping.{metric,patience,threshold}
 - checkpoints: every N steps and at each eval, best + newest kept → train.save_every_steps
+- a pruned sweep's run stops at a rung when its eval_loss is above
+  the keep quantile of the losses recorded there (core/pruning.py);
+  it ends "pruned", its best model saved as at a normal end        → job.prune (the sweep's prune:)
 - epochs, or a fixed number of steps that overrides them          → train.epochs, train.max_steps
 - resume after a time limit or preemption                         → (automatic) checkpoints/ in run_dir
 - tokenization cache                                              → env LORA_CACHE_DIR (~/.cache/lora-pipeline)
@@ -92,9 +95,10 @@ from transformers import (
 from transformers.trainer_pt_utils import LengthGroupedSampler
 
 from core import speeds
-from core.config import TrainJob
+from core.config import TrainJob, what_it_computes
 from core.files import read_json, read_jsonl, write_atomic, write_json_atomic
-from core.rundir import RunDir
+from core.hashing import content_hash
+from core.rundir import RunDir, job_records
 from core.split import Split, as_written, resolve
 from train import data as data_lib
 from train import distributed, vl
@@ -102,6 +106,7 @@ from train.callbacks import (
     CommitCheckpoints,
     FailOnNonFiniteLoss,
     NoCheckpointAtTheEnd,
+    PruneAtRungs,
     RunDirectoryLog,
     RuntimeClock,
     SaveEvery,
@@ -134,11 +139,13 @@ from train.tracking import step_offset, tracking_callbacks
 log = logging.getLogger("train.recipe")
 
 
-def run_stage(job: TrainJob, stop: threading.Event | None = None) -> Literal["completed", "interrupted"]:
+def run_stage(
+    job: TrainJob, stop: threading.Event | None = None
+) -> Literal["completed", "pruned", "interrupted"]:
     recipe = StageRecipe(job, stop or threading.Event())
     recipe.setup()
     outcome = recipe.train()
-    if outcome == "completed":
+    if outcome != "interrupted":  # a pruned run ends as a completed one does, with its best model
         recipe.save()
     distributed.leave()  # not after an error: the other ranks are not coming
     return outcome
@@ -476,6 +483,9 @@ class StageRecipe:
         early = self.job.train.early_stopping
         if early and self.evaluating():
             callbacks.append(EarlyStoppingCallback(early.patience, early.threshold))
+        self.pruner = self.pruning(args.eval_steps) if self.job.prune and self.evaluating() else None
+        if self.pruner:
+            callbacks.append(self.pruner)
         callbacks += tracking_callbacks(self.job, step_of(self.resume_from) if self.resume_from else None)
         self.timer = StageTimer()  # last: a save's time includes committing the checkpoint
         callbacks.append(self.timer)
@@ -498,8 +508,22 @@ class StageRecipe:
             ),
         )
 
+    def pruning(self, eval_steps: int) -> PruneAtRungs:
+        """Each rung's eval step as the Trainer schedules evals (every eval_steps), and the run's identity
+        in the rung records: its spec as it computes and its run folder's first submission (job.json). A
+        requeue or a retry keeps both, and takes its decision back; a rerun under another config, or in a
+        fresh folder (--force archives the old one), decides anew."""
+        per_rung = {
+            rung: round(rung / self.job.train.eval_every_epochs) * eval_steps for rung in self.job.prune.rungs
+        }
+        first = job_records(self.run_dir)[:1]
+        folder = f"{first[0].job_id}@{first[0].submitted_at}" if first else ""
+        identity = content_hash({"spec": what_it_computes(self.job.model_dump()), "folder": folder})
+        steps = {step: rung for rung, step in per_rung.items()}
+        return PruneAtRungs(self.run_dir, self.job.prune, self.job.experiment, identity, steps)
+
     # ---- train ----------------------------------------------------------------------------------
-    def train(self) -> Literal["completed", "interrupted"]:
+    def train(self) -> Literal["completed", "pruned", "interrupted"]:
         if self.gpu_sampler:
             self.gpu_sampler.start()
         try:
@@ -510,7 +534,9 @@ class StageRecipe:
             if self.gpu_sampler:
                 self.gpu_sampler.stop()
         self.train_metrics = result.metrics
-        return "interrupted" if self.stopper.stopped_early else "completed"
+        if self.stopper.stopped_early:
+            return "interrupted"
+        return "pruned" if self.pruner and self.pruner.pruned else "completed"
 
     # ---- save -----------------------------------------------------------------------------------
     def save(self) -> None:

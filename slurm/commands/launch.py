@@ -192,16 +192,20 @@ def preflight_table(results):
     return table
 
 
-def requested_pack(request: LaunchRequest, profile) -> tuple[int, str] | None:
-    """(GPUs, budget) of a packed allocation: --pack/--budget, else cluster.yaml's pack/budget. A local
+def requested_pack(request: LaunchRequest, profile) -> tuple[int, str, str] | None:
+    """(GPUs, budget, basis) of a packed allocation: --pack/--budget, else cluster.yaml's pack/budget,
+    and --budget-basis (what a pruned sweep's units count: worst, or expected). A local
     launch runs unpacked (cluster.yaml's pack is for SLURM; a --pack here was refused at the door)."""
     if request.budget and not (request.pack or profile.pack):
         message = "is the time of a packed allocation: add --pack G (its GPUs)"
         raise ConfigError([Problem("command line", "--budget", message)])
     gpus = request.pack if request.pack is not None else profile.pack
+    if request.budget_basis != "worst" and not gpus:
+        message = "says how a packed allocation's budget counts a pruned sweep: add --pack G --budget T"
+        raise ConfigError([Problem("command line", "--budget-basis", message)])
     if not gpus or (request.submits and request.backend == "local"):  # --pack 0: no pack
         return None
-    return gpus, request.budget or profile.budget or profile.max_time
+    return gpus, request.budget or profile.budget or profile.max_time, request.budget_basis
 
 
 def dry_run(request: LaunchRequest, profile) -> int:
@@ -213,7 +217,10 @@ def dry_run(request: LaunchRequest, profile) -> int:
     decisions, refusals = weigh(plan, force=request.force)
     states = {d.job.id: d.action if d.action != "submit" else "planned" for d in decisions}
     left = plan.left(states)
-    packing = pack_plan(list(left.jobs), *pack, profile) if pack and left.jobs else None
+    packing = None
+    if pack and left.jobs:
+        gpus, budget, basis = pack
+        packing = pack_plan(list(left.jobs), gpus, budget, profile, basis)
     if request.as_json:
         extra = {"packing": packing.to_json()} if packing else {}
         print(json.dumps({**plan.to_json(states), **extra}, indent=1))
