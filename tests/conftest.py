@@ -71,10 +71,11 @@ def token_cache(tmp_path_factory) -> Path:
 @pytest.fixture(autouse=True, scope="session")
 def repository_left_alone():
     """No test writes into the repository's own runs/ or logs/: they hold what `make demo` and a user ran,
-    which the suite must neither change nor read (each test keeps its runs and logs under its tmp_path)."""
+    which the suite must neither change nor read (each test keeps its runs and logs under its tmp_path);
+    nor a wandb/ folder of W&B's own logs (a --sync test once left one, and it was committed)."""
 
     def listing() -> set[Path]:
-        return {path for folder in ("runs", "logs") for path in (ROOT / folder).rglob("*")}
+        return {path for folder in ("runs", "logs", "wandb") for path in (ROOT / folder).rglob("*")}
 
     before = listing()
     yield

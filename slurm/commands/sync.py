@@ -24,7 +24,9 @@ def sync_wandb(run_root: Path) -> int:
         out.print(f"No offline W&B runs to sync under {run_root}/.", highlight=False)
         return 0
     out.print(f"Syncing {len(runs)} offline W&B run(s) with `wandb sync`:", highlight=False)
-    done = subprocess.run([sys.executable, "-m", "wandb", "sync", *map(str, runs)], check=False)
+    # In the run root: wandb sync writes its own debug log into ./wandb, not into the user's folder.
+    absolute = [str(run.resolve()) for run in runs]
+    done = subprocess.run([sys.executable, "-m", "wandb", "sync", *absolute], cwd=run_root, check=False)
     if done.returncode:
         err.print(
             f"[red]error:[/] wandb sync failed (exit {done.returncode}), see above: log in on this machine "
