@@ -553,9 +553,13 @@ def pruning_lines(sweep: SweepMember, replicates: list[dict], run_root: Path) ->
         stage = run_root / name / row["stages"]
         note = RunDir(stage).read_pruned()
         share = unrun_share(stage, note)
+        # Training minutes from the stage's own runtime: the row's are rounded to 0.01, and a tiny run's
+        # round to 0, which once made the saving read 0.
+        runtime_s = RunDir(stage).read_summary().get("train_runtime_s")
+        figures = {"gpu_hours": row.get("gpu_hours"), "train_min": runtime_s / 60 if runtime_s else None}
         for key in spent:
-            spent[key] += row.get(key) or 0.0
-            saved[key] += (row.get(key) or 0.0) * share
+            spent[key] += figures[key] or 0.0
+            saved[key] += (figures[key] or 0.0) * share
         rows.append(
             {
                 "run": name,
