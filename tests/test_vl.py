@@ -93,6 +93,12 @@ def test_a_multi_turn_image_conversation_learns_every_answer_after_the_image(pro
     image_pad = processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
     assert max(i for i, t in enumerate(ids.tolist()) if t == image_pad) < learned[0]
     assert rows[0]["length"] == len(ids)
+    # train_on: all learns every text token, before the image too, and never an image token.
+    everything = examples(str(path), data.model_copy(update={"train_on": "all"}), processor)
+    batch = Collator(processor)([everything[0]])
+    images = batch["input_ids"][0] == image_pad
+    assert bool((batch["labels"][0][images] == -100).all())
+    assert bool((batch["labels"][0][~images] == batch["input_ids"][0][~images]).all())
 
 
 def lora_layers(model) -> list[str]:

@@ -34,9 +34,10 @@ class ChatTemplateError(ValueError):
 
 @dataclass(frozen=True)
 class Encoded:
-    """One conversation as trained: its ids, labels (-100 but on answers) and, for each assistant turn, the
-    number of ids through its end (where a too-long conversation may be cut and stay whole)."""
+    """One conversation as trained: its rendering, its ids, labels (-100 but on answers) and, for each
+    assistant turn, the number of ids through its end (where a too-long conversation may be cut whole)."""
 
+    text: str
     input_ids: list[int]
     labels: list[int]
     turn_ends: list[int]
@@ -100,15 +101,15 @@ def encode(tokenizer, turns: list[dict], train_on: str = ASSISTANT) -> Encoded:
             "data.chat_template with {% generation %}...{% endgeneration %} around each assistant content"
         )
     else:  # everything is learnt; a too-long conversation can only be dropped whole
-        return Encoded(list(ids), list(ids), [len(ids)])
+        return Encoded(full, list(ids), list(ids), [len(ids)])
     if train_on != ASSISTANT:
-        return Encoded(list(ids), list(ids), [end for _, _, end in token_spans])
+        return Encoded(full, list(ids), list(ids), [end for _, _, end in token_spans])
     labels = [-100] * len(ids)
     for start, stop, _ in token_spans:
         labels[start:stop] = ids[start:stop]
     if all(label == -100 for label in labels):
         raise ChatTemplateError("no assistant token in this conversation once rendered (empty answers?)")
-    return Encoded(list(ids), labels, [end for _, _, end in token_spans])
+    return Encoded(full, list(ids), labels, [end for _, _, end in token_spans])
 
 
 def template_of(tokenizer) -> str:

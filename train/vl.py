@@ -143,14 +143,13 @@ def examples(source: str, spec: DataSpec, processor, limit: int | None = None) -
     from train.data import read_rows, turns_of
 
     rows = read_rows(source, spec)[:limit]
-    turns = [turns_of(row, spec, "image-text") for row in rows]
-    encoded = [chat.encode(processor, t, spec.train_on) for t in turns]
+    encoded = [chat.encode(processor, turns_of(row, spec, "image-text"), spec.train_on) for row in rows]
     images = [str(image_path(row, spec, source).resolve()) for row in rows]
     # The template holds one image placeholder; the processor expands it to the image's tokens.
     image_lengths = [image_tokens(processor, Path(path)) for path in images]
     return datasets.Dataset.from_dict(
         {
-            "text": [chat.rendered(processor, t) for t in turns],
+            "text": [e.text for e in encoded],
             "input_ids": [e.input_ids for e in encoded],
             "labels": [e.labels for e in encoded],
             "image": images,
@@ -209,28 +208,25 @@ class Collator:
         self.multiple = pad_to_multiple_of or 1
 
     def encode(self, row: dict) -> dict:
-        """The row's text through the processor, which expands the image placeholder to the image's tokens;
-        labels are the row's, shifted by the tokens the image added (every answer follows the image)."""
+        """The row's text through the processor, which expands the one image placeholder to the image's
+        tokens; the row's labels are expanded at the same place, the image's tokens -100 (with train_on:
+        all too), so every text token keeps its label wherever it stands."""
         from PIL import Image
 
         with Image.open(row["image"]) as image:
             encoded = self.processor(text=[row["text"]], images=[image.convert("RGB")], return_tensors="pt")
-        ids, labels = encoded["input_ids"][0].tolist(), row["labels"]
-        types = encoded.get("mm_token_type_ids")
-        image_id = getattr(self.processor, "image_token_id", None)
-        types = types[0].tolist() if types is not None else [int(i == image_id) for i in ids]
-        added = len(ids) - len(row["input_ids"])
-        first_answer = next(i for i, label in enumerate(labels) if label != -100)
-        if added < 0 or ids[added + first_answer :] != row["input_ids"][first_answer:]:
+        ids, text_ids = encoded["input_ids"][0].tolist(), row["input_ids"]
+        image_id = self.processor.image_token_id
+        at, added = text_ids.index(image_id), len(ids) - len(text_ids)
+        if added < 0 or ids[:at] != text_ids[:at] or ids[at + added + 1 :] != text_ids[at + 1 :]:
             raise ValueError(f"{row['image']}: the processor's tokens differ from the chat rendering's")
-        if first_answer == 0:  # train_on: all: every text token, none of the image's
-            labels = [-100 if is_image else i for i, is_image in zip(ids, types, strict=True)]
-        else:
-            labels = [-100] * added + labels
+        types = encoded.get("mm_token_type_ids")
         return {
             "input_ids": ids,
-            "labels": labels,
-            "mm_token_type_ids": types,
+            "labels": row["labels"][:at] + [-100] * (added + 1) + row["labels"][at + 1 :],
+            "mm_token_type_ids": types[0].tolist()
+            if types is not None
+            else [int(i == image_id) for i in ids],
             "pixel_values": encoded["pixel_values"],
             "image_grid_thw": encoded["image_grid_thw"],
         }
