@@ -279,7 +279,6 @@ def load_dequantized(job: EvalJob, placement):
     compute in (transformers' dequantize), in the order load_trained keeps: tokenizer, base, resize, adapter."""
     from peft import PeftModel
 
-    from core.conversations import templated
     from eval.generate import stop_at_end_of_turn
     from train import vl
     from train.model import load_base, load_tokenizer
@@ -290,8 +289,7 @@ def load_dequantized(job: EvalJob, placement):
     if vocabulary > base.get_input_embeddings().weight.shape[0]:
         base.resize_token_embeddings(vocabulary)
     model = PeftModel.from_pretrained(base, job.adapter_dir).eval()
-    if templated(job.data, job.model.kind):
-        stop_at_end_of_turn(model, tokenizer)
+    stop_at_end_of_turn(job, model, tokenizer)
     return model, tokenizer
 
 

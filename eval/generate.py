@@ -49,16 +49,18 @@ def load_for_eval(job: EvalJob, placement: Placement):
         model, tokenizer = load_trained(
             job.model, job.adapter_dir, quantize=job.adapter, placement=placement, data=job.data
         )
-    if templated(job.data, job.model.kind):
-        stop_at_end_of_turn(model, tokenizer)
+    stop_at_end_of_turn(job, model, tokenizer)
     log.info("generating on %s (%s) in %s", placement.device, placement.device_name, placement.precision)
     return model.eval(), tokenizer
 
 
-def stop_at_end_of_turn(model, tokenizer) -> None:
-    """Generation ends at the chat template's end-of-turn token, as a chat endpoint's does: a base model
-    given a template (ChatML's <|im_end|> as an added token) has only its own eos in generation_config. The
-    export saves this generation_config with the merged model, so vLLM and Ollama stop there too."""
+def stop_at_end_of_turn(job: EvalJob, model, tokenizer) -> None:
+    """For chat prompts, generation ends at the chat template's end-of-turn token, as a chat endpoint's
+    does: a base model given a template (ChatML's <|im_end|> as an added token) has only its own eos in
+    generation_config. The export saves this generation_config with the merged model, so vLLM and Ollama
+    stop there too."""
+    if not templated(job.data, job.model.kind):
+        return
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     eos = base.generation_config.eos_token_id
     eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)

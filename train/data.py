@@ -3,10 +3,11 @@
 Causal LMs learn only the target: input = prompt + target + eos, prompt tokens labelled -100 (padding gets
 -100 from the collator). Conversations (data.format messages, sharegpt, alpaca) are rendered with the model's
 chat template and learn only the assistant's answers (train/chat.py); a too-long one is cut after its last
-whole assistant turn that fits, and dropped (and counted) when not even its first does. Token ids are cached untruncated, and lengths are measured once, so
-`max_length: auto` can pick the smallest length that truncates nothing (up to the model's positions) instead
-of a blind 2048, and a new max_length reuses the cache (truncating is a cheap in-memory map). The examples
-the chosen lengths cut are counted, whichever way they were chosen.
+whole assistant turn that fits, and dropped (and counted) when not even its first does. Token ids are
+cached untruncated, and lengths are measured once, so `max_length: auto` can pick the smallest length that
+truncates nothing (up to the model's positions) instead of a blind 2048, and a new max_length reuses the
+cache (truncating is a cheap in-memory map). The examples the chosen lengths cut are counted, whichever way
+they were chosen.
 """
 
 from __future__ import annotations

@@ -89,12 +89,9 @@ def tokenizer_or_reason(job: TrainJob):
 
 def token_lengths(job: TrainJob, tokenizer, config) -> dict:
     """max_length as the job will choose it (same cache, same choose_lengths), cuts and tokens per epoch.
-    The tokenizer holds model.added_tokens, as the job's does: a chat template's markers among them are one
-    token each, not a dozen characters."""
+    `tokenizer` is meta_model's, holding model.added_tokens as the job's does: a chat template's markers
+    among them are one token each, not a dozen characters."""
     kind = job.model.kind
-    if job.model.added_tokens:
-        tokenizer = copy.deepcopy(tokenizer)
-        vl.text_tokenizer(tokenizer).add_special_tokens({"additional_special_tokens": job.model.added_tokens})
     if kind == "image-text":  # the job's own count: prompt + image tokens + answer; over-long ones dropped
         dataset = vl.examples(job.data.train, job.data, tokenizer)
         lengths = vl.choose_length(dataset, job.data, max_positions(config))
