@@ -37,12 +37,14 @@ GOOD = ["asha-lr0.003", "asha-lr0.005", "asha-lr0.008"]
 HOPELESS = ["asha-lr1e-09", "asha-lr1.1e-09", "asha-lr1.2e-09"]
 
 
-def pruned_sweep_folder(tmp: Path, repo_root: Path, parallel: int) -> Path:
+def pruned_sweep_folder(tmp: Path, repo_root: Path, parallel: int, resources: str = "") -> Path:
+    """The sweep's configs under tmp; `resources`: its `resources:` block, where a test sets one."""
     folder = tmp / "configs"
     folder.mkdir(exist_ok=True)
     write_cluster_yaml(folder, tmp, local_parallel_jobs=parallel)
     tiny_sql_base(folder)
-    (folder / "asha.yaml").write_text(PRUNED_SWEEP.format(root=repo_root))
+    extra = f"resources: {resources}\n" if resources else ""
+    (folder / "asha.yaml").write_text(PRUNED_SWEEP.format(root=repo_root) + extra)
     return folder
 
 
@@ -101,11 +103,9 @@ def test_a_pruned_sweep_on_the_cluster_stops_its_hopeless_rates_and_a_relaunch_q
     repo_root, tmp_path, tiny, slurm_cluster, monkeypatch, capsys
 ):
     monkeypatch.chdir(tmp_path)
-    folder = pruned_sweep_folder(tmp_path, repo_root, 2)
     # Two jobs at a time on the node's 8 CPUs, started in submission order: the hopeless rates come last,
     # as they do locally (all six at once would reach the rung in any order: asynchronous, early runs go on).
-    text = (folder / "asha.yaml").read_text()
-    (folder / "asha.yaml").write_text(text + "resources: {cpus: 4}\n")
+    folder = pruned_sweep_folder(tmp_path, repo_root, 2, "{cpus: 4}")
     assert launch_on_slurm(folder, "--wait") == 0
     assert "Submitted 6 job(s)" in capsys.readouterr().out
     check_the_hopeless_runs_were_pruned_at_rung_1(tmp_path / "runs")
@@ -123,9 +123,7 @@ def test_in_a_pack_a_pruned_unit_frees_its_lane_for_the_next_unit(
     repo_root, tmp_path, tiny, slurm_cluster, monkeypatch, capsys
 ):
     monkeypatch.chdir(tmp_path)
-    folder = pruned_sweep_folder(tmp_path, repo_root, 2)
-    text = (folder / "asha.yaml").read_text()
-    (folder / "asha.yaml").write_text(text + "resources: {gpus: 1, cpus: 1, mem_gb: 2}\n")
+    folder = pruned_sweep_folder(tmp_path, repo_root, 2, "{gpus: 1, cpus: 1, mem_gb: 2}")
     assert launch_on_slurm(folder, "--pack", "2", "--budget", "00:30:00", "--wait") == 0
     runs = tmp_path / "runs"
     # --wait ends when every unit's DONE is there; the lanes write each unit's end when they reap it.
