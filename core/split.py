@@ -1,19 +1,20 @@
 """How one rank's effective batch is split into micro-batches: the micro-batch, the accumulation steps and
 whether gradient checkpointing is on, chosen from the memory model's figures and a GPU's usable memory.
 
-    choose(figures, usable_gb, effective=32, checkpointing=False) → Split(micro_batch=32, grad_accum=1, ...)
+    resolve(train, figures, gpu_gb) → Split(micro_batch=32, grad_accum=1, ...)   (a job's entry)
+    choose(figures, usable_gb, effective=32, checkpointing=False) → the same, for `micro_batch: auto`
 
 The user's contract is the effective batch, `train.batch_size x train.grad_accum` per rank: the loss and its
-gradient do not depend on how it is split (train/recipe.py TargetTokenLoss; the sampler groups examples by
+gradient do not depend on how it is split (train/loss.py TargetTokenLoss; the sampler groups examples by
 the effective batch), so the split is ours to choose for speed. A small micro-batch leaves a GPU idle (a
 0.5B model's step at 8 x 240 tokens used 3 % of an H100), so `micro_batch: auto` takes the largest
 micro-batch that divides the effective batch and whose training step and in-training eval fit without
 checkpointing; checkpointing (a third more compute) only when not even a micro-batch of 1 fits without it.
 The effective batch is never raised.
 
-Pure and torch-free: the job applies it at its start with the GPU it got (train/device.py split_for_job),
-preflight with cluster.yaml's gpu_mem_gb, and the dry run from preflight's cache. The figures are straight
-lines in the micro-batch, computed by train/memory.py (MemoryEstimate.lines()).
+Pure and torch-free: the job applies it at its start with the GPU it got (train/recipe.py
+StageRecipe.fresh_split), preflight with cluster.yaml's gpu_mem_gb, and the dry run from preflight's cache.
+The figures are straight lines in the micro-batch, computed by train/memory.py (MemoryEstimate.lines()).
 """
 
 from __future__ import annotations

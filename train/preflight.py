@@ -41,8 +41,9 @@ def model_config(name_or_path: str, revision: str | None):
 
 
 def meta_model(job: TrainJob, dtype: torch.dtype = torch.float32, tokenizer=None, layers: int | None = None):
-    """(model, tokenizer): the adapted model as the job builds it (train/recipe.py load_model), with shapes
-    but no weights, and a copy of the tokenizer holding model.added_tokens, as the job's tokenizer does.
+    """(model, tokenizer): the adapted model as the job builds it (train/model.py load_base, then
+    new_adapter), with shapes but no weights, and a copy of the tokenizer holding model.added_tokens, as the
+    job's tokenizer does.
     `layers`: keep at most this many layers per stack (train/memory.py extrapolates from one and two)."""
     config = model_config(job.model.name_or_path, job.model.revision)
     if layers is not None:
