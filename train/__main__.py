@@ -1,6 +1,7 @@
 """`python -m train JOB.yaml`: run one stage by hand from a resolved TrainJob (YAML or JSON, e.g. a run
 folder's job.json). Ctrl-C or SIGTERM checkpoints at the next step end, like SLURM's signal does; running
-the same command again resumes from there."""
+the same command again resumes from there. It holds the stage folder as a job does (core/writer_lock.py):
+refused, naming the holder, while another trainer writes there."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ def main(argv: list[str]) -> int:
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from core.config import TrainJob
+    from core.writer_lock import FolderHeld, hold_folder
     from train.recipe import run_stage
 
     job = TrainJob.model_validate(yaml.safe_load(Path(argv[0]).read_text()))
@@ -27,7 +29,11 @@ def main(argv: list[str]) -> int:
         signum: signal.signal(signum, lambda *_: stop.set()) for signum in (signal.SIGINT, signal.SIGTERM)
     }
     try:
-        outcome = run_stage(job, stop)
+        with hold_folder(Path(job.run_dir)):
+            outcome = run_stage(job, stop)
+    except FolderHeld as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)

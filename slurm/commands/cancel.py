@@ -102,7 +102,7 @@ def cancel_removed(request: LaunchRequest, profile) -> int:
     packed = sorted(job for job, record in records.items() if record.pack)
     live_slurm = query_slurm([r.job_id for r in records.values() if r.on_slurm])
     jobs = {
-        job: scheduler_job(profile.log_dir, job, record)
+        job: scheduler_job(profile.log_dir, job, record, Path(profile.run_dir) / job)
         for job, record in records.items()
         if job not in packed
     }
