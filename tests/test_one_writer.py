@@ -144,3 +144,19 @@ def test_status_retry_and_cancel_see_a_live_trainer_whose_controller_was_killed(
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(task, signal.SIGKILL)
+
+
+def test_a_trainer_started_by_hand_in_a_held_folder_refuses_naming_the_holder(tmp_path, tiny, capsys):
+    import yaml
+
+    from tests.train_helpers import make_job
+    from train.__main__ import main
+
+    run_dir = tmp_path / "runs" / "t" / "s"
+    spec = tmp_path / "job.yaml"
+    spec.write_text(yaml.safe_dump(make_job(tiny, run_dir).model_dump(mode="json")))
+    with held_by_another_process(run_dir, "111") as first:
+        assert main([str(spec)]) == 1
+    said = capsys.readouterr().err
+    assert f"error: {run_dir} is held by another job (job 111, pid {first.pid}" in said
+    assert "Traceback" not in said and not (run_dir / "metrics.jsonl").exists()

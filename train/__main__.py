@@ -21,24 +21,30 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from core.config import TrainJob
     from core.writer_lock import FolderHeld, hold_folder
-    from train.recipe import run_stage
 
     job = TrainJob.model_validate(yaml.safe_load(Path(argv[0]).read_text()))
+    try:
+        with hold_folder(Path(job.run_dir)):  # before torch loads: a refusal comes at once
+            outcome = train(job)
+    except FolderHeld as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(outcome)
+    return 3 if outcome == "interrupted" else 0  # a pruned run ended as it should
+
+
+def train(job) -> str:
+    from train.recipe import run_stage
+
     stop = threading.Event()
     previous = {
         signum: signal.signal(signum, lambda *_: stop.set()) for signum in (signal.SIGINT, signal.SIGTERM)
     }
     try:
-        with hold_folder(Path(job.run_dir)):
-            outcome = run_stage(job, stop)
-    except FolderHeld as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+        return run_stage(job, stop)
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
-    print(outcome)
-    return 3 if outcome == "interrupted" else 0  # a pruned run ended as it should
 
 
 if __name__ == "__main__":
