@@ -2,7 +2,8 @@
 
 submitit knows where a job's files are (`JobPaths`: log, pickled call, result) and how to cancel a SLURM
 job; we rebuild its `SlurmJob` / `LocalJob` from the record and ask it, instead of writing those facts
-again. What submitit lacks stays here: whether a recorded local process is still ours, stopping it for
+again. What submitit lacks stays here: whether a recorded local process is still ours (its controller,
+or a task of it still holding its run folder after the controller was killed), stopping it for
 sure (its `LocalJob.cancel` needs the `Popen` handle, which only the launching process holds, and sends
 one SIGINT, which a process started in the background by a script ignores), a failed local job's reason,
 and finding in the queue a job whose submission was never recorded (by the token of its comment).
