@@ -16,6 +16,8 @@ predictions.jsonl, predictions.partial.jsonl, results.json   an eval's (eval/job
 PRUNED         a stage of a pruned sweep stopped at a rung: the rung, its loss and the cutoff it was above
                (core/pruning.py, the trainer's rank 0 when it decides; its DONE follows as for a completed one)
 DONE           the config hash, written last: a stage with a matching DONE never runs again
+.writer.lock   the lock its one writer (a training or eval job's rank 0) holds for its life, and
+.writer.json   who holds it: host, pid, job id, since when (core/writer_lock.py)
 EXPORT_DONE    an export's identity, its files and self-check figures, written last (eval/export.py)
 
 Beside the stages, RUN_ROOT/EXP/origin.json says which config file and folder the experiment was launched
@@ -192,6 +194,14 @@ class RunDir:
     @property
     def pruned(self) -> Path:
         return self.path / "PRUNED"
+
+    @property
+    def writer_lock(self) -> Path:
+        return self.path / ".writer.lock"
+
+    @property
+    def writer(self) -> Path:
+        return self.path / ".writer.json"
 
     def read_progress(self) -> dict:
         return read_json(self.progress, {}, expected=dict, fields=PROGRESS_FIELDS)

@@ -103,7 +103,7 @@ def live_action(log_root: str, job: PlannedJob, record: JobRecord | None, live_s
         return "queued" if record.job_id in live_slurm else None
     from slurm.scheduler import local_alive, scheduler_job  # submitit: only once a local job was recorded
 
-    return "running" if local_alive(scheduler_job(log_root, job.id, record)) else None
+    return "running" if local_alive(scheduler_job(log_root, job.id, record, Path(job.run_dir))) else None
 
 
 def refuse_crossing_backends(decisions: list[Decision], backend: str) -> None:

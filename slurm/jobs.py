@@ -6,10 +6,12 @@ evaluator, which never talk to the scheduler themselves.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import logging
 import os
 import signal
+import sys
 import threading
 from pathlib import Path
 
@@ -17,6 +19,7 @@ import submitit
 
 from core.files import links_below, write_json_atomic
 from core.rundir import RunDir, mark_done
+from core.writer_lock import hold_folder
 from slurm.redact import redact_job_output
 
 log = logging.getLogger("slurm.jobs")
@@ -28,9 +31,16 @@ class StageJob(submitit.helpers.Checkpointable):
 
     On a time limit or preemption submitit calls `checkpoint()` (Checkpointable's: requeue this same call
     with the same arguments); a training stage then resumes from its last checkpoint, an eval from the
-    predictions it made."""
+    predictions it made.
+
+    A training or eval job holds its folder for its life (core/writer_lock.py): a second job there
+    refuses to start, naming the first. A local job's task dies with its controller (die_with_controller).
+    """
+
+    holds_folder = True  # one writer per folder (an export commits its files atomically itself)
 
     def __call__(self, spec: dict, config_hash: str, workdir: str) -> str:
+        die_with_controller()
         os.chdir(workdir)
         redact_job_output()
         rank = _export_distributed_environment()
@@ -38,11 +48,46 @@ class StageJob(submitit.helpers.Checkpointable):
         # The GPUs SLURM or the local backend gave this task, as it got them (torch renumbers them).
         log.info("CUDA_VISIBLE_DEVICES=%s", os.environ.get("CUDA_VISIBLE_DEVICES", "(not set)"))
         _use_allocated_cpus()  # before torch is imported
-        refuse_links_in(Path(spec.get("run_dir") or spec["out_dir"]))
-        return self.run(spec, config_hash)
+        folder = Path(spec.get("run_dir") or spec["out_dir"])
+        refuse_links_in(folder)
+        if not self.holds_folder:
+            return self.run(spec, config_hash)
+        with hold_folder(folder, this_job_id(), rank):
+            return self.run(spec, config_hash)
 
     def run(self, spec: dict, config_hash: str) -> str:
         raise NotImplementedError
+
+
+def this_job_id() -> str | None:
+    """The scheduler's id of this process's job, the same on all its ranks and its requeues: the local
+    controller's pid (submitit's local job id), or SLURM's job id; None when run by hand."""
+    return os.environ.get("SUBMITIT_LOCAL_JOB_ID") or os.environ.get("SLURM_JOB_ID") or None
+
+
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def die_with_controller() -> None:
+    """A local job's task is killed when its submitit controller dies, however it dies: `kill -9` of the
+    pid --status shows (the controller's) left the trainer training on, unseen, beside the next one.
+
+    Linux's parent-death signal (prctl PR_SET_PDEATHSIG) does it in the kernel, with no process left to
+    ask. SIGKILL, as the controller got: a SIGTERM would be ignored until the job's own handler is set
+    (submitit bypasses it), and would leave the trainer running to its next step end. What is lost is
+    what a node failure loses: the steps since the last committed checkpoint. Only where the controller
+    is the task's parent (no `setup` shell between them, which the local backend never adds); elsewhere
+    (SLURM: its step daemon ends what it started; other systems) nothing is done."""
+    controller = os.environ.get("SUBMITIT_LOCAL_JOB_ID")
+    local = os.environ.get("SUBMITIT_EXECUTOR") == "local" and not os.environ.get("SUBMITIT_LOCAL_WITH_SHELL")
+    if not (local and controller and sys.platform.startswith("linux")):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        log.warning("cannot tie this task to its controller: %s", os.strerror(ctypes.get_errno()))
+        return
+    if str(os.getppid()) != controller:  # it died before the prctl: the signal will never come
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def refuse_links_in(folder: Path) -> None:
@@ -129,6 +174,8 @@ class ExportStage(StageJob):
     """Merge a trained stage's adapter into its base, check the merged model against the adapter, write the
     export (eval/export.py); a failed check fails the job with its figures. Idempotent: an export already
     made from the same adapter and settings is skipped."""
+
+    holds_folder = False  # what it publishes carries no lock file; its commit is atomic (EXPORT_DONE)
 
     def run(self, spec: dict, config_hash: str) -> str:
         from core.config import ExportJob

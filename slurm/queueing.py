@@ -441,7 +441,9 @@ def adopted_handles(adopted: list[Decision], log_root: str, report) -> list[tupl
     handles = []
     for d in adopted:
         record = current_job(Path(d.job.run_dir))  # a running decision's: there is one
-        handles.append((d.job, scheduler_job(log_root, d.job.id, record), record.gpus or ()))
+        handles.append(
+            (d.job, scheduler_job(log_root, d.job.id, record, Path(d.job.run_dir)), record.gpus or ())
+        )
         report(
             d.job, State.RUNNING.value, f"pid {d.scheduler_id}, started by an earlier launch: waiting for it"
         )

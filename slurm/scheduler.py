@@ -2,7 +2,8 @@
 
 submitit knows where a job's files are (`JobPaths`: log, pickled call, result) and how to cancel a SLURM
 job; we rebuild its `SlurmJob` / `LocalJob` from the record and ask it, instead of writing those facts
-again. What submitit lacks stays here: whether a recorded local process is still ours, stopping it for
+again. What submitit lacks stays here: whether a recorded local process is still ours (its controller,
+or a task of it still holding its run folder after the controller was killed), stopping it for
 sure (its `LocalJob.cancel` needs the `Popen` handle, which only the launching process holds, and sends
 one SIGINT, which a process started in the background by a script ignores), a failed local job's reason,
 and finding in the queue a job whose submission was never recorded (by the token of its comment).
@@ -25,6 +26,7 @@ from submitit.core.utils import pickle_load
 
 from core.config import ascii_int
 from core.rundir import JobRecord, current_job, log_folder, mark_cancelled
+from core.writer_lock import holder
 from slurm.client import run_client
 
 EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*: ")  # "ValueError: ...", "torch.OutOfMemoryError: ..."
@@ -39,21 +41,24 @@ RECORD_TIME = "%Y-%m-%dT%H:%M:%S"  # core/rundir.py TIME_STAMP
 
 class RecordedLocalJob(submitit.LocalJob):
     """A local job known from its record (another launch started it): it runs while its pid is still its
-    submitit controller; `submitted_at` (when the launcher recorded it) tells a reused pid from it."""
+    submitit controller, or while its task still holds `run_dir` (orphaned_task); `submitted_at` (when
+    the launcher recorded it) tells a reused pid from it."""
 
-    def __init__(self, folder: Path, job_id: str, submitted_at: str | None = None):
+    def __init__(
+        self, folder: Path, job_id: str, submitted_at: str | None = None, run_dir: Path | None = None
+    ):
         super().__init__(folder, job_id)
-        self.submitted_at = submitted_at
+        self.submitted_at, self.run_dir = submitted_at, run_dir
 
     def done(self, force_check: bool = False) -> bool:
         return not local_alive(self)
 
 
-def scheduler_job(log_root: str, plan_id: str, record: JobRecord) -> submitit.Job:
-    """The submitit job behind a job.json record; its log folder is `log_root/EXP/STAGE`."""
+def scheduler_job(log_root: str, plan_id: str, record: JobRecord, run_dir: Path) -> submitit.Job:
+    """The submitit job behind `run_dir`'s job.json record; its log folder is `log_root/EXP/STAGE`."""
     folder = log_folder(log_root, plan_id)
     if record.local:
-        return RecordedLocalJob(folder, record.job_id, record.submitted_at)
+        return RecordedLocalJob(folder, record.job_id, record.submitted_at, Path(run_dir))
     return submitit.SlurmJob(folder, record.job_id)
 
 
@@ -79,12 +84,17 @@ def cancel_rows(rows, log_root: str) -> list[str]:
     for row in rows:
         if (record := records[row.job.id]).local:
             mark_cancelled(Path(row.job.run_dir), record.job_id)
-    jobs = {r.job.id: scheduler_job(log_root, r.job.id, records[r.job.id]) for r in rows}
+    jobs = {r.job.id: scheduler_job(log_root, r.job.id, records[r.job.id], Path(r.job.run_dir)) for r in rows}
     still = set(cancel(list(jobs.values())))
     return [job_id for job_id, job in jobs.items() if str(job.job_id) in still]
 
 
 def local_alive(job: submitit.LocalJob) -> bool:
+    """The job still runs: its controller, or a task of it whose controller is gone (orphaned_task)."""
+    return controller_alive(job) or orphaned_task(job) is not None
+
+
+def controller_alive(job: submitit.LocalJob) -> bool:
     """The recorded pid still runs submitit's controller for this job's folder, started before the job was
     recorded (a pid can be reused once the job ended: that process must neither count nor be signalled)."""
     pid = _pid(job.job_id)
@@ -99,13 +109,35 @@ def local_alive(job: submitit.LocalJob) -> bool:
     return started is None or recorded is None or started <= recorded + 60
 
 
+def orphaned_task(job: submitit.LocalJob) -> int | None:
+    """The pid of the job's task that still holds its run folder (core/writer_lock.py) although its
+    controller is gone: tasks now die with their controller (slurm/jobs.py die_with_controller), but one
+    started by older code, or on a system without parent-death signals, trains on. It counts when the
+    folder's live holder is this job (its record's job id), on this host, and runs this job's task
+    (submitit's `_submit` of its log folder: a reused pid does not)."""
+    run_dir = getattr(job, "run_dir", None)
+    if run_dir is None or controller_alive(job):
+        return None
+    held = holder(run_dir)
+    if held is None or not held.here or held.job_id != str(job.job_id) or gone(held.pid):
+        return None
+    command = _command_line(held.pid)
+    return held.pid if "submitit" in command and str(job.paths.folder) in command else None
+
+
 def stop_local(job: submitit.LocalJob) -> bool:
-    """Stop a local job's controller and every process under it: SIGINT, SIGTERM, then SIGKILL, each
-    followed by a bounded wait that polls the processes. True once they are all gone."""
-    controller = int(job.job_id)
+    """Stop a local job's controller and every process under it, or its orphaned task and every process
+    under that: SIGINT, SIGTERM, then SIGKILL, each followed by a bounded wait that polls the processes.
+    True once they are all gone."""
+    orphan = orphaned_task(job)
+    return stop_tree(int(job.job_id) if orphan is None else orphan)
+
+
+def stop_tree(root: int) -> bool:
+    """Stop `root` (a controller, or an orphaned task) and every process under it (see STOP_STEPS)."""
     seen: set[int] = set()
     for signum, grace_s in STOP_STEPS:
-        tree = [controller, *descendants(controller)]
+        tree = [root, *descendants(root)]
         seen.update(tree)
         # SIGINT to the processes under the controller, as a terminal's Ctrl-C reaches them: it sees its
         # tasks end and exits without a traceback. The controller itself only once it has none left.

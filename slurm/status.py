@@ -176,7 +176,7 @@ def job_status(
     progress = RunDir(run_dir).read_progress()
     fields = {key: progress.get(key) for key in PROGRESS_FIELDS}
     scheduler_id = record.job_id if record else ""
-    submitted = _submitit_job(log_root, job.id, record) if record else None
+    submitted = _submitit_job(log_root, job.id, record, run_dir) if record else None
     log_path = str(submitted.paths.stdout) if submitted else ""
     backend = record.backend if record else ""
     common = {"scheduler_id": scheduler_id, "log_path": log_path, "backend": backend, **fields}
@@ -286,18 +286,23 @@ def packed_unit_info(run_dir: Path, pack_id: str, pack: SchedulerInfo) -> Schedu
     return SchedulerInfo(pack.state, f"{pack.reason or pack.state.value} ({where})", exit_code=pack.exit_code)
 
 
-def _submitit_job(log_root: str, plan_id: str, record: JobRecord):
+def _submitit_job(log_root: str, plan_id: str, record: JobRecord, run_dir: Path):
     from slurm.scheduler import scheduler_job  # submitit: only once a job was submitted (not for dry runs)
 
-    return scheduler_job(log_root, plan_id, record)
+    return scheduler_job(log_root, plan_id, record, run_dir)
 
 
 def local_info(submitted, record: JobRecord) -> SchedulerInfo:
-    """A local job runs while its submitit controller does; once ended without DONE, why it failed."""
-    from slurm.scheduler import local_alive, local_failure
+    """A local job runs while its submitit controller does, or while a task of it holds its run folder
+    with the controller gone (killed); once ended without DONE, why it failed."""
+    from slurm.scheduler import controller_alive, local_failure, orphaned_task
 
-    if local_alive(submitted):
+    if controller_alive(submitted):
         return SchedulerInfo(State.RUNNING)
+    if (orphan := orphaned_task(submitted)) is not None:
+        return SchedulerInfo(
+            State.RUNNING, f"controller {record.job_id} gone; its task pid {orphan} still holds the folder"
+        )
     if record.cancelled_at:
         return SchedulerInfo(State.CANCELLED, f"cancelled at {record.cancelled_at}")
     return SchedulerInfo(State.FAILED, local_failure(submitted))

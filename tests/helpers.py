@@ -8,11 +8,14 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import yaml
 
+from core.writer_lock import hold_folder
+from slurm.jobs import StageJob, this_job_id
 from tests.conftest import write_cluster_yaml
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -307,3 +310,36 @@ def hub_cache(folder: Path) -> Path:
         (model / "snapshots" / snapshot).mkdir(parents=True)
         shutil.copy(config, model / "snapshots" / snapshot / "config.json")
     return folder
+
+
+# Jobs that hold their run folder as a trainer does and then wait to be killed: the one-writer tests need
+# real processes under a real submitit controller, not training (core/writer_lock.py, slurm/jobs.py).
+class BlockingStage(StageJob):
+    """A StageJob (the same __call__: tied to its controller, the folder held) whose work never ends."""
+
+    def run(self, spec: dict, config_hash: str) -> str:
+        threading.Event().wait()
+        return ""
+
+
+class PreviousCodeStage:
+    """A job as the code before die_with_controller ran it (or as it runs where Linux's parent-death signal
+    is missing): it holds its folder, but nothing ends it when its controller is killed."""
+
+    def __call__(self, spec: dict, config_hash: str, workdir: str) -> str:
+        with hold_folder(Path(spec["run_dir"]), this_job_id()):
+            threading.Event().wait()
+        return ""
+
+
+def start_local_job(folder: Path, stage, run_dir: Path):
+    """`stage` as a real local job (submitit's LocalExecutor, the local backend's) logging in `folder`."""
+    import submitit
+
+    from slurm.backends import working_directory
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    executor = submitit.LocalExecutor(folder=folder, python=sys.executable)
+    executor.update_parameters(timeout_min=10)
+    with working_directory(ROOT):  # the task imports tests.helpers from here
+        return executor.submit(stage, {"run_dir": str(run_dir)}, "hash", str(run_dir.parent))

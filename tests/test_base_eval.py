@@ -11,10 +11,13 @@ import pytest
 
 import launch
 from core.rundir import RunDir, job_records, mark_done
+from core.states import State
+from slurm.commands.cancel import without_shared_bases
 from slurm.decisions import weigh
 from slurm.experiments import load_experiments
 from slurm.plan import legacy_base_eval_job
 from slurm.profile import load_profile
+from slurm.status import JobStatus
 from tests.conftest import write_cluster_yaml
 from tests.helpers import holding_sbatch, plan_for, start_launcher, tiny_sql_base
 
@@ -60,7 +63,7 @@ def test_one_base_eval_runs_for_the_experiments_that_share_it_and_scores_the_bas
     assert Path(tmp_path / "runs" / "report.csv").read_text().count("base (no adapter)") >= 1
 
 
-def test_cancelling_one_experiment_keeps_the_base_eval_another_still_needs(
+def test_cancelling_one_experiment_keeps_the_base_eval_another_still_needs_and_the_last_takes_it(
     repo_root, tmp_path, tiny, slurm_cluster, monkeypatch, capsys
 ):
     from tests.conftest import squeue_ids
@@ -83,8 +86,31 @@ def test_cancelling_one_experiment_keeps_the_base_eval_another_still_needs(
         said = capsys.readouterr().out
         assert "r4/train" in said and base not in said  # r8's base row still needs it
         assert base_job in squeue_ids(under=tmp_path)
+        assert launch.main(["--cancel", "--exp", "r8", "--config-dir", str(folder)]) == 0
+        said = capsys.readouterr().out
+        assert "r8/train" in said and base in said  # r8 was the last to use it (r4 was cancelled)
     finally:
         launch.main(["--cancel", "--all", "--config-dir", str(folder)])
+
+
+@pytest.mark.parametrize(
+    ("r8_state", "base_cancelled"),
+    [(State.CANCELLED, True), (State.BLOCKED, True), (State.RUNNING, False), (State.COMPLETED, False)],
+)
+def test_a_shared_base_eval_is_cancelled_with_the_last_experiment_that_uses_it(
+    tmp_path, repo_root, monkeypatch, r8_state, base_cancelled
+):
+    # Before: --cancel --exp r4 kept the base eval whenever any other experiment had it, even one
+    # cancelled before (r8), so it was never cancelled unless both were named at once.
+    monkeypatch.chdir(repo_root)
+    everything = base_plan(tmp_path, repo_root, r4={}, r8={})
+    base = everything.base_of["r4"]
+    assert everything.base_of["r8"] == base
+    r4 = everything.only({j.id for j in everything.jobs if j.experiment == "r4"} | {base})
+    rows = [JobStatus(j, r8_state if j.experiment == "r8" else State.RUNNING) for j in everything.jobs]
+    cancelled = {j.id for j in without_shared_bases(r4, everything, rows).jobs}
+    assert (base in cancelled) is base_cancelled
+    assert {j.id for j in r4.jobs if j.experiment == "r4"} <= cancelled
 
 
 # Issue 31, rule 9: one base eval per base, exactly.

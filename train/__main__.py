@@ -1,6 +1,7 @@
 """`python -m train JOB.yaml`: run one stage by hand from a resolved TrainJob (YAML or JSON, e.g. a run
 folder's job.json). Ctrl-C or SIGTERM checkpoints at the next step end, like SLURM's signal does; running
-the same command again resumes from there."""
+the same command again resumes from there. It holds the stage folder as a job does (core/writer_lock.py):
+refused, naming the holder, while another trainer writes there."""
 
 from __future__ import annotations
 
@@ -19,20 +20,31 @@ def main(argv: list[str]) -> int:
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from core.config import TrainJob
-    from train.recipe import run_stage
+    from core.writer_lock import FolderHeld, hold_folder
 
     job = TrainJob.model_validate(yaml.safe_load(Path(argv[0]).read_text()))
+    try:
+        with hold_folder(Path(job.run_dir)):  # before torch loads: a refusal comes at once
+            outcome = train(job)
+    except FolderHeld as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(outcome)
+    return 3 if outcome == "interrupted" else 0  # a pruned run ended as it should
+
+
+def train(job) -> str:
+    from train.recipe import run_stage
+
     stop = threading.Event()
     previous = {
         signum: signal.signal(signum, lambda *_: stop.set()) for signum in (signal.SIGINT, signal.SIGTERM)
     }
     try:
-        outcome = run_stage(job, stop)
+        return run_stage(job, stop)
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
-    print(outcome)
-    return 3 if outcome == "interrupted" else 0  # a pruned run ended as it should
 
 
 if __name__ == "__main__":

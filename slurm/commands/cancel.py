@@ -9,12 +9,13 @@ from pathlib import Path
 
 from core.problems import ConfigError, Problem
 from core.rundir import RunDir, current_job, mark_cancelled
+from core.states import State
 from slurm.commands.watch import watched_of, watched_plan
 from slurm.plan import Plan, build_plan
 from slurm.render import err, out
 from slurm.request import LaunchRequest
 from slurm.scheduler import cancel_rows
-from slurm.status import plan_status
+from slurm.status import JobStatus, plan_status
 
 
 def cancel(request: LaunchRequest, profile) -> int:
@@ -30,10 +31,9 @@ def cancel(request: LaunchRequest, profile) -> int:
     everything = (
         build_plan(watched_of(request, profile, None, named=False).experiments, profile) if narrowed else None
     )
+    rows = plan_status(everything, profile.log_dir) if everything else []  # one squeue call for both
     return cancel_live(
-        without_shared_bases(plan, everything),
-        profile.log_dir,
-        sharing_packs(plan, everything, profile.log_dir),
+        without_shared_bases(plan, everything, rows), profile.log_dir, sharing_packs(plan, rows)
     )
 
 
@@ -60,24 +60,26 @@ def cancel_live(plan: Plan, log_root: str, sharing: dict[str, list[str]] | None 
     return 0
 
 
-def without_shared_bases(plan: Plan, everything: Plan | None) -> Plan:
-    """--cancel --exp A: A's jobs, less the base-model evals an experiment it did not name also needs
-    (its base row and its export read them); `everything`: the run root's plan (None: nothing narrowed)."""
+def without_shared_bases(plan: Plan, everything: Plan | None, rows: list[JobStatus]) -> Plan:
+    """--cancel --exp A: A's jobs, less the base-model evals that an experiment it did not name still uses
+    (its base row and its export read them); `everything`: the run root's plan (None: nothing narrowed),
+    `rows` its status. A base eval goes with the last experiment that uses it: one whose own jobs were all
+    cancelled (or blocked behind a cancelled one), or never submitted, uses it no more."""
     if everything is None or not plan.base_of:
         return plan
     chosen = set(plan.experiments())
-    needed = {job for name, job in everything.base_of.items() if name not in chosen}
+    given_up = (State.CANCELLED, State.BLOCKED, State.PLANNED)
+    using = {row.job.experiment for row in rows if row.state not in given_up} - chosen
+    needed = {base for name, base in everything.base_of.items() if name in using}
     return plan.only({j.id for j in plan.jobs} - needed)
 
 
-def sharing_packs(plan: Plan, everything: Plan | None, log_root: str) -> dict[str, list[str]]:
+def sharing_packs(plan: Plan, everything: list[JobStatus]) -> dict[str, list[str]]:
     """Packed job id → the live units of other experiments in it: cancelling the pack would stop them;
-    `everything`: the run root's plan (None: nothing narrowed, nothing else to stop)."""
-    if everything is None:
-        return {}
+    `everything`: the status of the run root's plan ([]: nothing narrowed, nothing else to stop)."""
     chosen = {job.id for job in plan.jobs}
     others: dict[str, list[str]] = {}
-    for row in plan_status(everything, log_root):
+    for row in everything:
         record = current_job(Path(row.job.run_dir))
         if record and record.pack and row.state.live and row.job.id not in chosen:
             others.setdefault(row.scheduler_id, []).append(row.job.id)
@@ -102,7 +104,7 @@ def cancel_removed(request: LaunchRequest, profile) -> int:
     packed = sorted(job for job, record in records.items() if record.pack)
     live_slurm = query_slurm([r.job_id for r in records.values() if r.on_slurm])
     jobs = {
-        job: scheduler_job(profile.log_dir, job, record)
+        job: scheduler_job(profile.log_dir, job, record, Path(profile.run_dir) / job)
         for job, record in records.items()
         if job not in packed
     }
