@@ -612,6 +612,9 @@ class PruneJob(PruneSpec):
     (RUN_ROOT/.rungs/SWEEP/, core/pruning.py)."""
 
     sweep: str
+    # The sweep's definition (core/pruning.py definition_hash): its rung records count only rows measured
+    # under the same one. Set by the plan; how it is judged, not what this run computes (HOW_IT_RUNS).
+    measured_under: str = ""
 
 
 class TrainJob(Section):
@@ -641,7 +644,7 @@ class TrainJob(Section):
 
 # Keys that change how a stage runs, not what it computes: left out of its identity (slurm/plan.py) and of
 # the "changed config" comparisons, so changing them reruns nothing.
-HOW_IT_RUNS = {"tracking": True, "train": {"micro_batch"}}
+HOW_IT_RUNS = {"tracking": True, "train": {"micro_batch"}, "prune": {"measured_under"}}
 
 
 def what_it_computes(spec: dict) -> dict:

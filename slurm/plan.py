@@ -30,7 +30,7 @@ from core.config import (
 from core.durations import slurm_time
 from core.hashing import content_hash
 from core.problems import ConfigError, Problem
-from core.pruning import expected_epochs
+from core.pruning import definition_hash, expected_epochs
 from core.rundir import ADAPTER, CONFIG, done_hash, in_folder, run_folder
 from slurm import guesses
 from slurm.estimate import Estimate, Estimator, auto_time_limit_s
@@ -484,6 +484,7 @@ def experiment_jobs(
             tracking=exp.tracking,
             prune=pruning_of(loaded),
         )
+        spec = with_definition(spec, loaded)
         deps = [Dependency(previous.id, "afterok")] if previous else list(first_deps)
         previous = make_job(
             f"{exp.name}/{stage.name}", "train", spec, resources, deps, {**known, **_ids(jobs)}
@@ -502,6 +503,14 @@ def pruning_of(loaded: LoadedExperiment) -> PruneJob | None:
     if member is None or member.prune is None:
         return None
     return PruneJob(**member.prune.model_dump(), sweep=member.sweep)
+
+
+def with_definition(spec: TrainJob, loaded: LoadedExperiment) -> TrainJob:
+    """A pruned point's spec with what its losses are measured under (core/pruning.py definition_hash)."""
+    if spec.prune is None or loaded.sweep is None:
+        return spec
+    under = definition_hash(spec.model_dump(), list(loaded.sweep.swept))
+    return spec.model_copy(update={"prune": spec.prune.model_copy(update={"measured_under": under})})
 
 
 def of_stage(exp, stage) -> dict:

@@ -3,15 +3,17 @@ a recorded decision taken back on requeue, two processes deciding at once."""
 
 from __future__ import annotations
 
+import json
 import math
 import multiprocessing
 from pathlib import Path
 
 import pytest
 
-from core.config import PruneSpec
+from core.config import PruneJob
 from core.pruning import (
     Decision,
+    archive_run_records,
     decision,
     expected_epochs,
     judged,
@@ -21,7 +23,7 @@ from core.pruning import (
     rung_records,
 )
 
-HALF = PruneSpec(rungs=[1], keep=0.5, min_points=3)
+HALF = PruneJob(rungs=[1], keep=0.5, min_points=3, sweep="sw", measured_under="def-a")
 
 
 def test_quantile_interpolates_linearly_between_neighbours_as_numpys_default_does():
@@ -54,7 +56,7 @@ def test_with_fewer_than_min_points_losses_every_run_goes_on_however_bad():
 
 
 def test_a_loss_that_is_not_a_number_stops_and_never_moves_the_others_cutoff():
-    assert decision(math.nan, [1.0, 2.0, math.nan], 0.5, 3) == Decision(True, None, 3)
+    assert decision(math.nan, [1.0, 2.0, math.nan], 0.5, 3) == Decision(True, None, 2)  # finite ones
     assert decision(math.inf, [1.0], 0.5, 3).stop is True
     # The NaN recorded by a diverged run is left out: 2.0 is judged among 1.0, 3.0 and itself (median 2).
     assert decision(2.0, [1.0, 3.0, math.nan, 2.0], 0.5, 3) == Decision(False, 2.0, 3)
@@ -126,3 +128,61 @@ def test_two_processes_deciding_at_once_each_see_every_earlier_decision(tmp_path
     records = rung_records(tmp_path, "sw", 1)
     assert len(records) == 120 and len(rung_file(tmp_path, "sw", 1).read_text().splitlines()) == 120
     assert [r.points for r in records] == list(range(1, 121))
+
+
+def test_points_counts_the_finite_losses_weighed_in_every_row_whatever_was_decided():
+    # Issue 38: a NaN run's row counted NaNs, a judged row did not: one meaning now, the finite losses.
+    recorded = [1.0, math.nan, 2.0, 3.0]
+    assert decision(math.nan, recorded, 0.5, 2).points == 3
+    assert decision(2.0, recorded, 0.5, 9).points == 3  # below min_points
+    assert decision(2.0, recorded, 0.5, 2).points == 3  # judged
+
+
+def test_force_rerun_not_judged_by_old_config_rung_records(tmp_path):
+    # Issue 38: an edited sweep (another eval set) rerun with --force: its first runs were stopped by the
+    # old definition's losses. Rows of another definition never count; a reused name starts clean alike.
+    old = HALF.model_copy(update={"measured_under": "def-old"})
+    for run, loss in [("a", 0.1), ("b", 0.1), ("c", 0.1)]:
+        judged(tmp_path, "sw", run, "h", 1, loss, old)
+    first = judged(tmp_path, "sw", "a", "h-new", 1, 5.0, HALF)
+    assert first.stop is False and first.points == 1 and first.measured_under == "def-a"
+
+
+def test_config_a_then_b_then_a_gets_no_stale_decision(tmp_path):
+    # A run decided under A (stopped), then under B; back to A in a fresh folder (another identity): the
+    # stop recorded under A's first run is not taken back, and B's losses do not judge it.
+    b = HALF.model_copy(update={"measured_under": "def-b"})
+    for run, loss in [("x", 1.0), ("y", 1.0), ("c", 5.0)]:
+        judged(tmp_path, "sw", run, "h-a1", 1, loss, HALF)
+    assert rung_records(tmp_path, "sw", 1)[-1].stop is True
+    for run, loss in [("x", 9.0), ("y", 9.0), ("c", 1.0)]:
+        judged(tmp_path, "sw", run, "h-b", 1, loss, b)
+    again = judged(tmp_path, "sw", "c", "h-a2", 1, 0.5, HALF)
+    assert again.stop is False and again.cutoff == 1.0  # x and y's A losses (1.0) and its own 0.5
+
+
+def test_force_archives_the_rung_records_of_the_runs_it_archives(tmp_path):
+    for run, loss in [("a", 1.0), ("b", 2.0), ("c", 3.0)]:
+        judged(tmp_path, "sw", run, "h", 1, loss, HALF)
+    assert archive_run_records(tmp_path, "sw", "b", "b.old-1") == 1
+    assert [r.run for r in rung_records(tmp_path, "sw", 1)] == ["a", "c"]
+    archived = tmp_path / ".rungs" / "sw" / "b.old-1" / "1.jsonl"
+    assert [json.loads(line)["run"] for line in archived.read_text().splitlines()] == ["b"]
+
+
+def test_nan_loss_is_written_as_strict_json_and_read_back_as_nan(tmp_path):
+    # Issue 38: rows held a bare NaN, which strict JSON readers (jq, JSON.parse) refuse.
+    judged(tmp_path, "sw", "a", "h", 1, math.nan, HALF)
+    text = rung_file(tmp_path, "sw", 1).read_text()
+    assert json.loads(text, parse_constant=lambda name: pytest.fail(f"bare {name}"))["eval_loss"] is None
+    assert math.isnan(rung_records(tmp_path, "sw", 1)[0].eval_loss)
+
+
+def test_torn_last_line_does_not_swallow_next_record(tmp_path):
+    # Issue 38: a kill mid-append left a line without its newline; the next row was glued to it and both
+    # were lost. The appender starts a new line first.
+    judged(tmp_path, "sw", "a", "h", 1, 1.0, HALF)
+    with rung_file(tmp_path, "sw", 1).open("a") as fh:
+        fh.write('{"run": "torn", "config_ha')
+    judged(tmp_path, "sw", "b", "h", 1, 2.0, HALF)
+    assert [r.run for r in rung_records(tmp_path, "sw", 1)] == ["a", "b"]
