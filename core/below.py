@@ -38,7 +38,10 @@ def relative_parts(root: Path, path: Path) -> list[str]:
 
 def open_folder(root: Path, folder: Path, create: bool = False) -> int:
     """A descriptor of `folder` (below `root`, or `root` itself), reached without following a link below
-    `root`; the missing folders are made when `create`. The caller closes it."""
+    `root`; the missing folders are made when `create` (the root too, following a link there). The
+    caller closes it."""
+    if create:
+        Path(root).mkdir(parents=True, exist_ok=True)
     fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     here = Path(root)
     try:
@@ -47,7 +50,9 @@ def open_folder(root: Path, folder: Path, create: bool = False) -> int:
             if create:
                 with contextlib.suppress(FileExistsError):
                     os.mkdir(name, 0o777, dir_fd=fd)
-            fd = step_into(fd, name, here)
+            inner = step_into(fd, name, here)
+            os.close(fd)
+            fd = inner
         return fd
     except BaseException:
         os.close(fd)
@@ -55,9 +60,9 @@ def open_folder(root: Path, folder: Path, create: bool = False) -> int:
 
 
 def step_into(fd: int, name: str, path: Path) -> int:
-    """The folder `name` in the folder `fd` (closed here), not followed if it is a link."""
+    """The folder `name` in the folder `fd`, not followed if it is a link."""
     try:
-        inner = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+        return os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
     except OSError as exc:
         if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
             raise
@@ -66,9 +71,6 @@ def step_into(fd: int, name: str, path: Path) -> int:
         raise LinkBelowRoot(
             exc.errno, f"{what} where a folder belongs: never written through; remove it", str(path)
         ) from None
-    finally:
-        os.close(fd)
-    return inner
 
 
 def open_file(root: Path, path: Path, flags: int, mode: int = 0o666, create_folders: bool = True) -> int:
@@ -91,10 +93,12 @@ def open_file(root: Path, path: Path, flags: int, mode: int = 0o666, create_fold
 def check(root: Path, path: Path) -> None:
     """Raise LinkBelowRoot if a link stands anywhere from below `root` down to `path` (which need not exist
     yet: its existing part is checked). For a library's writer, called immediately before it writes."""
-    path = Path(path)
+    path, root = Path(path), Path(root)
     existing = path
-    while not os.path.lexists(existing) and existing != Path(root):
+    while not os.path.lexists(existing) and existing != root and existing != existing.parent:
         existing = existing.parent
+    if existing == root or root not in existing.parents:
+        return  # nothing below the root exists yet: nothing to follow
     if os.path.islink(existing):
         raise LinkBelowRoot(errno.ELOOP, "a symbolic link: never written through; remove it", str(existing))
     folder = existing if os.path.isdir(existing) else existing.parent

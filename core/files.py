@@ -59,6 +59,23 @@ def read_regular(path: Path, limit: int = MAX_STATE_BYTES) -> bytes:
         os.close(fd)
 
 
+def read_window(path: Path, offset: int | None, limit: int) -> tuple[bytes, int]:
+    """At most `limit` bytes of a regular file from `offset` (None: its last `limit` bytes), and the size
+    it had: a job's log, read by --status and --tail while it grows. Opened as read_regular opens (a FIFO
+    never waited on, a device such as /dev/zero behind a link refused: NotARegularFile), and bounded
+    however large the file is or grows."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            what = "a folder" if stat.S_ISDIR(info.st_mode) else "a FIFO, a socket or a device"
+            raise NotARegularFile(errno.EINVAL, f"not a regular file ({what})", str(path))
+        start = max(0, info.st_size - limit) if offset is None else offset
+        return os.pread(fd, limit, start), info.st_size
+    finally:
+        os.close(fd)
+
+
 def write_atomic(path: Path, text: str) -> None:
     """Readers see the old file or the new one, never half of one; after return it is on disk.
 

@@ -83,7 +83,11 @@ def append(book: Path, record: SpeedRecord | EvalSpeedRecord) -> None:
     """One line of strict JSON in append mode (core/files.py append_json_line): a row shorter than the
     filesystem's atomic append never interleaves, a row cut by a kill is skipped by the reader, and the
     next row starts a line of its own."""
-    append_json_line(book, asdict(record))
+    try:
+        append_json_line(book, asdict(record))
+    except OSError as exc:  # a FIFO, a folder or a link where the book belongs: the job's work stands
+        why = f"cannot be appended to ({exc.strerror or exc})"
+        warn_unreadable(book, why, "this job's speed row is not recorded")
 
 
 def read_book(book: Path) -> list[SpeedRecord]:

@@ -114,6 +114,7 @@ from train.callbacks import (
     StopWhenAsked,
 )
 from train.checkpoints import (
+    CheckedSaves,
     discard_incomplete,
     latest_valid_checkpoint,
     set_aside_other_world_size,
@@ -253,11 +254,11 @@ class FusedOutputStep:
             return super().compute_loss(model, inputs, *args, **kwargs)
 
 
-class CausalTrainer(FusedOutputStep, TokenMeanEval, ReproducibleSampling, Trainer):
+class CausalTrainer(CheckedSaves, FusedOutputStep, TokenMeanEval, ReproducibleSampling, Trainer):
     pass
 
 
-class Seq2SeqStageTrainer(FusedOutputStep, TokenMeanEval, ReproducibleSampling, Seq2SeqTrainer):
+class Seq2SeqStageTrainer(CheckedSaves, FusedOutputStep, TokenMeanEval, ReproducibleSampling, Seq2SeqTrainer):
     pass
 
 
