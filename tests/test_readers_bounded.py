@@ -142,3 +142,21 @@ def test_torn_last_line_of_metrics_does_not_swallow_the_next_row_and_nan_is_stri
         "step": 3,
         "loss": None,
     }
+
+
+@pytest.mark.parametrize("junk", ["fifo", "folder"])
+def test_fifo_or_folder_at_the_launch_lock_is_named_not_waited_on(tmp_path, repo_root, capsys, junk):
+    import launch
+    from tests.helpers import configs
+
+    folder = configs(tmp_path, repo_root)
+    (folder / "one.yaml").write_text(
+        f"name: one\ninherits: _tiny-sql.yaml\nmodel: {{name_or_path: {repo_root / 'models' / 'tiny-llama'}}}\n"
+    )
+    (tmp_path / "runs").mkdir(exist_ok=True)
+    lock = tmp_path / "runs" / ".launch.lock"
+    os.mkfifo(lock) if junk == "fifo" else lock.mkdir()
+    args = ["--all", "--config-dir", str(folder), "--backend", "local", "--no-preflight"]
+    outcome = returns(launch.main, args)
+    assert outcome.get("value") == 1, outcome
+    assert ".launch.lock" in capsys.readouterr().err
