@@ -644,7 +644,8 @@ class TrainJob(Section):
 
 # Keys that change how a stage runs, not what it computes: left out of its identity (slurm/plan.py) and of
 # the "changed config" comparisons, so changing them reruns nothing.
-HOW_IT_RUNS = {"tracking": True, "train": {"micro_batch"}, "prune": {"measured_under"}}
+# prune.eval_pruned decides only whether a pruned run's eval runs (its eval job reads the run's PRUNED note).
+HOW_IT_RUNS = {"tracking": True, "train": {"micro_batch"}, "prune": {"measured_under", "eval_pruned"}}
 
 
 def what_it_computes(spec: dict) -> dict:

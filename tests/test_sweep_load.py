@@ -298,3 +298,19 @@ def test_a_multi_stage_pruned_sweep_is_refused_with_the_reason(tmp_path, capsys)
     assert launch.main(["--all", "--dry-run", "--config-dir", str(folder)]) == 2
     err = " ".join(capsys.readouterr().err.split())
     assert "sweep.prune: prunes single-stage sweeps only for now; this one has stages one, two" in err
+
+
+def test_flipping_eval_pruned_leaves_every_training_stage_unchanged(tmp_path, capsys):
+    # Issue 38: prune.eval_pruned decides only whether a pruned run's eval runs; flipping it made every
+    # finished training stage of the sweep a changed config (refused, or rerun with --force).
+    folder = pruned_folder(tmp_path, PRUNED)
+
+    def train_hashes() -> dict[str, str]:
+        assert launch.main(["--all", "--dry-run", "--json", "--config-dir", str(folder)]) == 0
+        jobs = json.loads(capsys.readouterr().out)["jobs"]
+        return {j["id"]: j["config_hash"] for j in jobs if j["kind"] == "train"}
+
+    before = train_hashes()
+    text = PRUNED.replace("keep: 0.5", "keep: 0.5\n    eval_pruned: false")
+    (folder / "pr.yaml").write_text(text.format(data=tmp_path / "d.jsonl"))
+    assert train_hashes() == before and len(before) == 2
