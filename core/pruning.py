@@ -5,7 +5,8 @@ there and reads every loss recorded at that rung so far, its own included. With 
 it goes on; otherwise it stops if its loss is above the `keep` quantile of those losses (linear
 interpolation, numpy's default), else it goes on. No run ever waits for another: early runs are judged
 against few records and so are rarely stopped; later ones are judged against them all. Ray Tune's
-AsyncHyperBand scheduler does the same for rewards.
+AsyncHyperBand differs: it leaves the run itself out of the quantile, has no min_points, and never stops
+a NaN; this rule is a slightly more lenient ASHA. `expected_epochs` counts the early runs that go on.
 
 The records: RUN_ROOT/.rungs/SWEEP/RUNG.jsonl, one row per decision (`RungRecord`), appended under an
 exclusive flock on RUNG.lock beside it, so two runs deciding at once each read the other's loss or neither
@@ -108,14 +109,37 @@ def definition_hash(spec: dict, swept: list[str]) -> str:
     return content_hash({"spec": kept, "rungs": rungs})
 
 
-def expected_epochs(epochs: float, rungs: list[float], keep: float) -> float:
-    """One run's expected epochs when every rung keeps `keep` of the runs: r1 + k(r2 - r1) + ... +
-    k^m(E - rm). The worst case (no run stopped) is `epochs`."""
+def expected_epochs(
+    epochs: float, rungs: list[float], keep: float, runs: int | None = None, min_points: int = 1
+) -> float:
+    """One run's expected epochs in a sweep of `runs` runs: r1 + s1(r2 - r1) + ... + sm(E - rm), where s is
+    the share of the runs still going after each rung (`surviving`). `runs` None: a sweep too large to
+    count, where every rung keeps `keep` (s = k, k^2, ...). The worst case (no run stopped) is `epochs`.
+    Checked against a simulation of the rule itself (tests/test_pruning.py)."""
     bounds = [0.0, *rungs, epochs]
-    return sum(
-        keep**index * (end - start)
-        for index, (start, end) in enumerate(zip(bounds, bounds[1:], strict=False))
-    )
+    arriving, total = float(runs or 1), 0.0
+    for index, (start, end) in enumerate(zip(bounds, bounds[1:], strict=False)):
+        share = arriving / runs if runs else keep**index
+        total += share * (end - start)
+        if runs and index < len(rungs):
+            arriving = surviving(arriving, keep, min_points)
+    return total
+
+
+def surviving(arriving: float, keep: float, min_points: int) -> float:
+    """How many of `arriving` runs are expected to go on at a rung, deciding one after another: the i-th to
+    arrive goes on below `min_points`, else when its loss is among the lowest floor((i - 1) k) + 1 of the i
+    recorded, which for exchangeable losses is a chance of (floor((i - 1) k) + 1) / i. Early runs are judged
+    against few records, so more go on than `keep` of them (8 runs, keep 1/3, min_points 3: 4.4). A count
+    between two whole numbers is interpolated."""
+
+    def going_on(count: int) -> float:
+        return sum(
+            1.0 if i < min_points else (math.floor((i - 1) * keep) + 1) / i for i in range(1, count + 1)
+        )
+
+    whole = math.floor(arriving)
+    return going_on(whole) + (arriving - whole) * (going_on(whole + 1) - going_on(whole))
 
 
 def rung_name(rung: float) -> str:
