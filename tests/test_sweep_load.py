@@ -216,9 +216,9 @@ def test_a_pruned_sweeps_points_carry_the_block_and_their_sweep_into_their_train
     prune = {j["id"]: j["spec"].get("prune") for j in jobs if j["kind"] == "train"}
     assert len(prune) == 2
     expected = {"rungs": [1.0, 2.0], "keep": 0.5, "min_points": 3, "eval_pruned": True, "sweep": "pr"}
-    assert all(
-        {k: v for k, v in block.items() if k != "measured_under"} == expected for block in prune.values()
-    )
+    planned = {"measured_under", "runs"}  # what the plan adds: the sweep's definition and size (issue 38)
+    assert all({k: v for k, v in block.items() if k not in planned} == expected for block in prune.values())
+    assert all(block["runs"] == 2 for block in prune.values())
 
 
 def measured_under(folder: Path, capsys) -> set[str]:
