@@ -76,13 +76,17 @@ def read_window(path: Path, offset: int | None, limit: int) -> tuple[bytes, int]
         os.close(fd)
 
 
-def write_atomic(path: Path, text: str) -> None:
+def write_atomic(path: Path, text: str, root: Path | None = None) -> None:
     """Readers see the old file or the new one, never half of one; after return it is on disk.
 
     A temporary file in the same folder (a rename across file systems is a copy), flushed and synced,
-    then renamed over the target; the folder is synced so the rename itself survives a node failure."""
+    then renamed over the target; the folder is synced so the rename itself survives a node failure.
+    With `root`, the folder is reached (and made) from it without following a link, just before."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    if root is None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    else:
+        os.close(below.open_folder(root, path.parent, create=True))
     try:
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     except OSError as exc:
@@ -225,8 +229,8 @@ def naming(exc: OSError, path: Path) -> OSError:
     return OSError(exc.errno, exc.strerror or str(exc), str(path))
 
 
-def write_json_atomic(path: Path, value, indent: int | None = None) -> None:
-    write_atomic(path, json.dumps(value, indent=indent) + "\n")
+def write_json_atomic(path: Path, value, indent: int | None = None, root: Path | None = None) -> None:
+    write_atomic(path, json.dumps(value, indent=indent) + "\n", root)
 
 
 # What a key of a JSON object must hold: `float` is any number (an int too), never a bool; `int` not a bool.

@@ -221,4 +221,4 @@ def mark_pruned(run_dir: Path, record: RungRecord, evaluate: bool = True) -> Non
     """The stage's own note that it stopped at a rung (RunDir.pruned): --status, the report and the eval
     read it (`evaluate`: prune.eval_pruned); its DONE, written when the stage ends, says it ended."""
     text = json.dumps(finite_or_null({**asdict(record), "evaluate": evaluate}), indent=1, allow_nan=False)
-    write_atomic(RunDir(run_dir).pruned, text + "\n")
+    write_atomic(RunDir(run_dir).pruned, text + "\n", root=RunDir(run_dir).run_root)

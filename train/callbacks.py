@@ -95,6 +95,7 @@ class RunDirectoryLog(TrainerCallback):
                 "split": self.split,
                 **self.gpu_use,
             },
+            root=RunDir(self.run_dir).run_root,
         )
 
 
@@ -219,7 +220,7 @@ def record_eval(checkpoint: Path, state, logged: int) -> None:
     if state.best_global_step == state.global_step:
         saved.best_model_checkpoint = str(checkpoint)
     text = json.dumps(dataclasses.asdict(saved), indent=2, sort_keys=True) + "\n"
-    write_atomic(checkpoint / "trainer_state.json", text)
+    write_atomic(checkpoint / "trainer_state.json", text, root=RunDir(checkpoint.parent.parent).run_root)
 
 
 class PruneAtRungs(TrainerCallback):
@@ -297,7 +298,11 @@ class RuntimeClock(TrainerCallback):
         if not state.is_world_process_zero:
             return
         folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
-        write_json_atomic(folder / self.FILE, {"train_runtime_s": self.total_s()})
+        write_json_atomic(
+            folder / self.FILE,
+            {"train_runtime_s": self.total_s()},
+            root=RunDir(folder.parent.parent).run_root,
+        )
 
 
 class StageTimer(TrainerCallback):
