@@ -67,7 +67,7 @@ def step_into(fd: int, name: str, path: Path) -> int:
         if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
             raise
         is_link = stat.S_ISLNK(os.lstat(name, dir_fd=fd).st_mode)
-        what = "a symbolic link" if is_link else "not a folder"
+        what = "a symbolic link" if is_link else "a file"
         raise LinkBelowRoot(
             exc.errno, f"{what} where a folder belongs: never written through; remove it", str(path)
         ) from None
