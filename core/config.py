@@ -612,6 +612,12 @@ class PruneJob(PruneSpec):
     (RUN_ROOT/.rungs/SWEEP/, core/pruning.py)."""
 
     sweep: str
+    # The sweep's definition (core/pruning.py definition_hash): its rung records count only rows measured
+    # under the same one. Set by the plan; how it is judged, not what this run computes (HOW_IT_RUNS).
+    measured_under: str = ""
+    # The sweep's runs (points x seeds), set by the plan for its expected cost (core/pruning.py
+    # expected_epochs); None: unknown (a job run by hand). How it is estimated, not what it computes.
+    runs: int | None = None
 
 
 class TrainJob(Section):
@@ -641,7 +647,8 @@ class TrainJob(Section):
 
 # Keys that change how a stage runs, not what it computes: left out of its identity (slurm/plan.py) and of
 # the "changed config" comparisons, so changing them reruns nothing.
-HOW_IT_RUNS = {"tracking": True, "train": {"micro_batch"}}
+# prune.eval_pruned decides only whether a pruned run's eval runs (its eval job reads the run's PRUNED note).
+HOW_IT_RUNS = {"tracking": True, "train": {"micro_batch"}, "prune": {"measured_under", "runs", "eval_pruned"}}
 
 
 def what_it_computes(spec: dict) -> dict:

@@ -11,7 +11,9 @@ Torch-free and standard library only: the launcher on the login node and the job
 
 from __future__ import annotations
 
+import errno
 import json
+import math
 import os
 import stat
 import sys
@@ -19,6 +21,8 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO
+
+from core import below
 
 # The most a state file (job.json, summary.json, DONE, a config) may hold, and a metrics or predictions
 # file: far above what any writer here leaves, far below what fills a login node's memory (a DONE linked to
@@ -55,13 +59,34 @@ def read_regular(path: Path, limit: int = MAX_STATE_BYTES) -> bytes:
         os.close(fd)
 
 
-def write_atomic(path: Path, text: str) -> None:
+def read_window(path: Path, offset: int | None, limit: int) -> tuple[bytes, int]:
+    """At most `limit` bytes of a regular file from `offset` (None: its last `limit` bytes), and the size
+    it had: a job's log, read by --status and --tail while it grows. Opened as read_regular opens (a FIFO
+    never waited on, a device such as /dev/zero behind a link refused: NotARegularFile), and bounded
+    however large the file is or grows."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            what = "a folder" if stat.S_ISDIR(info.st_mode) else "a FIFO, a socket or a device"
+            raise NotARegularFile(errno.EINVAL, f"not a regular file ({what})", str(path))
+        start = max(0, info.st_size - limit) if offset is None else offset
+        return os.pread(fd, limit, start), info.st_size
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path: Path, text: str, root: Path | None = None) -> None:
     """Readers see the old file or the new one, never half of one; after return it is on disk.
 
     A temporary file in the same folder (a rename across file systems is a copy), flushed and synced,
-    then renamed over the target; the folder is synced so the rename itself survives a node failure."""
+    then renamed over the target; the folder is synced so the rename itself survives a node failure.
+    With `root`, the folder is reached (and made) from it without following a link, just before."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    if root is None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    else:
+        os.close(below.open_folder(root, path.parent, create=True))
     try:
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     except OSError as exc:
@@ -94,18 +119,78 @@ def write_atomic_with(path: Path, write: Callable[[Path], None]) -> None:
         raise
 
 
-def open_append(path: Path, binary: bool = False) -> IO:
+def open_append(path: Path, binary: bool = False, root: Path | None = None) -> IO:
     """`path` opened to append, created if absent, never through a link: a symbolic link planted at it
-    (a shared runs/ folder: `speeds.jsonl` -> someone's file) fails with ELOOP instead of receiving rows."""
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+    (a shared runs/ folder: `speeds.jsonl` -> someone's file) fails with ELOOP instead of receiving rows;
+    with `root`, no folder between it and `path` may be a link either (core/below.py), at this moment.
+    Only a regular file is appended to (a FIFO's open would wait for a reader: NotARegularFile instead).
+    A file that does not end in a newline (a line torn by a kill mid-append) gets one first, so the torn
+    line stays one bad line and the next record starts its own."""
+    flags = os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK
+    fd = opened(path, flags, root)
+    try:
+        regular_or_refuse(fd, path)
+        size = os.fstat(fd).st_size
+        if size and os.pread(fd, 1, size - 1) != b"\n":
+            os.write(fd, b"\n")
+    except BaseException:
+        os.close(fd)
+        raise
     return os.fdopen(fd, "ab") if binary else os.fdopen(fd, "a", encoding="utf-8")
 
 
-def open_lock(path: Path) -> IO:
+def open_lock(path: Path, root: Path | None = None) -> IO:
     """`path` opened to read and write (a lock file that holds its holder's name), created if absent, never
-    through a link, never truncated on opening."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+    through a link (nor, with `root`, through a linked folder below it), never truncated on opening; a
+    FIFO, a folder or a device there is refused (NotARegularFile), never waited on."""
+    fd = opened(path, os.O_RDWR | os.O_CREAT | os.O_NONBLOCK, root)
+    try:
+        regular_or_refuse(fd, path)
+    except BaseException:
+        os.close(fd)
+        raise
     return os.fdopen(fd, "r+", encoding="utf-8")
+
+
+def opened(path: Path, flags: int, root: Path | None) -> int:
+    """A descriptor of `path`, never through a link at it (nor below `root`, when given)."""
+    try:
+        if root is not None:
+            return below.open_file(root, path, flags)
+        return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+    except IsADirectoryError:
+        raise NotARegularFile(errno.EISDIR, "a folder where a file belongs", str(path)) from None
+
+
+def regular_or_refuse(fd: int, path: Path) -> None:
+    """NotARegularFile, naming `path`, unless `fd` is a regular file."""
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        raise NotARegularFile(errno.EINVAL, "not a regular file (a FIFO, a socket or a device)", str(path))
+
+
+def append_json_line(path: Path, value: dict, root: Path | None = None) -> None:
+    """One JSON line appended (open_append: a new line after a torn one, never through a link), strict
+    JSON (json_line). A line shorter than the filesystem's atomic append never interleaves with another
+    writer's."""
+    with open_append(path, root=root) as fh:
+        fh.write(json_line(value))
+        fh.flush()
+
+
+def json_line(value) -> str:
+    """`value` as one line of strict JSON: a number that is not finite (NaN, Infinity, which json.dumps
+    writes bare and other JSON readers refuse) is written null. Readers here accept both."""
+    return json.dumps(finite_or_null(value), allow_nan=False) + "\n"
+
+
+def finite_or_null(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {key: finite_or_null(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [finite_or_null(item) for item in value]
+    return value
 
 
 def links_below(root: Path) -> list[Path]:
@@ -144,8 +229,8 @@ def naming(exc: OSError, path: Path) -> OSError:
     return OSError(exc.errno, exc.strerror or str(exc), str(path))
 
 
-def write_json_atomic(path: Path, value, indent: int | None = None) -> None:
-    write_atomic(path, json.dumps(value, indent=indent) + "\n")
+def write_json_atomic(path: Path, value, indent: int | None = None, root: Path | None = None) -> None:
+    write_atomic(path, json.dumps(value, indent=indent) + "\n", root)
 
 
 # What a key of a JSON object must hold: `float` is any number (an int too), never a bool; `int` not a bool.

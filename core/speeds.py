@@ -10,7 +10,6 @@ model's encoder input and labels), padding not counted: the unit the estimates c
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
@@ -18,7 +17,7 @@ from typing import get_args, get_type_hints
 
 from core import layout
 from core.config import TrainJob
-from core.files import open_append, read_jsonl, warn_unreadable
+from core.files import append_json_line, read_jsonl, warn_unreadable
 from core.rundir import RunDir
 
 FILE = layout.SPEED_BOOK
@@ -81,10 +80,14 @@ def eval_book_of(out_dir: str, experiment: str) -> Path | None:
 
 
 def append(book: Path, record: SpeedRecord | EvalSpeedRecord) -> None:
-    """One line in append mode: a row shorter than the filesystem's atomic append never interleaves, and
-    a row cut by a kill is skipped by the reader."""
-    with open_append(book) as fh:
-        fh.write(json.dumps(asdict(record)) + "\n")
+    """One line of strict JSON in append mode (core/files.py append_json_line): a row shorter than the
+    filesystem's atomic append never interleaves, a row cut by a kill is skipped by the reader, and the
+    next row starts a line of its own."""
+    try:
+        append_json_line(book, asdict(record))
+    except OSError as exc:  # a FIFO, a folder or a link where the book belongs: the job's work stands
+        why = f"cannot be appended to ({exc.strerror or exc})"
+        warn_unreadable(book, why, "this job's speed row is not recorded")
 
 
 def read_book(book: Path) -> list[SpeedRecord]:

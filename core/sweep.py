@@ -720,6 +720,7 @@ class SweepMember:
     swept: tuple[str, ...]
     select: SweepSelect | None
     prune: PruneSpec | None = None  # the sweep's `prune:` block: its runs may stop at a rung
+    size: int = 1  # the sweep's runs (points x seeds): a pruned sweep's expected cost depends on it
 
 
 def source_of(block: dict, key: str, seeded: bool) -> KeyPath:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import errno
 from pathlib import Path
 
-from core.files import forget_warnings, links_below
+from core.files import NotARegularFile, forget_warnings, links_below
 from core.problems import ConfigError, Problem
 from slurm.commands import cancel, export, launch, report, sync, watch
 from slurm.profile import load_profile
@@ -50,11 +50,11 @@ def run(args) -> int:
     try:
         return dispatch(request_from(args))
     except OSError as exc:
-        if exc.errno not in WRITE_REFUSALS:
+        if exc.errno not in WRITE_REFUSALS and not isinstance(exc, NotARegularFile):
             raise
         err.print(
             f"[red]error:[/] cannot write {exc.filename or 'a file'} ({exc.strerror}): its folder is read-only or full, "
-            "or a folder stands where this file belongs; fix that and run the command again",
+            "or a folder (a FIFO, a device) stands where this file belongs; fix that and run the command again",
             highlight=False,
             soft_wrap=True,
         )

@@ -14,8 +14,9 @@ from pathlib import Path
 from typing import Literal
 
 from core.files import warn_unreadable
-from core.layout import archive_folder
+from core.layout import RUNGS, archive_folder
 from core.problems import ConfigError, Problem
+from core.pruning import archive_run_records
 from core.rundir import (
     UNREADABLE,
     JobRecord,
@@ -226,10 +227,24 @@ def archive_stale(job: PlannedJob) -> Path | None:
     if job.kind == "export":  # rebuilt from its adapter in place, atomically (eval/export.py): a new
         return None  # format or table is no loss, and a multi-GB copy per change would be
 
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    target, n = run_dir.with_name(archive_folder(run_dir.name, stamp)), 1
-    while target.exists() or target.is_symlink():  # --force twice in a second, or a name already taken
-        n += 1
-        target = run_dir.with_name(archive_folder(run_dir.name, f"{stamp}-{n}"))
+    when = time.strftime("%Y%m%d-%H%M%S")
+    stamp, n = when, 1
+    while (target := run_dir.with_name(archive_folder(run_dir.name, stamp))).exists() or target.is_symlink():
+        n += 1  # --force twice in a second, or a name already taken
+        stamp = f"{when}-{n}"
     run_dir.rename(target)
+    archive_rung_records(job, stamp)
     return target
+
+
+def archive_rung_records(job: PlannedJob, stamp: str) -> None:
+    """A pruned point's rows in its sweep's rung records go with its archived folder
+    (RUN_ROOT/.rungs/SWEEP/EXP.old-STAMP/): the rerun is judged, and judges, as a new run."""
+    prune = getattr(job.spec, "prune", None)
+    if job.kind != "train" or prune is None:
+        return
+    run_root = RunDir(Path(job.run_dir)).run_root
+    try:
+        archive_run_records(run_root, prune.sweep, job.experiment, archive_folder(job.experiment, stamp))
+    except OSError as exc:
+        warn_unreadable(run_root / RUNGS / prune.sweep, f"cannot be archived ({exc})", "left as it is")

@@ -183,6 +183,7 @@ class Estimate:
     basis: str  # how it was reached, for people
     tokens: Literal["preflight", "characters", "speed book"] | None = None  # where the data's size came from
     split: str | None = None  # the micro-batch x accumulation it is estimated at (Split.short); None: auto
+    startup_s: float = 0.0  # of `seconds`, the job's start-up: what a pruned run pays however early it stops
 
     def to_json(self) -> dict:
         seconds = round(self.seconds) if self.seconds is not None else None
@@ -287,7 +288,7 @@ class Estimator:
         seconds = speed.startup_s + tokens / speed.tokens_per_s + eval_s + saves * speed.save_s
         counted = " (counted by preflight)" if sized_by == "preflight" else ""
         basis = f"{tokens:,.0f} tokens{counted} in {steps} steps, {evals} evals, {saves} saves; {speed.basis}"
-        return Estimate(seconds, speed.source, basis, sized_by)
+        return Estimate(seconds, speed.source, basis, sized_by, startup_s=speed.startup_s)
 
     def evaluation(self, spec: EvalJob, gpus: int, gpu: str | None = None) -> Estimate:
         data = self.tokens(spec.source, spec.data, spec.model.name_or_path)

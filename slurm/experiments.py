@@ -185,7 +185,9 @@ def expanded(
             for file, line in [where(chain, ("sweep", *source_of(block, key, point.seed is not None)))]
         ]
         values = {k: v for k, v in point.values.items() if k in sweep.swept}
-        member = SweepMember(name, point.point, values, point.seed, sweep.swept, sweep.select, sweep.prune)
+        member = SweepMember(
+            name, point.point, values, point.seed, sweep.swept, sweep.select, sweep.prune, len(sweep.points)
+        )
         config = deep_merge(base, nested(point.values)) | {"name": point_name(name, point, held)}
         points.append((config, [*given, *chain], member))
     return points, []

@@ -30,7 +30,7 @@ from core.config import (
 from core.durations import slurm_time
 from core.hashing import content_hash
 from core.problems import ConfigError, Problem
-from core.pruning import expected_epochs
+from core.pruning import definition_hash, expected_epochs
 from core.rundir import ADAPTER, CONFIG, done_hash, in_folder, run_folder
 from slurm import guesses
 from slurm.estimate import Estimate, Estimator, auto_time_limit_s
@@ -75,18 +75,25 @@ class PlannedJob:
 
     @property
     def expected_share(self) -> float:
-        """The share of its estimate a job is expected to run: for a training stage of a pruned sweep, its
-        expected epochs (core/pruning.py: every rung keeps `keep` of the runs) over its epochs; else 1."""
+        """The share of its training a job is expected to run: for a training stage of a pruned sweep, its
+        expected epochs (core/pruning.py expected_epochs, for the sweep's size) over its epochs; else 1."""
         if not isinstance(self.spec, TrainJob) or self.spec.prune is None:
             return 1.0
         train, prune = self.spec.train, self.spec.prune
-        return expected_epochs(train.epochs, prune.rungs, prune.keep) / train.epochs
+        return (
+            expected_epochs(train.epochs, prune.rungs, prune.keep, prune.runs, prune.min_points)
+            / train.epochs
+        )
 
     def seconds(self, basis: Basis = "worst") -> float | None:
-        """Its estimate; `expected`: the part a pruned run is expected to run (the worst case stops none)."""
+        """Its estimate; `expected`: the part a pruned run is expected to run (the worst case stops none).
+        Start-up is never saved: a stopped run paid it whole."""
         if self.estimate.seconds is None:
             return None
-        return self.estimate.seconds * (self.expected_share if basis == "expected" else 1.0)
+        if basis == "worst":
+            return self.estimate.seconds
+        startup = min(self.estimate.startup_s, self.estimate.seconds)
+        return startup + (self.estimate.seconds - startup) * self.expected_share
 
     @property
     def effective_batch(self) -> int | None:
@@ -484,6 +491,7 @@ def experiment_jobs(
             tracking=exp.tracking,
             prune=pruning_of(loaded),
         )
+        spec = with_definition(spec, loaded)
         deps = [Dependency(previous.id, "afterok")] if previous else list(first_deps)
         previous = make_job(
             f"{exp.name}/{stage.name}", "train", spec, resources, deps, {**known, **_ids(jobs)}
@@ -502,6 +510,15 @@ def pruning_of(loaded: LoadedExperiment) -> PruneJob | None:
     if member is None or member.prune is None:
         return None
     return PruneJob(**member.prune.model_dump(), sweep=member.sweep)
+
+
+def with_definition(spec: TrainJob, loaded: LoadedExperiment) -> TrainJob:
+    """A pruned point's spec with what its losses are measured under (core/pruning.py definition_hash)."""
+    if spec.prune is None or loaded.sweep is None:
+        return spec
+    under = definition_hash(spec.model_dump(), list(loaded.sweep.swept))
+    known = {"measured_under": under, "runs": loaded.sweep.size}
+    return spec.model_copy(update={"prune": spec.prune.model_copy(update=known)})
 
 
 def of_stage(exp, stage) -> dict:

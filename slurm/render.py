@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
 from core.durations import format_duration, format_eta, slurm_time
+from core.files import NotARegularFile, read_window
 from core.layout import BASE_EVAL_PREFIX
 from core.states import NEVER_STARTS, NEVER_STARTS_MARK, State
 from slurm.estimate import GUESS_MARGIN
@@ -311,11 +314,11 @@ def cancel_hint(row: JobStatus) -> str:
 
 
 def last_lines(path: str, count: int) -> list[str]:
+    """The log's last `count` non-blank lines (from its last 8 KiB: a FIFO or a device is never read)."""
     try:
-        with open(path, "rb") as fh:
-            fh.seek(0, 2)
-            fh.seek(max(0, fh.tell() - 8192))
-            text = fh.read().decode("utf-8", "replace")
+        text = read_window(Path(path), None, 8192)[0].decode("utf-8", "replace")
+    except NotARegularFile as exc:
+        return [f"(log not read: {exc.strerror})"]
     except OSError:
         return ["(no log)"]
     return [line for line in text.splitlines() if line.strip()][-count:]

@@ -11,6 +11,7 @@ from pathlib import Path
 from rich.console import Console
 from submitit.core.utils import JobPaths
 
+from core.files import read_window, warn_unreadable
 from core.problems import ConfigError, Problem, did_you_mean
 from core.states import State
 from slurm.plan import Plan, PlannedJob
@@ -61,14 +62,25 @@ def follow(plan: Plan, target: str, log_root: str, console: Console, rank: int =
         time.sleep(POLL_S)
 
 
+# The most one poll prints: a log that grows faster (or a huge one met first) is caught up over polls.
+CHUNK_BYTES = 4 << 20
+
+
 def print_new(path: str, shown: tuple[str, int]) -> tuple[str, int]:
-    """Print what the log gained since last time; a new file (requeue, retry) or a shorter one restarts."""
+    """Print what the log gained since last time; a new file (requeue, retry) or a shorter one restarts.
+    Read as a regular file only and at most CHUNK_BYTES a poll (a FIFO or a link to /dev/zero is named
+    once and not read: it hung --tail, or grew it without bound)."""
     if not path or not Path(path).exists():
         return shown
-    offset = shown[1] if shown[0] == path and Path(path).stat().st_size >= shown[1] else 0
-    with open(path, "rb") as fh:
-        fh.seek(offset)
-        chunk = fh.read()
+    offset = shown[1] if shown[0] == path else 0
+    try:
+        chunk, size = read_window(Path(path), offset, CHUNK_BYTES)
+        if size < offset:  # shorter than what was shown: a new log under the same name, from its start
+            offset = 0
+            chunk, size = read_window(Path(path), offset, CHUNK_BYTES)
+    except OSError as exc:
+        warn_unreadable(Path(path), exc.strerror or str(exc), "not shown")
+        return shown
     if chunk:
         print(chunk.decode("utf-8", "replace"), end="", flush=True)
     return path, offset + len(chunk)

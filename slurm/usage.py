@@ -21,6 +21,7 @@ from pathlib import Path
 from submitit.core.utils import JobPaths, pickle_load
 
 from core.devices import visible_devices
+from core.files import read_window
 from core.layout import PACKS
 from core.rundir import JobRecord, job_records, log_folder, read_lane
 from core.runs import JobUsage, PackUsage, PlanUsage
@@ -149,9 +150,8 @@ def local_part(job, record: JobRecord, log_root: str) -> JobUsage | None:
 def given_gpus(log: Path) -> int | None:
     """The GPUs the job's log says it was given (slurm/jobs.py logs CUDA_VISIBLE_DEVICES at its start)."""
     try:
-        with open(log, "rb") as fh:
-            head = fh.read(LOG_HEAD_BYTES).decode("utf-8", "replace")
-    except OSError:
+        head = read_window(log, 0, LOG_HEAD_BYTES)[0].decode("utf-8", "replace")
+    except OSError:  # missing, or not a regular file (a FIFO is never opened to wait on)
         return None
     found = VISIBLE_LINE.search(head)
     if found is None or found.group(1) == "(not set)":

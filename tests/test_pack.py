@@ -339,26 +339,30 @@ def pruned_plan(tmp_path: Path):
     ), profile
 
 
-def test_a_pruned_sweeps_expected_gpu_hours_are_the_halving_sum_and_its_worst_case_stops_nothing(tmp_path):
+def test_a_pruned_sweeps_expected_gpu_hours_count_its_early_runs_going_on_and_its_worst_case_stops_nothing(
+    tmp_path,
+):
     from slurm.render import totals_text
 
     plan, _ = pruned_plan(tmp_path)
-    # 4 runs of 3 epochs, rung 1, keep 0.5: 1 + 0.5 x 2 = 2 epochs expected of 3, so 4 x 2/3 h.
+    # 4 runs of 3 epochs, rung 1, keep 0.5, min_points 3 (issue 38: the halving sum assumed every rung keeps
+    # exactly half): the first two go on (below min_points), the third with a chance of 2/3, the fourth of
+    # 2/4, so 19/24 go on: 1 + 19/24 x 2 = 31/12 epochs expected of 3, so 4 x 31/36 h.
     assert plan.gpu_hours() == 4.0
-    assert plan.gpu_hours("expected") == pytest.approx(8 / 3)
-    assert plan.sweep_totals(plan.sweeps()["p"])["expected_gpu_hours"] == pytest.approx(2.667, abs=1e-3)
-    assert "4.0 GPU-hours at worst (no run pruned), 2.7 expected with pruning" in totals_text(plan)
+    assert plan.gpu_hours("expected") == pytest.approx(31 / 9)
+    assert plan.sweep_totals(plan.sweeps()["p"])["expected_gpu_hours"] == pytest.approx(3.444, abs=1e-3)
+    assert "4.0 GPU-hours at worst (no run pruned), 3.4 expected with pruning" in totals_text(plan)
     shown = plan.to_json()
-    assert (shown["gpu_hours"], shown["expected_gpu_hours"]) == (4.0, pytest.approx(2.667, abs=1e-3))
+    assert (shown["gpu_hours"], shown["expected_gpu_hours"]) == (4.0, pytest.approx(3.444, abs=1e-3))
 
 
 def test_a_pack_budget_admits_a_pruned_sweep_on_its_worst_case_unless_asked_for_the_expected(tmp_path):
     plan, profile = pruned_plan(tmp_path)
-    # Two lanes, two units each: 2 h at worst, over what 01:45:00 leaves; 2 x 40 min as expected.
+    # Two lanes, two units each: 2 h at worst, over what 01:50:00 leaves; 2 x 51:40 as expected.
     with pytest.raises(ConfigError, match="--budget-basis expected counts what pruning"):
-        pack_plan(list(plan.jobs), 2, "01:45:00", profile)
-    packing = pack_plan(list(plan.jobs), 2, "01:45:00", profile, "expected")
-    assert packing.makespan_s == pytest.approx(4800) and packing.basis == "expected"
+        pack_plan(list(plan.jobs), 2, "01:50:00", profile)
+    packing = pack_plan(list(plan.jobs), 2, "01:50:00", profile, "expected")
+    assert packing.makespan_s == pytest.approx(2 * 3600 * 31 / 36) and packing.basis == "expected"
 
 
 def test_budget_basis_without_a_pack_is_refused_naming_what_it_is_for(tmp_path, capsys):

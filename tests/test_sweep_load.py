@@ -10,6 +10,7 @@ import launch
 from slurm.experiments import load_experiments
 from slurm.profile import load_profile
 from tests.conftest import write_cluster_yaml
+from tests.helpers import plan_for
 
 SWEPT = """\
 name: lr
@@ -215,7 +216,52 @@ def test_a_pruned_sweeps_points_carry_the_block_and_their_sweep_into_their_train
     prune = {j["id"]: j["spec"].get("prune") for j in jobs if j["kind"] == "train"}
     assert len(prune) == 2
     expected = {"rungs": [1.0, 2.0], "keep": 0.5, "min_points": 3, "eval_pruned": True, "sweep": "pr"}
-    assert all(block == expected for block in prune.values())
+    planned = {"measured_under", "runs"}  # what the plan adds: the sweep's definition and size (issue 38)
+    assert all({k: v for k, v in block.items() if k not in planned} == expected for block in prune.values())
+    assert all(block["runs"] == 2 for block in prune.values())
+
+
+def measured_under(folder: Path, capsys) -> set[str]:
+    assert launch.main(["--all", "--dry-run", "--json", "--config-dir", str(folder)]) == 0
+    jobs = json.loads(capsys.readouterr().out)["jobs"]
+    return {j["spec"]["prune"]["measured_under"] for j in jobs if j["kind"] == "train"}
+
+
+def test_rung_records_of_an_edited_sweep_are_told_apart_and_an_added_point_keeps_the_old_ones(
+    tmp_path, capsys
+):
+    # Issue 38: an edited sweep (another eval set) was judged by the old one's rung records. Its points
+    # share one definition; editing what they share changes it; adding a point to the grid does not.
+    folder = pruned_folder(tmp_path, PRUNED)
+    (first,) = measured_under(folder, capsys)
+    other = tmp_path / "other.jsonl"
+    other.write_text('{"q": "z", "a": "w"}\n')
+    text = PRUNED.replace("eval: {data}, input", f"eval: {other}, input")
+    (folder / "pr.yaml").write_text(text.format(data=tmp_path / "d.jsonl"))
+    (edited,) = measured_under(folder, capsys)
+    (folder / "pr.yaml").write_text(
+        PRUNED.replace("3.0e-4]", "3.0e-4, 1.0e-3]").format(data=tmp_path / "d.jsonl")
+    )
+    (grown,) = measured_under(folder, capsys)
+    assert edited != first and grown == first
+
+
+def test_force_archives_a_pruned_points_rung_records_with_its_run_folder(tmp_path):
+    from core.config import PruneJob
+    from core.pruning import judged, rung_records
+    from core.rundir import mark_done
+    from slurm.decisions import archive_stale
+
+    folder = pruned_folder(tmp_path, PRUNED)
+    plan = plan_for(folder=folder)
+    job = next(j for j in plan.jobs if j.kind == "train")
+    run_root, run_dir = Path(plan.run_root), Path(job.run_dir)
+    mark_done(run_dir, "0" * 16)  # finished under another config: --force archives it
+    prune = PruneJob(rungs=[1], keep=0.5, sweep="pr", measured_under="m")
+    for run in ("pr-other", job.experiment):
+        judged(run_root, "pr", run, "h", 1, 1.0, prune)
+    assert archive_stale(job) is not None
+    assert [r.run for r in rung_records(run_root, "pr", 1)] == ["pr-other"]
 
 
 def test_a_prune_block_without_eval_data_or_evals_is_refused_at_its_line(tmp_path, capsys):
@@ -252,3 +298,19 @@ def test_a_multi_stage_pruned_sweep_is_refused_with_the_reason(tmp_path, capsys)
     assert launch.main(["--all", "--dry-run", "--config-dir", str(folder)]) == 2
     err = " ".join(capsys.readouterr().err.split())
     assert "sweep.prune: prunes single-stage sweeps only for now; this one has stages one, two" in err
+
+
+def test_flipping_eval_pruned_leaves_every_training_stage_unchanged(tmp_path, capsys):
+    # Issue 38: prune.eval_pruned decides only whether a pruned run's eval runs; flipping it made every
+    # finished training stage of the sweep a changed config (refused, or rerun with --force).
+    folder = pruned_folder(tmp_path, PRUNED)
+
+    def train_hashes() -> dict[str, str]:
+        assert launch.main(["--all", "--dry-run", "--json", "--config-dir", str(folder)]) == 0
+        jobs = json.loads(capsys.readouterr().out)["jobs"]
+        return {j["id"]: j["config_hash"] for j in jobs if j["kind"] == "train"}
+
+    before = train_hashes()
+    text = PRUNED.replace("keep: 0.5", "keep: 0.5\n    eval_pruned: false")
+    (folder / "pr.yaml").write_text(text.format(data=tmp_path / "d.jsonl"))
+    assert train_hashes() == before and len(before) == 2

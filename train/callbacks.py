@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import logging
 import math
 import os
 import threading
@@ -15,12 +16,14 @@ from pathlib import Path
 from transformers import TrainerCallback
 
 from core.config import PruneJob
-from core.files import open_append, read_json, write_atomic, write_json_atomic
-from core.pruning import judged, mark_pruned, rung_records
+from core.files import append_json_line, read_json, write_atomic, write_json_atomic
+from core.pruning import RungRecord, judged, mark_pruned, rung_records
 from core.rundir import RunDir
 from train import distributed
 from train.checkpoints import commit, rotate
 from train.gpu_use import GpuSampler, summarize
+
+log = logging.getLogger("train.callbacks")
 
 
 class RunDirectoryLog(TrainerCallback):
@@ -71,8 +74,7 @@ class RunDirectoryLog(TrainerCallback):
         self.gpu_use = gpu_use or self.gpu_use
         if len(row) > 3:
             row |= gpu_use
-            with open_append(RunDir(self.run_dir).metrics) as fh:
-                fh.write(json.dumps(row) + "\n")
+            append_json_line(RunDir(self.run_dir).metrics, row, root=RunDir(self.run_dir).run_root)
         self.write_progress(state, logs.get("loss"))
 
     def write_progress(self, state, loss) -> None:
@@ -93,6 +95,7 @@ class RunDirectoryLog(TrainerCallback):
                 "split": self.split,
                 **self.gpu_use,
             },
+            root=RunDir(self.run_dir).run_root,
         )
 
 
@@ -217,7 +220,7 @@ def record_eval(checkpoint: Path, state, logged: int) -> None:
     if state.best_global_step == state.global_step:
         saved.best_model_checkpoint = str(checkpoint)
     text = json.dumps(dataclasses.asdict(saved), indent=2, sort_keys=True) + "\n"
-    write_atomic(checkpoint / "trainer_state.json", text)
+    write_atomic(checkpoint / "trainer_state.json", text, root=RunDir(checkpoint.parent.parent).run_root)
 
 
 class PruneAtRungs(TrainerCallback):
@@ -248,26 +251,28 @@ class PruneAtRungs(TrainerCallback):
             return control
         stop = False
         if state.is_world_process_zero:
-            loss = float((metrics or {})["eval_loss"])
-            record = judged(
-                RunDir(self.run_dir).run_root,
-                self.prune.sweep,
-                self.run,
-                self.identity,
-                rung,
-                loss,
-                self.prune,
-            )
-            stop = record.stop
+            record = self.judge(rung, float((metrics or {})["eval_loss"]))
+            stop = record is not None and record.stop
             if stop:
                 mark_pruned(self.run_dir, record, evaluate=self.prune.eval_pruned)
         if distributed.any_rank(stop):
             control.should_training_stop = self.pruned = True
         return control
 
+    def judge(self, rung: float, loss: float) -> RungRecord | None:
+        """The rung's decision; None when the records cannot be kept (a link, a FIFO, a file where a folder
+        belongs, all named): the run goes on unjudged, since stopping it on no evidence would lose it."""
+        run_root = RunDir(self.run_dir).run_root
+        try:
+            return judged(run_root, self.prune.sweep, self.run, self.identity, rung, loss, self.prune)
+        except OSError as exc:
+            log.warning("rung %g not judged, the run goes on: its records cannot be kept (%s)", rung, exc)
+            return None
+
     def recorded_stop(self, rung: float) -> bool:
         records = rung_records(RunDir(self.run_dir).run_root, self.prune.sweep, rung)
-        return any(r.stop for r in records if (r.run, r.config_hash) == (self.run, self.identity))
+        mine = (self.run, self.identity, self.prune.measured_under)
+        return any(r.stop for r in records if (r.run, r.config_hash, r.measured_under) == mine)
 
 
 class RuntimeClock(TrainerCallback):
@@ -293,7 +298,11 @@ class RuntimeClock(TrainerCallback):
         if not state.is_world_process_zero:
             return
         folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
-        write_json_atomic(folder / self.FILE, {"train_runtime_s": self.total_s()})
+        write_json_atomic(
+            folder / self.FILE,
+            {"train_runtime_s": self.total_s()},
+            root=RunDir(folder.parent.parent).run_root,
+        )
 
 
 class StageTimer(TrainerCallback):

@@ -4,6 +4,10 @@ A job killed mid-save (kill -9, node failure) leaves a folder without the marker
 warning and takes the previous one, instead of crashing on a half-written optimizer state. Old checkpoints
 are deleted only after a newer one is committed (Hugging Face's own rotation runs before our commit, so a
 kill between the two could leave nothing to resume from; the recipe turns it off and calls `rotate`).
+
+Every save, commit and deletion first checks that nothing from below the run root down to the folder is a
+symbolic link (core/below.py), at that moment: a `checkpoints/` replaced by a link while the job trains
+would otherwise receive the checkpoints, and rotation would delete the `checkpoint-*` folders it points at.
 """
 
 from __future__ import annotations
@@ -14,16 +18,36 @@ import re
 import shutil
 from pathlib import Path
 
+from core.below import check as check_no_link
 from core.files import fsync_path, write_atomic
+from core.rundir import RunDir
 
 log = logging.getLogger("train.checkpoints")
 MARKER = "COMMITTED"
 PATTERN = re.compile(r"^checkpoint-(\d+)$")
 
 
+def check_below_run_root(path: Path) -> None:
+    """LinkBelowRoot (an OSError naming the link) if a link stands between the run root and `path`, a
+    stage's checkpoints folder or something in it (RUN_ROOT/EXP/STAGE/checkpoints/...)."""
+    path = Path(path)
+    folder = next((p for p in (path, *path.parents) if p.name == "checkpoints"), path)
+    check_no_link(RunDir(folder.parent).run_root, path)
+
+
+class CheckedSaves:
+    """Trainer mixin: the Trainer's checkpoint save is checked immediately before it writes."""
+
+    def _save_checkpoint(self, model, trial):
+        folder = Path(self.args.output_dir)
+        check_below_run_root(folder / f"checkpoint-{self.state.global_step}")
+        return super()._save_checkpoint(model, trial)
+
+
 def commit(checkpoint: Path, world_size: int) -> None:
     """Flush the checkpoint's files to disk, then write the marker: after this it is safe to resume from.
     The marker records how many ranks wrote it (see `set_aside_other_world_size`)."""
+    check_below_run_root(checkpoint)
     for path in checkpoint.rglob("*"):
         if path.is_file():
             fsync_path(path)
@@ -95,6 +119,7 @@ def latest_valid_checkpoint(folder: Path) -> Path | None:
 def discard_incomplete(folder: Path) -> list[Path]:
     """Delete torn checkpoints before resuming: HF would later save into a folder of the same name and
     mix fresh files with stale ones, and its rotation would count them as real."""
+    check_below_run_root(Path(folder))
     torn = [c for c in checkpoints(Path(folder)) if not is_valid(c)]
     for checkpoint in torn:
         log.warning("deleting incomplete checkpoint %s", checkpoint)
@@ -104,6 +129,7 @@ def discard_incomplete(folder: Path) -> list[Path]:
 
 def rotate(folder: Path, keep: set[Path]) -> None:
     """Keep the newest committed checkpoint and `keep` (the best one); delete the other committed ones."""
+    check_below_run_root(Path(folder))
     committed = [c for c in checkpoints(Path(folder)) if is_valid(c)]
     protected = {c.resolve() for c in committed[:1]} | {Path(k).resolve() for k in keep}
     for checkpoint in committed[1:]:

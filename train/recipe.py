@@ -71,7 +71,6 @@ checkpoints/checkpoint-N/, adapter/ (adapter + tokenizer). With several ranks on
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -96,7 +95,7 @@ from transformers.trainer_pt_utils import LengthGroupedSampler
 
 from core import speeds
 from core.config import TrainJob, what_it_computes
-from core.files import read_json, read_jsonl, write_atomic, write_json_atomic
+from core.files import json_line, read_json, read_jsonl, write_atomic, write_json_atomic
 from core.hashing import content_hash
 from core.rundir import RunDir, job_records
 from core.split import Split, as_written, resolve
@@ -114,6 +113,7 @@ from train.callbacks import (
     StopWhenAsked,
 )
 from train.checkpoints import (
+    CheckedSaves,
     discard_incomplete,
     latest_valid_checkpoint,
     set_aside_other_world_size,
@@ -253,11 +253,11 @@ class FusedOutputStep:
             return super().compute_loss(model, inputs, *args, **kwargs)
 
 
-class CausalTrainer(FusedOutputStep, TokenMeanEval, ReproducibleSampling, Trainer):
+class CausalTrainer(CheckedSaves, FusedOutputStep, TokenMeanEval, ReproducibleSampling, Trainer):
     pass
 
 
-class Seq2SeqStageTrainer(FusedOutputStep, TokenMeanEval, ReproducibleSampling, Seq2SeqTrainer):
+class Seq2SeqStageTrainer(CheckedSaves, FusedOutputStep, TokenMeanEval, ReproducibleSampling, Seq2SeqTrainer):
     pass
 
 
@@ -395,7 +395,7 @@ class StageRecipe:
             return
         rows = read_jsonl(path, {"step": int})  # a row cut by a kill, or unreadable, is left out
         kept = [row for row in rows if isinstance(row.get("step"), int) and row["step"] <= step]
-        write_atomic(path, "".join(json.dumps(row) + "\n" for row in kept))
+        write_atomic(path, "".join(map(json_line, kept)), root=RunDir(self.run_dir).run_root)
 
     def workers(self) -> int:
         wanted = self.job.data.num_workers
@@ -613,7 +613,7 @@ class StageRecipe:
             "num_input_tokens_seen": state.num_input_tokens_seen,
             "split": self.split.as_json(),  # the micro-batch, accumulation and checkpointing that ran, and why
         }
-        write_json_atomic(RunDir(self.run_dir).summary, summary, indent=1)
+        write_json_atomic(RunDir(self.run_dir).summary, summary, indent=1, root=RunDir(self.run_dir).run_root)
 
     def write_speed(self) -> None:
         """This stage's row in the speed book (core/speeds.py), from which the launcher estimates the next
