@@ -107,8 +107,10 @@ def test_the_eval_prompt_is_the_training_rendering_up_to_the_last_answer(which, 
 
 def test_qwen3s_template_drops_earlier_think_blocks_so_it_is_refused_naming_train_on(tiny, repo_root):
     tokenizer = tokenizer_with((TEMPLATES / "qwen3.jinja").read_text(), CHATML_TOKENS, repo_root)
-    with pytest.raises(chat.ChatTemplateError, match="train_on: all"):
+    with pytest.raises(chat.ChatTemplateError, match="train_on: all") as refused:
         chat.encode(tokenizer, THREE_TURNS)
+    # The reason is the one this template has: the first answer alone renders with an empty think block.
+    assert "<think>" in str(refused.value).split("where the whole")[0]
     assert chat.encode(tokenizer, THREE_TURNS, train_on="all").labels  # learnt whole, as asked
 
 
@@ -141,6 +143,65 @@ def test_a_template_that_is_not_prefix_stable_is_labelled_by_its_markers(tiny, r
     encoded = chat.encode(tokenizer, THREE_TURNS)
     answers = [tokenizer.decode([encoded.input_ids[i]]) for i in labelled(encoded)]
     assert "".join(answers) == "SELECT 1<|im_end|>SELECT 2<|im_end|>"
+
+
+PHI3_TOKENS = ["<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
+GEMMA_TOKENS = ["<start_of_turn>", "<end_of_turn>"]
+
+
+def test_phi3_multi_turn_is_labelled_not_refused_for_its_eos_at_the_conversations_end(tiny, repo_root):
+    """Phi-3 writes eos once, after the last turn: a prefix ending on an answer ends in eos, the whole
+    conversation has the next user turn there. That is not a template that renders turns differently."""
+    phi3 = tokenizer_with((TEMPLATES / "phi-3.5-mini-instruct.jinja").read_text(), PHI3_TOKENS, repo_root)
+    encoded = chat.encode(phi3, THREE_TURNS)
+    answers = [phi3.decode([encoded.input_ids[i]]) for i in labelled(encoded)]
+    assert "".join(answers) == "SELECT 1<|end|>SELECT 2<|end|>"  # the closing eos is no answer's
+    assert phi3.decode(encoded.input_ids[-1:]) == phi3.eos_token
+    assert encoded.turn_ends[-1] == len(encoded.input_ids)  # a whole conversation keeps its eos
+
+
+def test_phi3_generation_stops_at_its_end_token_not_at_eos(tiny, repo_root):
+    phi3 = tokenizer_with((TEMPLATES / "phi-3.5-mini-instruct.jinja").read_text(), PHI3_TOKENS, repo_root)
+    assert chat.end_of_turn_ids(phi3) == [phi3.convert_tokens_to_ids("<|end|>")]
+
+
+def test_gemma2_labels_its_model_turns_and_refuses_a_system_turn_with_its_own_words(tiny, repo_root):
+    gemma = tokenizer_with((TEMPLATES / "gemma-2-2b-it.jinja").read_text(), GEMMA_TOKENS, repo_root)
+    encoded = chat.encode(gemma, THREE_TURNS[1:])
+    answers = [gemma.decode([encoded.input_ids[i]]) for i in labelled(encoded)]
+    assert "".join(answers) == "SELECT 1<end_of_turn>SELECT 2<end_of_turn>"
+    assert chat.end_of_turn_ids(gemma) == [gemma.convert_tokens_to_ids("<end_of_turn>")]
+    with pytest.raises(chat.ChatTemplateError, match="System role not supported"):
+        chat.encode(gemma, THREE_TURNS)
+
+
+def smollm_like(tmp_path: Path, repo_root: Path, template: str, tokens: list[str]):
+    """The tiny tokenizer with SmolLM2's merges of a double newline and of a newline and a space: at the
+    end of a text `\\n\\n` is one token, before a word two (GPT-2's pre-tokenizer splits it there)."""
+    folder = tmp_path / "models" / "tiny-llama"  # tokenizer_with's layout, under tmp_path
+    shutil.copytree(
+        repo_root / "models" / "tiny-llama", folder, ignore=shutil.ignore_patterns("*.safetensors")
+    )
+    spec = json.loads((folder / "tokenizer.json").read_text())
+    for pair in (["Ċ", "Ċ"], ["Ċ", "Ġ"]):
+        spec["model"]["vocab"]["".join(pair)] = len(spec["model"]["vocab"])
+        spec["model"]["merges"].append(pair)
+    (folder / "tokenizer.json").write_text(json.dumps(spec))
+    return tokenizer_with(template, tokens, tmp_path)
+
+
+def test_the_eval_prompt_is_a_token_prefix_of_training_where_retokenizing_merges_the_headers_newlines(
+    tiny, repo_root, tmp_path
+):
+    tokenizer = smollm_like(
+        tmp_path, repo_root, (TEMPLATES / "llama-3.1-instruct.jinja").read_text(), LLAMA3_TOKENS
+    )
+    prompt, _ = chat.eval_prompt(tokenizer, THREE_TURNS)
+    encoded = chat.encode(tokenizer, THREE_TURNS)
+    assert encoded.input_ids[: len(prompt.ids)] == prompt.ids and labelled(encoded)[-3] == len(prompt.ids)
+    assert tokenizer.decode(prompt.ids[-2:]) == "\n\n"  # two tokens, as trained ...
+    retokenized = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    assert retokenized[-1] not in prompt.ids[-2:]  # ... where the text alone gives one '\n\n' token
 
 
 def test_the_end_of_turn_token_is_where_generation_stops(qwen, llama):

@@ -30,7 +30,7 @@ from train import chat
 
 log = logging.getLogger("train.data")
 FIXED_LENGTHS = (128, 256, 512, 1024, 2048)
-CACHE_VERSION = 2  # bump whenever encode() changes what it produces: old cache entries are then ignored
+CACHE_VERSION = 3  # bump whenever encode() changes what it produces: old cache entries are then ignored
 
 
 # ---- rows and prompts ---------------------------------------------------------------------------------
@@ -265,6 +265,11 @@ def trained_tokens(dataset: datasets.Dataset, kind: str) -> list[int]:
     if kind == "seq2seq":
         return [n + len(labels) for n, labels in zip(lengths, dataset["labels"], strict=True)]
     return list(lengths)
+
+
+def labelled_tokens(dataset: datasets.Dataset) -> int:
+    """Tokens the loss sees (labels other than -100), after truncation."""
+    return sum(sum(1 for label in labels if label != -100) for labels in dataset["labels"])
 
 
 def truncate(dataset: datasets.Dataset, lengths: LengthReport, kind: str = "causal") -> datasets.Dataset:

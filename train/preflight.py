@@ -108,6 +108,7 @@ def token_lengths(job: TrainJob, tokenizer, config) -> dict:
         "max_length": lengths.max_length,
         "max_target_length": lengths.max_target_length,
         "tokens_per_epoch": sum(data_lib.trained_tokens(kept, kind)),
+        "labelled_tokens": data_lib.labelled_tokens(kept),
         "examples": len(kept),
         "longest_example": lengths.longest,
         "truncated_inputs": lengths.inputs_truncated,
@@ -141,9 +142,21 @@ def preflight_job(job: TrainJob, gpu_mem_gb: float | None) -> JobPreflight:
         try:
             vars(result).update(token_lengths(job, tokenizer, config))
         except (OSError, ValueError, ConnectionError) as exc:  # an hf: dataset not in the cache, offline
-            result.tokens_skipped = f"data {job.data.train} not available here ({first_line(exc)})"
+            if refused_at_start(exc, job.data.train):
+                result.data_refused = first_line(exc)
+            else:
+                result.tokens_skipped = f"data {job.data.train} not available here ({first_line(exc)})"
     judge_memory(result, job, base_tokenizer)
     return result
+
+
+def refused_at_start(exc: Exception, source: str) -> bool:
+    """Would the job fail on this at its start, whatever the machine? A template that cannot render a
+    conversation, a max_length no answer fits, an image-text conversation without a user turn: yes. A file
+    or dataset this machine cannot read (an `hf:` dataset offline): no, the node may have it."""
+    if isinstance(exc, ChatTemplateError):
+        return True
+    return isinstance(exc, ValueError) and not source.startswith("hf:")
 
 
 def trainable_of(job: TrainJob, tokenizer):
