@@ -270,7 +270,7 @@ def test_every_malformed_conversation_is_refused_at_its_line_at_once(tmp_path):
     assert "unknown role 'usr' (did you mean 'user'?)" in found[0][1]
     assert "is empty" in found[1][1]
     assert "no assistant turn" in found[2][1]
-    assert "messages[0].content is not text (list)" in found[3][1]
+    assert "messages[0].content is a list whose part 'str' is not a text part" in found[3][1]
     assert "must be a list of turns" in found[4][1]
 
 
@@ -487,3 +487,63 @@ def test_marker_text_inside_content_is_counted_and_warned_about(qwen, tmp_path, 
     with caplog.at_level("WARNING", logger="train.data"):
         data_lib.tokenized(source, DataSpec(train=source, format="messages"), qwen, "causal")
     assert "1 of 2 conversations" in caplog.text and "<|im_end|>" in caplog.text
+
+
+# ---- conversations as users write them ------------------------------------------------------------------
+def refusals_of(
+    tmp_path: Path, rows: list[dict], data_format: str = "messages", text: str | None = None
+) -> list:
+    path = tmp_path / "chat.jsonl"
+    path.write_text(text if text is not None else "".join(json.dumps(row) + "\n" for row in rows), "utf-8")
+    try:
+        check_file(path, DataSpec(train=str(path), format=data_format))
+    except ExampleError as caught:
+        return [(error.line, error.message) for error in caught.errors]
+    return []
+
+
+def test_openai_text_parts_are_read_as_the_turns_text(tmp_path):
+    parts = [{"type": "text", "text": "SELECT "}, {"type": "text", "text": "1"}]
+    row = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": parts}]}
+    assert refusals_of(tmp_path, [row]) == []
+    assert conversation(row, DataSpec(train="x.jsonl", format="messages"))[1]["content"] == "SELECT 1"
+    image = [{"type": "image_url", "image_url": {"url": "x.png"}}]
+    row["messages"][1]["content"] = [{"type": "input_text", "text": "x"}]
+    (_, message), *_ = refusals_of(tmp_path, [row])
+    assert "OpenAI's text parts" in message and "image" not in message  # a text hint, not an image one
+    row["messages"][1]["content"] = image
+    assert "data.image_field" in refusals_of(tmp_path, [row])[0][1]
+
+
+@pytest.mark.parametrize(
+    "answer", ["", "   \n", "\u200b\u200d", " \u2060 "], ids=["empty", "spaces", "zero-width", "mixed"]
+)
+def test_an_empty_or_invisible_assistant_answer_is_refused_like_alpacas_empty_output(tmp_path, answer):
+    row = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": answer}]}
+    assert refusals_of(tmp_path, [row]) == [
+        (1, "messages[1].content is empty (or only whitespace or invisible characters): no answer to learn")
+    ]
+
+
+def test_a_conversation_ending_on_a_user_turn_is_refused_and_counted(tmp_path):
+    ending = THREE_TURNS[1:] + [{"role": "user", "content": "and three?"}]
+    found = refusals_of(tmp_path, [{"messages": THREE_TURNS}, {"messages": ending}, {"messages": ending}])
+    assert [line for line, _ in found] == [2, 3] and "ends on a user turn" in found[0][1]
+
+
+def test_sharegpt_rows_given_as_messages_say_which_format_their_fields_are(tmp_path):
+    sharegpt = {"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]}
+    [(_, message)] = refusals_of(tmp_path, [sharegpt])
+    assert "'conversations', which is sharegpt format's" in message and "data.format: sharegpt" in message
+    [(_, message)] = refusals_of(tmp_path, [{"messages": ONE_EXCHANGE}], "sharegpt")
+    assert "data.format: messages" in message
+    turns_only = {"messages": sharegpt["conversations"]}
+    assert "from/value are the sharegpt format's" in refusals_of(tmp_path, [turns_only])[0][1]
+
+
+def test_a_utf8_bom_opens_the_file_not_its_first_field(tmp_path):
+    text = "\ufeff" + json.dumps({"messages": ONE_EXCHANGE}) + "\n"
+    assert refusals_of(tmp_path, [], text=text) == []
+    csv_file = tmp_path / "fields.csv"
+    csv_file.write_text("\ufeffquestion,answer\nDo this,done\n", "utf-8")
+    check_file(csv_file, DataSpec(train=str(csv_file), input_field="question", target_field="answer"))
