@@ -547,3 +547,64 @@ def test_a_utf8_bom_opens_the_file_not_its_first_field(tmp_path):
     csv_file = tmp_path / "fields.csv"
     csv_file.write_text("\ufeffquestion,answer\nDo this,done\n", "utf-8")
     check_file(csv_file, DataSpec(train=str(csv_file), input_field="question", target_field="answer"))
+
+
+# ---- preflight refuses what the job would fail on at its start ------------------------------------------------
+def chat_job(tmp_path: Path, template: str, tokens: list[str], **data):
+    from tests.train_helpers import make_job
+
+    train = write_chats(tmp_path / "chat.jsonl", [THREE_TURNS, THREE_TURNS[1:3]])
+    model = {"name_or_path": str(REPO / "models" / "tiny-llama"), "kind": "causal", "added_tokens": tokens}
+    data = {"train": train, "format": "messages", "chat_template": template} | data
+    return make_job(None, tmp_path / "run", model=model, data=data)
+
+
+def test_preflight_refuses_a_template_that_raises_on_the_data_in_its_table_not_as_data_not_available(
+    tiny, tmp_path
+):
+    """Before: "data not available here" in --json only, exit 0, and the job failed at its start."""
+    from core.preflight import JobPreflight
+    from slurm.commands.launch import length_cell
+    from slurm.preflight import refusals
+    from train.preflight import model_config, token_report
+
+    gemma = (TEMPLATES / "gemma-2-2b-it.jinja").read_text()  # raises on a system turn
+    job = chat_job(tmp_path, gemma, GEMMA_TOKENS)
+    found = token_report(
+        job, tokenizer_with(gemma, GEMMA_TOKENS, REPO), model_config(job.model.name_or_path, None)
+    )
+    assert found.keys() == {"data_refused"} and "System role not supported" in found["data_refused"]
+    result = JobPreflight("t/s", 1.0, 1, 100, {}, 100.0, **found)
+    [problem] = refusals(result, "gemma.yaml")
+    assert "t/s: the job would fail at its start: the chat template cannot render" in problem.message
+    assert length_cell(result).startswith("refused: the chat template cannot render this conversation")
+
+
+def test_only_data_this_machine_cannot_read_is_skipped_every_other_data_error_is_refused():
+    from train.preflight import refused_at_start
+
+    no_fit = ValueError("max_length 16 holds not even the first answer of any conversation")
+    assert refused_at_start(no_fit, "data/chat.jsonl")
+    assert refused_at_start(chat.ChatTemplateError("an image-text conversation needs a user turn"), "hf:x/y")
+    assert not refused_at_start(ValueError("offline"), "hf:x/y")
+    assert not refused_at_start(FileNotFoundError("no such dataset"), "data/chat.jsonl")
+
+
+def test_preflight_shows_how_many_tokens_the_loss_sees(tiny, tmp_path):
+    from core.preflight import JobPreflight
+    from slurm.commands.launch import trained_cell
+    from train.preflight import meta_model, model_config, token_lengths
+
+    job = chat_job(tmp_path, "chatml", CHATML_TOKENS)
+    tokenizer = meta_model(job, tokenizer=tokenizer_with(chat_templates.CHATML, [], REPO))[1]
+    found = token_lengths(job, tokenizer, model_config(job.model.name_or_path, None))
+    encoded = [chat.encode(tokenizer, turns) for turns in (THREE_TURNS, THREE_TURNS[1:3])]
+    assert (
+        found["labelled_tokens"] == sum(len(labelled(e)) for e in encoded) == 9
+    )  # SELECT, ' 1', <|im_end|> x3
+    assert found["tokens_per_epoch"] == sum(len(e.input_ids) for e in encoded)
+    result = JobPreflight("t/s", 1.0, 1, 100, {}, 100.0, **found)
+    assert (
+        trained_cell(result)
+        == f"9 of {found['tokens_per_epoch']} tokens trained on ({900 / found['tokens_per_epoch']:.1f} %)"
+    )

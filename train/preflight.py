@@ -139,15 +139,20 @@ def preflight_job(job: TrainJob, gpu_mem_gb: float | None) -> JobPreflight:
         tokens_skipped=skipped,
     )
     if tokenizer is not None:
-        try:
-            vars(result).update(token_lengths(job, tokenizer, config))
-        except (OSError, ValueError, ConnectionError) as exc:  # an hf: dataset not in the cache, offline
-            if refused_at_start(exc, job.data.train):
-                result.data_refused = first_line(exc)
-            else:
-                result.tokens_skipped = f"data {job.data.train} not available here ({first_line(exc)})"
+        vars(result).update(token_report(job, tokenizer, config))
     judge_memory(result, job, base_tokenizer)
     return result
+
+
+def token_report(job: TrainJob, tokenizer, config) -> dict:
+    """`token_lengths`, or why there are none: `data_refused` (the job would fail on it at its start) or
+    `tokens_skipped` (an `hf:` dataset not in the cache while offline)."""
+    try:
+        return token_lengths(job, tokenizer, config)
+    except (OSError, ValueError, ConnectionError) as exc:
+        if refused_at_start(exc, job.data.train):
+            return {"data_refused": first_line(exc)}
+        return {"tokens_skipped": f"data {job.data.train} not available here ({first_line(exc)})"}
 
 
 def refused_at_start(exc: Exception, source: str) -> bool:
