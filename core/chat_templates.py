@@ -9,6 +9,7 @@ model's vocabulary to be learnt as one token each: add them with `model.added_to
 from __future__ import annotations
 
 import json
+import re
 from functools import lru_cache
 from pathlib import Path
 
@@ -105,6 +106,11 @@ def behaves(texts: dict[tuple[int, bool], str]) -> None:
                 f"{PROBE[index]['content']!r} gave {full[len(prompt) : len(through)]!r}): the labels would "
                 "fall on the template's own text; write message['content'] for every role"
             )
+
+
+def markers(template: str) -> list[str]:
+    """The special markers a template writes in `<|...|>` form (ChatML's, Llama 3's, Phi-3's), in order."""
+    return list(dict.fromkeys(re.findall(r"<\|[A-Za-z0-9_]+\|>", template)))
 
 
 def text(value: str) -> str:

@@ -214,8 +214,19 @@ def test_a_model_without_a_template_is_refused_with_the_fix(tiny, repo_root):
     tokenizer = AutoTokenizer.from_pretrained(repo_root / "models" / "tiny-llama")
     with pytest.raises(chat.ChatTemplateError, match="data.chat_template"):
         chat.use_template(tokenizer, DataSpec(train="x.jsonl", format="messages"), "tiny-llama")
-    chat.use_template(tokenizer, DataSpec(train="x.jsonl", format="messages", chat_template="chatml"), "x")
+    chatml = DataSpec(train="x.jsonl", format="messages", chat_template="chatml")
+    chat.use_template(tokenizer, chatml, "x", added_tokens=CHATML_TOKENS)
     assert "<|im_start|>" in tokenizer.chat_template
+
+
+def test_chatml_on_a_vocabulary_without_its_markers_is_refused_naming_model_added_tokens(tiny, repo_root):
+    """Before: `<|im_end|>` was learnt as 8 pieces and generation had no end-of-turn to stop at."""
+    tokenizer = AutoTokenizer.from_pretrained(repo_root / "models" / "tiny-llama")
+    chatml = DataSpec(train="x.jsonl", format="messages", chat_template="chatml")
+    with pytest.raises(
+        chat.ChatTemplateError, match=r"model.added_tokens: \['<\|im_start\|>', '<\|im_end\|>'\]"
+    ):
+        chat.use_template(tokenizer, chatml, "tiny-llama", added_tokens=[])
 
 
 # ---- formats --------------------------------------------------------------------------------------------

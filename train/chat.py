@@ -44,11 +44,23 @@ class Encoded:
     answer_starts: list[int]  # each assistant answer's first labelled id (all ids learnt: [0])
 
 
-def use_template(tokenizer, spec: DataSpec, model: str) -> None:
+def use_template(tokenizer, spec: DataSpec, model: str, added_tokens: list[str] = ()) -> None:
     """Give the tokenizer (or processor) the template the data asks for, or check it has its own. The
-    tokenizer is saved with the adapter, so later stages, the eval job and the export render the same way."""
+    tokenizer is saved with the adapter, so later stages, the eval job and the export render the same way.
+    A template of data.chat_template whose markers (`<|im_end|>`) are neither tokens of the vocabulary nor
+    among `added_tokens` (model.added_tokens) is refused: each would be learnt as a dozen pieces, and
+    generation would have no end-of-turn token to stop at."""
     if spec.chat_template is not None:
         text = chat_templates.text(spec.chat_template)
+        vocabulary = text_tokenizer(tokenizer).get_vocab()
+        if missing := [
+            m for m in chat_templates.markers(text) if m not in vocabulary and m not in added_tokens
+        ]:
+            raise ChatTemplateError(
+                f"data.chat_template: its markers {missing} are not tokens of {model}'s vocabulary: add them "
+                f"with model.added_tokens: {missing} (else each is learnt as several pieces and generation "
+                "has no end-of-turn token to stop at)"
+            )
         tokenizer.chat_template = text
         if hasattr(tokenizer, "tokenizer"):  # a processor: its tokenizer renders the text-only prompts
             tokenizer.tokenizer.chat_template = text

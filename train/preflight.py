@@ -62,14 +62,14 @@ def cached_tokenizer(
     name_or_path: str, revision: str | None, kind: str, pixels: tuple = (None, None), chat: tuple = ()
 ):
     """The tokenizer (image-text: the processor, with its pixel bounds) once per process; `chat`: the
-    data's (format, chat_template), whose template the job sets on it (train/chat.py)."""
+    data's (format, chat_template, model.added_tokens), whose template the job sets on it (train/chat.py)."""
     from core.config import DataSpec, ModelSpec
 
-    rendering = dict(zip(("format", "chat_template"), chat, strict=False))
+    rendering = dict(zip(("format", "chat_template"), chat[:2], strict=False))
     bounds = DataSpec(train="-", min_pixels=pixels[0], max_pixels=pixels[1], **rendering)
-    return load_tokenizer(
-        name_or_path, ModelSpec(name_or_path=name_or_path, kind=kind, revision=revision), bounds
-    )
+    added = list(chat[2]) if len(chat) > 2 else []
+    model = ModelSpec(name_or_path=name_or_path, kind=kind, revision=revision, added_tokens=added)
+    return load_tokenizer(name_or_path, model, bounds)
 
 
 def tokenizer_or_reason(job: TrainJob):
@@ -77,7 +77,11 @@ def tokenizer_or_reason(job: TrainJob):
     (load_tokenizer refuses a tokenizer without files, which would count a model with almost no vocabulary)."""
     try:  # fetched into the Hugging Face cache where this machine has network and HF_HUB_OFFLINE is unset
         pixels = (job.data.min_pixels, job.data.max_pixels)
-        chat = (job.data.format, job.data.chat_template) if job.data.format != "fields" else ()
+        chat = (
+            (job.data.format, job.data.chat_template, tuple(job.model.added_tokens))
+            if job.data.format != "fields"
+            else ()
+        )
         return cached_tokenizer(
             job.model.name_or_path, job.model.revision, job.model.kind, pixels, chat
         ), None
