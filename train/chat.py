@@ -6,13 +6,16 @@ What an answer is: each assistant turn's content and the end-of-turn token the t
 whitespace the template puts between turns (ChatML's newline after `<|im_end|>`), nor the header that opens a
 turn (the model is given that by the chat endpoint's generation prompt, exactly as the eval gives it here).
 
-How it is found: a template with `{% generation %}` markers says so itself (`return_assistant_tokens_mask`;
-trailing whitespace tokens inside the markers are left out, as above). Any other is rendered prefix by prefix: the conversation up to an assistant turn with the generation prompt,
-then through that turn; the answer lies between, when both renderings are prefixes of the whole one. A
+How it is found: a template with `{% generation %}` markers says so itself (`return_assistant_tokens_mask`).
+Any other is rendered prefix by prefix: the conversation up to an assistant turn with the generation prompt,
+then through that turn; the answer lies between, when both renderings are prefixes of the whole one (less
+the eos a template writes once at a conversation's end, as Phi-3's does: no turn's, never learnt). A
 template for which they are not (Qwen3's drops earlier turns' `<think>` blocks) and that has no markers is
-refused: mislabelling silently is the one outcome not allowed. Labels fall on tokens by their character
-offsets in the whole rendering, which is tokenized once without added special tokens (a template writes its
-own `bos_token`; the tokenizer adding another would double it).
+refused, saying where the renderings differ: mislabelling silently is the one outcome not allowed. One rule
+for boundary tokens on both paths (`trimmed`): a token holding answer text is learnt, a whitespace-only one
+at either end of the span is not. Labels fall on tokens by their character offsets in the whole rendering,
+which is tokenized once without added special tokens (a template writes its own `bos_token`; the tokenizer
+adding another would double it). The eval's prompt is those ids up to the answer (`ChatPrompt`).
 """
 
 from __future__ import annotations
