@@ -118,6 +118,19 @@ def text(value: str) -> str:
     return value if is_jinja(value) else NAMED[value]
 
 
+def folder_vocabulary(folder: Path) -> set[str] | None:
+    """The tokens of a local model folder's tokenizer.json (its vocabulary and added tokens); None when it
+    is no local folder or has no readable tokenizer.json."""
+    try:
+        spec = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))
+        vocabulary = spec["model"]["vocab"]
+        if not isinstance(vocabulary, dict):  # a Unigram list of pieces: not read here, preflight judges it
+            return None
+        return set(vocabulary) | {token["content"] for token in spec.get("added_tokens") or []}
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def folder_has_template(folder: Path) -> bool | None:
     """Does a local model folder carry a chat template? None when it is no local folder (a hub id, known
     only on the node)."""

@@ -368,6 +368,20 @@ def test_a_local_model_folder_without_a_template_is_refused_at_data_format(tiny,
     assert "chat.yaml:4: data.format:" in err and "has none (a base model)" in err and "chat_template" in err
 
 
+def test_chatml_on_a_local_folder_without_its_markers_is_refused_by_the_dry_run(tiny, tmp_path, capsys):
+    folder = chat_configs(tmp_path, str(REPO / "models" / "tiny-llama"))
+    experiment = folder / "chat.yaml"
+    experiment.write_text(
+        experiment.read_text().replace("format: messages,", "format: messages, chat_template: chatml,")
+    )
+    assert launch.main(["--all", "--config-dir", str(folder), "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        "chat.yaml:4: data.chat_template:" in err
+        and "model.added_tokens: ['<|im_start|>', '<|im_end|>']" in err
+    )
+
+
 def test_a_hub_model_without_a_template_is_refused_by_preflight_once_its_tokenizer_is_here(tiny, tmp_path):
     """The login node knows a hub model's tokenizer once preflight fetched it: it is refused then, before
     anything is queued, not on the node after hours in the queue."""
