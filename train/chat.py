@@ -47,7 +47,7 @@ class Encoded:
     answer_starts: list[int]  # each assistant answer's first labelled id (all ids learnt: [0])
 
 
-def use_template(tokenizer, spec: DataSpec, model: str, added_tokens: list[str] = ()) -> None:
+def use_template(tokenizer, spec: DataSpec, model: str, added_tokens: list[str] | tuple = ()) -> None:
     """Give the tokenizer (or processor) the template the data asks for, or check it has its own. The
     tokenizer is saved with the adapter, so later stages, the eval job and the export render the same way.
     A template of data.chat_template whose markers (`<|im_end|>`) are neither tokens of the vocabulary nor
@@ -101,7 +101,7 @@ class ChatPrompt(str):
 
     ids: list[int]
 
-    def __new__(cls, text: str, ids: list[int]):
+    def __new__(cls, text: str, ids: list[int] = ()):  # ids default: a copy or an unpickling has its own
         prompt = super().__new__(cls, text)
         prompt.ids = list(ids)
         return prompt
