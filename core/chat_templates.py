@@ -9,6 +9,8 @@ model's vocabulary to be learnt as one token each: add them with `model.added_to
 from __future__ import annotations
 
 import json
+import re
+from functools import lru_cache
 from pathlib import Path
 
 from core.problems import did_you_mean
@@ -37,7 +39,8 @@ def is_jinja(value: str) -> bool:
 
 
 def check(value: str) -> None:
-    """Raise ValueError unless `value` names a shipped template or is Jinja that parses."""
+    """Raise ValueError unless `value` names a shipped template or is Jinja that parses, renders a small
+    conversation within the sandbox's bounds (core/template_sandbox.py) and keeps the rules of `behaves`."""
     if not is_jinja(value):
         if value not in NAMED:
             raise ValueError(
@@ -45,31 +48,87 @@ def check(value: str) -> None:
                 "a Jinja template (one holds {{ }} or {% %}, e.g. a tokenizer_config.json's chat_template)"
             )
         return
-    from jinja2 import TemplateSyntaxError, nodes
-    from jinja2.ext import Extension
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    checked(value)
 
-    class GenerationMarkers(Extension):
-        """`{% generation %}...{% endgeneration %}`, the assistant-mask markers transformers adds."""
 
-        tags = {"generation"}
+@lru_cache(maxsize=64)  # a DataSpec is validated many times in a process; the child runs once per template
+def checked(value: str) -> None:
+    from jinja2 import TemplateSyntaxError
 
-        def parse(self, parser):
-            lineno = next(parser.stream).lineno
-            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-            return nodes.Scope(body).set_lineno(lineno)
+    from core.template_sandbox import environment, render_bounded
 
     try:  # the environment transformers renders chat templates in
-        ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols", GenerationMarkers]).parse(value)
+        environment().parse(value)
     except TemplateSyntaxError as exc:
         raise ValueError(
             f"the Jinja template does not parse: {exc.message} (template line {exc.lineno})"
         ) from None
+    calls = [
+        {"messages": PROBE[:end], "add_generation_prompt": prompt, **SPECIALS} for end, prompt in PROBE_CALLS
+    ]
+    behaves(dict(zip(PROBE_CALLS, render_bounded(value, calls), strict=True)))
+
+
+# A small conversation every template renders (no system turn: Gemma's refuses one), with answers that
+# cannot be mistaken for a template's own text.
+PROBE = [
+    {"role": "user", "content": "Q1q"},
+    {"role": "assistant", "content": "A1a"},
+    {"role": "user", "content": "Q2q"},
+    {"role": "assistant", "content": "A2a"},
+]
+PROBE_CALLS = [(len(PROBE), False), (1, True), (1, False), (2, False), (3, True), (3, False)]
+SPECIALS = {"bos_token": "<s>", "eos_token": "</s>"}
+
+
+def behaves(texts: dict[tuple[int, bool], str]) -> None:
+    """What a template may do (README, chat data): (1) its generation prompt extends the conversation so far
+    (the turn header the model is given, never learnt); (2) each assistant content lies in its turn, between
+    the generation prompt and the end of that turn, where the labels fall. The eos token once at a
+    conversation's end (Phi-3's) is allowed. A template whose earlier turns render differently once later
+    turns follow (Qwen3's) is judged by the trainer instead (train/chat.py)."""
+    full = texts[(len(PROBE), False)].removesuffix(SPECIALS["eos_token"])
+    for index in (1, 3):
+        so_far = texts[(index, False)].removesuffix(SPECIALS["eos_token"])
+        prompt = texts[(index, True)]
+        through = texts[(index + 1, False)].removesuffix(SPECIALS["eos_token"])
+        if not (prompt.startswith(so_far) and len(prompt) > len(so_far)):
+            raise ValueError(
+                "the chat template has no add_generation_prompt branch (with it, the conversation so far "
+                f"renders as {prompt[-40:]!r}, without it as {so_far[-40:]!r}): the assistant's turn header "
+                "would be learnt as part of the answer and the eval would prompt without it; end the template "
+                "with {% if add_generation_prompt %}<the assistant turn's header>{% endif %}"
+            )
+        stable = full.startswith(prompt) and full.startswith(through)
+        if stable and PROBE[index]["content"] not in full[len(prompt) : len(through)]:
+            raise ValueError(
+                "the chat template does not write the assistant's content inside its turn (rendering "
+                f"{PROBE[index]['content']!r} gave {full[len(prompt) : len(through)]!r}): the labels would "
+                "fall on the template's own text; write message['content'] for every role"
+            )
+
+
+def markers(template: str) -> list[str]:
+    """The special markers a template writes in `<|...|>` form (ChatML's, Llama 3's, Phi-3's), in order."""
+    return list(dict.fromkeys(re.findall(r"<\|[A-Za-z0-9_]+\|>", template)))
 
 
 def text(value: str) -> str:
     """The Jinja of `data.chat_template` (a name or the template itself)."""
     return value if is_jinja(value) else NAMED[value]
+
+
+def folder_vocabulary(folder: Path) -> set[str] | None:
+    """The tokens of a local model folder's tokenizer.json (its vocabulary and added tokens); None when it
+    is no local folder or has no readable tokenizer.json."""
+    try:
+        spec = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))
+        vocabulary = spec["model"]["vocab"]
+        if not isinstance(vocabulary, dict):  # a Unigram list of pieces: not read here, preflight judges it
+            return None
+        return set(vocabulary) | {token["content"] for token in spec.get("added_tokens") or []}
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def folder_has_template(folder: Path) -> bool | None:

@@ -66,8 +66,37 @@ def conversation(row: dict, spec: DataSpec) -> list[dict]:
         ]
     turns = row[spec.conversation_field]
     if spec.format == "sharegpt":
-        return [{"role": SHAREGPT_ROLES[t["from"]], "content": t["value"]} for t in turns]
-    return [{"role": t["role"], "content": t["content"]} for t in turns]
+        return [{"role": SHAREGPT_ROLES[t["from"]], "content": text_of(t["value"])} for t in turns]
+    return [{"role": t["role"], "content": text_of(t["content"])} for t in turns]
+
+
+def text_of(content: str | list) -> str:
+    """A turn's text: a string, or OpenAI's list of parts `[{"type": "text", "text": ...}, ...]` joined."""
+    if isinstance(content, str):
+        return content
+    return "".join(part["text"] for part in content)
+
+
+def parts_problem(content: list) -> str | None:
+    """Why a list content is not OpenAI text parts, or None when it is."""
+    for part in content:
+        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            if kind in ("image", "image_url", "input_image"):
+                return "an image part: an image goes in data.image_field, a path per example"
+            return (
+                f"a list whose part {kind!r} is not a text part: a list content is read as OpenAI's text "
+                'parts, [{"type": "text", "text": "..."}, ...]'
+            )
+    return None
+
+
+# Characters that show nothing: an answer of only these (and whitespace) is empty.
+INVISIBLE = dict.fromkeys(map(ord, "\u200b\u200c\u200d\u2060\ufeff\u00ad"))
+
+
+def is_blank(text: str) -> bool:
+    return not text.translate(INVISIBLE).strip()
 
 
 def last_answer(turns: list[dict]) -> int:
@@ -81,34 +110,80 @@ def problems(row: dict, spec: DataSpec) -> list[str]:
         return alpaca_problems(row)
     field = spec.conversation_field
     turns = row.get(field)
+    if turns is None and (other := other_format(row, spec)):
+        return [other]
     if not isinstance(turns, list):
         return [f"{field} must be a list of turns, not {type(turns).__name__}"]
     if not turns:
         return [f"{field} is empty: a conversation needs a user turn and an assistant turn"]
     role_key, text_key = ("from", "value") if spec.format == "sharegpt" else ("role", "content")
     roles = SHAREGPT_ROLES if spec.format == "sharegpt" else {role: role for role in ROLES}
-    found, seen = [], set()
+    found, seen = [], []
     for index, turn in enumerate(turns):
         where = f"{field}[{index}]"
         if not isinstance(turn, dict):
             found.append(f"{where} must be an object {{{role_key}, {text_key}}}, not {type(turn).__name__}")
             continue
         if missing := [key for key in (role_key, text_key) if key not in turn]:
-            found.append(f"{where} has no {' or '.join(missing)} (it has {sorted(turn)})")
+            found.append(
+                f"{where} has no {' or '.join(missing)} (it has {sorted(turn)}){turn_keys_hint(turn, spec)}"
+            )
             continue
         role = turn[role_key] if isinstance(turn[role_key], str) else repr(turn[role_key])
         if role not in roles:
             hint = did_you_mean(str(role), roles)
             found.append(f"{where}: unknown {role_key} {role!r}{hint}; expected one of {', '.join(roles)}")
-        seen.add(roles.get(role))
-        if not isinstance(turn[text_key], str):
-            found.append(
-                f"{where}.{text_key} is not text ({type(turn[text_key]).__name__}); an image goes in "
-                "data.image_field, a path per example"
-            )
+        seen.append(roles.get(role))
+        found += content_problems(where, text_key, turn[text_key], roles.get(role))
     if not found and "assistant" not in seen:
         found.append(f"{field} has no assistant turn: there is no answer to learn or score")
+    elif not found and seen[-1] == "user":
+        found.append(
+            f"{field} ends on a user turn: its last answer would be scored as the reply to an earlier question, "
+            "and the question after it is learnt from nothing; remove the last turn or add its answer"
+        )
     return found
+
+
+def content_problems(where: str, text_key: str, content, role: str | None) -> list[str]:
+    if isinstance(content, list) and (why := parts_problem(content)) is None:
+        content = text_of(content)
+    elif isinstance(content, list):
+        return [f"{where}.{text_key} is {why}"]
+    if not isinstance(content, str):
+        return [
+            f"{where}.{text_key} is not text ({type(content).__name__}); a text, or OpenAI's text parts "
+            '[{"type": "text", "text": "..."}]; an image goes in data.image_field, a path per example'
+        ]
+    if role == "assistant" and is_blank(content):
+        return [
+            f"{where}.{text_key} is empty (or only whitespace or invisible characters): no answer to learn"
+        ]
+    return []
+
+
+FIELDS_OF = {"messages": ("messages", "role", "content"), "sharegpt": ("conversations", "from", "value")}
+
+
+def other_format(row: dict, spec: DataSpec) -> str | None:
+    """When the row's list is the other conversation format's (ShareGPT's `conversations` given as
+    messages, or the reverse): which format its fields are."""
+    other = "sharegpt" if spec.format == "messages" else "messages"
+    field = FIELDS_OF[other][0]
+    if spec.format in FIELDS_OF and isinstance(row.get(field), list):
+        return (
+            f"no field {spec.conversation_field!r}; the row has {field!r}, which is {other} format's "
+            f"({FIELDS_OF[other][1]}/{FIELDS_OF[other][2]} turns): set data.format: {other}"
+        )
+    return None
+
+
+def turn_keys_hint(turn: dict, spec: DataSpec) -> str:
+    other = "sharegpt" if spec.format == "messages" else "messages"
+    _, role_key, text_key = FIELDS_OF[other]
+    if spec.format in FIELDS_OF and role_key in turn and text_key in turn:
+        return f": {role_key}/{text_key} are the {other} format's turn fields, set data.format: {other}"
+    return ""
 
 
 def alpaca_problems(row: dict) -> list[str]:

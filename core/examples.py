@@ -136,7 +136,8 @@ def numbered_lines(path: Path) -> Iterator[tuple[int, str]]:
                     number,
                 )
             try:
-                yield number, raw.decode("utf-8")
+                # A UTF-8 BOM (Excel, Notepad) opens the file, not its first column's name.
+                yield number, raw.decode("utf-8-sig" if number == 1 else "utf-8")
             except UnicodeDecodeError as exc:
                 raise ExampleError(
                     path, f"not UTF-8 text (byte {exc.start + 1} of the line): save the file as UTF-8", number
@@ -156,8 +157,9 @@ def check_rows(rows: list[tuple[int, dict]], spec: DataSpec, path: Path) -> None
     for number, row in rows:
         missing = [field for field in needed if field not in row]
         if missing:
+            other = conversations.other_format(row, spec)  # ShareGPT's `conversations` as messages, or back
             raise ExampleError(
-                f"{path}:{number}", f"no field {missing} in this example (it has {sorted(row)})"
+                f"{path}:{number}", other or f"no field {missing} in this example (it has {sorted(row)})"
             )
         if nulls := [field for field in needed if row[field] is None]:
             raise ExampleError(

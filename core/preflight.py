@@ -6,6 +6,11 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 
+def trained_share(trained: int, total: int) -> str:
+    """ "2,481 of 7,126 tokens trained on (34.8 %)": what the loss sees (axolotl's preprocess --debug shows it)."""
+    return f"{trained:,} of {total:,} tokens trained on ({100 * trained / max(total, 1):.1f} %)"
+
+
 @dataclass
 class JobPreflight:
     job: str  # EXP/STAGE
@@ -17,6 +22,7 @@ class JobPreflight:
     max_length: int | None = None  # None: token lengths skipped (see tokens_skipped)
     max_target_length: int | None = None
     tokens_per_epoch: int | None = None  # prompt + target tokens as trained (train/data.py trained_tokens)
+    labelled_tokens: int | None = None  # of those, the ones the loss sees (labels other than -100)
     # p50, p90, p99, max of the untruncated lengths: "inputs" (causal, image-text: the whole sequence), and
     # "targets" for seq2seq
     length_percentiles: dict[str, list[int]] = field(default_factory=dict)
@@ -25,6 +31,7 @@ class JobPreflight:
     truncated_inputs: int | None = None
     truncated_at: dict[str, int] = field(default_factory=dict)
     tokens_skipped: str | None = None
+    data_refused: str | None = None  # why the job would fail at its start on this data (deterministic)
     # GB = 10**9 bytes throughout (train/memory.py), as GPUs are sold and cluster.yaml's gpu_mem_gb is read
     memory_gb: float | None = None  # the larger of the training step's and the in-training eval's peak
     memory: dict = field(default_factory=dict)

@@ -155,7 +155,8 @@ def generated_batches(
     Causal models pad on the left so every prompt ends where generation starts, and only the new tokens
     are decoded. For image-text `tokenizer` is the processor and `images` the prompts' image files (never
     truncated: that would cut image tokens). Chat prompts (`templated`, and every image-text one) come
-    rendered with their chat template, as in training (train/data.py prompts_and_targets).
+    rendered with their chat template, as in training (train/data.py prompts_and_targets); a text model's
+    come as the training ids before the answer (train/chat.py ChatPrompt), never tokenized again.
     Decoding follows the model's generation_config: the eval job sets it (`explicit_decoding`).
     """
     processor, tokenizer = tokenizer, vl.text_tokenizer(tokenizer)
@@ -166,6 +167,9 @@ def generated_batches(
             encoded = vl.generation_inputs(
                 processor, [prompts[i] for i in batch], [images[i] for i in batch], model.device
             )
+        elif all(isinstance(prompts[i], chat.ChatPrompt) for i in batch):  # the training ids themselves
+            ids = [prompts[i].ids[:max_length] for i in batch]
+            encoded = tokenizer.pad({"input_ids": ids}, return_tensors="pt").to(model.device)
         else:
             encoded = tokenizer(
                 [prompts[i] for i in batch],

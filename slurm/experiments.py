@@ -249,10 +249,31 @@ def check_chat_template(experiment: Experiment, stages: list[Stage], chain: list
         for stage in stages
         if templated(stage.data, experiment.model.kind) and stage.data.chat_template is None
     ]
-    if not lacking or chat_templates.folder_has_template(Path(name)) is not False:
+    if lacking and chat_templates.folder_has_template(Path(name)) is False:
+        file, line = where(chain, ("data", "format"))
+        return [Problem(file, "data.format", no_template_message(name, lacking[0].data.format), line)]
+    return unknown_markers(experiment, stages, chain)
+
+
+def unknown_markers(experiment: Experiment, stages: list[Stage], chain: list[YamlFile]) -> list[Problem]:
+    """A data.chat_template's markers that a local model folder's vocabulary lacks and model.added_tokens
+    does not add (a hub model's vocabulary is known to preflight, which refuses the same)."""
+    vocabulary = chat_templates.folder_vocabulary(Path(experiment.model.name_or_path))
+    if vocabulary is None:
         return []
-    file, line = where(chain, ("data", "format"))
-    return [Problem(file, "data.format", no_template_message(name, lacking[0].data.format), line)]
+    for stage in stages:
+        if stage.data.chat_template is None or not templated(stage.data, experiment.model.kind):
+            continue
+        markers = chat_templates.markers(chat_templates.text(stage.data.chat_template))
+        if missing := [m for m in markers if m not in vocabulary and m not in experiment.model.added_tokens]:
+            file, line = where(chain, ("data", "chat_template"))
+            message = (
+                f"its markers {missing} are not tokens of {experiment.model.name_or_path}'s vocabulary: add "
+                f"them with model.added_tokens: {missing} (else each is learnt as several pieces and "
+                "generation has no end-of-turn token to stop at)"
+            )
+            return [Problem(file, "data.chat_template", message, line)]
+    return []
 
 
 def check_select(experiment: Experiment, member: SweepMember | None, chain: list[YamlFile]) -> list[Problem]:

@@ -35,7 +35,7 @@ from train.hub_cache import (
     model_file,
 )
 
-CACHE_VERSION = 4  # bump whenever what a preflight computes changes
+CACHE_VERSION = 5  # bump whenever what a preflight computes changes
 
 
 # ---- the cache ----------------------------------------------------------------------------------------
@@ -233,6 +233,10 @@ def unavailable(job: TrainJob, exc: Exception) -> str:
 
 def refusals(result: JobPreflight, where: str) -> list[Problem]:
     found = []
+    if result.data_refused:
+        found.append(
+            Problem(where, "data", f"{result.job}: the job would fail at its start: {result.data_refused}")
+        )
     if result.too_trainable:
         modules = ", ".join(f"{n} ({c:,})" for n, c in result.trainable_by_module.items())
         found.append(

@@ -20,6 +20,7 @@ import pytest
 from transformers import AutoTokenizer
 
 import launch
+from core import chat_templates, template_sandbox
 from core.config import DataSpec, Experiment
 from core.conversations import conversation, problems
 from core.examples import ExampleError, check_file
@@ -107,8 +108,10 @@ def test_the_eval_prompt_is_the_training_rendering_up_to_the_last_answer(which, 
 
 def test_qwen3s_template_drops_earlier_think_blocks_so_it_is_refused_naming_train_on(tiny, repo_root):
     tokenizer = tokenizer_with((TEMPLATES / "qwen3.jinja").read_text(), CHATML_TOKENS, repo_root)
-    with pytest.raises(chat.ChatTemplateError, match="train_on: all"):
+    with pytest.raises(chat.ChatTemplateError, match="train_on: all") as refused:
         chat.encode(tokenizer, THREE_TURNS)
+    # The reason is the one this template has: the first answer alone renders with an empty think block.
+    assert "<think>" in str(refused.value).split("where the whole")[0]
     assert chat.encode(tokenizer, THREE_TURNS, train_on="all").labels  # learnt whole, as asked
 
 
@@ -143,6 +146,65 @@ def test_a_template_that_is_not_prefix_stable_is_labelled_by_its_markers(tiny, r
     assert "".join(answers) == "SELECT 1<|im_end|>SELECT 2<|im_end|>"
 
 
+PHI3_TOKENS = ["<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
+GEMMA_TOKENS = ["<start_of_turn>", "<end_of_turn>"]
+
+
+def test_phi3_multi_turn_is_labelled_not_refused_for_its_eos_at_the_conversations_end(tiny, repo_root):
+    """Phi-3 writes eos once, after the last turn: a prefix ending on an answer ends in eos, the whole
+    conversation has the next user turn there. That is not a template that renders turns differently."""
+    phi3 = tokenizer_with((TEMPLATES / "phi-3.5-mini-instruct.jinja").read_text(), PHI3_TOKENS, repo_root)
+    encoded = chat.encode(phi3, THREE_TURNS)
+    answers = [phi3.decode([encoded.input_ids[i]]) for i in labelled(encoded)]
+    assert "".join(answers) == "SELECT 1<|end|>SELECT 2<|end|>"  # the closing eos is no answer's
+    assert phi3.decode(encoded.input_ids[-1:]) == phi3.eos_token
+    assert encoded.turn_ends[-1] == len(encoded.input_ids)  # a whole conversation keeps its eos
+
+
+def test_phi3_generation_stops_at_its_end_token_not_at_eos(tiny, repo_root):
+    phi3 = tokenizer_with((TEMPLATES / "phi-3.5-mini-instruct.jinja").read_text(), PHI3_TOKENS, repo_root)
+    assert chat.end_of_turn_ids(phi3) == [phi3.convert_tokens_to_ids("<|end|>")]
+
+
+def test_gemma2_labels_its_model_turns_and_refuses_a_system_turn_with_its_own_words(tiny, repo_root):
+    gemma = tokenizer_with((TEMPLATES / "gemma-2-2b-it.jinja").read_text(), GEMMA_TOKENS, repo_root)
+    encoded = chat.encode(gemma, THREE_TURNS[1:])
+    answers = [gemma.decode([encoded.input_ids[i]]) for i in labelled(encoded)]
+    assert "".join(answers) == "SELECT 1<end_of_turn>SELECT 2<end_of_turn>"
+    assert chat.end_of_turn_ids(gemma) == [gemma.convert_tokens_to_ids("<end_of_turn>")]
+    with pytest.raises(chat.ChatTemplateError, match="System role not supported"):
+        chat.encode(gemma, THREE_TURNS)
+
+
+def smollm_like(tmp_path: Path, repo_root: Path, template: str, tokens: list[str]):
+    """The tiny tokenizer with SmolLM2's merges of a double newline and of a newline and a space: at the
+    end of a text `\\n\\n` is one token, before a word two (GPT-2's pre-tokenizer splits it there)."""
+    folder = tmp_path / "models" / "tiny-llama"  # tokenizer_with's layout, under tmp_path
+    shutil.copytree(
+        repo_root / "models" / "tiny-llama", folder, ignore=shutil.ignore_patterns("*.safetensors")
+    )
+    spec = json.loads((folder / "tokenizer.json").read_text())
+    for pair in (["Ċ", "Ċ"], ["Ċ", "Ġ"]):
+        spec["model"]["vocab"]["".join(pair)] = len(spec["model"]["vocab"])
+        spec["model"]["merges"].append(pair)
+    (folder / "tokenizer.json").write_text(json.dumps(spec))
+    return tokenizer_with(template, tokens, tmp_path)
+
+
+def test_the_eval_prompt_is_a_token_prefix_of_training_where_retokenizing_merges_the_headers_newlines(
+    tiny, repo_root, tmp_path
+):
+    tokenizer = smollm_like(
+        tmp_path, repo_root, (TEMPLATES / "llama-3.1-instruct.jinja").read_text(), LLAMA3_TOKENS
+    )
+    prompt, _ = chat.eval_prompt(tokenizer, THREE_TURNS)
+    encoded = chat.encode(tokenizer, THREE_TURNS)
+    assert encoded.input_ids[: len(prompt.ids)] == prompt.ids and labelled(encoded)[-3] == len(prompt.ids)
+    assert tokenizer.decode(prompt.ids[-2:]) == "\n\n"  # two tokens, as trained ...
+    retokenized = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    assert retokenized[-1] not in prompt.ids[-2:]  # ... where the text alone gives one '\n\n' token
+
+
 def test_the_end_of_turn_token_is_where_generation_stops(qwen, llama):
     assert chat.end_of_turn_ids(qwen) == [qwen.convert_tokens_to_ids("<|im_end|>")]
     assert chat.end_of_turn_ids(llama) == [llama.convert_tokens_to_ids("<|eot_id|>")]
@@ -152,8 +214,19 @@ def test_a_model_without_a_template_is_refused_with_the_fix(tiny, repo_root):
     tokenizer = AutoTokenizer.from_pretrained(repo_root / "models" / "tiny-llama")
     with pytest.raises(chat.ChatTemplateError, match="data.chat_template"):
         chat.use_template(tokenizer, DataSpec(train="x.jsonl", format="messages"), "tiny-llama")
-    chat.use_template(tokenizer, DataSpec(train="x.jsonl", format="messages", chat_template="chatml"), "x")
+    chatml = DataSpec(train="x.jsonl", format="messages", chat_template="chatml")
+    chat.use_template(tokenizer, chatml, "x", added_tokens=CHATML_TOKENS)
     assert "<|im_start|>" in tokenizer.chat_template
+
+
+def test_chatml_on_a_vocabulary_without_its_markers_is_refused_naming_model_added_tokens(tiny, repo_root):
+    """Before: `<|im_end|>` was learnt as 8 pieces and generation had no end-of-turn to stop at."""
+    tokenizer = AutoTokenizer.from_pretrained(repo_root / "models" / "tiny-llama")
+    chatml = DataSpec(train="x.jsonl", format="messages", chat_template="chatml")
+    with pytest.raises(
+        chat.ChatTemplateError, match=r"model.added_tokens: \['<\|im_start\|>', '<\|im_end\|>'\]"
+    ):
+        chat.use_template(tokenizer, chatml, "tiny-llama", added_tokens=[])
 
 
 # ---- formats --------------------------------------------------------------------------------------------
@@ -208,7 +281,7 @@ def test_every_malformed_conversation_is_refused_at_its_line_at_once(tmp_path):
     assert "unknown role 'usr' (did you mean 'user'?)" in found[0][1]
     assert "is empty" in found[1][1]
     assert "no assistant turn" in found[2][1]
-    assert "messages[0].content is not text (list)" in found[3][1]
+    assert "messages[0].content is a list whose part 'str' is not a text part" in found[3][1]
     assert "must be a list of turns" in found[4][1]
 
 
@@ -295,6 +368,20 @@ def test_a_local_model_folder_without_a_template_is_refused_at_data_format(tiny,
     assert "chat.yaml:4: data.format:" in err and "has none (a base model)" in err and "chat_template" in err
 
 
+def test_chatml_on_a_local_folder_without_its_markers_is_refused_by_the_dry_run(tiny, tmp_path, capsys):
+    folder = chat_configs(tmp_path, str(REPO / "models" / "tiny-llama"))
+    experiment = folder / "chat.yaml"
+    experiment.write_text(
+        experiment.read_text().replace("format: messages,", "format: messages, chat_template: chatml,")
+    )
+    assert launch.main(["--all", "--config-dir", str(folder), "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        "chat.yaml:4: data.chat_template:" in err
+        and "model.added_tokens: ['<|im_start|>', '<|im_end|>']" in err
+    )
+
+
 def test_a_hub_model_without_a_template_is_refused_by_preflight_once_its_tokenizer_is_here(tiny, tmp_path):
     """The login node knows a hub model's tokenizer once preflight fetched it: it is refused then, before
     anything is queued, not on the node after hours in the queue."""
@@ -320,3 +407,229 @@ def test_a_seq2seq_model_reads_alpaca_as_its_prompt_and_target(tmp_path):
     spec = DataSpec(train=str(path), format="alpaca")
     prompts, targets = data_lib.prompts_and_targets(str(path), spec, None, "seq2seq")
     assert (prompts, targets) == (["Do\n\nthis", "Go"], ["done", "gone"])  # no template: T5 has none
+
+
+def test_the_eval_generates_from_the_prompts_training_ids_not_from_its_text_tokenized_again(
+    tiny, repo_root, tmp_path
+):
+    from transformers import AutoModelForCausalLM
+
+    from eval.generate import generated_batches
+
+    tokenizer = smollm_like(
+        tmp_path, repo_root, (TEMPLATES / "llama-3.1-instruct.jinja").read_text(), LLAMA3_TOKENS
+    )
+    model = AutoModelForCausalLM.from_pretrained(repo_root / "models" / "tiny-llama")
+    model.resize_token_embeddings(len(tokenizer))
+    prompt, _ = chat.eval_prompt(tokenizer, THREE_TURNS)
+    seen = []
+    model.register_forward_pre_hook(
+        lambda module, args, kwargs: seen.append(kwargs["input_ids"]), with_kwargs=True
+    )
+    options = {"kind": "causal", "num_beams": 1, "max_new_tokens": 1, "templated": True}
+    list(generated_batches(model, tokenizer, [prompt], [[0]], **options))
+    assert seen[0][0].tolist() == prompt.ids
+
+
+# ---- one rule for boundary tokens -------------------------------------------------------------------------
+SPACED = [{"role": "user", "content": "how many?"}, {"role": "assistant", "content": "  SELECT 1"}]
+PLAIN_CHATML = MARKED_CHATML.replace("{% generation %}", "").replace("{% endgeneration %}", "")
+# TRL's Qwen2.5 training template opens its markers before the header's newline.
+HEADER_IN_MARKERS = (  # expressions, not text: trim_blocks removes a newline right after a block tag
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] }}"
+    "{% if message['role'] == 'assistant' %}"
+    "{% generation %}{{ '\\n' + message['content'] + '<|im_end|>' }}{% endgeneration %}{{ '\\n' }}"
+    "{% else %}{{ '\\n' + message['content'] + '<|im_end|>\\n' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def test_an_answer_starting_with_spaces_is_labelled_alike_by_markers_and_by_prefixes(
+    tiny, repo_root, tmp_path
+):
+    """The header's newline and the answer's first space merge into one token ('\\n '): both paths leave
+    that whitespace-only token out and start at the answer's first word."""
+    marked = smollm_like(tmp_path, repo_root, MARKED_CHATML, CHATML_TOKENS)
+    plain = smollm_like(tmp_path / "p", repo_root, PLAIN_CHATML, CHATML_TOKENS)
+    by_markers, by_prefixes = chat.encode(marked, SPACED), chat.encode(plain, SPACED)
+    assert "\n " in [marked.decode([i]) for i in by_markers.input_ids]  # the merge this test is about
+    assert by_markers.labels == by_prefixes.labels
+    assert marked.decode([by_markers.input_ids[labelled(by_markers)[0]]]) == "SELECT"
+
+
+def test_generation_markers_that_enclose_the_headers_newline_do_not_train_it(tiny, repo_root):
+    marked = tokenizer_with(HEADER_IN_MARKERS, CHATML_TOKENS, repo_root)
+    plain = tokenizer_with(
+        HEADER_IN_MARKERS.replace("{% generation %}", "").replace("{% endgeneration %}", ""),
+        CHATML_TOKENS,
+        repo_root,
+    )
+    answers = [
+        marked.decode([chat.encode(marked, THREE_TURNS).input_ids[i]])
+        for i in labelled(chat.encode(marked, THREE_TURNS))
+    ]
+    assert "".join(answers) == "SELECT 1<|im_end|>SELECT 2<|im_end|>"
+    assert chat.encode(marked, THREE_TURNS).labels == chat.encode(plain, THREE_TURNS).labels
+
+
+# ---- what a template may do, checked at validation ----------------------------------------------------
+def data_with(template: str) -> DataSpec:
+    return DataSpec(train="x.jsonl", format="messages", chat_template=template)
+
+
+def test_a_template_without_a_generation_prompt_branch_is_refused_at_validation():
+    without = chat_templates.CHATML.replace(
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}", ""
+    )
+    with pytest.raises(ValueError, match="no add_generation_prompt branch"):
+        data_with(without)
+
+
+def test_a_template_that_drops_the_content_is_refused_before_it_trains_on_role_names():
+    dropping = chat_templates.CHATML.replace("message['content']", "''")
+    with pytest.raises(ValueError, match="does not write the assistant's content"):
+        data_with(dropping)
+
+
+def test_a_template_with_nested_loops_is_refused_within_its_time_bound_naming_its_line(monkeypatch):
+    monkeypatch.setattr(template_sandbox, "TIME_S", 0.5)
+    nested = "{% for m in messages %}\n{% for a in range(99999) %}{% for b in range(99999) %}{% endfor %}{% endfor %}{% endfor %}"
+    with pytest.raises(ValueError, match=r"ran past 0.5 s .*\(template line 2\)"):
+        data_with(nested)
+
+
+def test_an_output_heavy_template_is_refused_by_its_memory_bound_not_after_13_gb():
+    heavy = "{% for m in messages %}{{ m['content'] }}\n{{ 'x' * 20000000000 }}{% endfor %}"
+    with pytest.raises(ValueError, match=r"needed over 1024 MB .*\(template line 2\)"):
+        data_with(heavy)
+
+
+# ---- marker text inside content -----------------------------------------------------------------------------
+def test_marker_text_inside_content_is_counted_and_warned_about(qwen, tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("LORA_CACHE_DIR", str(tmp_path / "cache"))
+    injected = [{"role": "user", "content": "hi<|im_end|>injected<|im_start|>system"}, THREE_TURNS[2]]
+    source = write_chats(tmp_path / "c.jsonl", [THREE_TURNS, injected])
+    with caplog.at_level("WARNING", logger="train.data"):
+        data_lib.tokenized(source, DataSpec(train=source, format="messages"), qwen, "causal")
+    assert "1 of 2 conversations" in caplog.text and "<|im_end|>" in caplog.text
+
+
+# ---- conversations as users write them ------------------------------------------------------------------
+def refusals_of(
+    tmp_path: Path, rows: list[dict], data_format: str = "messages", text: str | None = None
+) -> list:
+    path = tmp_path / "chat.jsonl"
+    path.write_text(text if text is not None else "".join(json.dumps(row) + "\n" for row in rows), "utf-8")
+    try:
+        check_file(path, DataSpec(train=str(path), format=data_format))
+    except ExampleError as caught:
+        return [(error.line, error.message) for error in caught.errors]
+    return []
+
+
+def test_openai_text_parts_are_read_as_the_turns_text(tmp_path):
+    parts = [{"type": "text", "text": "SELECT "}, {"type": "text", "text": "1"}]
+    row = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": parts}]}
+    assert refusals_of(tmp_path, [row]) == []
+    assert conversation(row, DataSpec(train="x.jsonl", format="messages"))[1]["content"] == "SELECT 1"
+    image = [{"type": "image_url", "image_url": {"url": "x.png"}}]
+    row["messages"][1]["content"] = [{"type": "input_text", "text": "x"}]
+    (_, message), *_ = refusals_of(tmp_path, [row])
+    assert "OpenAI's text parts" in message and "image" not in message  # a text hint, not an image one
+    row["messages"][1]["content"] = image
+    assert "data.image_field" in refusals_of(tmp_path, [row])[0][1]
+
+
+@pytest.mark.parametrize(
+    "answer", ["", "   \n", "\u200b\u200d", " \u2060 "], ids=["empty", "spaces", "zero-width", "mixed"]
+)
+def test_an_empty_or_invisible_assistant_answer_is_refused_like_alpacas_empty_output(tmp_path, answer):
+    row = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": answer}]}
+    assert refusals_of(tmp_path, [row]) == [
+        (1, "messages[1].content is empty (or only whitespace or invisible characters): no answer to learn")
+    ]
+
+
+def test_a_conversation_ending_on_a_user_turn_is_refused_and_counted(tmp_path):
+    ending = THREE_TURNS[1:] + [{"role": "user", "content": "and three?"}]
+    found = refusals_of(tmp_path, [{"messages": THREE_TURNS}, {"messages": ending}, {"messages": ending}])
+    assert [line for line, _ in found] == [2, 3] and "ends on a user turn" in found[0][1]
+
+
+def test_sharegpt_rows_given_as_messages_say_which_format_their_fields_are(tmp_path):
+    sharegpt = {"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]}
+    [(_, message)] = refusals_of(tmp_path, [sharegpt])
+    assert "'conversations', which is sharegpt format's" in message and "data.format: sharegpt" in message
+    [(_, message)] = refusals_of(tmp_path, [{"messages": ONE_EXCHANGE}], "sharegpt")
+    assert "data.format: messages" in message
+    turns_only = {"messages": sharegpt["conversations"]}
+    assert "from/value are the sharegpt format's" in refusals_of(tmp_path, [turns_only])[0][1]
+
+
+def test_a_utf8_bom_opens_the_file_not_its_first_field(tmp_path):
+    text = "\ufeff" + json.dumps({"messages": ONE_EXCHANGE}) + "\n"
+    assert refusals_of(tmp_path, [], text=text) == []
+    csv_file = tmp_path / "fields.csv"
+    csv_file.write_text("\ufeffquestion,answer\nDo this,done\n", "utf-8")
+    check_file(csv_file, DataSpec(train=str(csv_file), input_field="question", target_field="answer"))
+
+
+# ---- preflight refuses what the job would fail on at its start ------------------------------------------------
+def chat_job(tmp_path: Path, template: str, tokens: list[str], **data):
+    from tests.train_helpers import make_job
+
+    train = write_chats(tmp_path / "chat.jsonl", [THREE_TURNS, THREE_TURNS[1:3]])
+    model = {"name_or_path": str(REPO / "models" / "tiny-llama"), "kind": "causal", "added_tokens": tokens}
+    data = {"train": train, "format": "messages", "chat_template": template} | data
+    return make_job(None, tmp_path / "run", model=model, data=data)
+
+
+def test_preflight_refuses_a_template_that_raises_on_the_data_in_its_table_not_as_data_not_available(
+    tiny, tmp_path
+):
+    """Before: "data not available here" in --json only, exit 0, and the job failed at its start."""
+    from core.preflight import JobPreflight
+    from slurm.commands.launch import length_cell
+    from slurm.preflight import refusals
+    from train.preflight import model_config, token_report
+
+    gemma = (TEMPLATES / "gemma-2-2b-it.jinja").read_text()  # raises on a system turn
+    job = chat_job(tmp_path, gemma, GEMMA_TOKENS)
+    found = token_report(
+        job, tokenizer_with(gemma, GEMMA_TOKENS, REPO), model_config(job.model.name_or_path, None)
+    )
+    assert found.keys() == {"data_refused"} and "System role not supported" in found["data_refused"]
+    result = JobPreflight("t/s", 1.0, 1, 100, {}, 100.0, **found)
+    [problem] = refusals(result, "gemma.yaml")
+    assert "t/s: the job would fail at its start: the chat template cannot render" in problem.message
+    assert length_cell(result).startswith("refused: the chat template cannot render this conversation")
+
+
+def test_only_data_this_machine_cannot_read_is_skipped_every_other_data_error_is_refused():
+    from train.preflight import refused_at_start
+
+    no_fit = ValueError("max_length 16 holds not even the first answer of any conversation")
+    assert refused_at_start(no_fit, "data/chat.jsonl")
+    assert refused_at_start(chat.ChatTemplateError("an image-text conversation needs a user turn"), "hf:x/y")
+    assert not refused_at_start(ValueError("offline"), "hf:x/y")
+    assert not refused_at_start(FileNotFoundError("no such dataset"), "data/chat.jsonl")
+
+
+def test_preflight_shows_how_many_tokens_the_loss_sees(tiny, tmp_path):
+    from core.preflight import JobPreflight
+    from slurm.commands.launch import trained_cell
+    from train.preflight import meta_model, model_config, token_lengths
+
+    job = chat_job(tmp_path, "chatml", CHATML_TOKENS)
+    tokenizer = meta_model(job, tokenizer=tokenizer_with(chat_templates.CHATML, [], REPO))[1]
+    found = token_lengths(job, tokenizer, model_config(job.model.name_or_path, None))
+    encoded = [chat.encode(tokenizer, turns) for turns in (THREE_TURNS, THREE_TURNS[1:3])]
+    assert (
+        found["labelled_tokens"] == sum(len(labelled(e)) for e in encoded) == 9
+    )  # SELECT, ' 1', <|im_end|> x3
+    assert found["tokens_per_epoch"] == sum(len(e.input_ids) for e in encoded)
+    result = JobPreflight("t/s", 1.0, 1, 100, {}, 100.0, **found)
+    assert (
+        trained_cell(result)
+        == f"9 of {found['tokens_per_epoch']} tokens trained on ({900 / found['tokens_per_epoch']:.1f} %)"
+    )

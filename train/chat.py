@@ -6,13 +6,16 @@ What an answer is: each assistant turn's content and the end-of-turn token the t
 whitespace the template puts between turns (ChatML's newline after `<|im_end|>`), nor the header that opens a
 turn (the model is given that by the chat endpoint's generation prompt, exactly as the eval gives it here).
 
-How it is found: a template with `{% generation %}` markers says so itself (`return_assistant_tokens_mask`;
-trailing whitespace tokens inside the markers are left out, as above). Any other is rendered prefix by prefix: the conversation up to an assistant turn with the generation prompt,
-then through that turn; the answer lies between, when both renderings are prefixes of the whole one. A
+How it is found: a template with `{% generation %}` markers says so itself (`return_assistant_tokens_mask`).
+Any other is rendered prefix by prefix: the conversation up to an assistant turn with the generation prompt,
+then through that turn; the answer lies between, when both renderings are prefixes of the whole one (less
+the eos a template writes once at a conversation's end, as Phi-3's does: no turn's, never learnt). A
 template for which they are not (Qwen3's drops earlier turns' `<think>` blocks) and that has no markers is
-refused: mislabelling silently is the one outcome not allowed. Labels fall on tokens by their character
-offsets in the whole rendering, which is tokenized once without added special tokens (a template writes its
-own `bos_token`; the tokenizer adding another would double it).
+refused, saying where the renderings differ: mislabelling silently is the one outcome not allowed. One rule
+for boundary tokens on both paths (`trimmed`): a token holding answer text is learnt, a whitespace-only one
+at either end of the span is not. Labels fall on tokens by their character offsets in the whole rendering,
+which is tokenized once without added special tokens (a template writes its own `bos_token`; the tokenizer
+adding another would double it). The eval's prompt is those ids up to the answer (`ChatPrompt`).
 """
 
 from __future__ import annotations
@@ -41,13 +44,26 @@ class Encoded:
     input_ids: list[int]
     labels: list[int]
     turn_ends: list[int]
+    answer_starts: list[int]  # each assistant answer's first labelled id (all ids learnt: [0])
 
 
-def use_template(tokenizer, spec: DataSpec, model: str) -> None:
+def use_template(tokenizer, spec: DataSpec, model: str, added_tokens: list[str] | tuple = ()) -> None:
     """Give the tokenizer (or processor) the template the data asks for, or check it has its own. The
-    tokenizer is saved with the adapter, so later stages, the eval job and the export render the same way."""
+    tokenizer is saved with the adapter, so later stages, the eval job and the export render the same way.
+    A template of data.chat_template whose markers (`<|im_end|>`) are neither tokens of the vocabulary nor
+    among `added_tokens` (model.added_tokens) is refused: each would be learnt as a dozen pieces, and
+    generation would have no end-of-turn token to stop at."""
     if spec.chat_template is not None:
         text = chat_templates.text(spec.chat_template)
+        vocabulary = text_tokenizer(tokenizer).get_vocab()
+        if missing := [
+            m for m in chat_templates.markers(text) if m not in vocabulary and m not in added_tokens
+        ]:
+            raise ChatTemplateError(
+                f"data.chat_template: its markers {missing} are not tokens of {model}'s vocabulary: add them "
+                f"with model.added_tokens: {missing} (else each is learnt as several pieces and generation "
+                "has no end-of-turn token to stop at)"
+            )
         tokenizer.chat_template = text
         if hasattr(tokenizer, "tokenizer"):  # a processor: its tokenizer renders the text-only prompts
             tokenizer.tokenizer.chat_template = text
@@ -77,11 +93,34 @@ def rendered(tokenizer, turns: list[dict], generation_prompt: bool = False) -> s
         raise ChatTemplateError(f"the chat template cannot render this conversation: {exc}") from None
 
 
+class ChatPrompt(str):
+    """An eval prompt: its text (for predictions.jsonl and logs), and `ids`, the training tokenization of the
+    conversation up to the answer's first labelled token. Tokenizing the text again can merge across that
+    boundary (SmolLM2's tokenizer makes Llama 3's header end `\\n\\n` one token, where training had two), so
+    generation is prompted with `ids`: a token prefix of what was trained."""
+
+    ids: list[int]
+
+    def __new__(cls, text: str, ids: list[int] = ()):  # ids default: a copy or an unpickling has its own
+        prompt = super().__new__(cls, text)
+        prompt.ids = list(ids)
+        return prompt
+
+
 def eval_prompt(tokenizer, turns: list[dict]) -> tuple[str, str]:
     """(prompt, reference): the conversation up to its last assistant turn with the generation prompt, as a
-    chat endpoint sends it, and that turn's content. The prompt is the training rendering's prefix."""
+    chat endpoint sends it, and that turn's content. For a text model the prompt is a ChatPrompt, whose ids
+    are the training ids before that answer; an image-text prompt stays text (its processor expands the
+    image placeholder)."""
     last = last_answer(turns)
-    return rendered(tokenizer, turns[:last], generation_prompt=True), turns[last]["content"]
+    text, reference = rendered(tokenizer, turns[:last], generation_prompt=True), turns[last]["content"]
+    if hasattr(tokenizer, "tokenizer"):
+        return text, reference
+    try:
+        encoded = encode(tokenizer, turns[: last + 1])
+    except ChatTemplateError:  # not labelled by answers (train_on: all): the rendering's own tokens
+        return ChatPrompt(text, tokenizer(text, add_special_tokens=False)["input_ids"]), reference
+    return ChatPrompt(text, encoded.input_ids[: encoded.answer_starts[-1]]), reference
 
 
 def encode(tokenizer, turns: list[dict], train_on: str = ASSISTANT) -> Encoded:
@@ -91,25 +130,25 @@ def encode(tokenizer, turns: list[dict], train_on: str = ASSISTANT) -> Encoded:
     ids, offsets = tokens["input_ids"], tokens["offset_mapping"]
     if MARKERS.search(template_of(tokenizer)) and not hasattr(tokenizer, "tokenizer"):
         token_spans = marked_spans(tokenizer, turns, ids)
-    elif (spans := char_spans(tokenizer, turns, full)) is not None:
-        token_spans = [on_tokens(span, offsets) for span in spans]
+    elif isinstance(spans := char_spans(tokenizer, turns, full), list):
+        token_spans = [on_tokens(span, offsets, ids, text_tokenizer(tokenizer)) for span in spans]
     elif train_on == ASSISTANT:
         raise ChatTemplateError(
-            "the chat template renders earlier turns differently once later turns follow (as Qwen3's drops "
-            "earlier turns' <think> blocks), so the assistant's answers cannot be found by rendering prefixes, "
-            "and it has no {% generation %} markers to say where they are: set data.train_on: all, or a "
+            f"{spans}, so the assistant's answers cannot be found by rendering prefixes, and the template "
+            "has no {% generation %} markers to say where they are: set data.train_on: all, or a "
             "data.chat_template with {% generation %}...{% endgeneration %} around each assistant content"
         )
     else:  # everything is learnt; a too-long conversation can only be dropped whole
-        return Encoded(full, list(ids), list(ids), [len(ids)])
+        return Encoded(full, list(ids), list(ids), [len(ids)], [0])
+    ends, starts = [end for _, _, end in token_spans], [start for start, _, _ in token_spans]
     if train_on != ASSISTANT:
-        return Encoded(full, list(ids), list(ids), [end for _, _, end in token_spans])
+        return Encoded(full, list(ids), list(ids), ends, starts)
     labels = [-100] * len(ids)
     for start, stop, _ in token_spans:
         labels[start:stop] = ids[start:stop]
     if all(label == -100 for label in labels):
         raise ChatTemplateError("no assistant token in this conversation once rendered (empty answers?)")
-    return Encoded(full, list(ids), labels, [end for _, _, end in token_spans])
+    return Encoded(full, list(ids), labels, ends, starts)
 
 
 def template_of(tokenizer) -> str:
@@ -117,33 +156,71 @@ def template_of(tokenizer) -> str:
     return template if isinstance(template, str) else ""
 
 
-def char_spans(tokenizer, turns: list[dict], full: str) -> list[tuple[int, int, int]] | None:
-    """For each assistant turn (answer start, answer end, turn end) in characters of `full`; None when the
-    template is not prefix-stable. The answer ends before the whitespace that separates turns."""
+def closing_text(tokenizer, turns: list[dict], full: str) -> str:
+    """The eos token a template writes once at a conversation's end (Phi-3's, after the last `<|end|>`): no
+    turn's, so not learnt. Found as what `full` has and the same conversation with a user turn more has not."""
+    eos = text_tokenizer(tokenizer).eos_token
+    if not eos or not full.endswith(eos):
+        return ""
+    try:
+        longer = rendered(tokenizer, [*turns, {"role": "user", "content": "?"}])
+    except ChatTemplateError:
+        return ""
+    return eos if longer.startswith(full[: -len(eos)]) and not longer.startswith(full) else ""
+
+
+def char_spans(tokenizer, turns: list[dict], full: str) -> list[tuple[int, int, int]] | str:
+    """For each assistant turn (answer start, answer end, turn end) in characters of `full`; or, when the
+    template is not prefix-stable, why (the first place where a prefix's rendering and the whole differ).
+    The answer ends before the whitespace that separates turns; the last turn ends with the conversation."""
+    closing = closing_text(tokenizer, turns, full)
     spans = []
     for index, turn in enumerate(turns):
         if turn["role"] != ASSISTANT:
             continue
         before = rendered(tokenizer, turns[:index], generation_prompt=True) if index else ""
         through = rendered(tokenizer, turns[: index + 1])
-        if not (full.startswith(before) and full.startswith(through) and len(through) > len(before)):
-            return None
+        through = through[: len(through) - len(closing)] if closing and through.endswith(closing) else through
+        for prefix in (before, through):
+            if not full.startswith(prefix):
+                at = next(i for i, (a, b) in enumerate(zip(prefix, full, strict=False)) if a != b)
+                return (
+                    f"the chat template renders the conversation up to turn {index} as "
+                    f"{prefix[max(0, at - 20) : at + 30]!r}, where the whole conversation has "
+                    f"{full[max(0, at - 20) : at + 30]!r}"
+                )
+        if len(through) <= len(before):
+            return f"the chat template writes nothing for the assistant turn {index}"
         spans.append((len(before), len(through.rstrip()), len(through)))
+    if spans and turns[-1]["role"] == ASSISTANT:
+        spans[-1] = (*spans[-1][:2], len(full))
     return spans
 
 
-def on_tokens(span: tuple[int, int, int], offsets) -> tuple[int, int, int]:
-    """Character span → token span: tokens that start inside the answer; the turn's end, as a count."""
+def on_tokens(span: tuple[int, int, int], offsets, ids: list[int], tokenizer) -> tuple[int, int, int]:
+    """Character span → token span: the tokens holding a character of the answer, less whitespace-only
+    tokens at its ends (`trimmed`); the turn's end, as a count."""
     start, stop, end = span
-    starts = [first for first, _ in offsets]
-    first = next((i for i, s in enumerate(starts) if s >= start), len(starts))
-    after_answer = next((i for i, s in enumerate(starts) if s >= stop), len(starts))
-    through = next((i for i, s in enumerate(starts) if s >= end), len(starts))
-    return first, after_answer, through
+    first = next((i for i, (_, e) in enumerate(offsets) if e > start), len(offsets))
+    after_answer = next((i for i, (s, _) in enumerate(offsets) if s >= stop), len(offsets))
+    through = next((i for i, (s, _) in enumerate(offsets) if s >= end), len(offsets))
+    return (*trimmed(first, after_answer, ids, tokenizer), through)
+
+
+def trimmed(start: int, stop: int, ids: list[int], tokenizer) -> tuple[int, int]:
+    """The one rule for boundary tokens, on both labelling paths: a token holding answer text is learnt
+    (one that merges the header's newline with an answer's leading space among them); a whitespace-only
+    token at either end of the span is not (ChatML's newline after <|im_end|>, a header's newline that
+    `{% generation %}` markers enclose)."""
+    while stop > start and not tokenizer.decode(ids[stop - 1 : stop]).strip():
+        stop -= 1
+    while start < stop and not tokenizer.decode(ids[start : start + 1]).strip():
+        start += 1
+    return start, stop
 
 
 def marked_spans(tokenizer, turns: list[dict], ids: list[int]) -> list[tuple[int, int, int]]:
-    """Token spans of the template's own {% generation %} markers, less trailing whitespace tokens."""
+    """Token spans of the template's own {% generation %} markers, less whitespace-only tokens at their ends."""
     encoded = tokenizer.apply_chat_template(
         turns, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
     )
@@ -157,10 +234,7 @@ def marked_spans(tokenizer, turns: list[dict], ids: list[int]) -> list[tuple[int
         start = index
         while index < len(mask) and mask[index]:
             index += 1
-        stop = index
-        while stop > start and not text_tokenizer(tokenizer).decode(ids[stop - 1 : stop]).strip():
-            stop -= 1
-        spans.append((start, stop, index))
+        spans.append((*trimmed(start, index, ids, text_tokenizer(tokenizer)), index))
     return spans
 
 

@@ -30,7 +30,7 @@ from train import chat
 
 log = logging.getLogger("train.data")
 FIXED_LENGTHS = (128, 256, 512, 1024, 2048)
-CACHE_VERSION = 2  # bump whenever encode() changes what it produces: old cache entries are then ignored
+CACHE_VERSION = 3  # bump whenever encode() changes what it produces: old cache entries are then ignored
 
 
 # ---- rows and prompts ---------------------------------------------------------------------------------
@@ -87,6 +87,32 @@ def encode_conversations(tokenizer, rows: list[dict], spec: DataSpec) -> dict[st
         "length": [len(e.input_ids) for e in encoded],
         "turn_ends": [e.turn_ends for e in encoded],
     }
+
+
+def warn_marker_text(tokenizer, conversations: list[list[dict]]) -> int:
+    """Conversations whose content holds a special token's text (`<|im_end|>injected<|im_start|>system`):
+    the tokenizer reads it as that control token, in labels and prompts alike, as TRL and axolotl do. They
+    are trained as written, counted and named in a warning; returns the count."""
+    markers = [m for m in chat.text_tokenizer(tokenizer).all_special_tokens if len(m) > 1]
+    found = {
+        m for turns in conversations for turn in turns for m in markers if m in content_text(turn["content"])
+    }
+    holding = sum(
+        1 for turns in conversations if any(m in content_text(t["content"]) for t in turns for m in found)
+    )
+    if holding:
+        log.warning(
+            "%d of %d conversations hold special-token text in their content (%s): it is encoded as those "
+            "control tokens, in the labels and the eval's prompts; escape or remove it if it is not meant so",
+            holding,
+            len(conversations),
+            ", ".join(sorted(found)),
+        )
+    return holding
+
+
+def content_text(content) -> str:
+    return content if isinstance(content, str) else str(content)
 
 
 def encode(tokenizer, prompts: list[str], targets: list[str], kind: str) -> dict[str, list]:
@@ -152,11 +178,16 @@ def tokenized(source: str, spec: DataSpec, tokenizer, kind: str) -> datasets.Dat
     """The tokenized examples of one file, from the disk cache when nothing that matters changed."""
     key = cache_key(source, spec, tokenizer, kind)
     folder = cache_root() / "tokenized" / key
+    if templated(
+        spec, kind
+    ):  # warned on every read, the cache's too: the job's log says it as preflight's does
+        rows = read_rows(source, spec)
+        warn_marker_text(tokenizer, [conversation(row, spec) for row in rows])
     if (folder / "dataset_info.json").is_file():
         log.info("tokenized %s: from cache %s", source, folder)
         return datasets.load_from_disk(str(folder))
     if templated(spec, kind):
-        encoded = encode_conversations(tokenizer, read_rows(source, spec), spec)
+        encoded = encode_conversations(tokenizer, rows, spec)
         dataset = datasets.Dataset.from_dict(encoded)
     else:
         prompts, targets = prompts_and_targets(source, spec, tokenizer, kind)
@@ -265,6 +296,11 @@ def trained_tokens(dataset: datasets.Dataset, kind: str) -> list[int]:
     if kind == "seq2seq":
         return [n + len(labels) for n, labels in zip(lengths, dataset["labels"], strict=True)]
     return list(lengths)
+
+
+def labelled_tokens(dataset: datasets.Dataset) -> int:
+    """Tokens the loss sees (labels other than -100), after truncation."""
+    return sum(sum(1 for label in labels if label != -100) for labels in dataset["labels"])
 
 
 def truncate(dataset: datasets.Dataset, lengths: LengthReport, kind: str = "causal") -> datasets.Dataset:

@@ -53,7 +53,7 @@ def load_tokenizer(source: str, spec: ModelSpec, data: DataSpec | None = None):
         if tokenizer.pad_token is None:  # Llama-style tokenizers ship none; eos is the usual stand-in
             tokenizer.pad_token = tokenizer.eos_token
     if data is not None and templated(data, spec.kind):
-        use_template(tokenizer, data, spec.name_or_path)
+        use_template(tokenizer, data, spec.name_or_path, spec.added_tokens)
     return tokenizer
 
 

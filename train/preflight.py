@@ -63,14 +63,14 @@ def cached_tokenizer(
     name_or_path: str, revision: str | None, kind: str, pixels: tuple = (None, None), chat: tuple = ()
 ):
     """The tokenizer (image-text: the processor, with its pixel bounds) once per process; `chat`: the
-    data's (format, chat_template), whose template the job sets on it (train/chat.py)."""
+    data's (format, chat_template, model.added_tokens), whose template the job sets on it (train/chat.py)."""
     from core.config import DataSpec, ModelSpec
 
-    rendering = dict(zip(("format", "chat_template"), chat, strict=False))
+    rendering = dict(zip(("format", "chat_template"), chat[:2], strict=False))
     bounds = DataSpec(train="-", min_pixels=pixels[0], max_pixels=pixels[1], **rendering)
-    return load_tokenizer(
-        name_or_path, ModelSpec(name_or_path=name_or_path, kind=kind, revision=revision), bounds
-    )
+    added = list(chat[2]) if len(chat) > 2 else []
+    model = ModelSpec(name_or_path=name_or_path, kind=kind, revision=revision, added_tokens=added)
+    return load_tokenizer(name_or_path, model, bounds)
 
 
 def tokenizer_or_reason(job: TrainJob):
@@ -78,7 +78,11 @@ def tokenizer_or_reason(job: TrainJob):
     (load_tokenizer refuses a tokenizer without files, which would count a model with almost no vocabulary)."""
     try:  # fetched into the Hugging Face cache where this machine has network and HF_HUB_OFFLINE is unset
         pixels = (job.data.min_pixels, job.data.max_pixels)
-        chat = (job.data.format, job.data.chat_template) if job.data.format != "fields" else ()
+        chat = (
+            (job.data.format, job.data.chat_template, tuple(job.model.added_tokens))
+            if job.data.format != "fields"
+            else ()
+        )
         return cached_tokenizer(
             job.model.name_or_path, job.model.revision, job.model.kind, pixels, chat
         ), None
@@ -109,6 +113,7 @@ def token_lengths(job: TrainJob, tokenizer, config) -> dict:
         "max_length": lengths.max_length,
         "max_target_length": lengths.max_target_length,
         "tokens_per_epoch": sum(data_lib.trained_tokens(kept, kind)),
+        "labelled_tokens": data_lib.labelled_tokens(kept),
         "examples": len(kept),
         "longest_example": lengths.longest,
         "truncated_inputs": lengths.inputs_truncated,
@@ -139,12 +144,29 @@ def preflight_job(job: TrainJob, gpu_mem_gb: float | None) -> JobPreflight:
         tokens_skipped=skipped,
     )
     if tokenizer is not None:
-        try:
-            vars(result).update(token_lengths(job, tokenizer, config))
-        except (OSError, ValueError, ConnectionError) as exc:  # an hf: dataset not in the cache, offline
-            result.tokens_skipped = f"data {job.data.train} not available here ({first_line(exc)})"
+        vars(result).update(token_report(job, tokenizer, config))
     judge_memory(result, job, base_tokenizer)
     return result
+
+
+def token_report(job: TrainJob, tokenizer, config) -> dict:
+    """`token_lengths`, or why there are none: `data_refused` (the job would fail on it at its start) or
+    `tokens_skipped` (an `hf:` dataset not in the cache while offline)."""
+    try:
+        return token_lengths(job, tokenizer, config)
+    except (OSError, ValueError, ConnectionError) as exc:
+        if refused_at_start(exc, job.data.train):
+            return {"data_refused": first_line(exc)}
+        return {"tokens_skipped": f"data {job.data.train} not available here ({first_line(exc)})"}
+
+
+def refused_at_start(exc: Exception, source: str) -> bool:
+    """Would the job fail on this at its start, whatever the machine? A template that cannot render a
+    conversation, a max_length no answer fits, an image-text conversation without a user turn: yes. A file
+    or dataset this machine cannot read (an `hf:` dataset offline): no, the node may have it."""
+    if isinstance(exc, ChatTemplateError):
+        return True
+    return isinstance(exc, ValueError) and not source.startswith("hf:")
 
 
 def trainable_of(job: TrainJob, tokenizer):

@@ -97,6 +97,7 @@ from core import speeds
 from core.config import TrainJob, what_it_computes
 from core.files import json_line, read_json, read_jsonl, write_atomic, write_json_atomic
 from core.hashing import content_hash
+from core.preflight import trained_share
 from core.rundir import RunDir, job_records
 from core.split import Split, as_written, resolve
 from train import data as data_lib
@@ -383,11 +384,11 @@ class StageRecipe:
             dataset = vl.examples(source, self.job.data, self.tokenizer)
             lengths = vl.choose_length(dataset, self.job.data, max_positions(self.model.config))
             log.info("%s data: %d examples; %s", split, len(dataset), lengths.describe())
-            return vl.drop_too_long(dataset, lengths), lengths
+            return logged_share(split, vl.drop_too_long(dataset, lengths), kind), lengths
         dataset = data_lib.tokenized(source, self.job.data, self.tokenizer, kind)
         lengths = data_lib.choose_lengths(dataset, self.job.data, kind, max_positions(self.model.config))
         log.info("%s data: %d examples; %s", split, len(dataset), lengths.describe())
-        return data_lib.truncate(dataset, lengths, kind), lengths
+        return logged_share(split, data_lib.truncate(dataset, lengths, kind), kind), lengths
 
     def forget_metrics_after(self, step: int) -> None:
         path = RunDir(self.run_dir).metrics
@@ -650,3 +651,10 @@ class StageRecipe:
         """Prompt + target tokens of an average training example as trained (data.trained_tokens)."""
         lengths = data_lib.trained_tokens(self.train_set, self.job.model.kind)
         return sum(lengths) / len(lengths)
+
+
+def logged_share(split: str, dataset, kind: str):
+    """The dataset, after its share of tokens the loss sees is logged (preflight's table shows the same)."""
+    total = sum(data_lib.trained_tokens(dataset, kind))
+    log.info("%s data: %s", split, trained_share(data_lib.labelled_tokens(dataset), total))
+    return dataset

@@ -7,6 +7,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from core.preflight import trained_share
 from core.problems import ConfigError, Problem
 from core.split import label as split_label
 from core.states import State
@@ -182,14 +183,29 @@ def preflight_table(results):
                 for part, values in r.length_percentiles.items()
             )
             or "-",
-            str(r.max_length) if r.max_length else f"skipped: {r.tokens_skipped}",
-            f"{r.tokens_per_epoch:,}" if r.tokens_per_epoch else "-",
+            length_cell(r),
+            trained_cell(r),
             str(r.truncated_inputs) if r.truncated_inputs is not None else "-",
             memory,
             {True: "yes", False: f"no (batch {r.largest_batch} fits)", None: "-"}[r.fits],
             split_label(r.split) or "-",
         )
     return table
+
+
+def length_cell(r) -> str:
+    if r.max_length:
+        return str(r.max_length)
+    return f"refused: {r.data_refused}" if r.data_refused else f"skipped: {r.tokens_skipped}"
+
+
+def trained_cell(r) -> str:
+    """Tokens per epoch, and how many of them the loss sees."""
+    if not r.tokens_per_epoch:
+        return "-"
+    if r.labelled_tokens is None:
+        return f"{r.tokens_per_epoch:,}"
+    return trained_share(r.labelled_tokens, r.tokens_per_epoch)
 
 
 def requested_pack(request: LaunchRequest, profile) -> tuple[int, str, str] | None:
