@@ -179,6 +179,21 @@ def progress_step(run_dir: Path) -> int:
         return 0
 
 
+def job_pids(job_id: str) -> list[tuple[str, str, str, str, str]]:
+    """`scontrol listpids` rows (PID, JOBID, STEPID, LOCALID, GLOBALID) of a running job on each of its
+    nodes. scontrol finds a job's processes through the spool folder of the node it is told, else of the
+    host it runs on, which in the two-node layout (each slurmd under its own host name) is no node's."""
+    nodes = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%N"], capture_output=True, text=True)
+    names = subprocess.run(
+        ["scontrol", "show", "hostnames", nodes.stdout.strip()], capture_output=True, text=True
+    ).stdout.split()
+    rows = []
+    for node in names:
+        done = subprocess.run(["scontrol", "listpids", job_id, node], capture_output=True, text=True)
+        rows += [tuple(line.split()) for line in done.stdout.splitlines()[1:] if len(line.split()) == 5]
+    return rows
+
+
 def alive(pid: str) -> bool:
     """The process exists and has not ended: a zombie (ended, not yet collected by its parent) is not."""
     try:

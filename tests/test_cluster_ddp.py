@@ -17,7 +17,7 @@ from submitit.core.utils import JobPaths
 
 import launch
 from slurm.jobs import ephemeral_ports, rendezvous_port
-from tests.helpers import fault_experiment, progress_step, slurm_id, submit, wait_until
+from tests.helpers import fault_experiment, job_pids, progress_step, slurm_id, submit, wait_until
 from tests.train_helpers import assert_every_step_logged_once, assert_same_adapter
 from train.checkpoints import latest_valid_checkpoint, step_of
 
@@ -35,10 +35,8 @@ def command_line(pid: str) -> str:
 
 def task_pids(job_id: str) -> dict[int, int]:
     """{global task id: pid} of a running job, from SLURM itself (`scontrol listpids`)."""
-    done = subprocess.run(["scontrol", "listpids", job_id], capture_output=True, text=True, check=True)
     pids = {}
-    for line in done.stdout.splitlines()[1:]:  # PID JOBID STEPID LOCALID GLOBALID
-        pid, _, step, _, task = line.split()
+    for pid, _, step, _, task in job_pids(job_id):
         # The srun step's task processes (not the batch script, nor a task's own children).
         if step.isdigit() and task.isdigit() and "submitit" in command_line(pid):
             pids[int(task)] = int(pid)
