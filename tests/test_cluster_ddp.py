@@ -16,7 +16,7 @@ from pathlib import Path
 from submitit.core.utils import JobPaths
 
 import launch
-from slurm.jobs import ephemeral_ports, rendezvous_port
+from slurm.rendezvous import rendezvous_port
 from tests.helpers import fault_experiment, job_pids, progress_step, slurm_id, submit, wait_until
 from tests.train_helpers import assert_every_step_logged_once, assert_same_adapter
 from train.checkpoints import latest_valid_checkpoint, step_of
@@ -73,7 +73,7 @@ def test_two_gpus_train_as_two_ranks_and_a_requeue_resumes_both_to_the_same_adap
     assert "rank 1 of 2 on cpu (gloo)" in task_log(tmp_path, "requeued/train", 1)
     assert "rank 0 of 2 on cpu (gloo)" in task_log(tmp_path, "requeued/train", 0)
     # Both ranks meet on loopback at the job's own port: not at an address the node's name resolves to.
-    port = rendezvous_port(job_id, ephemeral_ports())
+    port = rendezvous_port(job_id)
     assert all(
         f"joining 2 ranks at 127.0.0.1:{port} (gloo on lo)" in task_log(tmp_path, "requeued/train", r)
         for r in (0, 1)

@@ -167,21 +167,6 @@ def test_a_stop_inside_the_second_epoch_resumes_to_the_same_adapter(tiny, tmp_pa
     assert_same_adapter(straight, run_dir)
 
 
-def test_the_rendezvous_port_is_the_jobs_own_and_outside_the_ephemeral_range():
-    # submitit's port (20000-60000 from the job id) lies inside Linux's ephemeral range, where any outgoing
-    # connection on the node may already hold it: rank 0 then died with EADDRINUSE on the dev cluster.
-    from slurm.jobs import rendezvous_port
-
-    ports = {job: rendezvous_port(job, (32768, 60999)) for job in map(str, range(1000, 3000))}
-    assert all(10000 <= port < 32768 for port in ports.values())
-    assert len(set(ports.values())) > 1800  # spread: two jobs on a node rarely meet on one port
-    assert rendezvous_port("1708", (32768, 60999)) == ports["1708"]  # every task, every requeue: the same
-    # A node whose ephemeral range starts low: the ports above it.
-    assert all(61000 <= rendezvous_port(job, (1024, 60999)) <= 65535 for job in ("1", "2", "3"))
-    # A range that covers every port: no safe span is left, so submitit's own span (and never a crash).
-    assert all(20000 <= rendezvous_port(job, (1024, 65535)) <= 60000 for job in ("1", "2", "3"))
-
-
 def test_a_checkpoint_of_two_ranks_is_not_resumed_by_one(tiny, tmp_path):
     """A stage stopped on 2 GPUs and relaunched on 1 (resources.gpus changed) resumed the 2-rank checkpoint:
     steps already taken at global batch 8 went on at another world size, and rank 1's RNG state was lost.
