@@ -115,7 +115,7 @@ adapter: {{rank: 8, alpha: 16}}
 data: {{train: {root}/data/demo/sql/train.jsonl, eval: {root}/data/demo/sql/dev.jsonl}}
 train: {{epochs: {epochs}, learning_rate: 3.0e-3, batch_size: 8, save_every_steps: {save}, logging_steps: 4}}
 eval: {eval}
-resources: {{gpus: {gpus}, cpus: {gpus}, mem_gb: 2, time: "{time}", signal_delay_s: {signal_delay_s}, max_requeues: {requeues}}}
+resources: {{gpus: {gpus}, nodes: {nodes}, {partition}cpus: {gpus}, mem_gb: 2, time: "{time}", signal_delay_s: {signal_delay_s}, max_requeues: {requeues}}}
 {extra}
 """
 
@@ -132,6 +132,7 @@ def fault_experiment(
     extra="",
     evaluation="{metrics: []}",
     gpus=1,
+    nodes=1,
 ) -> Path:
     """configs/ under tmp with one FAULT_EXPERIMENT, `name`.yaml, added to what it holds; `extra` is YAML
     appended to it (stages, say)."""
@@ -150,6 +151,9 @@ def fault_experiment(
         extra=extra,
         eval=evaluation,
         gpus=gpus,
+        nodes=nodes,
+        # The two-node dev cluster's partition across both (its default one is its first node alone).
+        partition="partition: multi, " if nodes > 1 else "",
     )
     (folder / f"{name}.yaml").write_text(text)
     return folder
