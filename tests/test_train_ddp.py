@@ -47,9 +47,15 @@ def free_port() -> int:
 
 
 def run_two_ranks(
-    tiny, run_dir: Path, stop_after: dict[int, int] | None = None, method: str = "lora", epochs: int = 1
+    tiny,
+    run_dir: Path,
+    stop_after: dict[int, int] | None = None,
+    method: str = "lora",
+    epochs: int = 1,
+    nodes: int = 1,
 ) -> list[dict]:
-    """Run the stage as 2 processes; each rank's {"outcome", "seen"}. A hang fails the test at the timeout."""
+    """Run the stage as 2 processes; each rank's {"outcome", "seen"}. A hang fails the test at the timeout.
+    `nodes=2`: each process is told what a task on a node of its own is told (LOCAL_RANK 0 of 1)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     job_path = run_dir.parent / f"{run_dir.name}.job.json"
     job_path.write_text(job(tiny, run_dir, batch_size=4, method=method, epochs=epochs).model_dump_json())
@@ -57,7 +63,8 @@ def run_two_ranks(
     for rank in range(2):
         env = os.environ | {
             "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
+            "LOCAL_RANK": str(rank if nodes == 1 else 0),
+            "LOCAL_WORLD_SIZE": str(2 // nodes),
             "WORLD_SIZE": "2",
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(port),
@@ -100,6 +107,17 @@ def test_each_example_of_the_epoch_is_seen_once_across_the_ranks(two_ranks):
     assert len(first) == len(second) == EXAMPLES // 2
     assert set(first).isdisjoint(second)
     assert sorted(first + second) == list(range(EXAMPLES))
+
+
+def test_two_ranks_on_two_nodes_train_the_adapter_of_two_ranks_on_one(two_ranks, tiny, tmp_path):
+    # Each a node's only rank (LOCAL_RANK 0 twice): nothing a node's "local main" does twice (the token
+    # cache, the run folder) may change what is trained. Only the all-reduce's order may differ.
+    straight, _ = two_ranks
+    run_dir = tmp_path / "two-nodes"
+    ranks = run_two_ranks(tiny, run_dir, nodes=2)
+    first, second = (r["seen"] for r in ranks)
+    assert sorted(first + second) == list(range(EXAMPLES)) and set(first).isdisjoint(second)
+    assert_same_adapter(straight, run_dir, relative=1e-4)
 
 
 def test_final_loss_matches_one_process_with_the_same_global_batch(two_ranks, tiny, tmp_path):
