@@ -216,3 +216,38 @@ def test_more_nodes_than_the_partition_has_never_start_named_with_the_clusters_f
     problems = never_starting([plan.job("wide/train")], limits, {"wide": "wide.yaml"})
     assert [(p.file, p.key) for p in problems] == [("wide.yaml", "resources.nodes")]
     assert "asks 2 nodes, over the partition debug TotalNodes=1" in problems[0].message
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize(
+    ("rank", "address", "said"),
+    [
+        (1, "192.0.2.1", "rank 1 on"),  # TEST-NET-1 (RFC 5737): an address no host answers at
+        (0, "127.0.0.1", "rank 0 on"),  # rank 0 itself: the other rank never comes
+    ],
+    ids=["unreachable master", "a rank that never joins"],
+)
+def test_a_group_that_cannot_form_fails_within_the_join_timeout_naming_rank_and_address(
+    monkeypatch, rank, address, said
+):
+    import time
+
+    from train.distributed import JoinError, joined_store
+
+    port = free_port()
+    monkeypatch.setenv("MASTER_ADDR", address)
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    monkeypatch.setenv("RANK", str(rank))
+    started = time.monotonic()
+    with pytest.raises(JoinError) as failed:
+        joined_store(2, join_s=2)
+    assert time.monotonic() - started < 2 + 10  # the join timeout, not torch's 30 minutes
+    message = str(failed.value)
+    assert said in message and f"{address}:{port}" in message and "join timeout (2 s" in message, message
