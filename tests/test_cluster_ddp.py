@@ -13,6 +13,7 @@ import json
 import os
 import signal
 import subprocess
+import time
 from pathlib import Path
 
 from submitit.core.utils import JobPaths
@@ -115,3 +116,35 @@ def test_usr2_reaching_only_the_rank_on_node_two_stops_both_at_one_checkpoint_an
     resumed = step_of(Path(summary["resumed_from"]))
     assert 4 <= resumed < 8 * 15  # the one checkpoint both ranks stopped at (save_every_steps is 1000)
     assert_every_step_logged_once(run_dir, summary["global_step"])
+
+
+def sacct_state(job_id: str) -> str:
+    done = subprocess.run(
+        ["sacct", "-X", "-n", "-P", "-o", "State", "-j", job_id], capture_output=True, text=True
+    )
+    return done.stdout.strip()
+
+
+def test_kill_9_of_the_rank_on_node_two_fails_the_job_at_once_naming_rank_and_node(
+    repo_root, tmp_path, two_node_cluster, tiny, monkeypatch
+):
+    # A rank that dies (OOM killer, a node's fault) must not leave rank 0 waiting in its next all-reduce
+    # for the group's 30-minute timeout: srun --kill-on-bad-exit ends the step, the job FAILS.
+    from slurm.profile import load_profile
+    from slurm.status import plan_status
+    from tests.helpers import plan_for
+
+    monkeypatch.chdir(repo_root)
+    folder = fault_experiment(repo_root, tmp_path, "killed", epochs=8, save=1000, gpus=1, nodes=2)
+    assert submit(folder) == 0
+    run_dir = tmp_path / "runs" / "killed" / "train"
+    job_id = slurm_id(tmp_path, "killed/train")
+    wait_until(lambda: progress_step(run_dir) >= 4, "training under way")
+    pids = wait_until(lambda: (found := task_pids(job_id)).keys() >= {0, 1} and found, "both task pids")
+    killed_at = time.monotonic()
+    os.kill(pids[1], signal.SIGKILL)  # rank 1, on n2
+    wait_until(lambda: sacct_state(job_id) == "FAILED", "the job to fail", timeout_s=120)
+    assert time.monotonic() - killed_at < 60  # seconds, not a collective's timeout
+    statuses = {s.job.id: s for s in plan_status(plan_for(folder=folder), load_profile(folder)[0].log_dir)}
+    assert statuses["killed/train"].state.value == "FAILED"
+    assert "rank 1 on n2: Killed" in statuses["killed/train"].reason

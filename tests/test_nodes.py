@@ -251,3 +251,20 @@ def test_a_group_that_cannot_form_fails_within_the_join_timeout_naming_rank_and_
     assert time.monotonic() - started < 2 + 10  # the join timeout, not torch's 30 minutes
     message = str(failed.value)
     assert said in message and f"{address}:{port}" in message and "join timeout (2 s" in message, message
+
+
+def test_a_failed_multi_node_job_names_the_first_rank_and_node_srun_saw_end():
+    from slurm.status import first_failed_rank
+
+    # Task 0's log as the two-node dev cluster wrote it: a requeued first attempt (both tasks ended by the
+    # requeue), then a second attempt whose rank on n2 was killed.
+    log = (
+        "submitit INFO - Starting with JobEnvironment(job_id=22, hostname=n1, node=0(2), global_rank=0(2))\n"
+        "srun: error: n2: task 1: Killed\nsrun: launch/slurm: _step_signal: Terminating StepId=22.0\n"
+        "srun: error: n1: task 0: Killed\n"
+        "submitit INFO - Starting with JobEnvironment(job_id=22, hostname=n1, node=0(2), global_rank=0(2))\n"
+        "rank0 INFO train: step 5\n"
+        "srun: error: n2: task 1: Killed\nsrun: error: n1: task 0: Terminated\n"
+    )
+    assert first_failed_rank(log) == "rank 1 on n2: Killed (srun then stopped the other ranks)"
+    assert first_failed_rank(log.rsplit("rank0 INFO", 1)[0]) == ""  # the last attempt still running
