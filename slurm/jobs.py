@@ -19,6 +19,7 @@ from core.rundir import RunDir, mark_done
 from slurm.client import run_client
 from slurm.redact import redact_job_output
 from slurm.rendezvous import (
+    RendezvousError,
     first_node,
     gpus_on_node,
     master_address,
@@ -207,7 +208,10 @@ def _first_node_address() -> str:
     the nodes reach each other; SLURM's NodeAddr is. The tasks-per-node shape is checked here too."""
     same_on_every_node(tasks_per_node(os.environ.get("SLURM_TASKS_PER_NODE", "1")))
     nodelist = os.environ["SLURM_JOB_NODELIST"]
-    node = first_node(run_client(["scontrol", "show", "hostnames", nodelist]) or nodelist.split(",")[0])
+    hostnames = run_client(["scontrol", "show", "hostnames", nodelist])
+    if hostnames is None:  # `n[1-2]` is SLURM's own compression: no guess at its first name
+        raise RendezvousError(f"scontrol show hostnames {nodelist} did not answer on this node")
+    node = first_node(hostnames)
     os.environ["RENDEZVOUS_NODE"] = node  # for placement_line
     return master_address(node, run_client(["scontrol", "show", "node", node]) or "")
 
