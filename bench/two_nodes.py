@@ -12,6 +12,7 @@ both nodes share this machine's cores.
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 import tempfile
 import time
@@ -45,7 +46,6 @@ def adapter_difference(a: Path, b: Path) -> float:
 
 
 def main() -> int:
-    import launch
     from demo.tiny import build_tiny_models
 
     build_tiny_models(ROOT / "models")
@@ -57,7 +57,8 @@ def main() -> int:
     for name, shape in SHAPES.items():
         (configs / f"{name}.yaml").write_text(EXPERIMENT.format(name=name, root=ROOT, shape=shape))
         started = time.monotonic()
-        code = launch.main(["--exp", name, "--config-dir", str(configs), "--backend", "slurm", "--wait"])
+        argv = ["--exp", name, "--config-dir", str(configs), "--backend", "slurm", "--wait"]
+        code = subprocess.run([sys.executable, str(ROOT / "launch.py"), *argv], cwd=ROOT).returncode
         runs[name] = (code, time.monotonic() - started, work / "runs" / name / "train")
     for name, (code, seconds, run_dir) in runs.items():
         losses = [
