@@ -247,10 +247,10 @@ def test_a_group_that_cannot_form_fails_within_the_join_timeout_naming_rank_and_
     monkeypatch.setenv("RANK", str(rank))
     started = time.monotonic()
     with pytest.raises(JoinError) as failed:
-        joined_store(2, join_s=2)
-    assert time.monotonic() - started < 2 + 10  # the join timeout, not torch's 30 minutes
+        joined_store(2, join_s=1)
+    assert time.monotonic() - started < 1 + 10  # the join timeout, not torch's 30 minutes
     message = str(failed.value)
-    assert said in message and f"{address}:{port}" in message and "join timeout (2 s" in message, message
+    assert said in message and f"{address}:{port}" in message and "join timeout (1 s" in message, message
 
 
 def test_a_failed_multi_node_job_names_the_first_rank_and_node_srun_saw_end():
