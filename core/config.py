@@ -323,6 +323,20 @@ def slurm_duration_or_auto(value: str | int) -> str:
         raise ValueError(f"{exc}, or be 'auto' (the plan sets it from the job's estimate)") from None
 
 
+def whole_nodes(value):
+    """`resources.nodes`: a whole number. SLURM's `min-max` (an elastic job that runs on what it gets) is
+    refused by name, not as "not an integer": its global-batch sampler is not built."""
+    if isinstance(value, str) and re.fullmatch(r"\s*\d+\s*-\s*\d+\s*", value):
+        low, high = (int(part) for part in value.split("-"))
+        if low > high:
+            raise ValueError(f"the range {value!r} starts above its end; write min-max with min <= max")
+        raise ValueError(
+            f"a range of nodes ({value!r}: start on what SLURM gives, elastic) is not supported yet; "
+            f"write one number of nodes, e.g. {high}"
+        )
+    return value
+
+
 SlurmTime = Annotated[str, BeforeValidator(slurm_duration)]
 SlurmTimeOrAuto = Annotated[str, BeforeValidator(slurm_duration_or_auto)]
 SlurmNames = Annotated[str, AfterValidator(slurm_names)]
@@ -333,10 +347,11 @@ SLURM_TIMER_S = 30
 
 
 class Resources(Section):
-    # gpus > 1: one process (SLURM task) per GPU on one node, data parallel (DDP); `cpus` and `mem_gb` are
-    # the whole job's, `cpus` split evenly over the tasks. `nodes` > 1 is refused (slurm/experiments.py).
+    # gpus > 1: one process (SLURM task) per GPU, data parallel (DDP); `gpus`, `cpus` and `mem_gb` are each
+    # node's, `cpus` split evenly over a node's tasks. `nodes` > 1: the same on every node, one DDP run of
+    # nodes x gpus ranks (slurm/rendezvous.py: where they meet).
     gpus: Annotated[int, Field(ge=0)] = 1
-    nodes: Annotated[int, Field(ge=1)] = 1
+    nodes: Annotated[int, BeforeValidator(whole_nodes), Field(ge=1)] = 1
     # "auto": the plan sets it from the job's estimate (slurm/estimate.py); every consumer sees a time.
     time: SlurmTimeOrAuto = "04:00:00"
     mem_gb: Annotated[float, Field(gt=0)] = 32
@@ -372,9 +387,24 @@ class Resources(Section):
         return max(1, -(-self.time_s // 60))
 
     @property
-    def tasks(self) -> int:
-        """Processes of the job: one per GPU (DDP), one for a CPU or one-GPU job."""
+    def tasks_per_node(self) -> int:
+        """Processes on each node: one per GPU (DDP), one for a CPU or one-GPU job."""
         return max(1, self.gpus)
+
+    @property
+    def tasks(self) -> int:
+        """Processes of the job, every node's: its DDP world size."""
+        return self.tasks_per_node * self.nodes
+
+    @property
+    def total_gpus(self) -> int:
+        """The GPUs the job holds on all its nodes: what GPU-hours and a per-user GPU cap count."""
+        return self.gpus * self.nodes
+
+    def placement(self) -> str:
+        """`2 nodes x 4 GPUs`, `4 GPUs`, `CPU`: how the dry run and --json say where a job runs."""
+        gpus = f"{self.gpus} GPU{'s' if self.gpus != 1 else ''}" if self.gpus else "CPU"
+        return f"{self.nodes} nodes x {gpus}" if self.nodes > 1 else gpus
 
 
 # An eval job's limit when it scores an `hf:` dataset (fetched on the node: nothing to estimate from) and

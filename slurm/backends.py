@@ -147,13 +147,15 @@ def sbatch_parameters(
     profile: ClusterProfile,
     code_folder: Path,
 ) -> dict:
+    per_node = tasks // res.nodes  # an eval job (one task) is never given several nodes (validation)
     params = {
         "job_name": name,
         "time": res.timeout_min,
-        "nodes": 1,
-        # One task per GPU (DDP); `cpus` is the job's, split over its tasks.
-        "ntasks_per_node": tasks,
-        "cpus_per_task": max(1, res.cpus // tasks),
+        # submitit's `nodes` is an integer: a fixed count is all it can say (a min-max range is refused).
+        "nodes": res.nodes,
+        # One task per GPU on each node (DDP); `cpus` is each node's, split over its tasks.
+        "ntasks_per_node": per_node,
+        "cpus_per_task": max(1, res.cpus // per_node),
         "mem": f"{int(res.mem_gb * 1024)}M",
         "signal_delay_s": res.signal_delay_s,
         "stderr_to_stdout": True,  # one log per job: what --tail follows

@@ -632,15 +632,24 @@ def check_auto_time(experiment: Experiment, stages: list[Stage], chain: list[Yam
 
 
 def beyond_one_node(section: tuple, res, profile: ClusterProfile, chain: list[YamlFile]) -> list[Problem]:
-    """Data parallelism runs one task per GPU on one node; several nodes would need a rendezvous across
-    hosts and per-node logs and stops that are not built, so they are refused rather than half-run."""
+    """A training job may span nodes (one task per GPU on each, one DDP run), up to cluster.yaml's
+    max_nodes when it says; an eval job is one process on one GPU, so several nodes would sit idle."""
     if res.nodes <= 1:
         return []
     file, line = where(chain, (*section, "nodes"))
-    message = (
-        f"asks for {res.nodes} nodes: multi-node is not supported; use up to "
-        f"{profile.max_gpus_per_node:g} GPUs of one node (resources.gpus) and leave nodes out"
-    )
+    if section != ("resources",):
+        message = (
+            f"asks for {res.nodes} nodes but an eval job runs one process on one GPU of one node; "
+            "leave eval.resources.nodes out"
+        )
+    elif profile.max_nodes is not None and res.nodes > profile.max_nodes:
+        message = (
+            f"asks for {res.nodes} nodes but this cluster has {profile.max_nodes} (configs/cluster.yaml "
+            f"max_nodes); ask {profile.max_nodes} or fewer, or more GPUs per node (resources.gpus, up to "
+            f"{profile.max_gpus_per_node})"
+        )
+    else:
+        return []
     return [Problem(file, ".".join((*section, "nodes")), message, line)]
 
 

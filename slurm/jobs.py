@@ -7,7 +7,6 @@ evaluator, which never talk to the scheduler themselves.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import os
 import signal
@@ -20,7 +19,17 @@ import submitit
 from core.files import links_below, write_json_atomic
 from core.rundir import RunDir, mark_done
 from core.writer_lock import hold_folder
+from slurm.client import run_client
 from slurm.redact import redact_job_output
+from slurm.rendezvous import (
+    RendezvousError,
+    first_node,
+    gpus_on_node,
+    master_address,
+    rendezvous_port,
+    same_on_every_node,
+    tasks_per_node,
+)
 
 log = logging.getLogger("slurm.jobs")
 
@@ -45,6 +54,8 @@ class StageJob(submitit.helpers.Checkpointable):
         redact_job_output()
         rank = _export_distributed_environment()
         _configure_logging(rank)
+        if int(os.environ.get("SLURM_JOB_NUM_NODES", "1")) > 1:
+            log.info(placement_line())
         # The GPUs SLURM or the local backend gave this task, as it got them (torch renumbers them).
         log.info("CUDA_VISIBLE_DEVICES=%s", os.environ.get("CUDA_VISIBLE_DEVICES", "(not set)"))
         _use_allocated_cpus()  # before torch is imported
@@ -216,44 +227,50 @@ class StopRequest:
 
 
 def _export_distributed_environment() -> int:
-    """A job of several tasks (resources.gpus > 1: one per GPU) is one DDP run: export RANK, LOCAL_RANK,
-    WORLD_SIZE, MASTER_ADDR (loopback: one node), MASTER_PORT (drawn from the job id, so a requeued job
-    meets on the same one) for torch's env:// rendezvous; train/device.py then puts rank K on cuda:LOCAL_RANK.
+    """A job of several tasks (resources.gpus > 1 or nodes > 1: one per GPU on each node) is one DDP run:
+    export RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR (loopback on one node; else the first node's NodeAddr,
+    slurm/rendezvous.py), MASTER_PORT (drawn from the job id, so every node and a requeued job meet on the
+    same one) for torch's env:// rendezvous; train/device.py then puts rank K on cuda:LOCAL_RANK.
     CUDA_VISIBLE_DEVICES is left as SLURM set it: it may name GPUs 2,3 of the node, not 0,1. Returns
     this task's rank."""
     environment = submitit.JobEnvironment()
     if environment.num_tasks <= 1:
         return 0
-    os.environ["MASTER_PORT"] = str(rendezvous_port(environment.job_id, ephemeral_ports()))
+    os.environ["MASTER_PORT"] = str(rendezvous_port(environment.job_id))
     exported = submitit.helpers.TorchDistributedEnvironment().export(
         set_cuda_visible_devices=False,
         overwrite=True,  # a RANK inherited from the submitting shell is stale
     )
     if environment.num_nodes == 1:
-        # Every rank is on this node (validation refuses nodes > 1): meet on loopback, not on whatever
-        # the node's name resolves to (an outside address a closed network or a firewall may drop).
+        # Every rank is on this node: meet on loopback, not on whatever the node's name resolves to (an
+        # outside address a closed network or a firewall may drop).
         os.environ["MASTER_ADDR"] = "127.0.0.1"
+    else:
+        os.environ["MASTER_ADDR"] = _first_node_address()
     return exported.rank
 
 
-def rendezvous_port(job_id: str, ephemeral: tuple[int, int]) -> int:
-    """Rank 0's rendezvous port: the same for every task of a job and for its requeues (drawn from the job
-    id), and outside the node's ephemeral range. submitit draws from 20000-60000, which overlaps Linux's
-    default ephemeral 32768-60999: a port any outgoing connection on the node may hold, and then rank 0
-    fails at once with EADDRINUSE (seen on the dev cluster)."""
-    low, high = ephemeral
-    first, last = max([(10000, low - 1), (high + 1, 65535)], key=lambda span: span[1] - span[0])
-    if last - first < 1000:  # a node whose ephemeral range covers nearly everything: no port is safe
-        first, last = 20000, 60000
-    return first + int(hashlib.sha256(job_id.encode()).hexdigest(), 16) % (last - first + 1)
+def _first_node_address() -> str:
+    """MASTER_ADDR of a job across nodes: submitit's is the first node's *name*, which need not be how
+    the nodes reach each other; SLURM's NodeAddr is. The tasks-per-node shape is checked here too."""
+    same_on_every_node(tasks_per_node(os.environ.get("SLURM_TASKS_PER_NODE", "1")))
+    nodelist = os.environ["SLURM_JOB_NODELIST"]
+    hostnames = run_client(["scontrol", "show", "hostnames", nodelist])
+    if hostnames is None:  # `n[1-2]` is SLURM's own compression: no guess at its first name
+        raise RendezvousError(f"scontrol show hostnames {nodelist} did not answer on this node")
+    node = first_node(hostnames)
+    os.environ["RENDEZVOUS_NODE"] = node  # for placement_line
+    return master_address(node, run_client(["scontrol", "show", "node", node]) or "")
 
 
-def ephemeral_ports() -> tuple[int, int]:
-    try:
-        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
-        return int(low), int(high)
-    except (OSError, ValueError):
-        return 32768, 60999  # Linux's default
+def placement_line(env=os.environ) -> str:
+    """Who is rank 0 where, and where this task is: the first line to read when ranks do not meet."""
+    return (
+        f"rank 0 of {env.get('WORLD_SIZE')} is on {env.get('RENDEZVOUS_NODE')} "
+        f"({env.get('MASTER_ADDR')}:{env.get('MASTER_PORT')}); this task is rank {env.get('RANK')} on "
+        f"{env.get('SLURMD_NODENAME', '?')}, node {env.get('SLURM_NODEID')} of "
+        f"{env.get('SLURM_JOB_NUM_NODES')}, {gpus_on_node(env.get('SLURM_GPUS_ON_NODE')) or 0} GPU(s) there"
+    )
 
 
 def _use_allocated_cpus() -> None:

@@ -39,6 +39,7 @@ class ClusterLimits:
     max_wall_s: Cap | None = None
     queued: int = 0  # this user's jobs in the queue under that QOS now
     partition_time_s: dict[str, Cap] = field(default_factory=dict)  # partition → MaxTime
+    partition_nodes: dict[str, Cap] = field(default_factory=dict)  # partition → TotalNodes
     default_partition: str | None = None
 
 
@@ -88,7 +89,12 @@ def parse_limits(
         put(caps, "max_wall_s", read_duration(wall), f"{where} MaxWall", "AssocMaxWallDurationPerJobLimit")
     times, default = partition_times(partitions)
     return ClusterLimits(
-        qos, **caps, queued=len(queued.split()), partition_time_s=times, default_partition=default
+        qos,
+        **caps,
+        queued=len(queued.split()),
+        partition_time_s=times,
+        partition_nodes=partition_nodes(partitions),
+        default_partition=default,
     )
 
 
@@ -123,7 +129,7 @@ def never_starts(reason: str, resources) -> bool:
         return True
     limits = limits_of(resources.account, resources.qos)
     cap = getattr(limits, UNTIL_OTHERS_END[reason], None) if limits is not None else None
-    return cap is not None and resources.gpus > cap.value
+    return cap is not None and resources.total_gpus > cap.value
 
 
 def put(caps: dict[str, Cap], name: str, value: int | None, source: str, reason: str) -> None:
@@ -144,6 +150,18 @@ def partition_times(text: str) -> tuple[dict[str, Cap], str | None]:
         if (limit := read_duration(fields.get("MaxTime", ""))) is not None:
             times[name] = Cap(limit, f"partition {name} MaxTime", "PartitionTimeLimit")
     return times, default
+
+
+def partition_nodes(text: str) -> dict[str, Cap]:
+    """Each partition's TotalNodes in `scontrol show partition -o`: a job asking more waits forever
+    (SLURM queues it as PartitionNodeLimit under EnforcePartLimits=NO)."""
+    counts = {}
+    for line in text.splitlines():
+        fields = dict(re.findall(r"(\w+)=(\S*)", line))
+        name, total = fields.get("PartitionName"), ascii_int(fields.get("TotalNodes", ""))
+        if name and total is not None:
+            counts[name] = Cap(total, f"partition {name} TotalNodes", "PartitionNodeLimit")
+    return counts
 
 
 def rows(text: str, width: int) -> list[list[str]]:
@@ -175,7 +193,7 @@ def never_starting(jobs, limits: ClusterLimits, files: dict[str, str]) -> list[P
     for job in jobs:
         file = files.get(job.experiment, job.experiment)
         section = "resources" if job.kind == "train" else "eval.resources"
-        gpus, time_s = job.resources.gpus, job.resources.time_s
+        gpus, time_s = job.resources.total_gpus, job.resources.time_s
         for cap in (limits.gpus_per_user, limits.gpus_per_job):
             if cap is not None and gpus > cap.value:
                 problems.append(
@@ -188,6 +206,17 @@ def never_starting(jobs, limits: ClusterLimits, files: dict[str, str]) -> list[P
                     )
                 )
         partition = job.resources.partition or limits.default_partition
+        nodes = limits.partition_nodes.get(partition or "")
+        if nodes is not None and job.resources.nodes > nodes.value:
+            problems.append(
+                Problem(
+                    file,
+                    f"{section}.nodes",
+                    f"{job.id} asks {job.resources.nodes} nodes, over the {nodes.source}={nodes.value}: it "
+                    f"would never start ({nodes.reason}); ask {nodes.value} or fewer, or a partition with "
+                    "more nodes (resources.partition)",
+                )
+            )
         for cap, fix in (
             (limits.partition_time_s.get(partition or ""), "or another partition"),
             (limits.max_wall_s, "or another qos"),

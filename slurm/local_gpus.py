@@ -89,6 +89,17 @@ def too_many_gpus(jobs, visible: VisibleGpus, files: Mapping[str, str]) -> list[
     key. `files`: experiment name → its YAML, where the problem points."""
     problems = []
     for job in jobs:
+        if job.resources.nodes > 1:
+            # Refused, not run as nodes x gpus ranks here: the job would train on another placement than
+            # the one written (another speed book row, another memory per rank) without a word.
+            ranks = job.resources.tasks
+            message = (
+                f"asks for {job.resources.placement()}, and the local backend runs every job on this one "
+                f"machine; run it on SLURM, or here as one node of {ranks} ranks (resources.nodes=1 "
+                f"resources.gpus={ranks} on the command line: the same global batch)"
+            )
+            problems.append(Problem(files.get(job.experiment, job.experiment), "resources.nodes", message))
+            continue
         asked = job.resources.gpus
         if not visible.ids or asked <= len(visible.ids):
             continue

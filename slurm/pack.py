@@ -106,7 +106,12 @@ def pack_plan(
             f"--pack {gpus}: a pack is one node, and nodes here have 1 to {profile.max_gpus_per_node} GPUs"
         )
     for job in jobs:
-        if job.resources.gpus > 1:
+        if job.resources.nodes > 1:
+            problems.append(
+                f"{job.id} trains on {job.resources.placement()}, and a pack is one node: run it unpacked "
+                f"(launch it with --exp {job.experiment} before or after the pack)"
+            )
+        elif job.resources.gpus > 1:
             problems.append(
                 f"{job.id} trains on {job.resources.gpus} GPUs (DDP), and a lane is one GPU: run it unpacked "
                 f"(launch it with --exp {job.experiment} before or after the pack), or set resources.gpus: 1"

@@ -166,7 +166,7 @@ class Plan:
         return {"critical_path_s": None if unknown else round(seconds), "critical_path": path}
 
     def gpu_hours(self, basis: Basis = "worst") -> float:
-        return sum((j.seconds(basis) or 0.0) * j.resources.gpus for j in self.jobs) / 3600
+        return sum((j.seconds(basis) or 0.0) * j.resources.total_gpus for j in self.jobs) / 3600
 
     def file_of(self, job: PlannedJob, files: dict[str, str]) -> str:
         """The YAML a job's problems are reported in: its experiment's; a base-model eval's is that of the
@@ -231,6 +231,7 @@ class Plan:
                     "run_dir": j.run_dir,
                     "wave": j.wave,
                     "tasks": j.tasks,
+                    "placement": j.resources.placement(),
                     "effective_batch": j.effective_batch,
                     "estimate": j.estimate.to_json(),
                     "time_limit_min": j.resources.timeout_min,

@@ -63,6 +63,10 @@ class ClusterProfile(BaseModel):
     run_dir: str = "runs"
     log_dir: Annotated[str, AfterValidator(one_line)] = "logs"
     max_gpus_per_node: Annotated[int, Field(ge=0)] = 8
+    max_nodes: Annotated[int, Field(ge=1)] | None = Field(
+        None,
+        description="nodes one job may span (resources.nodes); unset: the partition's count, read at launch",
+    )
     max_cpus_per_node: Annotated[int, Field(ge=1)] = 64
     max_mem_gb_per_node: Annotated[float, Field(gt=0)] = 512
     local_parallel_jobs: Annotated[int, Field(ge=1)] = 1

@@ -101,7 +101,8 @@ STATE_STYLE = {
 
 def resources_text(job: PlannedJob) -> str:
     res = job.resources
-    parts = [f"{res.gpus} gpu", f"{res.cpus} cpu", f"{res.mem_gb:g}G", res.time]
+    gpus = f"{res.nodes} nodes x {res.gpus} gpu" if res.nodes > 1 else f"{res.gpus} gpu"
+    parts = [gpus, f"{res.cpus} cpu", f"{res.mem_gb:g}G", res.time]
     parts += [value for value in (res.partition, res.constraint) if value]
     return " ".join(parts)
 

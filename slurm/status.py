@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import getpass
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -215,6 +216,8 @@ def job_status(
         if record.pack:
             info = packed_unit_info(run_dir, scheduler_id, info)
     state, reason = info.state, info.reason
+    if state is State.FAILED and job.tasks > 1 and log_path:
+        reason = "; ".join(part for part in (reason, first_failed_rank(read_tail(log_path))) if part)
     if done and done != job.config_hash and not state.live:  # it finished with another config: no failure
         return JobStatus(
             job, State.COMPLETED, reason=another_config(job, run_dir), elapsed=info.elapsed, **common
@@ -227,6 +230,30 @@ def job_status(
         state = State.BLOCKED
         reason = f"parent {parent} {earlier[parent].state.value}" if failed_parent else "a parent failed"
     return JobStatus(job, state, reason=reason, elapsed=info.elapsed, stuck=stuck, **common)
+
+
+# srun's own line, in task 0's log (sbatch's output goes there), for each task of a step that ended badly.
+SRUN_TASK_ERROR = re.compile(r"^srun: error: (\S+): tasks? ([\d,-]+): (.+)$", re.MULTILINE)
+
+
+def first_failed_rank(log: str) -> str:
+    """`rank 1 on n2: Killed`: the first task of the job's last attempt that srun saw end badly (with
+    --kill-on-bad-exit srun then ends the others, which it lists after it); "" when srun named none."""
+    last_attempt = log.rsplit("Starting with JobEnvironment", 1)[-1]
+    found = SRUN_TASK_ERROR.search(last_attempt)
+    if not found:
+        return ""
+    node, tasks, what = found.groups()
+    return f"rank {tasks} on {node}: {what.strip()} (srun then stopped the other ranks)"
+
+
+def read_tail(path: str, size: int = 64_000) -> str:
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(max(0, fh.seek(0, 2) - size))
+            return fh.read().decode(errors="replace")
+    except OSError:
+        return ""
 
 
 def pruned_reason(pruned: dict) -> str:

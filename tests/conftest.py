@@ -46,6 +46,39 @@ def slurm_cluster() -> Path:
     return CLUSTER_STATE
 
 
+# The two-node layout (slurm/dev-cluster/up.sh SLURM_DEV_NODES=2) is a cluster of its own, beside the
+# one-node one every other cluster test uses: its ports 100 above, its state in a folder beside it.
+TWO_NODE_STATE = Path(os.environ.get("SLURM_DEV_STATE_2N", f"{CLUSTER_STATE}-2n"))
+TWO_NODE_PORT_BASE = os.environ.get(
+    "SLURM_PORT_BASE_2N", str(int(os.environ.get("SLURM_PORT_BASE", "6817")) + 100)
+)
+
+
+@pytest.fixture(scope="session")
+def two_node_state() -> Path:
+    """A real slurmctld (+ slurmdbd) and two slurmd, n1 and n2, with 4 fake GPUs each: partition `multi`
+    spans both. Started once, left running as slurm_cluster is."""
+    up = ROOT / "slurm" / "dev-cluster" / "up.sh"
+    env = {**os.environ, "SLURM_DEV_NODES": "2", "SLURM_PORT_BASE": TWO_NODE_PORT_BASE}
+    done = subprocess.run(["bash", str(up), str(TWO_NODE_STATE)], capture_output=True, text=True, env=env)
+    if done.returncode != 0:
+        pytest.fail(f"the two-node dev SLURM cluster did not start:\n{done.stdout}\n{done.stderr}")
+    return TWO_NODE_STATE
+
+
+@pytest.fixture
+def two_node_cluster(two_node_state, monkeypatch, request, tmp_path) -> Path:
+    """The two-node cluster for this test: its SLURM_CONF in the environment of every client call and
+    job (for this test only), and the jobs it left cancelled at its end, explained when it failed."""
+    monkeypatch.setenv("SLURM_CONF", str(two_node_state / "etc" / "slurm.conf"))
+    yield two_node_state
+    report = getattr(request.node, "report_call", None)
+    if report is not None and report.failed:
+        print(explain_jobs(tmp_path))
+    if ids := squeue_ids(under=tmp_path):
+        subprocess.run(["scancel", *sorted(ids)], check=False)
+
+
 @pytest.fixture(scope="session")
 def tiny() -> dict[str, Path]:
     """{"tiny-t5": folder, "tiny-llama": folder}: the demo's tiny models, each with its tokenizer, in the
@@ -86,7 +119,7 @@ def repository_left_alone():
 def pytest_collection_modifyitems(config, items):
     """`cluster` marks every test that needs the dev SLURM cluster: `make test-fast` leaves them out."""
     for item in items:
-        if "slurm_cluster" in getattr(item, "fixturenames", ()):
+        if {"slurm_cluster", "two_node_cluster"} & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.cluster)
 
 

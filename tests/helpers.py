@@ -118,7 +118,7 @@ adapter: {{rank: 8, alpha: 16}}
 data: {{train: {root}/data/demo/sql/train.jsonl, eval: {root}/data/demo/sql/dev.jsonl}}
 train: {{epochs: {epochs}, learning_rate: 3.0e-3, batch_size: 8, save_every_steps: {save}, logging_steps: 4}}
 eval: {eval}
-resources: {{gpus: {gpus}, cpus: {gpus}, mem_gb: 2, time: "{time}", signal_delay_s: {signal_delay_s}, max_requeues: {requeues}}}
+resources: {{gpus: {gpus}, nodes: {nodes}, {partition}cpus: {gpus}, mem_gb: 2, time: "{time}", signal_delay_s: {signal_delay_s}, max_requeues: {requeues}}}
 {extra}
 """
 
@@ -135,6 +135,7 @@ def fault_experiment(
     extra="",
     evaluation="{metrics: []}",
     gpus=1,
+    nodes=1,
 ) -> Path:
     """configs/ under tmp with one FAULT_EXPERIMENT, `name`.yaml, added to what it holds; `extra` is YAML
     appended to it (stages, say)."""
@@ -153,6 +154,9 @@ def fault_experiment(
         extra=extra,
         eval=evaluation,
         gpus=gpus,
+        nodes=nodes,
+        # The two-node dev cluster's partition across both (its default one is its first node alone).
+        partition="partition: multi, " if nodes > 1 else "",
     )
     (folder / f"{name}.yaml").write_text(text)
     return folder
@@ -180,6 +184,21 @@ def progress_step(run_dir: Path) -> int:
         return json.loads((run_dir / "progress.json").read_text())["step"]
     except (OSError, ValueError, KeyError):
         return 0
+
+
+def job_pids(job_id: str) -> list[tuple[str, str, str, str, str]]:
+    """`scontrol listpids` rows (PID, JOBID, STEPID, LOCALID, GLOBALID) of a running job on each of its
+    nodes. scontrol finds a job's processes through the spool folder of the node it is told, else of the
+    host it runs on, which in the two-node layout (each slurmd under its own host name) is no node's."""
+    nodes = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%N"], capture_output=True, text=True)
+    names = subprocess.run(
+        ["scontrol", "show", "hostnames", nodes.stdout.strip()], capture_output=True, text=True
+    ).stdout.split()
+    rows = []
+    for node in names:
+        done = subprocess.run(["scontrol", "listpids", job_id, node], capture_output=True, text=True)
+        rows += [tuple(line.split()) for line in done.stdout.splitlines()[1:] if len(line.split()) == 5]
+    return rows
 
 
 def alive(pid: str) -> bool:

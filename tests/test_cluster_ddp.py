@@ -1,8 +1,10 @@
-"""`resources.gpus: 2` on the dev cluster: one SLURM task per (fake) GPU, one DDP run over gloo on CPUs.
+"""Data parallelism on the dev cluster across two real nodes (slurmd n1 and n2, tests/conftest.py
+two_node_cluster): one SLURM task per (fake) GPU on each node, one DDP run over gloo on CPUs.
 
 The trainer's side (each example once across the ranks, the loss of one process with the same global
 batch, a stop seen by one rank) is tested with two local processes in tests/test_train_ddp.py; here the
-same run goes through sbatch, submitit's task environment and SLURM's own requeue and signals.
+same run goes through sbatch, submitit's task environment, the rendezvous at the first node's address
+and SLURM's own requeue and signals. The one-node shape (1 node x 2 GPUs) is the reference it is held to.
 """
 
 from __future__ import annotations
@@ -11,13 +13,14 @@ import json
 import os
 import signal
 import subprocess
+import time
 from pathlib import Path
 
 from submitit.core.utils import JobPaths
 
 import launch
-from slurm.jobs import ephemeral_ports, rendezvous_port
-from tests.helpers import fault_experiment, progress_step, slurm_id, submit, wait_until
+from slurm.rendezvous import rendezvous_port
+from tests.helpers import fault_experiment, job_pids, progress_step, slurm_id, submit, wait_until
 from tests.train_helpers import assert_every_step_logged_once, assert_same_adapter
 from train.checkpoints import latest_valid_checkpoint, step_of
 
@@ -35,25 +38,26 @@ def command_line(pid: str) -> str:
 
 def task_pids(job_id: str) -> dict[int, int]:
     """{global task id: pid} of a running job, from SLURM itself (`scontrol listpids`)."""
-    done = subprocess.run(["scontrol", "listpids", job_id], capture_output=True, text=True, check=True)
     pids = {}
-    for line in done.stdout.splitlines()[1:]:  # PID JOBID STEPID LOCALID GLOBALID
-        pid, _, step, _, task = line.split()
+    for pid, _, step, _, task in job_pids(job_id):
         # The srun step's task processes (not the batch script, nor a task's own children).
         if step.isdigit() and task.isdigit() and "submitit" in command_line(pid):
             pids[int(task)] = int(pid)
     return pids
 
 
-def test_two_gpus_train_as_two_ranks_and_a_requeue_resumes_both_to_the_same_adapter(
-    repo_root, tmp_path, slurm_cluster, tiny, monkeypatch, capsys
+def test_two_nodes_train_the_adapter_of_one_node_with_two_gpus_and_a_requeue_resumes_both(
+    repo_root, tmp_path, two_node_cluster, tiny, monkeypatch, capsys
 ):
     monkeypatch.chdir(repo_root)
-    folder = fault_experiment(repo_root, tmp_path, "requeued", epochs=8, save=8, gpus=2)
+    # 2 nodes x 1 GPU (requeued mid-run) against 1 node x 2 GPUs (straight): the same world size and
+    # global batch, so the same examples in each step and the same adapter (LoRA dropout 0, fp32).
+    folder = fault_experiment(repo_root, tmp_path, "requeued", epochs=8, save=8, gpus=1, nodes=2)
     fault_experiment(repo_root, tmp_path, "straight", epochs=8, save=8, gpus=2)
     assert launch.main(["--all", "--config-dir", str(folder), "--dry-run", "--json"]) == 0
     planned = {job["id"]: job for job in json.loads(capsys.readouterr().out)["jobs"]}
     assert (planned["requeued/train"]["tasks"], planned["requeued/train"]["effective_batch"]) == (2, 16)
+    assert planned["requeued/train"]["placement"] == "2 nodes x 1 GPU"
     assert submit(folder) == 0
     run_dir = tmp_path / "runs" / "requeued" / "train"
     job_id = slurm_id(tmp_path, "requeued/train")
@@ -69,17 +73,19 @@ def test_two_gpus_train_as_two_ranks_and_a_requeue_resumes_both_to_the_same_adap
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["resumed_from"] is not None
     assert_every_step_logged_once(run_dir, summary["global_step"])
-    assert_same_adapter(tmp_path / "runs" / "straight" / "train", run_dir)
+    assert_same_adapter(tmp_path / "runs" / "straight" / "train", run_dir, relative=1e-4)
 
-    # One log per task; --tail shows rank 0's unless asked for another.
-    assert "rank 1 of 2 on cpu (gloo)" in task_log(tmp_path, "requeued/train", 1)
-    assert "rank 0 of 2 on cpu (gloo)" in task_log(tmp_path, "requeued/train", 0)
-    # Both ranks meet on loopback at the job's own port: not at an address the node's name resolves to.
-    port = rendezvous_port(job_id, ephemeral_ports())
-    assert all(
-        f"joining 2 ranks at 127.0.0.1:{port} (gloo on lo)" in task_log(tmp_path, "requeued/train", r)
-        for r in (0, 1)
-    )
+    # One log per task, each on its own node; rank 0's node and address are said in every task's log.
+    port = rendezvous_port(job_id)
+    for rank, node in ((0, "n1"), (1, "n2")):
+        log = task_log(tmp_path, "requeued/train", rank)
+        assert f"rank {rank} of 2 on cpu (gloo)" in log
+        assert (
+            f"rank 0 of 2 is on n1 (127.0.0.1:{port}); this task is rank {rank} on {node}, node {rank} of 2"
+            in log
+        )
+        # n1's NodeAddr (scontrol show node n1) is loopback here, so gloo stays on lo.
+        assert f"joining 2 ranks at 127.0.0.1:{port} (gloo on lo)" in log
     capsys.readouterr()
     tail = ["--config-dir", str(folder), "--tail", "requeued/train"]
     assert launch.main([*tail, "--rank", "1"]) == 0
@@ -89,19 +95,20 @@ def test_two_gpus_train_as_two_ranks_and_a_requeue_resumes_both_to_the_same_adap
     assert "runs 2 task(s): --rank is one of 0-1" in capsys.readouterr().err
 
 
-def test_usr2_reaching_only_one_rank_stops_both_at_one_checkpoint_and_requeues(
-    repo_root, tmp_path, slurm_cluster, tiny, monkeypatch
+def test_usr2_reaching_only_the_rank_on_node_two_stops_both_at_one_checkpoint_and_requeues(
+    repo_root, tmp_path, two_node_cluster, tiny, monkeypatch
 ):
     # SLURM signals every task of the step; a signal that reaches one task only (a rank slow to install
-    # its handler, a user's `kill`) must not leave the other rank waiting in its next all-reduce.
+    # its handler, a user's `kill`) must not leave the other rank, on the other node, waiting in its next
+    # all-reduce.
     monkeypatch.chdir(repo_root)
-    folder = fault_experiment(repo_root, tmp_path, "signalled", epochs=8, save=1000, gpus=2)
+    folder = fault_experiment(repo_root, tmp_path, "signalled", epochs=8, save=1000, gpus=1, nodes=2)
     assert submit(folder) == 0
     run_dir = tmp_path / "runs" / "signalled" / "train"
     job_id = slurm_id(tmp_path, "signalled/train")
     wait_until(lambda: progress_step(run_dir) >= 4, "training under way")
     pids = wait_until(lambda: (found := task_pids(job_id)).keys() >= {0, 1} and found, "both task pids")
-    os.kill(pids[1], signal.SIGUSR2)  # rank 1 only
+    os.kill(pids[1], signal.SIGUSR2)  # rank 1 only, on n2
     assert submit(folder, "--wait") == 0  # the requeued job resumes and completes: no hang
     assert slurm_id(tmp_path, "signalled/train") == job_id
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -109,3 +116,35 @@ def test_usr2_reaching_only_one_rank_stops_both_at_one_checkpoint_and_requeues(
     resumed = step_of(Path(summary["resumed_from"]))
     assert 4 <= resumed < 8 * 15  # the one checkpoint both ranks stopped at (save_every_steps is 1000)
     assert_every_step_logged_once(run_dir, summary["global_step"])
+
+
+def sacct_state(job_id: str) -> str:
+    done = subprocess.run(
+        ["sacct", "-X", "-n", "-P", "-o", "State", "-j", job_id], capture_output=True, text=True
+    )
+    return done.stdout.strip()
+
+
+def test_kill_9_of_the_rank_on_node_two_fails_the_job_at_once_naming_rank_and_node(
+    repo_root, tmp_path, two_node_cluster, tiny, monkeypatch
+):
+    # A rank that dies (OOM killer, a node's fault) must not leave rank 0 waiting in its next all-reduce
+    # for the group's 30-minute timeout: srun --kill-on-bad-exit ends the step, the job FAILS.
+    from slurm.profile import load_profile
+    from slurm.status import plan_status
+    from tests.helpers import plan_for
+
+    monkeypatch.chdir(repo_root)
+    folder = fault_experiment(repo_root, tmp_path, "killed", epochs=8, save=1000, gpus=1, nodes=2)
+    assert submit(folder) == 0
+    run_dir = tmp_path / "runs" / "killed" / "train"
+    job_id = slurm_id(tmp_path, "killed/train")
+    wait_until(lambda: progress_step(run_dir) >= 4, "training under way")
+    pids = wait_until(lambda: (found := task_pids(job_id)).keys() >= {0, 1} and found, "both task pids")
+    killed_at = time.monotonic()
+    os.kill(pids[1], signal.SIGKILL)  # rank 1, on n2
+    wait_until(lambda: sacct_state(job_id) == "FAILED", "the job to fail", timeout_s=120)
+    assert time.monotonic() - killed_at < 60  # seconds, not a collective's timeout
+    statuses = {s.job.id: s for s in plan_status(plan_for(folder=folder), load_profile(folder)[0].log_dir)}
+    assert statuses["killed/train"].state.value == "FAILED"
+    assert "rank 1 on n2: Killed" in statuses["killed/train"].reason

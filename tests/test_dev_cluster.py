@@ -9,7 +9,8 @@ import subprocess
 from pathlib import Path
 
 from tests.conftest import ROOT, squeue_ids
-from tests.helpers import wait_until
+from tests.helpers import alive, wait_until
+from tests.helpers import job_pids as pids_of_job
 
 
 def sbatch(tmp_path: Path, command: str) -> str:
@@ -70,14 +71,16 @@ def test_a_restart_after_the_daemons_died_frees_the_node_of_the_jobs_of_their_pr
     running = sbatch(tmp_path, "sleep 300")
     waiting = sbatch(tmp_path, "sleep 300")
     wait_until(lambda: state(running) == "RUNNING", "the first job to run")
-    listed = subprocess.run(["scontrol", "listpids", running], capture_output=True, text=True, check=True)
-    job_pids = [int(line.split()[0]) for line in listed.stdout.splitlines()[1:]]
+    job_pids = [int(row[0]) for row in pids_of_job(running)]
     # slurmctld saves its state every few seconds; stopped with TERM it saves it now, so that both jobs are
     # in it whatever the timing. Everything on the node dies at once.
-    os.kill(int((slurm_cluster / "run" / "slurmctld.pid").read_text()), signal.SIGTERM)
-    wait_until(lambda: not live_pids("slurmctld"), "slurmctld to save its state and stop")
-    slurmd = int((slurm_cluster / "run" / "slurmd.pid").read_text())
-    for pid in [slurmd, *of_this_cluster(live_pids("slurmstepd"), slurm_cluster), *job_pids]:
+    slurmctld = (slurm_cluster / "run" / "slurmctld.pid").read_text().strip()
+    os.kill(int(slurmctld), signal.SIGTERM)
+    # This cluster's own: another cluster's slurmctld on the machine (a second state dir) is left alone.
+    wait_until(lambda: not alive(slurmctld), "slurmctld to save its state and stop")
+    # slurmd.pid, or slurmd-n1.pid and slurmd-n2.pid in the two-node layout (SLURM_DEV_NODES=2).
+    slurmds = [int(pidfile.read_text()) for pidfile in (slurm_cluster / "run").glob("slurmd*.pid")]
+    for pid in [*slurmds, *of_this_cluster(live_pids("slurmstepd"), slurm_cluster), *job_pids]:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     ours = lambda name: of_this_cluster(live_pids(name), slurm_cluster)  # noqa: E731

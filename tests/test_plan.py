@@ -73,6 +73,7 @@ def eval_resources_folder(tmp_path: Path) -> Path:
         big=sized("big", big),
         cpuonly=sized("cpuonly", '{gpus: 0, cpus: 4, mem_gb: 8, time: "02:00:00"}'),
         own=sized("own", '{gpus: 4, cpus: 16, mem_gb: 64, time: "06:00:00"}', own),
+        wide=sized("wide", '{gpus: 2, nodes: 2, cpus: 8, mem_gb: 32, time: "06:00:00", partition: multi}'),
     )
 
 
@@ -297,7 +298,11 @@ def sbatch_script(tmp_path: Path, job_id: str, parents: list[tuple[str, str]]) -
 
 @pytest.mark.parametrize(
     ("job_id", "parents", "golden"),
-    [("big/train", [], "train-4-gpus.sh"), ("big/eval", [("123", "afterok")], "eval-after-training.sh")],
+    [
+        ("big/train", [], "train-4-gpus.sh"),
+        ("big/eval", [("123", "afterok")], "eval-after-training.sh"),
+        ("wide/train", [], "train-2-nodes-x-2-gpus.sh"),
+    ],
 )
 def test_the_job_script_sbatch_gets_is_the_one_recorded(tmp_path, job_id, parents, golden):
     """A golden script, as submitit keeps `_sbatch_test_record.txt`: any change to what reaches sbatch

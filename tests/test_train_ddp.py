@@ -47,9 +47,15 @@ def free_port() -> int:
 
 
 def run_two_ranks(
-    tiny, run_dir: Path, stop_after: dict[int, int] | None = None, method: str = "lora", epochs: int = 1
+    tiny,
+    run_dir: Path,
+    stop_after: dict[int, int] | None = None,
+    method: str = "lora",
+    epochs: int = 1,
+    nodes: int = 1,
 ) -> list[dict]:
-    """Run the stage as 2 processes; each rank's {"outcome", "seen"}. A hang fails the test at the timeout."""
+    """Run the stage as 2 processes; each rank's {"outcome", "seen"}. A hang fails the test at the timeout.
+    `nodes=2`: each process is told what a task on a node of its own is told (LOCAL_RANK 0 of 1)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     job_path = run_dir.parent / f"{run_dir.name}.job.json"
     job_path.write_text(job(tiny, run_dir, batch_size=4, method=method, epochs=epochs).model_dump_json())
@@ -57,7 +63,8 @@ def run_two_ranks(
     for rank in range(2):
         env = os.environ | {
             "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
+            "LOCAL_RANK": str(rank if nodes == 1 else 0),
+            "LOCAL_WORLD_SIZE": str(2 // nodes),
             "WORLD_SIZE": "2",
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(port),
@@ -100,6 +107,17 @@ def test_each_example_of_the_epoch_is_seen_once_across_the_ranks(two_ranks):
     assert len(first) == len(second) == EXAMPLES // 2
     assert set(first).isdisjoint(second)
     assert sorted(first + second) == list(range(EXAMPLES))
+
+
+def test_two_ranks_on_two_nodes_train_the_adapter_of_two_ranks_on_one(two_ranks, tiny, tmp_path):
+    # Each a node's only rank (LOCAL_RANK 0 twice): nothing a node's "local main" does twice (the token
+    # cache, the run folder) may change what is trained. Only the all-reduce's order may differ.
+    straight, _ = two_ranks
+    run_dir = tmp_path / "two-nodes"
+    ranks = run_two_ranks(tiny, run_dir, nodes=2)
+    first, second = (r["seen"] for r in ranks)
+    assert sorted(first + second) == list(range(EXAMPLES)) and set(first).isdisjoint(second)
+    assert_same_adapter(straight, run_dir, relative=1e-4)
 
 
 def test_final_loss_matches_one_process_with_the_same_global_batch(two_ranks, tiny, tmp_path):
@@ -165,21 +183,6 @@ def test_a_stop_inside_the_second_epoch_resumes_to_the_same_adapter(tiny, tmp_pa
     resumed = run_two_ranks(tiny, run_dir, epochs=2)
     assert [r["outcome"] for r in resumed] == ["completed", "completed"]
     assert_same_adapter(straight, run_dir)
-
-
-def test_the_rendezvous_port_is_the_jobs_own_and_outside_the_ephemeral_range():
-    # submitit's port (20000-60000 from the job id) lies inside Linux's ephemeral range, where any outgoing
-    # connection on the node may already hold it: rank 0 then died with EADDRINUSE on the dev cluster.
-    from slurm.jobs import rendezvous_port
-
-    ports = {job: rendezvous_port(job, (32768, 60999)) for job in map(str, range(1000, 3000))}
-    assert all(10000 <= port < 32768 for port in ports.values())
-    assert len(set(ports.values())) > 1800  # spread: two jobs on a node rarely meet on one port
-    assert rendezvous_port("1708", (32768, 60999)) == ports["1708"]  # every task, every requeue: the same
-    # A node whose ephemeral range starts low: the ports above it.
-    assert all(61000 <= rendezvous_port(job, (1024, 60999)) <= 65535 for job in ("1", "2", "3"))
-    # A range that covers every port: no safe span is left, so submitit's own span (and never a crash).
-    assert all(20000 <= rendezvous_port(job, (1024, 65535)) <= 60000 for job in ("1", "2", "3"))
 
 
 def test_a_checkpoint_of_two_ranks_is_not_resumed_by_one(tiny, tmp_path):

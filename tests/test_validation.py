@@ -103,11 +103,11 @@ CASES = {
         "gpus: 9",
         ["a.yaml:7", "resources.gpus", "node of this cluster has 4"],
     ),
-    "several nodes": (
+    "eval on several nodes": (
         "a.yaml",
-        "gpus: 1,",
-        "gpus: 2, nodes: 2,",
-        ["a.yaml:7", "resources.nodes", "multi-node is not supported", "up to 4 GPUs of one node"],
+        "[exact_match]}",
+        "[exact_match], resources: {nodes: 2}}",
+        ["a.yaml:6", "eval.resources.nodes", "one process on one GPU of one node"],
     ),
     "eval on several gpus": (
         "a.yaml",

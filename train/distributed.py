@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -23,6 +25,18 @@ import torch.distributed as dist
 from train.device import Placement
 
 log = logging.getLogger(__name__)
+
+
+# Two stated waits (env, seconds). JOIN: every rank reaches rank 0's address and the group forms, before any
+# weight is loaded; a rank that cannot (a wrong address, a firewall, a node that never started) fails the
+# job within it, naming itself and the address:port it tried. PREPARE: what any later collective may wait,
+# e.g. the others at a barrier while rank 0 tokenizes for minutes (torch's own default, 30 minutes).
+JOIN_TIMEOUT_S = int(os.environ.get("LORA_JOIN_TIMEOUT_S", "120"))
+PREPARE_TIMEOUT_S = int(os.environ.get("LORA_PREPARE_TIMEOUT_S", "1800"))
+
+
+class JoinError(RuntimeError):
+    """The ranks did not form their group within JOIN_TIMEOUT_S: the message names who and where."""
 
 
 def join(placement: Placement) -> None:
@@ -35,20 +49,47 @@ def join(placement: Placement) -> None:
         # All ranks on this machine: gloo's own connections stay on loopback too, instead of the address
         # the host name resolves to (on a closed network a dropped connect hangs, it does not fail).
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    # Said before, not after: a rank that cannot reach rank 0 waits here silently until torch's timeout.
+    # Said before, not after: a rank that cannot reach rank 0 waits here until the join timeout.
     log.info(
-        "joining %d ranks at %s:%s (%s%s)",
+        "joining %d ranks at %s:%s (%s%s), join timeout %d s",
         placement.world_size,
         os.environ.get("MASTER_ADDR"),
         os.environ.get("MASTER_PORT"),
         placement.backend,
         f" on {os.environ['GLOO_SOCKET_IFNAME']}" if "GLOO_SOCKET_IFNAME" in os.environ else "",
+        JOIN_TIMEOUT_S,
     )
     dist.init_process_group(
         backend=placement.backend,
-        init_method="env://",
+        store=joined_store(placement.world_size),
+        rank=int(os.environ["RANK"]),
+        world_size=placement.world_size,
+        timeout=timedelta(seconds=PREPARE_TIMEOUT_S),
         device_id=torch.device(placement.device) if placement.cuda else None,
     )
+
+
+def joined_store(world_size: int, join_s: int | None = None) -> dist.TCPStore:
+    """The rendezvous store once every rank has reached it (rank 0 hosts it and waits for the others; the
+    others connect), within the join timeout; its later waits get the preparation timeout."""
+    join_s = JOIN_TIMEOUT_S if join_s is None else join_s
+    address, port, rank = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["RANK"])
+    try:
+        store = dist.TCPStore(
+            address, port, world_size, is_master=rank == 0, timeout=timedelta(seconds=join_s)
+        )
+    except (RuntimeError, OSError) as exc:
+        whom = (
+            f"rank 0 on {socket.gethostname()} waited for the other {world_size - 1} rank(s) at {address}:{port}"
+            if rank == 0
+            else f"rank {rank} on {socket.gethostname()} could not reach rank 0 at {address}:{port}"
+        )
+        raise JoinError(
+            f"{whom} for the join timeout ({join_s} s, LORA_JOIN_TIMEOUT_S); the group never formed, so no "
+            f"weights were loaded. Each rank's log names its node; torch said: {str(exc).splitlines()[0]}"
+        ) from None
+    store.set_timeout(timedelta(seconds=PREPARE_TIMEOUT_S))
+    return store
 
 
 def active() -> bool:

@@ -27,6 +27,7 @@ if [ -f "$STATE/run/slurmctld.pid" ] && running "$(cat "$STATE/run/slurmctld.pid
   while [ -n "$(squeue -h -t running,completing -o %i 2>/dev/null)" ] && [ $SECONDS -lt $end ]; do sleep 0.2; done
 fi
 stop "$STATE/run/slurmd.pid"     slurmd
+for f in "$STATE"/run/slurmd-*.pid; do [ -e "$f" ] && stop "$f" slurmd; done   # the two-node layout's
 stop "$STATE/run/slurmctld.pid"  slurmctld
 stop "$STATE/run/slurmdbd.pid"   slurmdbd
 stop "$STATE/db/mysqld.pid"      mariadbd

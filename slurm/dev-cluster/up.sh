@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# up.sh STATE_DIR — bring up a one-node Slurm 22.05 cluster (Debian 12 packages)
+# up.sh STATE_DIR — bring up a one-node (or two-node) Slurm 22.05 cluster (Debian 12 packages)
 # with munge auth, slurmdbd+MariaDB accounting (real sacct), and fake GPUs.
 # Idempotent: re-running with the same STATE_DIR starts only what is not running.
 # Everything (config, keys, sockets, pids, logs, DB) lives under STATE_DIR.
@@ -7,6 +7,9 @@
 #   SLURM_WITH_DBD=1 (0 = no slurmdbd/MariaDB; sacct then only works as `sacct -c`)
 #   SLURM_PORT_BASE=6817 (ctld=BASE, slurmd=BASE+1, dbd=BASE+2, mariadb=BASE+3)
 #   SLURM_PARTITION=debug
+#   SLURM_DEV_NODES=1 (2 = two nodes n1, n2 on this host, each slurmd in its own UTS namespace with its own
+#   port BASE+3+K and SLURM_FAKE_GPUS fake GPUs; `debug` and `short` stay on n1 alone, so a one-node test
+#   sees what it sees on the one-node layout, and partition `multi` spans both: see README.md)
 # With slurmdbd, limits are enforced as on a real cluster (AccountingStorageEnforce=associations,limits,qos):
 # the user gets an association (account `lab`) with QOS `normal` (default, no limits) and `limited`
 # (MaxSubmitJobsPerUser=3, MaxTRESPerUser=gres/gpu=2); partition `short` (MaxTime=10 min) shares the node.
@@ -17,6 +20,8 @@ mkdir -p "$STATE"; STATE=$(cd "$STATE" && pwd)
 CPUS=${SLURM_NODE_CPUS:-8}; GPUS=${SLURM_FAKE_GPUS:-4}; MEM=${SLURM_NODE_MEM_MB:-16000}
 WITH_DBD=${SLURM_WITH_DBD:-1}; BASE=${SLURM_PORT_BASE:-6817}; PART=${SLURM_PARTITION:-debug}
 CTLD_PORT=$BASE; SLURMD_PORT=$((BASE+1)); DBD_PORT=$((BASE+2)); DB_PORT=$((BASE+3))
+NODES=${SLURM_DEV_NODES:-1}
+case "$NODES" in 1|2) ;; *) echo "SLURM_DEV_NODES must be 1 or 2, not '$NODES'" >&2; exit 2;; esac
 log() { echo "[dev-cluster up $(date +%T)] $*" >&2; }
 
 # ---- 1. packages (only if missing) -------------------------------------------------
@@ -33,10 +38,21 @@ if [ $need = 1 ]; then
 fi
 
 # ---- 2. layout ---------------------------------------------------------------------
-NODE=$(hostname -s)
-if ! getent hosts "$NODE" >/dev/null; then   # srun/sbatch resolve the own hostname
-  log "WARNING: '$NODE' does not resolve; adding it to /etc/hosts"; echo "127.0.0.1 $NODE" >> /etc/hosts
+HOST=$(hostname -s)
+if ! getent hosts "$HOST" >/dev/null; then   # srun/sbatch resolve the own hostname
+  log "WARNING: '$HOST' does not resolve; adding it to /etc/hosts"; echo "127.0.0.1 $HOST" >> /etc/hosts
 fi
+if [ "$NODES" = 1 ]; then
+  NODE_NAMES=$HOST
+else
+  # Debian's slurmd is not built with --enable-multiple-slurmd: two plain daemons on one host both claim
+  # node 0 of a two-node step. Each runs in its own UTS namespace as host nK instead
+  # (../../shared/notes/two-node-slurm.md); a job's ranks then see their node's name, which must resolve.
+  NODE_NAMES="n1 n2"
+  HOSTS_MARK="# lora dev cluster: two nodes on this host (slurm/dev-cluster/up.sh)"
+  grep -qxF "127.0.0.1 n1 n2 $HOSTS_MARK" /etc/hosts || echo "127.0.0.1 n1 n2 $HOSTS_MARK" >> /etc/hosts
+fi
+NODE=${NODE_NAMES%% *}   # the node of the one-node partitions
 mkdir -p "$STATE"/{etc,log,run,ctld,spool,dev,munge,db}
 chmod 755 "$STATE/munge"            # munged: socket dir must be a+x
 KEY="$STATE/munge/munge.key"
@@ -59,13 +75,27 @@ fi
 GRESNODE=""; GRESTYPES=""
 if [ "$GPUS" -gt 0 ]; then
   GRESNODE="Gres=gpu:$GPUS"; GRESTYPES="GresTypes=gpu"
-  echo "NodeName=$NODE Name=gpu File=$STATE/dev/gpu[0-$((GPUS-1))]" > "$STATE/etc/gres.conf"
+  for N in $NODE_NAMES; do echo "NodeName=$N Name=gpu File=$STATE/dev/gpu[0-$((GPUS-1))]"; done > "$STATE/etc/gres.conf"
 else
   : > "$STATE/etc/gres.conf"
 fi
+if [ "$NODES" = 1 ]; then
+  SLURMD_FILES="SlurmdSpoolDir=$STATE/spool
+SlurmdPidFile=$STATE/run/slurmd.pid
+SlurmdLogFile=$STATE/log/slurmd.log"
+  NODE_LINES="NodeName=$NODE NodeAddr=127.0.0.1 CPUs=$CPUS RealMemory=$MEM $GRESNODE State=UNKNOWN"
+  MULTI=""
+else
+  SLURMD_FILES="SlurmdSpoolDir=$STATE/spool/%n
+SlurmdPidFile=$STATE/run/slurmd-%n.pid
+SlurmdLogFile=$STATE/log/slurmd-%n.log"
+  NODE_LINES="NodeName=n1 NodeHostname=n1 NodeAddr=127.0.0.1 Port=$((BASE+4)) CPUs=$CPUS RealMemory=$MEM $GRESNODE State=UNKNOWN
+NodeName=n2 NodeHostname=n2 NodeAddr=127.0.0.1 Port=$((BASE+5)) CPUs=$CPUS RealMemory=$MEM $GRESNODE State=UNKNOWN"
+  MULTI="PartitionName=multi Nodes=n1,n2 Default=NO MaxTime=INFINITE State=UP"
+fi
 cat > "$STATE/etc/slurm.conf" <<EOF
 ClusterName=testcluster
-SlurmctldHost=$NODE(127.0.0.1)
+SlurmctldHost=$HOST(127.0.0.1)
 SlurmctldPort=$CTLD_PORT
 SlurmdPort=$SLURMD_PORT
 AuthType=auth/munge
@@ -74,11 +104,9 @@ AuthInfo=socket=$MSOCK,cred_expire=10
 SlurmUser=root
 SlurmdUser=root
 StateSaveLocation=$STATE/ctld
-SlurmdSpoolDir=$STATE/spool
 SlurmctldPidFile=$STATE/run/slurmctld.pid
-SlurmdPidFile=$STATE/run/slurmd.pid
 SlurmctldLogFile=$STATE/log/slurmctld.log
-SlurmdLogFile=$STATE/log/slurmd.log
+$SLURMD_FILES
 SlurmctldDebug=info
 SlurmdDebug=info
 ProctrackType=proctrack/linuxproc
@@ -102,10 +130,11 @@ KillWait=5
 InactiveLimit=0
 Waittime=0
 $GRESTYPES
-NodeName=$NODE NodeAddr=127.0.0.1 CPUs=$CPUS RealMemory=$MEM $GRESNODE State=UNKNOWN
+$NODE_LINES
 PartitionName=$PART Nodes=$NODE Default=YES MaxTime=INFINITE State=UP
 PartitionName=short Nodes=$NODE Default=NO MaxTime=10 State=UP
 EOF
+[ -z "$MULTI" ] || echo "$MULTI" >> "$STATE/etc/slurm.conf"
 export SLURM_CONF="$STATE/etc/slurm.conf"
 CHANGED=0; [ "$OLDSUM" = "$(cat "$STATE/etc/slurm.conf" "$STATE/etc/gres.conf" | md5sum)" ] || CHANGED=1
 echo "export SLURM_CONF=$SLURM_CONF" > "$STATE/env.sh"
@@ -209,23 +238,28 @@ if [ "$WITH_DBD" = 1 ]; then
     || sacctmgr -i modify user where name="$ME" set defaultaccount=lab >/dev/null
 fi
 LEFTOVERS=0
-if ! alive "$STATE/run/slurmd.pid" slurmd; then
+for N in $NODE_NAMES; do
+  if [ "$NODES" = 1 ]; then PIDFILE="$STATE/run/slurmd.pid"; else PIDFILE="$STATE/run/slurmd-$N.pid"; fi
+  alive "$PIDFILE" slurmd && continue
   # No slurmd and no slurmstepd: no job of this node can be alive, yet slurmctld recovers the jobs of the
   # cluster's previous life from its state (a stopped machine, a killed session) and believes them
   # running until their time limit, holding the GPUs: seen on CI, where they starved the first tests.
   ps -eo stat=,comm= | awk '$1 !~ /^Z/ && $2 == "slurmstepd" {found=1} END {exit !found}' || LEFTOVERS=1
-  slurmd -f "$SLURM_CONF"
-fi
-node_ok() { case "$(sinfo -h -n "$NODE" -o %T)" in idle|mixed|allocated) return 0;; *) return 1;; esac; }
-if ! waitfor 20 "node $NODE idle" node_ok; then
-  log "node state: $(sinfo -h -n "$NODE" -o '%T %E'); trying resume"
-  scontrol update nodename="$NODE" state=resume || true
-  waitfor 20 "node $NODE idle" node_ok || { tail -20 "$STATE/log/slurmctld.log" "$STATE/log/slurmd.log" >&2; exit 1; }
-fi
+  if [ "$NODES" = 1 ]; then slurmd -f "$SLURM_CONF"
+  else unshare --uts sh -c "hostname $N && exec slurmd -f '$SLURM_CONF' -N $N"; fi
+done
+for N in $NODE_NAMES; do
+  node_ok() { case "$(sinfo -h -n "$N" -o %T)" in idle|mixed|allocated) return 0;; *) return 1;; esac; }
+  if ! waitfor 20 "node $N idle" node_ok; then
+    log "node state: $(sinfo -h -n "$N" -o '%T %E'); trying resume"
+    scontrol update nodename="$N" state=resume || true
+    waitfor 20 "node $N idle" node_ok || { tail -20 "$STATE/log/slurmctld.log" "$STATE"/log/slurmd*.log >&2; exit 1; }
+  fi
+done
 if [ $LEFTOVERS = 1 ] && [ -n "$(squeue -h -o %i)" ]; then
   log "cancelling $(squeue -h -o %i | wc -l) job(s) left from the cluster's previous run (their processes ended with it)"
   scancel $(squeue -h -o %i)
   waitfor 60 "the leftover jobs to end" bash -c '[ -z "$(squeue -h -o %i)" ]'
 fi
-log "cluster up: SLURM_CONF=$SLURM_CONF node=$NODE cpus=$CPUS gpus=$GPUS dbd=$WITH_DBD"
+log "cluster up: SLURM_CONF=$SLURM_CONF nodes=${NODE_NAMES// /,} cpus=$CPUS gpus=$GPUS (per node) dbd=$WITH_DBD"
 cat "$STATE/env.sh"
