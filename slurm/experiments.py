@@ -175,7 +175,7 @@ def expanded(
     try:
         sweep = expand(block, name)
     except SweepError as exc:
-        return [], [to_problem(error, chain, ("sweep",)) for error in exc.errors]
+        return [], [to_problem(error, chain, ("sweep",)) for error in one_per_value(exc.errors)]
     base = {key: value for key, value in raw.items() if key != "sweep"}
     points = []
     for point in sweep.points:
@@ -394,7 +394,35 @@ def validate_experiment(raw: dict, chain: list[YamlFile]) -> tuple[Experiment | 
     try:
         return Experiment.model_validate(raw), []
     except ValidationError as exc:
-        return None, [to_problem(error, chain) for error in exc.errors()]
+        return None, [to_problem(error, chain) for error in one_per_value(exc.errors())]
+
+
+# How pydantic names the member of a union (`int | Literal['auto']`) a failed check belongs to, at the end
+# of an error's place: `literal['auto']`, `function-after[...]`, `int`, `list[str]`, a model's name.
+UNION_MEMBER = re.compile(r"(literal|function-\w+|list|dict|tuple|set)\[.*|int|float|str|bool|none|[A-Z]\w*")
+
+
+def one_per_value(errors: list[dict]) -> list[dict]:
+    """pydantic's errors with a union's members folded into one error per value: `micro_batch: eight` is one
+    problem ("should be 'auto' or a valid integer"), not one per type it could have been. A member's own
+    message (a value_error, e.g. "true is a yes/no") says more than the others' "should be", and wins."""
+    folded: dict[tuple, list[dict]] = {}
+    for error in errors:
+        loc = tuple(error["loc"])
+        while loc and isinstance(loc[-1], str) and UNION_MEMBER.fullmatch(loc[-1]):
+            loc = loc[:-1]
+        folded.setdefault(loc, []).append({**error, "loc": loc})
+    return [merged(group) for group in folded.values()]
+
+
+def merged(group: list[dict]) -> dict:
+    if len(group) == 1:
+        return group[0]
+    own = [error for error in group if error["type"] in ("value_error", "assertion_error")]
+    if own:
+        return own[0]
+    wants = [error["msg"].removeprefix("Input should be ") for error in group]
+    return {**group[-1], "msg": "Input should be " + " or ".join(dict.fromkeys(wants))}
 
 
 def to_problem(error: dict, chain: list[YamlFile], prefix: tuple = ()) -> Problem:
@@ -456,7 +484,7 @@ def resolve_stages(
             try:
                 specs[section] = model.model_validate(merged)
             except ValidationError as exc:
-                for error in exc.errors():
+                for error in one_per_value(exc.errors()):
                     # A mistake in the experiment's own section was reported already; report the stage's.
                     if error["loc"] and error["loc"][0] in getattr(stage, section):
                         problems.append(to_problem(error, chain, ("stages", index, section)))
