@@ -110,50 +110,123 @@ def load_with_overrides(path: Path, config_dir: Path, overrides: dict | None) ->
 def load_experiments(
     config_dir: Path, profile: ClusterProfile, overrides: dict | None = None, names: list[str] | None = None
 ) -> list[LoadedExperiment]:
-    """Load and check every experiment in `config_dir`; raise ConfigError listing all problems.
+    """load_selected's experiments, its warnings left out."""
+    return load_selected(config_dir, profile, overrides, names)[0]
 
-    All files are checked even when `names` selects a few, so a broken neighbour is found now, not later.
+
+def load_selected(
+    config_dir: Path, profile: ClusterProfile, overrides: dict | None = None, names: list[str] | None = None
+) -> tuple[list[LoadedExperiment], list[Problem]]:
+    """Load and check every experiment in `config_dir`: the experiments `names` selects (all without it)
+    and the problems found in files they do not need, as warnings; raise ConfigError listing all problems.
+
+    All files are checked even when `names` selects a few, so a broken neighbour is found now, not later;
+    but a named experiment is judged on what it needs (its file and what that inherits, the experiments it
+    waits on with `after:`), not held hostage by a sibling's malformed eval file. --all needs everything.
     """
-    problems: list[Problem] = []
+    problems_of: dict[Path, list[Problem]] = {}  # each experiment file's problems, its fragments' included
     loaded: list[LoadedExperiment] = []
-    written: set[str] = set()  # every name a file gives, valid or not
+    written: dict[str, Path] = {}  # every name a file gives, valid or not
     files = experiment_files(config_dir)
     if not files:
         raise ConfigError([Problem(str(config_dir), "", "holds no experiment YAML files (*.yaml)")])
     held_from = run_root_experiments(Path(profile.run_dir))
     held = frozenset(held_from)
     for path in files:
+        problems = problems_of.setdefault(path, [])
         try:
             raw, chain = load_with_overrides(path, config_dir, overrides)
         except YamlProblem as exc:
             problems.append(exc.problem)
             continue
-        written.add(str(raw.get("name")))
+        written[str(raw.get("name"))] = path
         points, found = expanded(raw, chain, held)
         problems += found
         for raw, chain, member in points:
             experiment, found = validate_experiment(raw, chain)
             problems += of_point(found, member)
             if experiment is not None:
-                stages, found = resolve_stages(experiment, raw, chain)
-                found += (
-                    check_files(experiment, stages, chain)
-                    + check_resources(experiment, profile, chain)
-                    + check_auto_time(experiment, stages, chain)
-                    + check_select(experiment, member, chain)
-                    + check_prune(experiment, stages, member, chain)
-                    + check_kind(experiment, chain)
-                    + check_chat_template(experiment, stages, chain)
-                )
+                stages, found = checked(experiment, raw, chain, member, profile)
                 problems += of_point(found, member)
                 loaded.append(LoadedExperiment(experiment, path, tuple(stages), member))
     loaded = after_whole_sweeps(loaded)
-    problems += check_names(loaded, names, written) + same_runs(loaded)
-    problems += sweeps_named_as_others(loaded, held_from, config_dir, Path(profile.run_dir))
-    problems = list(dict.fromkeys(problems))  # one sweep's points share the problems of their block
-    if any(not p.warning for p in problems):
-        raise ConfigError(problems)
-    return [e for e in loaded if chosen(e, names)]
+    across = check_names(loaded, names, set(written)) + same_runs(loaded)
+    across += sweeps_named_as_others(loaded, held_from, config_dir, Path(profile.run_dir))
+    for problem in across:  # a check across files blames one file: it is that file's problem
+        problems_of.setdefault(Path(problem.file), []).append(problem)
+    errors, warnings = sorted_out(problems_of, needed_files(loaded, names, written), files)
+    if errors:
+        raise ConfigError(errors + warnings)
+    return [e for e in loaded if chosen(e, names)], warnings
+
+
+def checked(
+    experiment: Experiment,
+    raw: dict,
+    chain: list[YamlFile],
+    member: SweepMember | None,
+    profile: ClusterProfile,
+) -> tuple[list[Stage], list[Problem]]:
+    """A valid experiment's stages, and what the checks beyond its schema find."""
+    stages, found = resolve_stages(experiment, raw, chain)
+    return stages, found + (
+        check_files(experiment, stages, chain)
+        + check_resources(experiment, profile, chain)
+        + check_auto_time(experiment, stages, chain)
+        + check_select(experiment, member, chain)
+        + check_prune(experiment, stages, member, chain)
+        + check_kind(experiment, chain)
+        + check_chat_template(experiment, stages, chain)
+    )
+
+
+def sorted_out(
+    problems_of: dict[Path, list[Problem]], needed: set[Path] | None, files: list[Path]
+) -> tuple[list[Problem], list[Problem]]:
+    """The errors (problems of the needed experiment files, and of no experiment file) and the warnings
+    (problems of the others, marked skipped). A shared fragment's mistake that a needed file meets too is
+    that file's error, and not also a warning."""
+    counted = [
+        (p, None if needed is None or path in needed or path not in files else path)
+        for path, found in problems_of.items()
+        for p in found
+    ]
+    errors = list(dict.fromkeys(p for p, skipped in counted if skipped is None and not p.warning))
+    warnings = [
+        p
+        if skipped is None
+        else replace(p, warning=True, message=f"{p.message} ({skipped.name}: not needed by --exp, skipped)")
+        for p, skipped in dict.fromkeys(counted)
+        if (skipped is None and p.warning)
+        or (skipped is not None and replace(p, warning=False) not in errors)
+    ]
+    return errors, warnings
+
+
+def needed_files(
+    loaded: list[LoadedExperiment], names: list[str] | None, written: dict[str, Path]
+) -> set[Path] | None:
+    """The experiment files that launching `names` needs: theirs and those of the experiments they wait on
+    (`after:`, transitively; a sweep's name stands for its points); None (every file) without names, or
+    where a name in that chain is given by no file that loaded (it may be a file that did not parse)."""
+    if not names:
+        return None
+    file_of = dict(written) | {e.name: e.file for e in loaded}
+    points: dict[str, list[str]] = {}
+    for item in loaded:
+        if item.sweep is not None:
+            points.setdefault(item.sweep.sweep, []).append(item.name)
+    waits_on = {e.name: e.experiment.after for e in loaded}
+    todo, seen = list(names), set()
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        if name not in file_of and name not in points:
+            return None
+        seen.add(name)
+        todo += waits_on.get(name, []) + points.get(name, [])
+    return {file_of[name] for name in seen if name in file_of}
 
 
 def chosen(loaded: LoadedExperiment, names: list[str] | None) -> bool:

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from slurm.commands.launch import run_preflight
-from slurm.experiments import load_experiments, parse_overrides
+from slurm.experiments import load_selected, parse_overrides
 from slurm.plan import build_plan, with_exports
 from slurm.queueing import submit
-from slurm.render import out
+from slurm.render import err, out
 from slurm.request import LaunchRequest
 
 
@@ -20,7 +20,9 @@ def export(request: LaunchRequest, profile) -> int:
         list(request.experiments) if request.experiments else None
     )
     overrides = parse_overrides(list(request.overrides))
-    experiments = load_experiments(request.config_dir, profile, overrides, names)
+    experiments, others = load_selected(request.config_dir, profile, overrides, names)
+    for problem in others:
+        err.print(f"[yellow]warning:[/] {problem}", highlight=False, soft_wrap=True)
     files = {e.name: str(e.file) for e in experiments}
     targets = export_targets(asked, experiments)
     plan = with_exports(build_plan(experiments, profile), targets, request.export_format == "gguf")
