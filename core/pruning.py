@@ -144,3 +144,21 @@ def mark_pruned(run_dir: Path, record: RungRecord, evaluate: bool = True) -> Non
     """The stage's own note that it stopped at a rung (RunDir.pruned): --status, the report and the eval
     read it (`evaluate`: prune.eval_pruned); its DONE, written when the stage ends, says it ended."""
     write_json_atomic(RunDir(run_dir).pruned, {**asdict(record), "evaluate": evaluate}, indent=1)
+
+
+def decided_text(decided: dict, min_points: int | None = None) -> str:
+    """A rung's decision in words, from a RungRecord's fields (a PRUNED file's, read tolerantly: a missing
+    figure is left out): `rung 1: eval_loss 3.21 > cutoff 1.15 of 4 runs: stop`. A loss that is no number
+    (NaN, or null in strict JSON) says so: it stops at once, with no cutoff (before: "at a rung")."""
+    rung, loss, cutoff, points = (decided.get(k) for k in ("rung", "eval_loss", "cutoff", "points"))
+    where = f"rung {rung:g}" if isinstance(rung, (int, float)) else "a rung"
+    verdict = "stop" if decided.get("stop", True) else "go on"
+    if not isinstance(loss, (int, float)) or not math.isfinite(loss):
+        return f"{where}: eval_loss is not a number ({loss}: the eval diverged): {verdict}"
+    if cutoff is None:
+        fewer = f" (fewer than min_points {min_points})" if min_points is not None else ""
+        counted = f"{points} run(s) recorded{fewer}" if points is not None else "no cutoff"
+        return f"{where}: eval_loss {loss:.4g}, {counted}: {verdict}"
+    sign = ">" if loss > cutoff else "<="
+    of = f" of {points} runs" if points is not None else ""
+    return f"{where}: eval_loss {loss:.4g} {sign} cutoff {cutoff:.4g}{of}: {verdict}"

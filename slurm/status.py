@@ -8,6 +8,7 @@ from pathlib import Path
 
 from core.config import ascii_int, what_it_computes
 from core.durations import read_duration
+from core.pruning import decided_text
 from core.rundir import (
     PROGRESS_FIELDS,
     UNREADABLE,
@@ -231,13 +232,7 @@ def job_status(
 
 def pruned_reason(pruned: dict) -> str:
     """Where a pruned run stopped and why: `at rung 1: eval_loss 3.21 > cutoff 1.15 of 4 runs`."""
-    if not pruned:
-        return ""
-    figures = [pruned.get(key) for key in ("rung", "eval_loss", "cutoff", "points")]
-    if None in figures:
-        return "at a rung"
-    rung, loss, cutoff, points = figures
-    return f"at rung {rung:g}: eval_loss {loss:.4g} > cutoff {cutoff:.4g} of {points} runs"
+    return "at " + decided_text(pruned).removesuffix(": stop") if pruned else ""
 
 
 def another_config(job, run_dir: Path) -> str:

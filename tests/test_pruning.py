@@ -126,3 +126,42 @@ def test_two_processes_deciding_at_once_each_see_every_earlier_decision(tmp_path
     records = rung_records(tmp_path, "sw", 1)
     assert len(records) == 120 and len(rung_file(tmp_path, "sw", 1).read_text().splitlines()) == 120
     assert [r.points for r in records] == list(range(1, 121))
+
+
+def test_a_run_pruned_for_a_nan_loss_says_so_in_status_not_at_a_rung(tmp_path):
+    """Before: --status said only "PRUNED at a rung" for a run whose eval loss was NaN (no cutoff)."""
+    from core.pruning import RungRecord, mark_pruned
+    from core.rundir import RunDir
+    from slurm.status import pruned_reason
+
+    decided = decision(math.nan, [math.nan, 1.0, 2.0], keep=0.5, min_points=3)
+    mark_pruned(
+        tmp_path, RungRecord("p-s1", "h", 1.0, math.nan, decided.stop, decided.cutoff, decided.points)
+    )
+    reason = pruned_reason(RunDir(tmp_path).read_pruned())
+    assert reason.startswith("at rung 1: eval_loss is not a number") and "diverged" in reason
+    # The same when a strict-JSON writer records the loss as null.
+    assert "eval_loss is not a number" in pruned_reason({"rung": 1, "points": 3, "stop": True})
+
+
+@pytest.mark.parametrize(
+    "record, said",
+    [
+        (
+            {"rung": 1, "eval_loss": 3.21, "cutoff": 1.15, "points": 4, "stop": True},
+            "> cutoff 1.15 of 4 runs: stop",
+        ),
+        (
+            {"rung": 2, "eval_loss": 1.0, "cutoff": 1.15, "points": 4, "stop": False},
+            "<= cutoff 1.15 of 4 runs: go on",
+        ),
+        (
+            {"rung": 1, "eval_loss": 1.0, "cutoff": None, "points": 2, "stop": False},
+            "2 run(s) recorded (fewer than min_points 3): go on",
+        ),
+    ],
+)
+def test_each_rungs_decision_reads_with_its_loss_cutoff_and_verdict(record, said):
+    from core.pruning import decided_text
+
+    assert decided_text(record, min_points=3).endswith(said)
