@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import getpass
+import time
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 
 from core.config import ascii_int, what_it_computes
-from core.durations import read_duration
+from core.durations import read_duration, slurm_time
 from core.pruning import decided_text
 from core.rundir import (
     PROGRESS_FIELDS,
@@ -186,12 +188,16 @@ def job_status(
         return JobStatus(job, State.UNKNOWN, reason=f"{run_dir}/DONE cannot be read", **common)
     if is_done(run_dir, job.config_hash, job.kind):
         pruned = RunDir(run_dir).read_pruned() if job.kind == "train" else {}
+        if backend == "local" and submitted is not None:
+            elapsed = local_elapsed(submitted, record, running=False)
+        else:
+            elapsed = scheduler.get(scheduler_id, SchedulerInfo(State.COMPLETED)).elapsed
         return JobStatus(
             job,
             State.PRUNED if pruned else State.COMPLETED,
             reason=pruned_reason(pruned),
             **common,
-            elapsed=scheduler.get(scheduler_id, SchedulerInfo(State.COMPLETED)).elapsed,
+            elapsed=elapsed,
         )
     failed_parent = next(
         (
@@ -288,11 +294,41 @@ def _submitit_job(log_root: str, plan_id: str, record: JobRecord):
 
 
 def local_info(submitted, record: JobRecord) -> SchedulerInfo:
-    """A local job runs while its submitit controller does; once ended without DONE, why it failed."""
+    """A local job runs while its submitit controller does; once ended without DONE, why it failed. Its
+    elapsed time is its own clock's (local_elapsed): no scheduler keeps one."""
     from slurm.scheduler import local_alive, local_failure
 
     if local_alive(submitted):
-        return SchedulerInfo(State.RUNNING)
+        return SchedulerInfo(State.RUNNING, elapsed=local_elapsed(submitted, record, running=True))
+    elapsed = local_elapsed(submitted, record, running=False)
     if record.cancelled_at:
-        return SchedulerInfo(State.CANCELLED, f"cancelled at {record.cancelled_at}")
-    return SchedulerInfo(State.FAILED, local_failure(submitted))
+        return SchedulerInfo(State.CANCELLED, f"cancelled at {record.cancelled_at}", elapsed)
+    return SchedulerInfo(State.FAILED, local_failure(submitted), elapsed)
+
+
+def local_elapsed(submitted, record: JobRecord, running: bool) -> str:
+    """A local job's elapsed time as squeue writes a SLURM job's (`01:02:03`): from its submission (its
+    submitted pickle, else job.json's submitted_at) to now while it runs, else to the last file it wrote
+    (its result, its log); "" when its files are gone. Before: blank for every local job."""
+    paths = submitted.paths
+    started = file_time(paths.submitted_pickle) or submitted_at(record)
+    ended = (
+        time.time()
+        if running
+        else max(filter(None, (file_time(paths.result_pickle), file_time(paths.stdout))), default=None)
+    )
+    return slurm_time(max(0, round(ended - started))) if started and ended else ""
+
+
+def file_time(path: Path) -> float | None:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return None
+
+
+def submitted_at(record: JobRecord) -> float | None:
+    try:
+        return datetime.strptime(record.submitted_at, "%Y-%m-%dT%H:%M:%S").timestamp()
+    except (TypeError, ValueError):
+        return None

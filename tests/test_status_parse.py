@@ -197,3 +197,29 @@ def test_an_eta_past_a_day_keeps_its_days():
     assert format_eta(93_600) == "1-02:00:00"
     assert format_eta(3_723.4) == "01:02:03"
     assert format_eta(None) == format_eta(float("inf")) == ""
+
+
+def test_a_local_jobs_elapsed_is_its_own_clock_not_blank(tmp_path):
+    """Before: --status left `elapsed` blank for every local job (no scheduler keeps its time). Its files
+    as submitit lays them out, dated: submitted at t, its log last written 95 s later."""
+    import os
+    import time
+
+    from core.rundir import JobRecord
+    from slurm.scheduler import RecordedLocalJob
+    from slurm.status import local_elapsed
+
+    job = RecordedLocalJob(tmp_path, "4242")
+    start = time.time() - 3600
+    for path, when in ((job.paths.submitted_pickle, start), (job.paths.stdout, start + 95)):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("")
+        os.utime(path, (when, when))
+    record = JobRecord("4242", backend="local")
+    assert local_elapsed(job, record, running=False) == "00:01:35"
+    assert local_elapsed(job, record, running=True) in ("01:00:00", "01:00:01")
+    job.paths.submitted_pickle.unlink()  # gone: job.json's submission time is the start
+    stamped = JobRecord(
+        "4242", backend="local", submitted_at=time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(start))
+    )
+    assert local_elapsed(job, stamped, running=False) in ("00:01:35", "00:01:34")
