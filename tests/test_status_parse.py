@@ -223,3 +223,37 @@ def test_a_local_jobs_elapsed_is_its_own_clock_not_blank(tmp_path):
         "4242", backend="local", submitted_at=time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(start))
     )
     assert local_elapsed(job, stamped, running=False) in ("00:01:35", "00:01:34")
+
+
+def test_a_job_the_user_cancelled_shows_no_traceback_nor_fix_the_cause(tmp_path):
+    """Before: --status printed the cancelled job's KeyboardInterrupt traceback from its log and "Fix the
+    cause, then: python launch.py --retry-failed", as for a crash."""
+    from slurm.experiments import load_experiments
+    from slurm.plan import build_plan
+    from slurm.profile import load_profile
+    from slurm.render import problem_lines
+    from slurm.status import JobStatus
+    from tests.helpers import experiment_folder
+
+    folder = experiment_folder(tmp_path)
+    profile, _ = load_profile(folder)
+    train, evaluation = build_plan(load_experiments(folder, profile), profile).jobs[:2]
+    log = tmp_path / "job.log"
+    log.write_text('Traceback (most recent call last):\n  File "x.py", line 1\nKeyboardInterrupt\n')
+    cancelled = JobStatus(
+        train,
+        State.CANCELLED,
+        reason="cancelled at 2026-11-28T07:00:00",
+        scheduler_id="99",
+        log_path=str(log),
+        backend="local",
+    )
+    lines = problem_lines([cancelled])
+    assert lines == [
+        f"{train.id}: CANCELLED (local pid 99, cancelled at 2026-11-28T07:00:00): stopped as asked, not failed; "
+        "the same launch (or --retry-failed) runs it again"
+    ]
+    failed = JobStatus(evaluation, State.FAILED, reason="ValueError: x", scheduler_id="7", log_path=str(log))
+    assert "Fix the cause, then: python launch.py --retry-failed (same --config-dir)" in problem_lines(
+        [cancelled, failed]
+    )
