@@ -257,3 +257,15 @@ def test_a_job_the_user_cancelled_shows_no_traceback_nor_fix_the_cause(tmp_path)
     assert "Fix the cause, then: python launch.py --retry-failed (same --config-dir)" in problem_lines(
         [cancelled, failed]
     )
+
+
+def test_tail_of_an_unknown_experiment_names_the_run_root_it_looked_in(tmp_path, capsys):
+    """Before: `--tail EXP` said "no experiment 'EXP'" without saying where it had looked (the default
+    folder's run root), so a user whose runs were under another run root could not tell why."""
+    import launch
+    from tests.helpers import experiment_folder
+
+    folder = experiment_folder(tmp_path)
+    assert launch.main(["--tail", "b", "--config-dir", str(folder)]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"--tail: no experiment 'b' in the run root {tmp_path / 'runs'}/" in err and "--config-dir" in err
