@@ -194,13 +194,18 @@ class LengthReport:
     truncated_at: dict[int, int]  # fixed length → how many examples it would cut
 
     def describe(self) -> str:
+        """What the lengths used cut, then, apart, what fixed lengths would have cut (before: "truncated: 0
+        inputs" beside "examples truncated at fixed lengths: 2 at 128" read as a contradiction)."""
         cuts = ", ".join(f"{n} at {length}" for length, n in self.truncated_at.items())
-        target = f", max_target_length {self.max_target_length}" if self.max_target_length else ""
-        cut_targets = f", {self.targets_truncated} targets" if self.max_target_length else ""
+        cut_targets = (
+            f"; at max_target_length {self.max_target_length}: {self.targets_truncated} targets cut"
+            if self.max_target_length
+            else ""
+        )
         return (
-            f"longest example {self.longest} tokens (target {self.longest_target}); max_length "
-            f"{self.max_length}{target}; truncated: {self.inputs_truncated} inputs{cut_targets}; "
-            f"examples truncated at fixed lengths: {cuts}"
+            f"longest example {self.longest} tokens (target {self.longest_target}); at max_length "
+            f"{self.max_length}: {self.inputs_truncated} examples cut{cut_targets}; a fixed max_length "
+            f"instead would cut: {cuts}"
         )
 
 
