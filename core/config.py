@@ -485,6 +485,10 @@ class EvalSpec(Section):
     limit: Annotated[Int, Field(ge=1)] | None = Field(
         None, description="score only the first N eval examples"
     )
+    # A conversation of several exchanges: score its last assistant turn only (the prompt is everything
+    # before it), or every assistant turn, each given the conversation before it as written (`all`). Left
+    # out of the spec (and so of its hash) at its default, as `split`.
+    turns: Literal["last", "all"] = Field("last", exclude_if=lambda turns: turns == "last")
 
     @model_validator(mode="after")
     def _metrics_have_their_inputs(self):
@@ -586,6 +590,17 @@ class Experiment(Section):
                 "data.chat_template and train_on are for causal and image-text models: a seq2seq model reads "
                 "an alpaca example as input (instruction and input) and target (output); remove them"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _turns_of_a_conversation(self):
+        if self.eval.turns == "all" and self.data.format not in ("messages", "sharegpt"):
+            raise ValueError(
+                f"eval.turns: all scores every assistant turn of a conversation, and data.format "
+                f"{self.data.format} has one answer per example: remove it (or use messages or sharegpt data)"
+            )
+        if self.eval.turns == "all" and self.model.kind == "image-text":
+            raise ValueError("eval.turns: all is not supported for image-text data yet: remove it")
         return self
 
     @field_validator("stages")

@@ -56,6 +56,7 @@ COLUMNS = (
     "cost",
     "best_eval_loss",
     "eval_split",
+    "eval_turns",
     *REPORT_COLUMNS.values(),
 )
 
@@ -153,6 +154,7 @@ def experiment_row(jobs: list[JobRun], experiment: str, job_rows: dict[str, dict
         "best_eval_loss": min(finite) if (finite := [v for v in losses if math.isfinite(v)]) else None,
     }
     row["eval_split"] = split_marker(results)
+    row["eval_turns"] = turns_marker(results)
     row.update({column: results.get(key) for key, column in REPORT_COLUMNS.items()})
     return row
 
@@ -189,6 +191,15 @@ def split_marker(results: dict) -> str | None:
     """Which data the scores come from; scores on the training data are flagged, never mistaken for eval."""
     split = results.get("split")
     return "TRAIN (scored on training data)" if split == "train" else split
+
+
+def turns_marker(results: dict) -> str | None:
+    """Which assistant turns of conversations were scored (eval.turns): `last`, or `all (57 answers)`;
+    None for data that is no conversation."""
+    turns = results.get("turns")
+    if turns == "all":
+        return f"all ({results.get('answers_scored', '?')} answers)"
+    return turns
 
 
 UNCHANGED = "complete (adapter did not change outputs!)"  # done, but the adapter changed no prediction
@@ -233,6 +244,7 @@ def base_row(base: BaseEval, state: State | None, job_rows: dict[str, dict]) -> 
         "model": base.model,
         "gpu_hours": job_rows.get(base.job_id, {}).get("gpu_hours"),
         "eval_split": split_marker(results),
+        "eval_turns": turns_marker(results),
         **scores,
     }
 

@@ -16,3 +16,32 @@ def test_the_wait_for_the_run_roots_lock_says_how_to_use_a_run_root_of_ones_own(
     folder.mkdir()
     (folder / "cluster.yaml").write_text("run_dir: my-runs\nlog_dir: my-logs\n")
     assert load_profile(folder)[0].run_dir.endswith("my-runs")
+
+
+def test_the_readmes_first_run_yaml_is_a_valid_experiment(tmp_path, capsys, monkeypatch):
+    """The README's short "your own chat model" path near its top: its YAML, as printed, passes the dry run
+    (a stale key there would fail a newcomer's very first command)."""
+    import json
+    import re
+    from pathlib import Path
+
+    import launch
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = readme.split("## Your own chat model", 1)[1].split("\n## ", 1)[0]
+    (block,) = re.findall(r"```yaml\n(.*?)```", section, re.S)
+    folder = tmp_path / "my-chat"
+    folder.mkdir()
+    (folder / "chat.yaml").write_text(block)
+    (folder / "cluster.yaml").write_text(
+        f"run_dir: {tmp_path / 'my-runs'}\nlog_dir: {tmp_path / 'my-logs'}\n"
+    )
+    chats = tmp_path / "data" / "my-chats"
+    chats.mkdir(parents=True)
+    chat = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+    for name in ("train.jsonl", "dev.jsonl"):
+        (chats / name).write_text(json.dumps(chat) + "\n")
+    monkeypatch.chdir(tmp_path)
+    code = launch.main(["--exp", "my-chat", "--config-dir", str(folder), "--dry-run"])
+    assert code == 0, capsys.readouterr().err
+    assert "my-chat/train" in capsys.readouterr().out

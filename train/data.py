@@ -60,16 +60,30 @@ def read_rows(source: str, spec: DataSpec) -> list[dict]:
 
 
 def prompts_and_targets(
-    source: str, spec: DataSpec, tokenizer, kind: str, limit: int | None = None
+    source: str, spec: DataSpec, tokenizer, kind: str, limit: int | None = None, turns: str = "last"
 ) -> tuple[list[str], list[str]]:
     """The eval's prompts and references. A conversation's prompt is its chat rendering up to the last
-    assistant turn with the generation prompt (what a chat endpoint sends), its reference that turn; an
-    image-text example's image is in its first user turn."""
+    assistant turn with the generation prompt (what a chat endpoint sends), its reference that turn; with
+    `turns` "all" (eval.turns) every assistant turn is one such pair, given the conversation before it as
+    written. An image-text example's image is in its first user turn. `limit`: the first N examples
+    (conversations)."""
     rows = read_rows(source, spec)[:limit]
     if not templated(spec, kind) and kind != "image-text":
         return [prompt_of(r, spec) for r in rows], [target_of(r, spec) for r in rows]
-    pairs = [chat.eval_prompt(tokenizer, turns_of(row, spec, kind)) for row in rows]
+    conversations = [turns_of(row, spec, kind) for row in rows]
+    pairs = [
+        chat.eval_prompt(tokenizer, scored)
+        for whole in conversations
+        for scored in scored_turns(whole, turns)
+    ]
     return [prompt for prompt, _ in pairs], [reference for _, reference in pairs]
+
+
+def scored_turns(whole: list[dict], turns: str) -> list[list[dict]]:
+    """The conversation cut after each assistant turn the eval scores: its last only, or every one."""
+    if turns == "last":
+        return [whole]
+    return [whole[: i + 1] for i, turn in enumerate(whole) if turn["role"] == "assistant"]
 
 
 def turns_of(row: dict, spec: DataSpec, kind: str) -> list[dict]:
