@@ -23,7 +23,7 @@ from core.files import read_json
 from core.names import REPORT_COLUMNS, SCORES_OF
 from core.problems import ConfigError, Problem, did_you_mean
 from core.rundir import run_root_experiments
-from core.sweep import SweepError, SweepMember, SweepSpec, expand, nested, source_of
+from core.sweep import Sweep, SweepError, SweepMember, SweepSpec, expand, nested, source_of
 from slurm.profile import ClusterProfile
 from slurm.yamlfile import (
     COMMAND_LINE,
@@ -261,7 +261,20 @@ def expanded(
         member = SweepMember(name, point.point, values, point.seed, sweep.swept, sweep.select, sweep.prune)
         config = deep_merge(base, nested(point.values)) | {"name": point_name(name, point, held)}
         points.append((config, [*given, *chain], member))
-    return points, []
+    return points, never_pruned(sweep, chain)
+
+
+def never_pruned(sweep: Sweep, chain: list[YamlFile]) -> list[Problem]:
+    """A warning when the sweep has fewer runs than prune.min_points: no rung ever holds enough losses to
+    judge by, so nothing is stopped (before: nothing said so, and the sweep simply never pruned)."""
+    if sweep.prune is None or len(sweep.points) >= sweep.prune.min_points:
+        return []
+    message = (
+        f"this sweep has {len(sweep.points)} run(s), fewer than prune.min_points {sweep.prune.min_points}: "
+        "a rung judges once that many losses are recorded, so no run will ever be stopped; lower min_points "
+        "or add points"
+    )
+    return [replace(sweep_problem(chain, ("prune",), message), warning=True)]
 
 
 def point_name(sweep: str, point, held: frozenset[str]) -> str:
@@ -445,7 +458,7 @@ def load_watchable_experiments(
         written.add(str(raw.get("name")))
         points, found = expanded(raw, chain, held)
         problems += found
-        broken |= {path} if found else set()
+        broken |= {path} if any(not p.warning for p in found) else set()
         for raw, chain, member in points:
             experiment, found = validate_experiment(raw, chain)
             stages, more = resolve_stages(experiment, raw, chain) if experiment else ([], [])

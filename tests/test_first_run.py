@@ -45,3 +45,19 @@ def test_the_readmes_first_run_yaml_is_a_valid_experiment(tmp_path, capsys, monk
     code = launch.main(["--exp", "my-chat", "--config-dir", str(folder), "--dry-run"])
     assert code == 0, capsys.readouterr().err
     assert "my-chat/train" in capsys.readouterr().out
+
+
+def test_a_sweep_with_fewer_runs_than_min_points_is_told_it_can_never_prune(tmp_path, capsys):
+    """Before: a 2-point sweep with prune.min_points 3 validated silently, and never stopped a run."""
+    from tests.helpers import dry_run, experiment_folder
+
+    sweep = "sweep:\n  grid: {train.learning_rate: [1.0e-4, 3.0e-4]}\n  prune: {rungs: [1], keep: 0.5}\n"
+    folder = experiment_folder(tmp_path, more=sweep)
+    code, err = dry_run(folder, capsys, "train.epochs=2")
+    assert code == 0, err
+    said = " ".join(err.split())
+    assert (
+        "warning:" in said and "sweep.prune: this sweep has 2 run(s), fewer than prune.min_points 3" in said
+    )
+    code, err = dry_run(folder, capsys, "train.epochs=2", "sweep.prune.min_points=2")
+    assert code == 0 and "min_points" not in err, err
