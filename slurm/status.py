@@ -216,7 +216,7 @@ def job_status(
             )
         return JobStatus(job, State.PLANNED, **fields)
     if backend == "local":
-        info = local_info(submitted, record)
+        info = local_info(submitted, record, job)
     else:
         info = scheduler.get(scheduler_id, SchedulerInfo(State.UNKNOWN, "not known to squeue or sacct"))
         if record.pack:
@@ -293,17 +293,29 @@ def _submitit_job(log_root: str, plan_id: str, record: JobRecord):
     return scheduler_job(log_root, plan_id, record)
 
 
-def local_info(submitted, record: JobRecord) -> SchedulerInfo:
-    """A local job runs while its submitit controller does; once ended without DONE, why it failed. Its
-    elapsed time is its own clock's (local_elapsed): no scheduler keeps one."""
-    from slurm.scheduler import local_alive, local_failure
+def local_info(submitted, record: JobRecord, job: PlannedJob) -> SchedulerInfo:
+    """A local job runs while its submitit controller does; once ended without DONE, why: cancelled, its
+    time limit reached, or failed. Its elapsed time is its own clock's (local_elapsed): no scheduler keeps
+    one."""
+    from slurm.scheduler import local_alive, local_failure, reached_time_limit
 
     if local_alive(submitted):
         return SchedulerInfo(State.RUNNING, elapsed=local_elapsed(submitted, record, running=True))
     elapsed = local_elapsed(submitted, record, running=False)
     if record.cancelled_at:
         return SchedulerInfo(State.CANCELLED, f"cancelled at {record.cancelled_at}", elapsed)
+    if reached_time_limit(submitted):
+        return SchedulerInfo(State.TIMEOUT, timed_out_text(job), elapsed)
     return SchedulerInfo(State.FAILED, local_failure(submitted), elapsed)
+
+
+def timed_out_text(job: PlannedJob) -> str:
+    """Why a job ended at its limit, which limit, where it came from, and that its work is kept."""
+    kept = "checkpoints" if job.kind == "train" else "predictions (one per example)"
+    return (
+        f"reached its time limit ({job.limit_origin}); its {kept} are kept: the same launch (or "
+        "--retry-failed) goes on from them; a longer limit: set it in the experiment"
+    )
 
 
 def local_elapsed(submitted, record: JobRecord, running: bool) -> str:

@@ -269,3 +269,37 @@ def test_tail_of_an_unknown_experiment_names_the_run_root_it_looked_in(tmp_path,
     assert launch.main(["--tail", "b", "--config-dir", str(folder)]) == 2
     err = " ".join(capsys.readouterr().err.split())
     assert f"--tail: no experiment 'b' in the run root {tmp_path / 'runs'}/" in err and "--config-dir" in err
+
+
+def test_a_local_eval_stopped_at_its_time_limit_says_so_with_the_limit_and_where_it_came_from(tmp_path):
+    """Before: "ended without a result (killed or cancelled)", though its log had the time-limit signal.
+    The job's files as submitit lays them out: its log with the line slurm/jobs.py writes on USR2, no
+    result; its pid is no live process."""
+    from core.rundir import JobRecord
+    from slurm.experiments import load_experiments
+    from slurm.plan import build_plan
+    from slurm.profile import load_profile
+    from slurm.scheduler import RecordedLocalJob, reached_time_limit
+    from slurm.status import local_info
+    from tests.helpers import experiment_folder
+
+    folder = experiment_folder(tmp_path)
+    profile, _ = load_profile(folder)
+    evaluation = build_plan(load_experiments(folder, profile), profile).job("a/eval")
+    assert evaluation.time_auto and evaluation.estimate.source == "guess"
+    job = RecordedLocalJob(tmp_path / "logs", "999999999")
+    job.paths.stdout.parent.mkdir(parents=True)
+    job.paths.stdout.write_text(
+        "INFO eval.job: 20 predictions made\n"
+        "WARNING slurm.jobs: received SIGUSR2: stopping at the next step end (training) or batch end (eval)\n"
+    )
+    assert reached_time_limit(job)
+    info = local_info(job, JobRecord("999999999", backend="local"), evaluation)
+    assert info.state is State.TIMEOUT
+    assert (
+        f"reached its time limit ({evaluation.resources.time}, eval.resources.time: auto from a guessed"
+        in info.reason
+    )
+    assert "predictions (one per example) are kept" in info.reason and "--retry-failed" in info.reason
+    job.paths.stdout.write_text("Traceback ...\nValueError: x\n")  # no signal: not a time limit
+    assert not reached_time_limit(job)
