@@ -46,10 +46,10 @@ PLANNING: tuple[Action, ...] = (
 # a table).
 APPLIES_TO: dict[str, tuple[str, tuple[Action, ...], str | None]] = {
     "json": ("--json", ("dry_run", "preflight"), None),
-    "no_preflight": ("--no-preflight", SUBMITTING, None),
+    "no_preflight": ("--no-preflight", (*SUBMITTING, "dry_run"), None),
     "wait": ("--wait", SUBMITTING, None),
     "force": ("--force", (*SUBMITTING, "dry_run"), None),
-    "backend": ("--backend", (*SUBMITTING, "dry_run"), None),
+    "backend": ("--backend", (*SUBMITTING, "dry_run", "status", "cancel"), None),
     "pack": ("--pack", (*PLANNING, "preflight"), None),
     "budget": ("--budget", (*PLANNING, "preflight"), None),
     "budget_basis": ("--budget-basis", (*PLANNING, "preflight"), None),

@@ -63,6 +63,7 @@ def test_the_request_says_what_the_flags_asked_for(tmp_path):
         (["--cancel", "--budget-basis", "worst"], "--budget-basis"),
         (["--sync", "train.epochs=2"], "KEY=VALUE"),
         (["--all", "--preflight", "--no-preflight"], "--no-preflight"),
+        (["--report", "--backend", "local"], "--backend"),
     ],
 )
 def test_a_flag_the_verb_does_not_use_is_refused_not_silently_ignored(argv, flag, tmp_path, capsys):
