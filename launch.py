@@ -67,18 +67,18 @@ def add_verbs(action) -> None:
 def add_options(parser: argparse.ArgumentParser) -> None:
     """How a verb does it (slurm/request.py refuses an option given to a verb it does not apply to)."""
     parser.add_argument(
-        "--rank", type=int, default=0, metavar="K", help="with --tail: the log of task K of a multi-GPU job"
+        "--rank", type=int, metavar="K", help="with --tail: the log of task K of a multi-GPU job"
     )
-    parser.add_argument(
-        "--calibrate-steps", type=int, default=30, metavar="N", help="with --calibrate: steps to time"
-    )
+    parser.add_argument("--calibrate-steps", type=int, metavar="N", help="with --calibrate: steps to time")
     parser.add_argument(
         "--config-dir",
         type=Path,
         help="the folder of experiment YAMLs (default configs/experiments); with --status, --tail, --cancel "
         "and --report, it narrows them to that folder's experiments (default: all the run root holds)",
     )
-    parser.add_argument("--backend", choices=["auto", "slurm", "local"], default="auto")
+    parser.add_argument(
+        "--backend", choices=["auto", "slurm", "local"], help="default: auto (sbatch on PATH)"
+    )
     parser.add_argument("--json", action="store_true", help="with --dry-run or --preflight: as JSON")
     parser.add_argument("--no-preflight", action="store_true", help="submit without the preflight checks")
     parser.add_argument("--wait", action="store_true", help="block with a live table until every job ended")
@@ -96,7 +96,6 @@ def add_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--budget-basis",
         choices=["worst", "expected"],
-        default="worst",
         help="with --pack --budget: count a pruned sweep's runs whole (worst, the default) or at the epochs "
         "pruning is expected to leave them (expected)",
     )
@@ -104,7 +103,6 @@ def add_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--export-format",
         choices=["safetensors", "gguf"],
-        default="safetensors",
         help="with --export: gguf also runs llama.cpp's converter (or says the command to run)",
     )
     parser.add_argument(

@@ -45,6 +45,20 @@ FULL_MATRIX_MODULES = (
 )
 
 
+def not_a_yes_or_no(value: object) -> object:
+    """`value`, unless it is a boolean: pydantic reads True as 1 in a number's place, so `eval.limit: yes`
+    scored one example and `adapter.rank: [8, true]` in a sweep trained rank 1."""
+    if isinstance(value, bool):
+        raise ValueError(f"{str(value).lower()} is a yes/no, not a number: write the number itself")
+    return value
+
+
+# Every whole-number and every real-number key of every section (and a sweep's values, which land in them):
+# a boolean is refused where a number belongs; otherwise pydantic's usual reading (an int is a float).
+Int = Annotated[int, BeforeValidator(not_a_yes_or_no)]
+Float = Annotated[float, BeforeValidator(not_a_yes_or_no)]
+
+
 class Section(BaseModel):
     # allow_inf_nan: YAML reads `.inf` and `.nan` as floats; no key of any section can run with one (an
     # alpha of inf trained to NaN and was reported complete; epochs: .inf crashed the dry run).
@@ -84,13 +98,13 @@ def kind_mismatch(kind: str, model_config: dict) -> str | None:
 
 class AdapterSpec(Section):
     method: Literal["lora", "qlora"] = "lora"
-    rank: Annotated[int, Field(ge=1, le=1024)] = 16
-    alpha: Annotated[float, Field(gt=0)] = 32
-    dropout: Annotated[float, Field(ge=0, lt=1)] = 0.05
+    rank: Annotated[Int, Field(ge=1, le=1024)] = 16
+    alpha: Annotated[Float, Field(gt=0)] = 32
+    dropout: Annotated[Float, Field(ge=0, lt=1)] = 0.05
     target_modules: list[str] | Literal["all-linear"] = "all-linear"
     modules_to_save: list[str] = Field(default_factory=list)
     allow_full_modules: bool = False
-    max_trainable_percent: Annotated[float, Field(gt=0, le=100)] = 10.0
+    max_trainable_percent: Annotated[Float, Field(gt=0, le=100)] = 10.0
     quant_type: Literal["nf4", "fp4"] = "nf4"
     double_quant: bool = True
     # image-text: LoRA goes on the language model's layers only, unless this widens it to the vision tower
@@ -124,16 +138,16 @@ class DataSpec(Section):
     input_field: str = "input"
     target_field: str = "target"
     prompt_template: str | None = Field(None, description="e.g. 'question: {question} schema: {schema}'")
-    max_length: int | Literal["auto"] = "auto"
-    max_target_length: int | Literal["auto"] = "auto"
+    max_length: Int | Literal["auto"] = "auto"
+    max_target_length: Int | Literal["auto"] = "auto"
     order: Literal["shuffle", "file"] = Field("shuffle", description="'file' keeps a curriculum's order")
-    num_workers: Annotated[int, Field(ge=0)] | Literal["auto"] = "auto"
+    num_workers: Annotated[Int, Field(ge=0)] | Literal["auto"] = "auto"
     # image-text only (left out of the spec, and so of its hash, when unset): the field holding each
     # example's image path, relative to the data file; and the bounds the processor resizes images into
     # (pixels, width x height), which decide how many image tokens an example costs.
     image_field: str | None = Field(None, exclude_if=lambda value: value is None)
-    min_pixels: Annotated[int, Field(ge=1)] | None = Field(None, exclude_if=lambda value: value is None)
-    max_pixels: Annotated[int, Field(ge=1)] | None = Field(None, exclude_if=lambda value: value is None)
+    min_pixels: Annotated[Int, Field(ge=1)] | None = Field(None, exclude_if=lambda value: value is None)
+    max_pixels: Annotated[Int, Field(ge=1)] | None = Field(None, exclude_if=lambda value: value is None)
     # How an example is written (core/conversations.py): `fields` (input_field, target_field,
     # prompt_template) or a conversation: `messages` ([{role, content}], OpenAI/TRL), `sharegpt`
     # ([{from, value}]), `alpaca` (instruction, input, output). Conversations are rendered with the model's
@@ -207,8 +221,8 @@ class DataSpec(Section):
 
 
 class EarlyStopping(Section):
-    patience: Annotated[int, Field(ge=1)] = 2
-    threshold: Annotated[float, Field(ge=0)] = 0.0
+    patience: Annotated[Int, Field(ge=1)] = 2
+    threshold: Annotated[Float, Field(ge=0)] = 0.0
     metric: str = "eval_loss"
 
     @field_validator("metric")
@@ -223,25 +237,25 @@ class EarlyStopping(Section):
 
 
 class TrainSpec(Section):
-    epochs: Annotated[float, Field(gt=0)] = 3
-    max_steps: Annotated[int, Field(ge=1)] | None = None
-    learning_rate: Annotated[float, Field(gt=0)] = 2e-4
-    batch_size: Annotated[int, Field(ge=1)] = 8
-    grad_accum: Annotated[int, Field(ge=1)] = 1
+    epochs: Annotated[Float, Field(gt=0)] = 3
+    max_steps: Annotated[Int, Field(ge=1)] | None = None
+    learning_rate: Annotated[Float, Field(gt=0)] = 2e-4
+    batch_size: Annotated[Int, Field(ge=1)] = 8
+    grad_accum: Annotated[Int, Field(ge=1)] = 1
     # How the effective batch (batch_size x grad_accum per rank) is split on a GPU: auto chooses the
     # largest micro-batch that fits (core/split.py); N is honoured as written. Not part of a stage's
     # identity: the split does not change what is computed.
-    micro_batch: Literal["auto"] | Annotated[int, Field(ge=1)] = "auto"
-    warmup_ratio: Annotated[float, Field(ge=0, le=0.5)] = 0.03
-    weight_decay: Annotated[float, Field(ge=0, le=1)] = 0.0
+    micro_batch: Literal["auto"] | Annotated[Int, Field(ge=1)] = "auto"
+    warmup_ratio: Annotated[Float, Field(ge=0, le=0.5)] = 0.03
+    weight_decay: Annotated[Float, Field(ge=0, le=1)] = 0.0
     scheduler: Literal["linear", "cosine", "constant", "constant_with_warmup"] = "linear"
     precision: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
     gradient_checkpointing: bool = False
-    eval_every_epochs: Annotated[float, Field(gt=0)] | None = 1
+    eval_every_epochs: Annotated[Float, Field(gt=0)] | None = 1
     early_stopping: EarlyStopping | None = None
-    save_every_steps: Annotated[int, Field(ge=1)] = 200
-    logging_steps: Annotated[int, Field(ge=1)] = 10
-    seed: Annotated[int, Field(ge=0, le=2**32 - 1)] = 42  # what torch, numpy and random all accept
+    save_every_steps: Annotated[Int, Field(ge=1)] = 200
+    logging_steps: Annotated[Int, Field(ge=1)] = 10
+    seed: Annotated[Int, Field(ge=0, le=2**32 - 1)] = 42  # what torch, numpy and random all accept
 
     @field_validator("learning_rate")
     @classmethod
@@ -350,18 +364,18 @@ class Resources(Section):
     # gpus > 1: one process (SLURM task) per GPU, data parallel (DDP); `gpus`, `cpus` and `mem_gb` are each
     # node's, `cpus` split evenly over a node's tasks. `nodes` > 1: the same on every node, one DDP run of
     # nodes x gpus ranks (slurm/rendezvous.py: where they meet).
-    gpus: Annotated[int, Field(ge=0)] = 1
-    nodes: Annotated[int, BeforeValidator(whole_nodes), Field(ge=1)] = 1
+    gpus: Annotated[Int, Field(ge=0)] = 1
+    nodes: Annotated[Int, BeforeValidator(whole_nodes), Field(ge=1)] = 1
     # "auto": the plan sets it from the job's estimate (slurm/estimate.py); every consumer sees a time.
     time: SlurmTimeOrAuto = "04:00:00"
-    mem_gb: Annotated[float, Field(gt=0)] = 32
-    cpus: Annotated[int, Field(ge=1)] = 8
+    mem_gb: Annotated[Float, Field(gt=0)] = 32
+    cpus: Annotated[Int, Field(ge=1)] = 8
     partition: SlurmNames | None = None
     account: SlurmNames | None = None
     qos: SlurmNames | None = None
     constraint: SlurmConstraint | None = None
-    signal_delay_s: Annotated[int, Field(ge=10)] = 120
-    max_requeues: Annotated[int, Field(ge=0)] = 3
+    signal_delay_s: Annotated[Int, Field(ge=10)] = 120
+    max_requeues: Annotated[Int, Field(ge=0)] = 3
     mail: list[MailType] = Field(default_factory=list, description="sbatch --mail-type, e.g. [END, FAIL]")
 
     @model_validator(mode="after")
@@ -420,10 +434,10 @@ class EvalResources(Resources):
     `auto` (the plan sets it from the eval's estimate), or EVAL_TIME_WITHOUT_ESTIMATE for an `hf:` dataset.
     """
 
-    gpus: Annotated[int, Field(ge=0)] | None = None
+    gpus: Annotated[Int, Field(ge=0)] | None = None
     time: SlurmTimeOrAuto | None = None
-    mem_gb: Annotated[float, Field(gt=0)] | None = None
-    cpus: Annotated[int, Field(ge=1)] | None = None
+    mem_gb: Annotated[Float, Field(gt=0)] | None = None
+    cpus: Annotated[Int, Field(ge=1)] | None = None
     mail: list[MailType] | None = None
 
     @model_validator(mode="after")
@@ -452,21 +466,21 @@ class GenerationSpec(Section):
     the base model's generation_config.json says (a Qwen Instruct model's repetition_penalty 1.05, its
     sampling, top_k, ...) is overridden: it would change the predictions (eval/generate.py)."""
 
-    repetition_penalty: Annotated[float, Field(gt=0)] = 1.0
-    no_repeat_ngram_size: Annotated[int, Field(ge=0)] = 0
-    length_penalty: float = Field(1.0, description="beam search only: above 1 favours longer outputs")
+    repetition_penalty: Annotated[Float, Field(gt=0)] = 1.0
+    no_repeat_ngram_size: Annotated[Int, Field(ge=0)] = 0
+    length_penalty: Float = Field(1.0, description="beam search only: above 1 favours longer outputs")
 
 
 class EvalSpec(Section):
     metrics: list[Metric] = Field(default_factory=lambda: list(DEFAULT_METRICS))
-    num_beams: Annotated[int, Field(ge=1, le=16)] = 1
-    max_new_tokens: Annotated[int, Field(ge=1)] = 128
-    batch_size: Annotated[int, Field(ge=1)] = 16
+    num_beams: Annotated[Int, Field(ge=1, le=16)] = 1
+    max_new_tokens: Annotated[Int, Field(ge=1)] = 128
+    batch_size: Annotated[Int, Field(ge=1)] = 16
     db: str | None = Field(
         None,
         description="SQLite file the sql_exec metric runs queries against (read-only)",
     )
-    sql_timeout_s: Annotated[float, Field(gt=0)] = SQL_TIMEOUT_S
+    sql_timeout_s: Annotated[Float, Field(gt=0)] = SQL_TIMEOUT_S
     # Left out of the spec (and so of its hash) at their defaults, as `split` below: evals finished before
     # these keys existed are not run again.
     bertscore_model: str | None = Field(
@@ -498,9 +512,13 @@ class EvalSpec(Section):
     )
     # Scheduler business, not the job's identity: changing it does not make a finished eval run again.
     resources: EvalResources = Field(default_factory=EvalResources, exclude=True)
-    limit: Annotated[int, Field(ge=1)] | None = Field(
+    limit: Annotated[Int, Field(ge=1)] | None = Field(
         None, description="score only the first N eval examples"
     )
+    # A conversation of several exchanges: score its last assistant turn only (the prompt is everything
+    # before it), or every assistant turn, each given the conversation before it as written (`all`). Left
+    # out of the spec (and so of its hash) at its default, as `split`.
+    turns: Literal["last", "all"] = Field("last", exclude_if=lambda turns: turns == "last")
 
     @model_validator(mode="after")
     def _metrics_have_their_inputs(self):
@@ -604,6 +622,17 @@ class Experiment(Section):
             )
         return self
 
+    @model_validator(mode="after")
+    def _turns_of_a_conversation(self):
+        if self.eval.turns == "all" and self.data.format not in ("messages", "sharegpt"):
+            raise ValueError(
+                f"eval.turns: all scores every assistant turn of a conversation, and data.format "
+                f"{self.data.format} has one answer per example: remove it (or use messages or sharegpt data)"
+            )
+        if self.eval.turns == "all" and self.model.kind == "image-text":
+            raise ValueError("eval.turns: all is not supported for image-text data yet: remove it")
+        return self
+
     @field_validator("stages")
     @classmethod
     def _unique_stages(cls, stages):
@@ -622,9 +651,9 @@ class PruneSpec(Section):
     recorded at that rung so far, once there are `min_points` of them. The experiment-level checks (eval
     data, eval_every_epochs, rungs below epochs, one stage) are slurm/experiments.py check_prune's."""
 
-    rungs: list[Annotated[float, Field(gt=0)]]
-    keep: Annotated[float, Field(gt=0, lt=1)]
-    min_points: Annotated[int, Field(ge=1)] = 3
+    rungs: list[Annotated[Float, Field(gt=0)]]
+    keep: Annotated[Float, Field(gt=0, lt=1)]
+    min_points: Annotated[Int, Field(ge=1)] = 3
     eval_pruned: bool = True  # a pruned run's best checkpoint is still evaluated
 
     @field_validator("rungs")

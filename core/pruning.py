@@ -222,3 +222,21 @@ def mark_pruned(run_dir: Path, record: RungRecord, evaluate: bool = True) -> Non
     read it (`evaluate`: prune.eval_pruned); its DONE, written when the stage ends, says it ended."""
     text = json.dumps(finite_or_null({**asdict(record), "evaluate": evaluate}), indent=1, allow_nan=False)
     write_atomic(RunDir(run_dir).pruned, text + "\n", root=RunDir(run_dir).run_root)
+
+
+def decided_text(decided: dict, min_points: int | None = None) -> str:
+    """A rung's decision in words, from a RungRecord's fields (a PRUNED file's, read tolerantly: a missing
+    figure is left out): `rung 1: eval_loss 3.21 > cutoff 1.15 of 4 runs: stop`. A loss that is no number
+    (NaN, or null in strict JSON) says so: it stops at once, with no cutoff (before: "at a rung")."""
+    rung, loss, cutoff, points = (decided.get(k) for k in ("rung", "eval_loss", "cutoff", "points"))
+    where = f"rung {rung:g}" if isinstance(rung, (int, float)) else "a rung"
+    verdict = "stop" if decided.get("stop", True) else "go on"
+    if not isinstance(loss, (int, float)) or not math.isfinite(loss):
+        return f"{where}: eval_loss is not a number ({loss}: the eval diverged): {verdict}"
+    if cutoff is None:
+        fewer = f" (fewer than min_points {min_points})" if min_points is not None else ""
+        counted = f"{points} run(s) recorded{fewer}" if points is not None else "no cutoff"
+        return f"{where}: eval_loss {loss:.4g}, {counted}: {verdict}"
+    sign = ">" if loss > cutoff else "<="
+    of = f" of {points} runs" if points is not None else ""
+    return f"{where}: eval_loss {loss:.4g} {sign} cutoff {cutoff:.4g}{of}: {verdict}"

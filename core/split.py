@@ -74,6 +74,9 @@ class Split:
     peak_gb: float | None = None  # the chosen step's estimated peak, reserve included
     usable_gb: float | None = None  # what it was judged against (the GPU's memory less HEADROOM)
     fused_loss: bool = False  # the output layer fused with the loss (train/loss.py): only where it helps
+    # The ranks the effective batch was split for (None: a record from before this was written): a resumed
+    # run keeps its split only at that world size (kept_on_resume).
+    world_size: int | None = None
 
     def describe(self) -> str:
         """`micro 32 x accum 1, no checkpointing: step 13.5 of 79 GB (auto)`."""
@@ -106,6 +109,35 @@ def label(recorded) -> str | None:
         return f"{Split.from_json(recorded).short()} ({recorded['how']})"
     except TypeError:
         return None
+
+
+def kept_on_resume(recorded: object, effective: int, world_size: int) -> tuple[Split | None, str]:
+    """The split a resumed run keeps: its record (split.json) when that is a split record, made at this world
+    size, whose micro-batch x accumulation is this rank's effective batch; else None and why not, and the
+    job chooses afresh (train/recipe.py). Before: a foreign or tampered split.json (micro 3 x accum 1 on a
+    2 x 2 stage) was trusted, and the run trained to the end with an effective batch of 3."""
+    if recorded is None:
+        return None, "the run has no split.json"
+    try:
+        split = Split.from_json(recorded) if isinstance(recorded, dict) else None
+    except TypeError:
+        split = None
+    if split is None or not all(
+        isinstance(n, int) and not isinstance(n, bool) and n >= 1
+        for n in (split.micro_batch, split.grad_accum)
+    ):
+        return None, "its split.json is not a split record"
+    if split.micro_batch * split.grad_accum != effective:
+        return None, (
+            f"its split.json (micro {split.micro_batch} x accum {split.grad_accum} = "
+            f"{split.micro_batch * split.grad_accum}) does not make this stage's effective batch per rank, "
+            f"batch_size x grad_accum = {effective}"
+        )
+    if split.world_size is not None and split.world_size != world_size:
+        return None, (
+            f"its split.json was chosen for {split.world_size} rank(s) and the job now has {world_size}"
+        )
+    return split, ""
 
 
 def usable_gb(gpu_gb: float) -> float:

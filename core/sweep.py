@@ -48,14 +48,13 @@ from pydantic import (
     AfterValidator,
     Field,
     PlainValidator,
-    StrictInt,
     ValidationError,
     field_validator,
     model_validator,
 )
 from pydantic_core import InitErrorDetails
 
-from core.config import SAFE_NAME, PruneSpec, Section
+from core.config import SAFE_NAME, Int, PruneSpec, Section
 
 DISTRIBUTIONS = ("uniform", "loguniform", "choice", "int")
 BOUNDS_EXAMPLE = {"uniform": "[0.0, 0.2]", "loguniform": "[1.0e-5, 1.0e-3]", "int": "[1, 3]"}
@@ -286,8 +285,8 @@ class SweepSpec(Section):
     random: dict[SweptKey, Annotated[Distribution, PlainValidator(distribution)]] = Field(
         default_factory=dict
     )
-    samples: Annotated[StrictInt, Field(ge=1)] = 0  # 0: no random, no draws
-    seed: StrictInt = 0
+    samples: Annotated[Int, Field(ge=1)] = 0  # 0: no random, no draws
+    seed: Int = 0
     seeds: Annotated[tuple[int, ...], PlainValidator(distinct_seeds)] = ()
     select: SweepSelect | None = None
     prune: PruneSpec | None = None

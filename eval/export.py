@@ -50,6 +50,7 @@ import yaml
 from core.config import EvalJob, EvalSpec, TrainJob
 from core.files import read_text, write_atomic
 from core.hashing import content_hash
+from core.pruning import decided_text
 from core.rundir import RunDir, read_spec
 
 log = logging.getLogger("eval.export")
@@ -564,6 +565,7 @@ def model_card(
         f"into the base (`merge_and_unload`) and saved as safetensors in {dtype_name(dtype)}. "
         "Load it with the plain `transformers` Auto classes; no peft needed.\n",
         *([qlora_note(job, dtype)] if job.adapter.method == "qlora" else []),
+        *pruned_note(stage_dir, train_job),
         prompting_note(job),
         "## Training\n",
         bullet_list(training_facts(train_job, RunDir(stage_dir).read_summary(), stage_dir)),
@@ -578,6 +580,20 @@ def model_card(
         else f"Make a GGUF file with llama.cpp's converter:\n\n    {command}\n",
     ]
     return "\n".join(sections)
+
+
+def pruned_note(stage_dir: Path, train_job: TrainJob) -> list[str]:
+    """A pruned sweep's run stopped early (its PRUNED file): the card says so, where and why; before, a
+    run cut at its first rung was published as if it had trained its epochs."""
+    pruned = RunDir(stage_dir).read_pruned()
+    if not pruned:
+        return []
+    sweep = train_job.prune.sweep if train_job.prune else "its sweep"
+    return [
+        f"**Pruned:** this run of the sweep {sweep} was stopped early by the sweep's pruning, at "
+        f"{decided_text(pruned).removesuffix(': stop')}; it did not train its planned "
+        f"{train_job.train.epochs:g} epochs, and the adapter merged here is its best checkpoint up to there.\n"
+    ]
 
 
 def front_matter(job: EvalJob) -> str:

@@ -39,7 +39,9 @@ def run_eval(job: EvalJob, stop: threading.Event | None = None) -> dict | None:
     started = time.time()
     placement = eval_placement(job.adapter_dir)
     model, tokenizer = load_for_eval(job, placement)  # a chat prompt needs the tokenizer's template
-    prompts, references = prompts_and_targets(source, job.data, tokenizer, job.model.kind, job.eval.limit)
+    prompts, references = prompts_and_targets(
+        source, job.data, tokenizer, job.model.kind, job.eval.limit, job.eval.turns
+    )
     images = image_paths(source, job) if job.model.kind == "image-text" else None
     decoding = explicit_decoding(model, job.eval)
     loaded = time.time()
@@ -62,6 +64,7 @@ def run_eval(job: EvalJob, stop: threading.Event | None = None) -> dict | None:
         "adapter_changes_output": changed,
         "generation_s": round(generated - started, 2),
         "predictions_kept": kept,  # made by an earlier, interrupted run of this job
+        **scored_turns_of(job, len(prompts)),
         **decoding,
     }
     write_atomic(RunDir(out).results, json.dumps(results, indent=1))  # the report may read it meanwhile
@@ -70,6 +73,14 @@ def run_eval(job: EvalJob, stop: threading.Event | None = None) -> dict | None:
     write_speed(job, placement.device_name, batches, loaded, generated)
     log.info("results: %s", {k: v for k, v in results.items() if isinstance(v, float)})
     return results
+
+
+def scored_turns_of(job: EvalJob, answers: int) -> dict:
+    """Which assistant turns of a conversation were scored (eval.turns), for the report; {} for data that
+    is no conversation (one answer per example)."""
+    if job.data.format not in ("messages", "sharegpt"):
+        return {}
+    return {"turns": job.eval.turns, "answers_scored": answers}
 
 
 def generation_options(job: EvalJob) -> dict:
@@ -146,7 +157,7 @@ def fingerprint(job: EvalJob, placement) -> str:
     parts = {
         "job": job.model_dump(include={"model", "adapter", "data", "adapter_dir"}),
         "eval": job.eval.model_dump(
-            include={"split", "limit", "num_beams", "max_new_tokens", "batch_size", "generation"}
+            include={"split", "limit", "num_beams", "max_new_tokens", "batch_size", "generation", "turns"}
         ),
         "adapter_files": [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files if f.is_file()],
         "device": [placement.device_name, placement.precision],

@@ -56,6 +56,7 @@ COLUMNS = (
     "cost",
     "best_eval_loss",
     "eval_split",
+    "eval_turns",
     *REPORT_COLUMNS.values(),
 )
 
@@ -153,6 +154,7 @@ def experiment_row(jobs: list[JobRun], experiment: str, job_rows: dict[str, dict
         "best_eval_loss": min(finite) if (finite := [v for v in losses if math.isfinite(v)]) else None,
     }
     row["eval_split"] = split_marker(results)
+    row["eval_turns"] = turns_marker(results)
     row.update({column: results.get(key) for key, column in REPORT_COLUMNS.items()})
     return row
 
@@ -189,6 +191,15 @@ def split_marker(results: dict) -> str | None:
     """Which data the scores come from; scores on the training data are flagged, never mistaken for eval."""
     split = results.get("split")
     return "TRAIN (scored on training data)" if split == "train" else split
+
+
+def turns_marker(results: dict) -> str | None:
+    """Which assistant turns of conversations were scored (eval.turns): `last`, or `all (57 answers)`;
+    None for data that is no conversation."""
+    turns = results.get("turns")
+    if turns == "all":
+        return f"all ({results.get('answers_scored', '?')} answers)"
+    return turns
 
 
 UNCHANGED = "complete (adapter did not change outputs!)"  # done, but the adapter changed no prediction
@@ -233,6 +244,7 @@ def base_row(base: BaseEval, state: State | None, job_rows: dict[str, dict]) -> 
         "model": base.model,
         "gpu_hours": job_rows.get(base.job_id, {}).get("gpu_hours"),
         "eval_split": split_marker(results),
+        "eval_turns": turns_marker(results),
         **scores,
     }
 
@@ -339,11 +351,30 @@ def to_markdown(rows: list[dict], columns: list[str]) -> str:
             return "–"
         if isinstance(value, float):
             return f"{value:+.4g}" if signed else f"{value:.4g}"
-        return str(value)
+        return escaped(str(value))
 
-    lines = ["| " + " | ".join(header(c) for c in columns) + " |", "|" + "---|" * len(columns)]
+    lines = ["| " + " | ".join(escaped(header(c)) for c in columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(cell(r.get(c), c.startswith(DELTA)) for c in columns) + " |" for r in rows]
     return "\n".join(lines)
+
+
+def escaped(text: str) -> str:
+    """A table cell's text as Markdown shows it: a `|` (a baseline named `T5 | base`) would end the cell
+    and move every number after it one column right; a line break would end the row."""
+    return " ".join(text.replace("\\", "\\\\").replace("|", "\\|").split())
+
+
+def description_lines(
+    names: list[str], descriptions: dict[str, str], sweeps: dict[str, SweepMember]
+) -> list[str]:
+    """`- **NAME**: its description` for each experiment of a table that has one (a sweep's once, by its
+    name): what configs/README.md promises `description:` is for."""
+    shown: dict[str, str] = {}
+    for name in names:
+        text = " ".join(str(descriptions.get(name) or "").split())
+        if text:
+            shown.setdefault(sweeps[name].sweep if name in sweeps else name, text)
+    return [f"- **{escaped(name)}**: {text}" for name, text in shown.items()] + ([""] if shown else [])
 
 
 def header(column: str) -> str:
@@ -360,6 +391,7 @@ def write_report(
     usage: PlanUsage | None = None,
     sweeps: dict[str, SweepMember] | None = None,
     base_evals: dict[str, BaseEval] | None = None,
+    descriptions: dict[str, str] | None = None,
 ) -> list[Path]:
     """report.md (one table per task, each with the published baselines of that task, then one table per
     sweep), report.csv (every row, with its task) and the loss curves. `jobs`: the run root's, in plan
@@ -367,7 +399,8 @@ def write_report(
     `task:` (None: not set); `gpu_hour_cost` (cluster.yaml) adds a cost per experiment and in total;
     `usage`: what the packs held, which jobs sacct knew nothing of (a job's own figure is its `used`;
     without one it counts its Trainer clock); `sweeps`: experiment name → the sweep point it is (absent:
-    not a sweep point); `base_evals`: experiment name → its base-model eval (absent: none, no Δ)."""
+    not a sweep point); `base_evals`: experiment name → its base-model eval (absent: none, no Δ);
+    `descriptions`: experiment name → its `description:`, listed under its task's table."""
     if not all(isinstance(job, JobRun) for job in jobs):  # a plan handed in would be read half-right
         raise TypeError("write_report takes the run root's jobs as core.runs.JobRun records")
     tasks, sweeps, base_evals = tasks or {}, sweeps or {}, base_evals or {}
@@ -391,6 +424,9 @@ def write_report(
         if members or not sweeps:
             md += [to_markdown(members, columns + extra_columns), ""]
         md += left_out_lines([r["experiment"] for r in plain if r["task"] == task], base_evals)
+        md += description_lines(
+            [r["experiment"] for r in rows if r["task"] == task], descriptions or {}, sweeps
+        )
         if task in published and published[task][1]:
             md += [f"Published baselines ({task}): {published[task][1]}.", ""]
         for sweep, points in sweep_points([r for r in rows if r["task"] == task], sweeps).items():

@@ -34,8 +34,9 @@ from slurm.local_gpus import GpuPool, VisibleGpus, gpus_needed, too_many_gpus
 from slurm.pack import Unit
 from slurm.plan import PlannedJob
 from slurm.profile import ClusterProfile
-from slurm.scheduler import COMMENT_MARK, cancel, local_failure, stop_local
+from slurm.scheduler import COMMENT_MARK, cancel, local_failure, reached_time_limit, stop_local
 from slurm.snapshot import CodeSnapshot
+from slurm.status import timed_out_text
 
 CONTROLLER_LOG = "controller.err"  # in a local job's log folder: its submitit controller's own stderr
 
@@ -279,8 +280,13 @@ class LocalBackend:
         python = f"env CUDA_VISIBLE_DEVICES={shlex.quote(','.join(devices))} {shlex.quote(sys.executable)}"
         folder = log_folder(self.profile.log_dir, job.id)
         executor = submitit.LocalExecutor(folder=folder, python=python)
+        # The time-limit signal (USR2) comes signal_delay_s before the limit, as on SLURM (submitit's own
+        # default, 30 s, left an eval scoring its last predictions no time to end and requeue).
         executor.update_parameters(
-            timeout_min=job.resources.timeout_min, tasks_per_node=job.tasks, stderr_to_stdout=True
+            timeout_min=job.resources.timeout_min,
+            signal_delay_s=job.resources.signal_delay_s,
+            tasks_per_node=job.tasks,
+            stderr_to_stdout=True,
         )
         # see SlurmBackend: the job imports the snapshot
         with working_directory(self.code.folder), stderr_into(folder / CONTROLLER_LOG):
@@ -295,6 +301,8 @@ class LocalBackend:
         record = current_job(Path(job.run_dir))
         if record and record.job_id == str(handle.job_id) and record.cancelled_at:
             return State.CANCELLED, f"cancelled at {record.cancelled_at}"
+        if reached_time_limit(handle):
+            return State.TIMEOUT, f"{timed_out_text(job)} (log: {handle.paths.stdout})"
         return State.FAILED, f"{local_failure(handle)} (log: {handle.paths.stdout})"
 
 

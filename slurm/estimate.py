@@ -55,6 +55,10 @@ MARGIN = 1.3
 GUESS_MARGIN = 4.0
 SLACK_S = 300
 ROUND_S = 300
+# An eval job's guess is mostly start-up (loading the model, the first batch), which a busy machine
+# stretches most: a newcomer's evals, guessed at ~49 s, were killed at 15 minutes on a loaded 2-core box.
+# A guessed eval limit is at least an hour (EVAL_TIME_WITHOUT_ESTIMATE's), until its speed is measured.
+GUESSED_EVAL_FLOOR_S = 3600
 
 # "measured", "calibrated", "guess", "unknown"; a measured or calibrated row from another GPU model adds
 # " (scaled from MODEL)".
@@ -473,12 +477,12 @@ def nearest_eval_record(
 
 
 def auto_time_limit_s(
-    estimate_s: float | None, signal_delay_s: int, max_time_s: int, guessed: bool = False
+    estimate_s: float | None, signal_delay_s: int, max_time_s: int, guessed: bool = False, floor_s: int = 0
 ) -> int:
     """`time: auto`: estimate x MARGIN (GUESS_MARGIN when the speed is a guess) + signal delay + SLACK_S,
-    rounded up to ROUND_S, at most max_time (the cluster's longest; also what a job without an estimate
-    gets)."""
+    at least `floor_s` (GUESSED_EVAL_FLOOR_S for a guessed eval), rounded up to ROUND_S, at most max_time
+    (the cluster's longest; also what a job without an estimate gets)."""
     if estimate_s is None:
         return max_time_s
-    wanted = estimate_s * (GUESS_MARGIN if guessed else MARGIN) + signal_delay_s + SLACK_S
+    wanted = max(floor_s, estimate_s * (GUESS_MARGIN if guessed else MARGIN) + signal_delay_s + SLACK_S)
     return min(max_time_s, math.ceil(wanted / ROUND_S) * ROUND_S)

@@ -23,7 +23,7 @@ from core.files import read_json
 from core.names import REPORT_COLUMNS, SCORES_OF
 from core.problems import ConfigError, Problem, did_you_mean
 from core.rundir import run_root_experiments
-from core.sweep import SweepError, SweepMember, SweepSpec, expand, nested, source_of
+from core.sweep import Sweep, SweepError, SweepMember, SweepSpec, expand, nested, source_of
 from slurm.profile import ClusterProfile
 from slurm.yamlfile import (
     COMMAND_LINE,
@@ -110,50 +110,123 @@ def load_with_overrides(path: Path, config_dir: Path, overrides: dict | None) ->
 def load_experiments(
     config_dir: Path, profile: ClusterProfile, overrides: dict | None = None, names: list[str] | None = None
 ) -> list[LoadedExperiment]:
-    """Load and check every experiment in `config_dir`; raise ConfigError listing all problems.
+    """load_selected's experiments, its warnings left out."""
+    return load_selected(config_dir, profile, overrides, names)[0]
 
-    All files are checked even when `names` selects a few, so a broken neighbour is found now, not later.
+
+def load_selected(
+    config_dir: Path, profile: ClusterProfile, overrides: dict | None = None, names: list[str] | None = None
+) -> tuple[list[LoadedExperiment], list[Problem]]:
+    """Load and check every experiment in `config_dir`: the experiments `names` selects (all without it)
+    and the problems found in files they do not need, as warnings; raise ConfigError listing all problems.
+
+    All files are checked even when `names` selects a few, so a broken neighbour is found now, not later;
+    but a named experiment is judged on what it needs (its file and what that inherits, the experiments it
+    waits on with `after:`), not held hostage by a sibling's malformed eval file. --all needs everything.
     """
-    problems: list[Problem] = []
+    problems_of: dict[Path, list[Problem]] = {}  # each experiment file's problems, its fragments' included
     loaded: list[LoadedExperiment] = []
-    written: set[str] = set()  # every name a file gives, valid or not
+    written: dict[str, Path] = {}  # every name a file gives, valid or not
     files = experiment_files(config_dir)
     if not files:
         raise ConfigError([Problem(str(config_dir), "", "holds no experiment YAML files (*.yaml)")])
     held_from = run_root_experiments(Path(profile.run_dir))
     held = frozenset(held_from)
     for path in files:
+        problems = problems_of.setdefault(path, [])
         try:
             raw, chain = load_with_overrides(path, config_dir, overrides)
         except YamlProblem as exc:
             problems.append(exc.problem)
             continue
-        written.add(str(raw.get("name")))
+        written[str(raw.get("name"))] = path
         points, found = expanded(raw, chain, held)
         problems += found
         for raw, chain, member in points:
             experiment, found = validate_experiment(raw, chain)
             problems += of_point(found, member)
             if experiment is not None:
-                stages, found = resolve_stages(experiment, raw, chain)
-                found += (
-                    check_files(experiment, stages, chain)
-                    + check_resources(experiment, profile, chain)
-                    + check_auto_time(experiment, stages, chain)
-                    + check_select(experiment, member, chain)
-                    + check_prune(experiment, stages, member, chain)
-                    + check_kind(experiment, chain)
-                    + check_chat_template(experiment, stages, chain)
-                )
+                stages, found = checked(experiment, raw, chain, member, profile)
                 problems += of_point(found, member)
                 loaded.append(LoadedExperiment(experiment, path, tuple(stages), member))
     loaded = after_whole_sweeps(loaded)
-    problems += check_names(loaded, names, written) + same_runs(loaded)
-    problems += sweeps_named_as_others(loaded, held_from, config_dir, Path(profile.run_dir))
-    problems = list(dict.fromkeys(problems))  # one sweep's points share the problems of their block
-    if any(not p.warning for p in problems):
-        raise ConfigError(problems)
-    return [e for e in loaded if chosen(e, names)]
+    across = check_names(loaded, names, set(written)) + same_runs(loaded)
+    across += sweeps_named_as_others(loaded, held_from, config_dir, Path(profile.run_dir))
+    for problem in across:  # a check across files blames one file: it is that file's problem
+        problems_of.setdefault(Path(problem.file), []).append(problem)
+    errors, warnings = sorted_out(problems_of, needed_files(loaded, names, written), files)
+    if errors:
+        raise ConfigError(errors + warnings)
+    return [e for e in loaded if chosen(e, names)], warnings
+
+
+def checked(
+    experiment: Experiment,
+    raw: dict,
+    chain: list[YamlFile],
+    member: SweepMember | None,
+    profile: ClusterProfile,
+) -> tuple[list[Stage], list[Problem]]:
+    """A valid experiment's stages, and what the checks beyond its schema find."""
+    stages, found = resolve_stages(experiment, raw, chain)
+    return stages, found + (
+        check_files(experiment, stages, chain)
+        + check_resources(experiment, profile, chain)
+        + check_auto_time(experiment, stages, chain)
+        + check_select(experiment, member, chain)
+        + check_prune(experiment, stages, member, chain)
+        + check_kind(experiment, chain)
+        + check_chat_template(experiment, stages, chain)
+    )
+
+
+def sorted_out(
+    problems_of: dict[Path, list[Problem]], needed: set[Path] | None, files: list[Path]
+) -> tuple[list[Problem], list[Problem]]:
+    """The errors (problems of the needed experiment files, and of no experiment file) and the warnings
+    (problems of the others, marked skipped). A shared fragment's mistake that a needed file meets too is
+    that file's error, and not also a warning."""
+    counted = [
+        (p, None if needed is None or path in needed or path not in files else path)
+        for path, found in problems_of.items()
+        for p in found
+    ]
+    errors = list(dict.fromkeys(p for p, skipped in counted if skipped is None and not p.warning))
+    warnings = [
+        p
+        if skipped is None
+        else replace(p, warning=True, message=f"{p.message} ({skipped.name}: not needed by --exp, skipped)")
+        for p, skipped in dict.fromkeys(counted)
+        if (skipped is None and p.warning)
+        or (skipped is not None and replace(p, warning=False) not in errors)
+    ]
+    return errors, warnings
+
+
+def needed_files(
+    loaded: list[LoadedExperiment], names: list[str] | None, written: dict[str, Path]
+) -> set[Path] | None:
+    """The experiment files that launching `names` needs: theirs and those of the experiments they wait on
+    (`after:`, transitively; a sweep's name stands for its points); None (every file) without names, or
+    where a name in that chain is given by no file that loaded (it may be a file that did not parse)."""
+    if not names:
+        return None
+    file_of = dict(written) | {e.name: e.file for e in loaded}
+    points: dict[str, list[str]] = {}
+    for item in loaded:
+        if item.sweep is not None:
+            points.setdefault(item.sweep.sweep, []).append(item.name)
+    waits_on = {e.name: e.experiment.after for e in loaded}
+    todo, seen = list(names), set()
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        if name not in file_of and name not in points:
+            return None
+        seen.add(name)
+        todo += waits_on.get(name, []) + points.get(name, [])
+    return {file_of[name] for name in seen if name in file_of}
 
 
 def chosen(loaded: LoadedExperiment, names: list[str] | None) -> bool:
@@ -175,7 +248,7 @@ def expanded(
     try:
         sweep = expand(block, name)
     except SweepError as exc:
-        return [], [to_problem(error, chain, ("sweep",)) for error in exc.errors]
+        return [], [to_problem(error, chain, ("sweep",)) for error in one_per_value(exc.errors)]
     base = {key: value for key, value in raw.items() if key != "sweep"}
     points = []
     for point in sweep.points:
@@ -190,7 +263,20 @@ def expanded(
         )
         config = deep_merge(base, nested(point.values)) | {"name": point_name(name, point, held)}
         points.append((config, [*given, *chain], member))
-    return points, []
+    return points, never_pruned(sweep, chain)
+
+
+def never_pruned(sweep: Sweep, chain: list[YamlFile]) -> list[Problem]:
+    """A warning when the sweep has fewer runs than prune.min_points: no rung ever holds enough losses to
+    judge by, so nothing is stopped (before: nothing said so, and the sweep simply never pruned)."""
+    if sweep.prune is None or len(sweep.points) >= sweep.prune.min_points:
+        return []
+    message = (
+        f"this sweep has {len(sweep.points)} run(s), fewer than prune.min_points {sweep.prune.min_points}: "
+        "a rung judges once that many losses are recorded, so no run will ever be stopped; lower min_points "
+        "or add points"
+    )
+    return [replace(sweep_problem(chain, ("prune",), message), warning=True)]
 
 
 def point_name(sweep: str, point, held: frozenset[str]) -> str:
@@ -395,7 +481,7 @@ def load_watchable_experiments(
         written.add(str(raw.get("name")))
         points, found = expanded(raw, chain, held)
         problems += found
-        broken |= {path} if found else set()
+        broken |= {path} if any(not p.warning for p in found) else set()
         for raw, chain, member in points:
             experiment, found = validate_experiment(raw, chain)
             stages, more = resolve_stages(experiment, raw, chain) if experiment else ([], [])
@@ -417,7 +503,35 @@ def validate_experiment(raw: dict, chain: list[YamlFile]) -> tuple[Experiment | 
     try:
         return Experiment.model_validate(raw), []
     except ValidationError as exc:
-        return None, [to_problem(error, chain) for error in exc.errors()]
+        return None, [to_problem(error, chain) for error in one_per_value(exc.errors())]
+
+
+# How pydantic names the member of a union (`int | Literal['auto']`) a failed check belongs to, at the end
+# of an error's place: `literal['auto']`, `function-after[...]`, `int`, `list[str]`, a model's name.
+UNION_MEMBER = re.compile(r"(literal|function-\w+|list|dict|tuple|set)\[.*|int|float|str|bool|none|[A-Z]\w*")
+
+
+def one_per_value(errors: list[dict]) -> list[dict]:
+    """pydantic's errors with a union's members folded into one error per value: `micro_batch: eight` is one
+    problem ("should be 'auto' or a valid integer"), not one per type it could have been. A member's own
+    message (a value_error, e.g. "true is a yes/no") says more than the others' "should be", and wins."""
+    folded: dict[tuple, list[dict]] = {}
+    for error in errors:
+        loc = tuple(error["loc"])
+        while loc and isinstance(loc[-1], str) and UNION_MEMBER.fullmatch(loc[-1]):
+            loc = loc[:-1]
+        folded.setdefault(loc, []).append({**error, "loc": loc})
+    return [merged(group) for group in folded.values()]
+
+
+def merged(group: list[dict]) -> dict:
+    if len(group) == 1:
+        return group[0]
+    own = [error for error in group if error["type"] in ("value_error", "assertion_error")]
+    if own:
+        return own[0]
+    wants = [error["msg"].removeprefix("Input should be ") for error in group]
+    return {**group[-1], "msg": "Input should be " + " or ".join(dict.fromkeys(wants))}
 
 
 def to_problem(error: dict, chain: list[YamlFile], prefix: tuple = ()) -> Problem:
@@ -479,7 +593,7 @@ def resolve_stages(
             try:
                 specs[section] = model.model_validate(merged)
             except ValidationError as exc:
-                for error in exc.errors():
+                for error in one_per_value(exc.errors()):
                     # A mistake in the experiment's own section was reported already; report the stage's.
                     if error["loc"] and error["loc"][0] in getattr(stage, section):
                         problems.append(to_problem(error, chain, ("stages", index, section)))

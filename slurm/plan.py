@@ -27,13 +27,13 @@ from core.config import (
     TrainJob,
     what_it_computes,
 )
-from core.durations import slurm_time
+from core.durations import format_duration, slurm_time
 from core.hashing import content_hash
 from core.problems import ConfigError, Problem
 from core.pruning import definition_hash, expected_epochs
 from core.rundir import ADAPTER, CONFIG, done_hash, in_folder, run_folder
 from slurm import guesses
-from slurm.estimate import Estimate, Estimator, auto_time_limit_s
+from slurm.estimate import GUESSED_EVAL_FLOOR_S, Estimate, Estimator, auto_time_limit_s
 from slurm.experiments import LoadedExperiment
 from slurm.profile import ClusterProfile
 
@@ -72,6 +72,17 @@ class PlannedJob:
     def tasks(self) -> int:
         """Processes the job runs: one per GPU for training (DDP); an eval job is one process."""
         return self.resources.tasks if self.kind == "train" else 1
+
+    @property
+    def limit_origin(self) -> str:
+        """Its time limit and where it came from, for a job that reached it: written, `auto` from an
+        estimate, or `auto` from a guess (no speed of this model measured yet)."""
+        key = "resources.time" if self.kind == "train" else "eval.resources.time"
+        if not self.time_auto:
+            return f"{self.resources.time}, written as {key}"
+        guess = "a guessed " if self.estimate.source == "guess" else f"the {self.estimate.source} "
+        estimate = format_duration(self.estimate.seconds) if self.estimate.seconds else "no"
+        return f"{self.resources.time}, {key}: auto from {guess}estimate of {estimate}"
 
     @property
     def expected_share(self) -> float:
@@ -444,7 +455,10 @@ def estimated(job: PlannedJob, estimator: Estimator, profile: ClusterProfile, fi
     resources = job.resources
     if job.time_auto:
         guessed = estimate.source == "guess"
-        limit = auto_time_limit_s(estimate.seconds, resources.signal_delay_s, profile.max_time_s, guessed)
+        floor = GUESSED_EVAL_FLOOR_S if guessed and job.kind == "eval" else 0
+        limit = auto_time_limit_s(
+            estimate.seconds, resources.signal_delay_s, profile.max_time_s, guessed, floor
+        )
         try:  # validated again: the signal delay must fit inside the limit, as for a written time
             resources = Resources.model_validate({**resources.model_dump(), "time": slurm_time(limit)})
         except ValidationError as exc:

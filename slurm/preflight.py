@@ -10,7 +10,9 @@ that differ only in learning rate or name, cost one preflight and no torch impor
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
+import os
 import sys
 from contextlib import contextmanager
 from dataclasses import fields, replace
@@ -184,7 +186,9 @@ def preflight_plan(
         try:
             result = cached_preflight(planned.spec, gpu_mem_for(planned.resources), preflight_log())
         except OSError as exc:
-            if not lacking:  # else said already, with its fetch command
+            if in_cache := cache_problem(exc):
+                problems.append(in_cache)
+            elif not lacking:  # else said already, with its fetch command
                 problems.append(Problem(where, "model.name_or_path", unavailable(planned.spec, exc)))
             continue
         except ValueError as exc:  # what the job would fail on at its start, e.g. target modules not found
@@ -221,6 +225,24 @@ def unfetched(job_id: str, where: str, key: str, missing: dict[str, str]) -> lis
             "share (HF_HOME), or set hub_downloads: nodes if the nodes have network",
         )
     ]
+
+
+def cache_problem(exc: OSError) -> Problem | None:
+    """An OSError on a file of the preflight's own cache (LORA_CACHE_DIR: its log, a result), named as that
+    file's problem (a link, which is never written through; or another error), not as the model's; None
+    for any other file. Before: a link at preflight.log read "the config of MODEL is neither a local folder
+    nor in the Hugging Face cache"."""
+    name = exc.filename and Path(os.path.abspath(exc.filename))
+    root = Path(os.path.abspath(data_lib.cache_root()))
+    if not name or not name.is_relative_to(root):
+        return None
+    what = "is a symbolic link" if os.path.islink(name) or exc.errno == errno.ELOOP else exc.strerror
+    return Problem(
+        str(name),
+        "",
+        f"{what}: the preflight's cache (LORA_CACHE_DIR, {root}) is never written through a link; remove it, "
+        "or set LORA_CACHE_DIR to a folder of your own",
+    )
 
 
 def unavailable(job: TrainJob, exc: Exception) -> str:

@@ -9,7 +9,7 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
-from core.config import SlurmNames, SlurmTime
+from core.config import Float, Int, SlurmNames, SlurmTime
 from core.durations import slurm_seconds
 from core.problems import ConfigError, Problem
 from slurm.redact import literal_secret
@@ -62,21 +62,21 @@ class ClusterProfile(BaseModel):
     )
     run_dir: str = "runs"
     log_dir: Annotated[str, AfterValidator(one_line)] = "logs"
-    max_gpus_per_node: Annotated[int, Field(ge=0)] = 8
-    max_nodes: Annotated[int, Field(ge=1)] | None = Field(
+    max_gpus_per_node: Annotated[Int, Field(ge=0)] = 8
+    max_nodes: Annotated[Int, Field(ge=1)] | None = Field(
         None,
         description="nodes one job may span (resources.nodes); unset: the partition's count, read at launch",
     )
-    max_cpus_per_node: Annotated[int, Field(ge=1)] = 64
-    max_mem_gb_per_node: Annotated[float, Field(gt=0)] = 512
-    local_parallel_jobs: Annotated[int, Field(ge=1)] = 1
+    max_cpus_per_node: Annotated[Int, Field(ge=1)] = 64
+    max_mem_gb_per_node: Annotated[Float, Field(gt=0)] = 512
+    local_parallel_jobs: Annotated[Int, Field(ge=1)] = 1
     mail_user: Annotated[str, AfterValidator(mail_address)] | None = Field(
         None, description="sbatch --mail-user for jobs whose resources.mail asks for mail"
     )
-    gpu_hour_cost: Annotated[float, Field(ge=0)] | None = Field(
+    gpu_hour_cost: Annotated[Float, Field(ge=0)] | None = Field(
         None, description="what one GPU-hour costs (any currency): the report adds a cost column and total"
     )
-    gpu_mem_gb: Annotated[float, Field(gt=0)] | dict[str, Annotated[float, Field(gt=0)]] | None = Field(
+    gpu_mem_gb: Annotated[Float, Field(gt=0)] | dict[str, Annotated[Float, Field(gt=0)]] | None = Field(
         None,
         description="GPU memory per GPU in GB (10^9 bytes, as GPUs are sold: an 80 GB H100 is 80, though "
         "it holds 85.5 GB = 79.6 GiB), for preflight: one number, or by partition or constraint name "
@@ -94,7 +94,7 @@ class ClusterProfile(BaseModel):
         return None
 
     # --pack / --budget when the command line leaves them out (slurm/pack.py).
-    pack: Annotated[int, Field(ge=1)] | None = Field(None, description="GPUs of one packed allocation")
+    pack: Annotated[Int, Field(ge=1)] | None = Field(None, description="GPUs of one packed allocation")
     budget: SlurmTime | None = Field(
         None, description="the packed allocation's time limit (default: max_time)"
     )

@@ -83,7 +83,7 @@ def submit(
     from slurm.snapshot import take_snapshot
 
     def waiting(holder: str) -> None:
-        err.print(f"waiting for the launch lock of {profile.run_dir}/: held by {holder}", highlight=False)
+        err.print(waiting_text(profile.run_dir, holder), highlight=False, soft_wrap=True)
 
     with launch_lock(Path(profile.run_dir), waiting):
         decisions = launch_decisions(plan, profile, request)
@@ -102,6 +102,17 @@ def submit(
         else:
             queue(plan, profile, decisions, skipped, take_snapshot(Path(profile.log_dir)), files)
     return wait(plan, profile) if request.wait and request.backend == "slurm" else 0
+
+
+def waiting_text(run_dir: str, holder: str) -> str:
+    """What a launch says while another holds the run root's lock: who, and how not to wait (before: the
+    newcomer's first launch waited for `make demo`'s lock on runs/ with no word on using another root)."""
+    return (
+        f"waiting for the launch lock of {run_dir}/: held by {holder} (a local run holds it until its jobs "
+        f"end). Not to wait, give your experiments a run root of their own: a cluster.yaml beside their "
+        "YAMLs (the --config-dir folder; a copy of configs/cluster.yaml) with `run_dir: my-runs` and "
+        "`log_dir: my-logs`"
+    )
 
 
 def launch_decisions(plan: Plan, profile, request: LaunchRequest) -> list[Decision]:

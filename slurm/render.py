@@ -295,16 +295,25 @@ def problem_lines(rows: list[JobStatus], tail_lines: int = 5) -> list[str]:
             )
         elif row.state is State.BLOCKED:
             lines.append(f"{row.job.id}: BLOCKED, will not run: {row.reason}")
-        elif row.state.failed or row.state is State.UNKNOWN:
-            which = (
-                f"local pid {row.scheduler_id}" if row.backend == "local" else f"slurm job {row.scheduler_id}"
+        elif (
+            row.state is State.CANCELLED
+        ):  # asked for: no cause to fix, and its log's traceback is the stop's
+            why = f", {row.reason}" if row.reason else ""
+            lines.append(
+                f"{row.job.id}: CANCELLED ({which_job(row)}{why}): stopped as asked, not failed; the same "
+                "launch (or --retry-failed) runs it again"
             )
-            lines.append(f"{row.job.id}: {row.state.value} ({which}) {row.reason}".rstrip())
+        elif row.state.failed or row.state is State.UNKNOWN:
+            lines.append(f"{row.job.id}: {row.state.value} ({which_job(row)}) {row.reason}".rstrip())
             lines.append(f"  log: {row.log_path}")
             lines += [f"  | {line}" for line in last_lines(row.log_path, tail_lines)]
-    if any(r.state.failed for r in rows):
+    if any(r.state.failed and r.state is not State.CANCELLED for r in rows):
         lines.append("Fix the cause, then: python launch.py --retry-failed (same --config-dir)")
     return lines
+
+
+def which_job(row: JobStatus) -> str:
+    return f"local pid {row.scheduler_id}" if row.backend == "local" else f"slurm job {row.scheduler_id}"
 
 
 def cancel_hint(row: JobStatus) -> str:

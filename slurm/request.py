@@ -34,6 +34,33 @@ SUBMITTING: tuple[Action, ...] = ("launch", "calibrate", "retry_failed", "export
 # Actions that need experiments named (--all or --exp); the others take every experiment when none is.
 NAMING: tuple[Action, ...] = ("launch", "calibrate", "preflight", "export")
 DEFAULT_CONFIG_DIR = Path("configs/experiments")
+PLANNING: tuple[Action, ...] = (
+    "launch",
+    "retry_failed",
+    "calibrate",
+    "dry_run",
+)  # the dry run shows a launch
+# Each option (argparse's name), its flag, the verbs it applies to, and what to say where it does not (None:
+# that it does nothing there): given to another verb it is refused, never silently ignored (before:
+# `--report --exp a` reported every experiment, `--export --pack 2` made no pack, `--status --json` printed
+# a table).
+APPLIES_TO: dict[str, tuple[str, tuple[Action, ...], str | None]] = {
+    "json": ("--json", ("dry_run", "preflight"), None),
+    "no_preflight": ("--no-preflight", (*SUBMITTING, "dry_run"), None),
+    "wait": ("--wait", SUBMITTING, None),
+    "force": ("--force", (*SUBMITTING, "dry_run"), None),
+    "backend": ("--backend", (*SUBMITTING, "dry_run", "status", "cancel"), None),
+    "pack": ("--pack", (*PLANNING, "preflight"), None),
+    "budget": ("--budget", (*PLANNING, "preflight"), None),
+    "budget_basis": ("--budget-basis", (*PLANNING, "preflight"), None),
+    "export_format": ("--export-format", ("export",), None),
+    "removed": ("--removed", ("cancel",), "picks what --cancel stops: add --cancel"),
+    "rank": ("--rank", ("tail",), "picks the task of a multi-GPU job whose log --tail follows: add --tail"),
+    "calibrate_steps": ("--calibrate-steps", ("calibrate",), None),
+    "exp": ("--exp", tuple(a for a in get_args(Action) if a not in ("sync", "report")), None),
+    "all": ("--all", tuple(a for a in get_args(Action) if a not in ("sync", "report", "tail")), None),
+    "overrides": ("KEY=VALUE", tuple(a for a in get_args(Action) if a != "sync"), None),
+}
 
 
 @dataclass(frozen=True)
@@ -87,25 +114,49 @@ def request_from(args) -> LaunchRequest:
         config_dir_named=args.config_dir is not None,
         experiments=tuple(args.exp) if args.exp else None,
         overrides=tuple(args.overrides),
-        backend=backend_here(args.backend) if action in SUBMITTING else args.backend,
+        backend=backend_here(args.backend or "auto") if action in SUBMITTING else args.backend or "auto",
         as_json=args.json,
         preflight=not args.no_preflight,
         wait=args.wait,
         pack=args.pack,
         budget=args.budget,
-        budget_basis=args.budget_basis,
+        budget_basis=args.budget_basis or "worst",
         force=args.force,
         removed=args.removed,
         export=tuple(args.export or ()),
-        export_format=args.export_format,
+        export_format=args.export_format or "safetensors",
         tail=args.tail,
-        rank=args.rank,
-        calibrate_steps=args.calibrate_steps,
+        rank=args.rank or 0,
+        calibrate_steps=30 if args.calibrate_steps is None else args.calibrate_steps,
     )
-    problems = door_problems(request, chose=bool(args.all or args.exp or args.export))
+    misplaced = not_for_the_verb(args, action)
+    wrong = {p.key for p in misplaced}  # a misplaced flag is named once, for being there, not its value too
+    problems = misplaced + [
+        p
+        for p in door_problems(request, chose=bool(args.all or args.exp or args.export))
+        if p.key not in wrong
+    ]
     if problems:
         raise ConfigError(problems)
     return request
+
+
+def not_for_the_verb(args, action: Action) -> list[Problem]:
+    """Each option given (argparse leaves one not given None, False or empty) to a verb it does not apply
+    to, named with the verbs that take it."""
+    found = []
+    for name, (flag, verbs, hint) in APPLIES_TO.items():
+        value = getattr(args, name, None)
+        if value is None or value is False or value == [] or action in verbs:
+            continue
+        takers = ", ".join(verb_flag(v) for v in verbs)
+        message = hint or f"does nothing for {verb_flag(action)}: it is for {takers}; remove it"
+        found.append(Problem("command line", flag, message))
+    return found
+
+
+def verb_flag(action: Action) -> str:
+    return "a launch" if action == "launch" else "--" + action.replace("_", "-")
 
 
 def door_problems(request: LaunchRequest, chose: bool) -> list[Problem]:
@@ -115,14 +166,8 @@ def door_problems(request: LaunchRequest, chose: bool) -> list[Problem]:
     found = []
     if request.action in NAMING and not chose:
         found.append(problem("", "say which experiments: --all or --exp NAME [NAME ...]"))
-    if request.removed and request.action != "cancel":
-        found.append(problem("--removed", "picks what --cancel stops: add --cancel"))
     if request.calibrate_steps < 1:
         found.append(problem("--calibrate-steps", "must be at least 1"))
-    if request.rank != 0 and request.action != "tail":
-        found.append(
-            problem("--rank", "picks the task of a multi-GPU job whose log --tail follows: add --tail")
-        )
     if request.rank < 0:
         found.append(problem("--rank", "must be 0 or more (task 0 is rank 0)"))
     if request.pack is not None and request.pack < 0:

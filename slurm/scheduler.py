@@ -283,6 +283,26 @@ def local_failure(job: submitit.LocalJob) -> str:
     return heads[-1].strip() if heads else "failed (see the log)"
 
 
+# The line slurm/jobs.py StopRequest logs when the time-limit signal (USR2) arrives: submitit's local
+# controller sends it signal_delay_s before the job's limit, as SLURM does.
+TIME_LIMIT_LINE = b"received SIGUSR2"
+LOG_TAIL_BYTES = 1 << 20  # a job's log is read from its end, bounded
+
+
+def reached_time_limit(job: submitit.LocalJob) -> bool:
+    """An ended local job without a result whose log says the time-limit signal came: it was stopped at
+    its limit (before: "ended without a result (killed or cancelled)", though its log had the signal)."""
+    if job.paths.result_pickle.exists():
+        return False
+    try:
+        with open(job.paths.stdout, "rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            fh.seek(max(0, fh.tell() - LOG_TAIL_BYTES))
+            return TIME_LIMIT_LINE in fh.read()
+    except OSError:
+        return False
+
+
 def queued_by_token() -> dict[str, str] | None:
     """Token → SLURM job id of this user's queued jobs whose comment carries one, in one squeue call;
     {} where SLURM is not installed (nothing can be queued), None when squeue does not answer."""

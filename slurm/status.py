@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import getpass
 import re
+import time
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 
 from core.config import ascii_int, what_it_computes
-from core.durations import read_duration
+from core.durations import read_duration, slurm_time
+from core.files import read_window
+from core.pruning import decided_text
 from core.rundir import (
     PROGRESS_FIELDS,
     UNREADABLE,
@@ -186,12 +190,16 @@ def job_status(
         return JobStatus(job, State.UNKNOWN, reason=f"{run_dir}/DONE cannot be read", **common)
     if is_done(run_dir, job.config_hash, job.kind):
         pruned = RunDir(run_dir).read_pruned() if job.kind == "train" else {}
+        if backend == "local" and submitted is not None:
+            elapsed = local_elapsed(submitted, record, running=False)
+        else:
+            elapsed = scheduler.get(scheduler_id, SchedulerInfo(State.COMPLETED)).elapsed
         return JobStatus(
             job,
             State.PRUNED if pruned else State.COMPLETED,
             reason=pruned_reason(pruned),
             **common,
-            elapsed=scheduler.get(scheduler_id, SchedulerInfo(State.COMPLETED)).elapsed,
+            elapsed=elapsed,
         )
     failed_parent = next(
         (
@@ -210,7 +218,7 @@ def job_status(
             )
         return JobStatus(job, State.PLANNED, **fields)
     if backend == "local":
-        info = local_info(submitted, record)
+        info = local_info(submitted, record, job)
     else:
         info = scheduler.get(scheduler_id, SchedulerInfo(State.UNKNOWN, "not known to squeue or sacct"))
         if record.pack:
@@ -248,23 +256,16 @@ def first_failed_rank(log: str) -> str:
 
 
 def read_tail(path: str, size: int = 64_000) -> str:
+    """The last `size` bytes of a job's log, bounded and never waiting on a FIFO (core/files.py read_window)."""
     try:
-        with open(path, "rb") as fh:
-            fh.seek(max(0, fh.seek(0, 2) - size))
-            return fh.read().decode(errors="replace")
+        return read_window(Path(path), None, size)[0].decode(errors="replace")
     except OSError:
         return ""
 
 
 def pruned_reason(pruned: dict) -> str:
     """Where a pruned run stopped and why: `at rung 1: eval_loss 3.21 > cutoff 1.15 of 4 runs`."""
-    if not pruned:
-        return ""
-    figures = [pruned.get(key) for key in ("rung", "eval_loss", "cutoff", "points")]
-    if None in figures:
-        return "at a rung"
-    rung, loss, cutoff, points = figures
-    return f"at rung {rung:g}: eval_loss {loss:.4g} > cutoff {cutoff:.4g} of {points} runs"
+    return "at " + decided_text(pruned).removesuffix(": stop") if pruned else ""
 
 
 def another_config(job, run_dir: Path) -> str:
@@ -319,17 +320,60 @@ def _submitit_job(log_root: str, plan_id: str, record: JobRecord, run_dir: Path)
     return scheduler_job(log_root, plan_id, record, run_dir)
 
 
-def local_info(submitted, record: JobRecord) -> SchedulerInfo:
+def local_info(submitted, record: JobRecord, job: PlannedJob) -> SchedulerInfo:
     """A local job runs while its submitit controller does, or while a task of it holds its run folder
-    with the controller gone (killed); once ended without DONE, why it failed."""
-    from slurm.scheduler import controller_alive, local_failure, orphaned_task
+    with the controller gone (killed); once ended without DONE, why: cancelled, its time limit reached, or
+    failed. Its elapsed time is its own clock's (local_elapsed): no scheduler keeps one."""
+    from slurm.scheduler import controller_alive, local_failure, orphaned_task, reached_time_limit
 
     if controller_alive(submitted):
-        return SchedulerInfo(State.RUNNING)
+        return SchedulerInfo(State.RUNNING, elapsed=local_elapsed(submitted, record, running=True))
     if (orphan := orphaned_task(submitted)) is not None:
         return SchedulerInfo(
-            State.RUNNING, f"controller {record.job_id} gone; its task pid {orphan} still holds the folder"
+            State.RUNNING,
+            f"controller {record.job_id} gone; its task pid {orphan} still holds the folder",
+            elapsed=local_elapsed(submitted, record, running=True),
         )
+    elapsed = local_elapsed(submitted, record, running=False)
     if record.cancelled_at:
-        return SchedulerInfo(State.CANCELLED, f"cancelled at {record.cancelled_at}")
-    return SchedulerInfo(State.FAILED, local_failure(submitted))
+        return SchedulerInfo(State.CANCELLED, f"cancelled at {record.cancelled_at}", elapsed)
+    if reached_time_limit(submitted):
+        return SchedulerInfo(State.TIMEOUT, timed_out_text(job), elapsed)
+    return SchedulerInfo(State.FAILED, local_failure(submitted), elapsed)
+
+
+def timed_out_text(job: PlannedJob) -> str:
+    """Why a job ended at its limit, which limit, where it came from, and that its work is kept."""
+    kept = "checkpoints" if job.kind == "train" else "predictions (one per example)"
+    return (
+        f"reached its time limit ({job.limit_origin}); its {kept} are kept: the same launch (or "
+        "--retry-failed) goes on from them; a longer limit: set it in the experiment"
+    )
+
+
+def local_elapsed(submitted, record: JobRecord, running: bool) -> str:
+    """A local job's elapsed time as squeue writes a SLURM job's (`01:02:03`): from its submission (its
+    submitted pickle, else job.json's submitted_at) to now while it runs, else to the last file it wrote
+    (its result, its log); "" when its files are gone. Before: blank for every local job."""
+    paths = submitted.paths
+    started = file_time(paths.submitted_pickle) or submitted_at(record)
+    ended = (
+        time.time()
+        if running
+        else max(filter(None, (file_time(paths.result_pickle), file_time(paths.stdout))), default=None)
+    )
+    return slurm_time(max(0, round(ended - started))) if started and ended else ""
+
+
+def file_time(path: Path) -> float | None:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return None
+
+
+def submitted_at(record: JobRecord) -> float | None:
+    try:
+        return datetime.strptime(record.submitted_at, "%Y-%m-%dT%H:%M:%S").timestamp()
+    except (TypeError, ValueError):
+        return None

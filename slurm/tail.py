@@ -23,16 +23,20 @@ POLL_S = float(os.environ.get("LAUNCH_POLL_S", "5"))
 def pick_job(plan: Plan, target: str, log_root: str) -> PlannedJob:
     """EXP/STAGE as given; EXP alone means its job that is running now, else the first not done."""
     ids = [j.id for j in plan.jobs]
+    # Where it looked: before, "no experiment 'x'" alone, and a user whose runs are in another run root
+    # (another folder's cluster.yaml) could not tell why.
+    looked = (
+        f" in the run root {plan.run_root}/ (with --config-dir FOLDER: that folder's cluster.yaml's run_dir)"
+    )
     if "/" in target:
         if target not in ids:
-            raise ConfigError(
-                [Problem("command line", "--tail", f"no job '{target}'" + did_you_mean(target, ids))]
-            )
+            message = f"no job '{target}'{looked}" + did_you_mean(target, ids)
+            raise ConfigError([Problem("command line", "--tail", message)])
         return plan.job(target)
     rows = [r for r in plan_status(plan, log_root) if r.job.experiment == target]
     if not rows:
         experiments = {j.experiment for j in plan.jobs}
-        message = f"no experiment '{target}'" + did_you_mean(target, experiments)
+        message = f"no experiment '{target}'{looked}" + did_you_mean(target, experiments)
         raise ConfigError([Problem("command line", "--tail", message)])
     active = [r for r in rows if r.state.live] or [r for r in rows if not r.state.finished] or rows[-1:]
     return active[0].job

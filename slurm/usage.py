@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import re
 import time
-from datetime import datetime
 from pathlib import Path
 
 from submitit.core.utils import JobPaths, pickle_load
@@ -26,7 +25,7 @@ from core.layout import PACKS
 from core.rundir import JobRecord, job_records, log_folder, read_lane
 from core.runs import JobUsage, PackUsage, PlanUsage
 from slurm.pack import Unit
-from slurm.status import Allocation, query_allocations
+from slurm.status import Allocation, file_time, query_allocations, submitted_at
 
 VISIBLE_LINE = re.compile(r"CUDA_VISIBLE_DEVICES=(\(not set\)|\S*)")
 LOG_HEAD_BYTES = 64 * 1024  # the line is logged before the work starts
@@ -157,17 +156,3 @@ def given_gpus(log: Path) -> int | None:
     if found is None or found.group(1) == "(not set)":
         return None
     return len(visible_devices(found.group(1)))
-
-
-def file_time(path: Path) -> float | None:
-    try:
-        return path.stat().st_mtime
-    except OSError:
-        return None
-
-
-def submitted_at(record: JobRecord) -> float | None:
-    try:
-        return datetime.strptime(record.submitted_at, "%Y-%m-%dT%H:%M:%S").timestamp()
-    except (TypeError, ValueError):
-        return None

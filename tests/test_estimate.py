@@ -221,6 +221,18 @@ def test_time_auto_resolves_in_the_plan_and_reaches_sbatch(tmp_path):
     assert plan_for(folder=folder).job("other/train").resources.time == "04:00:00"  # written times stay
 
 
+def test_a_guessed_eval_limit_leaves_room_for_a_slow_machine():
+    """Before: a newcomer's evals, guessed at ~49 s, got 15 minutes and were killed on a busy machine."""
+    from slurm.estimate import GUESSED_EVAL_FLOOR_S
+
+    assert auto_time_limit_s(49, 120, 86400, guessed=True) == 900  # the guess alone: what killed them
+    assert auto_time_limit_s(49, 120, 86400, guessed=True, floor_s=GUESSED_EVAL_FLOOR_S) == 3600
+    assert (
+        auto_time_limit_s(49, 120, 1800, guessed=True, floor_s=GUESSED_EVAL_FLOOR_S) == 1800
+    )  # max_time wins
+    assert auto_time_limit_s(2000, 120, 86400, guessed=True, floor_s=GUESSED_EVAL_FLOOR_S) == 8700
+
+
 def test_time_auto_is_capped_by_cluster_max_time(tmp_path):
     folder = auto_folder(tmp_path, cluster="max_time: '00:07:00'\n")
     assert plan_for(folder=folder).job("auto/train").resources.time == "00:07:00"

@@ -390,3 +390,34 @@ def test_by_hand_the_eval_configs_give_the_decoding_and_the_table_with_the_base_
     ]
     with pytest.raises(ExportError, match="not an eval job's config.yaml"):
         export.eval_inputs([tmp_path / "missing.yaml"])
+
+
+def test_the_card_of_a_pruned_run_says_it_was_stopped_early_and_where(tiny, tmp_path):
+    """Before: a sweep's run pruned at its first rung was published as if it had trained its epochs."""
+    from core.pruning import RungRecord, mark_pruned
+
+    run_dir = tmp_path / "stage"
+    run_dir.mkdir()
+    job = make_job(tiny, run_dir, "causal", max_steps=None, epochs=3)
+    assert export.pruned_note(run_dir, job) == []  # not pruned: nothing said
+    mark_pruned(run_dir, RungRecord("t-r8-s1", "h", 1.0, 3.21, True, 1.15, 4))
+    (note,) = export.pruned_note(run_dir, job)
+    assert "**Pruned:**" in note and "rung 1: eval_loss 3.21 > cutoff 1.15 of 4 runs" in note
+    assert "did not train its planned 3 epochs" in note
+
+
+def test_a_gguf_export_without_llama_cpp_is_named_as_holding_no_gguf(tmp_path):
+    """Before: `--export --export-format gguf` without a converter exited 0, saying "Exported:"; only a
+    warning in the job's log said no GGUF was made. The markers are what export.commit writes."""
+    from slurm.commands.export import without_gguf
+
+    made, missing = tmp_path / "made", tmp_path / "missing"
+    for out_dir, gguf in ((made, "model.gguf"), (missing, None)):
+        partial = out_dir / ".partial"
+        partial.mkdir(parents=True)
+        (partial / "README.md").write_text("card")
+        command = f"python /path/to/llama.cpp/convert_hf_to_gguf.py {out_dir} --outfile {out_dir}/model.gguf"
+        export.commit(partial, out_dir, "id", {"gguf": gguf, "gguf_command": command}, previous=[])
+    (line,) = without_gguf([made, missing])
+    assert line.startswith(f"no GGUF was made in {missing}/") and "LLAMA_CPP_DIR" in line
+    assert f"convert_hf_to_gguf.py {missing} --outfile" in line

@@ -59,12 +59,13 @@ def test_a_link_planted_at_anything_a_run_wrote_is_refused_by_every_writing_comm
     (victim / "folder" / "inside").write_text("precious too\n")
     before = fingerprint(victim)
     capsys.readouterr()
+    local = ["--backend", "local"]  # for the verbs that submit: the door refuses it for the others
     commands = (
-        ["--all"],
+        ["--all", *local],
         ["--report"],
-        ["--export", "one"],
+        ["--export", "one", *local],
         ["--cancel"],
-        ["--all", "--retry-failed"],
+        ["--all", "--retry-failed", *local],
         ["--status"],
     )
     # Deepest first: a planted folder hides what is below it, which then is not planted itself.
@@ -74,7 +75,7 @@ def test_a_link_planted_at_anything_a_run_wrote_is_refused_by_every_writing_comm
         path.symlink_to(victim / ("folder" if aside.is_dir() else "file"))
         try:
             for command in commands:
-                assert launch.main([*command, "--config-dir", str(folder), "--backend", "local"]) == 2, (
+                assert launch.main([*command, "--config-dir", str(folder)]) == 2, (
                     path,
                     command,
                 )

@@ -72,6 +72,59 @@ def test_no_float_field_of_any_config_section_accepts_inf_or_nan(value):
     assert len(checked) >= 10
 
 
+def number_fields(model: type[BaseModel]):
+    for name, field in model.model_fields.items():
+        if {int, float} & set(flatten(field.annotation)):
+            yield name, field
+
+
+def test_no_number_field_of_any_config_section_takes_a_boolean_for_a_number():
+    """Before: `eval.limit: yes` scored 1 example and `train.micro_batch: yes` meant 1 (pydantic reads True
+    as 1). Walked field by field, as the finite-number rule: a number field added without core/config.py's
+    Int or Float fails here."""
+    checked = []
+    for model in (
+        models_under(config.Experiment) | models_under(config.TrainJob) | models_under(ClusterProfile)
+    ):
+        for name, field in number_fields(model):
+            kind = (
+                typing.Annotated[(field.annotation, *field.metadata)] if field.metadata else field.annotation
+            )
+            listed = typing.get_origin(field.annotation) is list
+            with pytest.raises(ValidationError, match="is a yes/no, not a number"):
+                TypeAdapter(kind, config=model.model_config).validate_python([True] if listed else True)
+            checked.append(f"{model.__name__}.{name}")
+    assert {"EvalSpec.limit", "TrainSpec.micro_batch", "AdapterSpec.rank", "DataSpec.max_length"} <= set(
+        checked
+    )
+    assert {
+        "ClusterProfile.pack",
+        "Resources.gpus",
+        "PruneJob.min_points",
+        "GenerationSpec.length_penalty",
+    } <= set(checked)
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("train.micro_batch=eight", "train.micro_batch: Input should be 'auto' or a valid integer"),
+        ("data.max_length=yes", "data.max_length: true is a yes/no, not a number"),
+        ("adapter.target_modules=5", "adapter.target_modules: Input should be a valid list or 'all-linear'"),
+    ],
+)
+def test_a_bad_override_of_a_key_of_several_types_is_one_command_line_error(
+    folder, capsys, override, message
+):
+    """Before: `train.micro_batch=eight` gave two errors, one per type the key may hold, at
+    `train.micro_batch.function-after[functools.partial(<function ...>)]`."""
+    code, err = dry_run(folder, capsys, override)
+    assert code == 2
+    assert f"command line: {message}" in err
+    assert err.count("error:") == 1, err
+    assert "function-" not in err and "literal[" not in err
+
+
 @pytest.mark.parametrize(
     "override, key",
     [

@@ -226,6 +226,25 @@ def test_a_broken_cache_entry_is_recomputed_not_reported(repo_root, tiny, tmp_pa
         assert json.loads(entry.read_text())["trainable_percent"] == first["trainable_percent"]
 
 
+def test_a_link_in_the_preflight_cache_is_named_as_a_link_not_as_a_missing_model(
+    repo_root, tiny, tmp_path, monkeypatch, capsys
+):
+    """Before: a link at LORA_CACHE_DIR/preflight/preflight.log read "the config of MODEL is neither a local
+    folder nor in the Hugging Face cache ... hf download MODEL"."""
+    monkeypatch.chdir(repo_root)
+    monkeypatch.setenv("LORA_CACHE_DIR", str(tmp_path / "cache"))
+    folder = configs(tmp_path, {"one": {}})
+    log = tmp_path / "cache" / "preflight" / "preflight.log"
+    log.parent.mkdir(parents=True)
+    (tmp_path / "elsewhere.log").write_text("someone's file\n")
+    log.symlink_to(tmp_path / "elsewhere.log")
+    assert launch.main(["--all", "--config-dir", str(folder), "--preflight"]) == 2
+    err = capsys.readouterr().err
+    assert f"{log}: is a symbolic link" in err and "LORA_CACHE_DIR" in err
+    assert "model.name_or_path" not in err and "hf download" not in err
+    assert (tmp_path / "elsewhere.log").read_text() == "someone's file\n"
+
+
 def shipped_with_cluster_yaml(repo_root: Path, tmp: Path, text: str) -> Path:
     """configs/experiments (and the base it inherits) with a cluster.yaml of the test's own."""
     shutil.copytree(repo_root / "configs", tmp / "configs")

@@ -75,6 +75,10 @@ def check_the_hopeless_runs_were_pruned_at_rung_1(runs: Path) -> None:
         stage = RunDir(runs / name / "train")
         assert not stage.pruned.exists(), (name, records[name])
         assert json.loads(stage.summary.read_text())["epochs_done"] == 2
+    for name in GOOD + HOPELESS:  # each run's job log says what its rung decided, and from what
+        log = "".join(p.read_text() for p in (runs.parent / "logs" / name / "train").glob("*_log.*"))
+        verdict = ": stop" if name in HOPELESS else ": go on"
+        assert "pruning, rung 1: eval_loss" in log and verdict in log, (name, log[-2000:])
 
 
 @pytest.mark.slow

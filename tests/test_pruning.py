@@ -252,3 +252,43 @@ def test_eight_runs_keeping_a_third_expect_more_than_a_third_to_go_on():
     # The issue's figure: 8 runs, keep 1/3, min_points 3: about 55 % go on at the rung (4.37 of 8).
     assert surviving(8, 1 / 3, 3) == pytest.approx(2 + 1 / 3 + 2 / 4 + 2 / 5 + 2 / 6 + 3 / 7 + 3 / 8)
     assert expected_epochs(2, [1], 1 / 3, 8, 3) == pytest.approx(1 + surviving(8, 1 / 3, 3) / 8)
+
+
+def test_a_run_pruned_for_a_nan_loss_says_so_in_status_not_at_a_rung(tmp_path):
+    """Before: --status said only "PRUNED at a rung" for a run whose eval loss was NaN (no cutoff)."""
+    from core.pruning import RungRecord, mark_pruned
+    from core.rundir import RunDir
+    from slurm.status import pruned_reason
+
+    decided = decision(math.nan, [math.nan, 1.0, 2.0], keep=0.5, min_points=3)
+    mark_pruned(
+        tmp_path,
+        RungRecord("p-s1", "h", "def-a", 1.0, math.nan, decided.stop, decided.cutoff, decided.points),
+    )
+    reason = pruned_reason(RunDir(tmp_path).read_pruned())
+    assert reason.startswith("at rung 1: eval_loss is not a number") and "diverged" in reason
+    # The same when a strict-JSON writer records the loss as null.
+    assert "eval_loss is not a number" in pruned_reason({"rung": 1, "points": 3, "stop": True})
+
+
+@pytest.mark.parametrize(
+    "record, said",
+    [
+        (
+            {"rung": 1, "eval_loss": 3.21, "cutoff": 1.15, "points": 4, "stop": True},
+            "> cutoff 1.15 of 4 runs: stop",
+        ),
+        (
+            {"rung": 2, "eval_loss": 1.0, "cutoff": 1.15, "points": 4, "stop": False},
+            "<= cutoff 1.15 of 4 runs: go on",
+        ),
+        (
+            {"rung": 1, "eval_loss": 1.0, "cutoff": None, "points": 2, "stop": False},
+            "2 run(s) recorded (fewer than min_points 3): go on",
+        ),
+    ],
+)
+def test_each_rungs_decision_reads_with_its_loss_cutoff_and_verdict(record, said):
+    from core.pruning import decided_text
+
+    assert decided_text(record, min_points=3).endswith(said)

@@ -6,6 +6,7 @@ import csv
 import dataclasses
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -176,6 +177,30 @@ def test_baselines_are_shown_only_beside_experiments_on_their_task(tmp_path, rep
     baselines.write_text("source: Ang\nbaselines: [{name: T5-p, rouge_l: 0.211}]\n")
     with pytest.raises(BaselinesError, match="set 1 has no `task`"):
         write_report(job_runs(plan), runs, baselines, {"sql": "spider"})
+
+
+def test_a_pipe_in_a_baselines_name_does_not_move_its_number_into_another_column(tmp_path):
+    """Before: `T5 | base` ended its cell, and its exact_match was shown under the next column."""
+    plan = plan_of(tmp_path, "sql")
+    runs = tmp_path / "runs"
+    baselines = tmp_path / "baselines.yaml"
+    baselines.write_text("task: spider\nbaselines: [{name: 'T5 | base', exact_match: 0.123}]\n")
+    write_report(job_runs(plan), runs, baselines, {"sql": "spider"})
+    lines = (runs / "report.md").read_text().splitlines()
+    head = next(line for line in lines if line.startswith("| experiment"))
+    row = next(line for line in lines if "T5" in line)
+    cells = [c.strip() for c in re.split(r"(?<!\\)\|", row)[1:-1]]
+    columns = [c.strip() for c in head.split("|")[1:-1]]
+    assert len(cells) == len(columns), row
+    assert cells[columns.index("experiment")] == r"T5 \| base"
+    assert cells[columns.index("exact_match")] == "0.123"
+
+
+def test_an_experiments_description_is_in_the_report_as_configs_readme_says(tmp_path):
+    plan = plan_of(tmp_path, "sql")
+    runs = tmp_path / "runs"
+    write_report(job_runs(plan), runs, descriptions={"sql": "T5-small on the shop\nSQL data"})
+    assert "- **sql**: T5-small on the shop SQL data" in (runs / "report.md").read_text()
 
 
 def test_our_bertscore_f1_fills_the_bertscore_column_of_the_published_baselines(tmp_path, repo_root):

@@ -7,7 +7,17 @@ from __future__ import annotations
 import pytest
 
 from core.config import TrainSpec
-from core.split import HEADROOM, MemoryFigures, Split, StepLine, choose, divisors, resolve, usable_gb
+from core.split import (
+    HEADROOM,
+    MemoryFigures,
+    Split,
+    StepLine,
+    choose,
+    divisors,
+    kept_on_resume,
+    resolve,
+    usable_gb,
+)
 from train.device import split_memory_gb
 
 # A 7B causal model under QLoRA at 4096 tokens (illustrative lines of its order): 4-bit weights, LoRA state
@@ -142,3 +152,35 @@ def test_the_step_may_fill_what_is_free_and_what_the_loaded_model_already_holds(
 
     assert step_memory_gb(64 * 10**9, 15 * 10**9) == pytest.approx(79.0)
     assert step_memory_gb(64 * 10**9, 0) == pytest.approx(64.0)
+
+
+def recorded(micro: int, accum: int, world_size: int | None = 1) -> dict:
+    record = Split(micro, accum, False, "auto", "the largest micro-batch that fits", world_size=world_size)
+    return (
+        record.as_json()
+        if world_size is not None
+        else {k: v for k, v in record.as_json().items() if k != "world_size"}
+    )
+
+
+def test_a_tampered_split_json_that_does_not_make_the_effective_batch_is_not_kept_on_resume():
+    """Before: micro 3 x accum 1 in split.json on a 2 x 2 stage trained to the end with an effective batch
+    of 3, COMPLETED, no warning."""
+    kept, why = kept_on_resume(recorded(3, 1), effective=4, world_size=1)
+    assert kept is None
+    assert "micro 3 x accum 1 = 3" in why and "batch_size x grad_accum = 4" in why
+
+
+def test_a_split_json_made_for_another_world_size_is_chosen_again_on_resume():
+    kept, why = kept_on_resume(recorded(2, 2, world_size=2), effective=4, world_size=1)
+    assert kept is None and "chosen for 2 rank(s) and the job now has 1" in why
+
+
+@pytest.mark.parametrize("junk", [None, {"micro_batch": 2}, {**recorded(2, 2), "micro_batch": True}, [2, 2]])
+def test_a_foreign_split_json_is_not_trusted_on_resume(junk):
+    assert kept_on_resume(junk, effective=4, world_size=1)[0] is None
+
+
+def test_a_matching_split_json_is_kept_on_resume_with_or_without_its_world_size():
+    assert kept_on_resume(recorded(4, 1), effective=4, world_size=1)[0] == Split.from_json(recorded(4, 1))
+    assert kept_on_resume(recorded(1, 4, world_size=None), effective=4, world_size=2)[0].micro_batch == 1

@@ -197,3 +197,109 @@ def test_an_eta_past_a_day_keeps_its_days():
     assert format_eta(93_600) == "1-02:00:00"
     assert format_eta(3_723.4) == "01:02:03"
     assert format_eta(None) == format_eta(float("inf")) == ""
+
+
+def test_a_local_jobs_elapsed_is_its_own_clock_not_blank(tmp_path):
+    """Before: --status left `elapsed` blank for every local job (no scheduler keeps its time). Its files
+    as submitit lays them out, dated: submitted at t, its log last written 95 s later."""
+    import os
+    import time
+
+    from core.rundir import JobRecord
+    from slurm.scheduler import RecordedLocalJob
+    from slurm.status import local_elapsed
+
+    job = RecordedLocalJob(tmp_path, "4242")
+    start = time.time() - 3600
+    for path, when in ((job.paths.submitted_pickle, start), (job.paths.stdout, start + 95)):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("")
+        os.utime(path, (when, when))
+    record = JobRecord("4242", backend="local")
+    assert local_elapsed(job, record, running=False) == "00:01:35"
+    assert local_elapsed(job, record, running=True) in ("01:00:00", "01:00:01")
+    job.paths.submitted_pickle.unlink()  # gone: job.json's submission time is the start
+    stamped = JobRecord(
+        "4242", backend="local", submitted_at=time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(start))
+    )
+    assert local_elapsed(job, stamped, running=False) in ("00:01:34", "00:01:35", "00:01:36")  # whole seconds
+
+
+def test_a_job_the_user_cancelled_shows_no_traceback_nor_fix_the_cause(tmp_path):
+    """Before: --status printed the cancelled job's KeyboardInterrupt traceback from its log and "Fix the
+    cause, then: python launch.py --retry-failed", as for a crash."""
+    from slurm.experiments import load_experiments
+    from slurm.plan import build_plan
+    from slurm.profile import load_profile
+    from slurm.render import problem_lines
+    from slurm.status import JobStatus
+    from tests.helpers import experiment_folder
+
+    folder = experiment_folder(tmp_path)
+    profile, _ = load_profile(folder)
+    train, evaluation = build_plan(load_experiments(folder, profile), profile).jobs[:2]
+    log = tmp_path / "job.log"
+    log.write_text('Traceback (most recent call last):\n  File "x.py", line 1\nKeyboardInterrupt\n')
+    cancelled = JobStatus(
+        train,
+        State.CANCELLED,
+        reason="cancelled at 2026-11-28T07:00:00",
+        scheduler_id="99",
+        log_path=str(log),
+        backend="local",
+    )
+    lines = problem_lines([cancelled])
+    assert lines == [
+        f"{train.id}: CANCELLED (local pid 99, cancelled at 2026-11-28T07:00:00): stopped as asked, not failed; "
+        "the same launch (or --retry-failed) runs it again"
+    ]
+    failed = JobStatus(evaluation, State.FAILED, reason="ValueError: x", scheduler_id="7", log_path=str(log))
+    assert "Fix the cause, then: python launch.py --retry-failed (same --config-dir)" in problem_lines(
+        [cancelled, failed]
+    )
+
+
+def test_tail_of_an_unknown_experiment_names_the_run_root_it_looked_in(tmp_path, capsys):
+    """Before: `--tail EXP` said "no experiment 'EXP'" without saying where it had looked (the default
+    folder's run root), so a user whose runs were under another run root could not tell why."""
+    import launch
+    from tests.helpers import experiment_folder
+
+    folder = experiment_folder(tmp_path)
+    assert launch.main(["--tail", "b", "--config-dir", str(folder)]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"--tail: no experiment 'b' in the run root {tmp_path / 'runs'}/" in err and "--config-dir" in err
+
+
+def test_a_local_eval_stopped_at_its_time_limit_says_so_with_the_limit_and_where_it_came_from(tmp_path):
+    """Before: "ended without a result (killed or cancelled)", though its log had the time-limit signal.
+    The job's files as submitit lays them out: its log with the line slurm/jobs.py writes on USR2, no
+    result; its pid is no live process."""
+    from core.rundir import JobRecord
+    from slurm.experiments import load_experiments
+    from slurm.plan import build_plan
+    from slurm.profile import load_profile
+    from slurm.scheduler import RecordedLocalJob, reached_time_limit
+    from slurm.status import local_info
+    from tests.helpers import experiment_folder
+
+    folder = experiment_folder(tmp_path)
+    profile, _ = load_profile(folder)
+    evaluation = build_plan(load_experiments(folder, profile), profile).job("a/eval")
+    assert evaluation.time_auto and evaluation.estimate.source == "guess"
+    job = RecordedLocalJob(tmp_path / "logs", "999999999")
+    job.paths.stdout.parent.mkdir(parents=True)
+    job.paths.stdout.write_text(
+        "INFO eval.job: 20 predictions made\n"
+        "WARNING slurm.jobs: received SIGUSR2: stopping at the next step end (training) or batch end (eval)\n"
+    )
+    assert reached_time_limit(job)
+    info = local_info(job, JobRecord("999999999", backend="local"), evaluation)
+    assert info.state is State.TIMEOUT
+    assert (
+        f"reached its time limit ({evaluation.resources.time}, eval.resources.time: auto from a guessed"
+        in info.reason
+    )
+    assert "predictions (one per example) are kept" in info.reason and "--retry-failed" in info.reason
+    job.paths.stdout.write_text("Traceback ...\nValueError: x\n")  # no signal: not a time limit
+    assert not reached_time_limit(job)

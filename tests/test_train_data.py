@@ -107,7 +107,7 @@ def test_examples_cut_at_the_chosen_lengths_are_counted(tiny):
     longer = sum(1 for x in dataset["length"] if x > 72)
     assert (report.inputs_truncated, report.targets_truncated) == (longer, 0) and longer > 0
     assert set(report.truncated_at.values()) == {0}
-    assert f"truncated: {longer} inputs;" in report.describe()
+    assert f"at max_length 72: {longer} examples cut;" in report.describe()
 
     seq2seq = DataSpec(**sql_data("train", max_length=56, max_target_length=16))
     dataset = data_lib.tokenized(seq2seq.train, seq2seq, tokenizer_of(tiny, "seq2seq"), "seq2seq")
@@ -115,7 +115,9 @@ def test_examples_cut_at_the_chosen_lengths_are_counted(tiny):
     inputs = sum(1 for x in dataset["length"] if x > 56)
     targets = sum(1 for x in data_lib.target_lengths(dataset) if x > 16)
     assert (report.inputs_truncated, report.targets_truncated) == (inputs, targets) and inputs and targets
-    assert f"truncated: {inputs} inputs, {targets} targets;" in report.describe()
+    assert f"at max_length 56: {inputs} examples cut; at max_target_length 16: {targets} targets cut;" in (
+        report.describe()
+    )
 
     auto = data_lib.choose_lengths(
         dataset, seq2seq.model_copy(update={"max_target_length": "auto"}), "seq2seq"
@@ -184,3 +186,13 @@ def test_padding_fraction_of_the_batches_actually_formed():
     assert data_lib.padding_fraction(lengths, [1, 3, 0, 2], batch_size=2, multiple=8) == pytest.approx(
         1 - 20 / 32
     )
+
+
+def test_the_job_logs_length_line_does_not_read_as_a_contradiction():
+    """Before: "truncated: 0 inputs; examples truncated at fixed lengths: 2 at 128" (auto chose 152)."""
+    report = data_lib.LengthReport(152, None, 150, 30, 0, 0, {128: 2, 256: 0})
+    said = report.describe()
+    assert (
+        "at max_length 152: 0 examples cut; a fixed max_length instead would cut: 2 at 128, 0 at 256" in said
+    )
+    assert "truncated: 0 inputs" not in said

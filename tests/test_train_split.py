@@ -106,6 +106,24 @@ def test_a_requeued_run_keeps_the_split_it_started_with(tiny, tmp_path, monkeypa
     assert not args.activation_checkpointing
 
 
+def test_a_tampered_split_json_is_chosen_again_on_resume_not_trained_with(
+    tiny, tmp_path, monkeypatch, caplog
+):
+    """Before: micro 3 x accum 1 written into a 2 x 4 stage's split.json was trusted on the requeue, and the
+    run trained on with an effective batch of 3."""
+    run_dir = tmp_path / "run"
+    monkeypatch.setenv(FAKE_FREE_GPU_GB, "80")
+    assert run_stage(job(tiny, run_dir, "causal", save_every_steps=1), StopAfter(2)) == "interrupted"
+    tampered = json.loads((run_dir / "split.json").read_text()) | {"micro_batch": 3, "grad_accum": 1}
+    (run_dir / "split.json").write_text(json.dumps(tampered))
+    recipe = train_recipe(job(tiny, run_dir, "causal", save_every_steps=1))
+    assert recipe.resume_from is not None
+    args = recipe.trainer.args
+    assert args.per_device_train_batch_size * args.gradient_accumulation_steps == 8
+    assert "micro 3 x accum 1 = 3" in caplog.text and "chosen again" in caplog.text
+    assert json.loads((run_dir / "split.json").read_text())["micro_batch"] == 8
+
+
 def plan_json(argv: list[str], capsys) -> dict:
     assert launch.main([*argv, "--dry-run", "--json"]) == 0
     return json.loads(capsys.readouterr().out)

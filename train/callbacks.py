@@ -17,7 +17,7 @@ from transformers import TrainerCallback
 
 from core.config import PruneJob
 from core.files import append_json_line, read_json, write_atomic, write_json_atomic
-from core.pruning import RungRecord, judged, mark_pruned, rung_records
+from core.pruning import RungRecord, decided_text, judged, mark_pruned, rung_records
 from core.rundir import RunDir
 from train import distributed
 from train.checkpoints import commit, rotate
@@ -242,6 +242,7 @@ class PruneAtRungs(TrainerCallback):
     def on_train_begin(self, args, state, control, **kwargs):
         passed = [rung for step, rung in self.rung_steps.items() if step <= state.global_step]
         if distributed.any_rank(any(self.recorded_stop(rung) for rung in passed)):
+            log.info("pruning: this run's stop at a rung it passed is recorded; it stops again")
             control.should_training_stop = self.pruned = True  # after the step under way: the Trainer's rule
         return control
 
@@ -253,6 +254,10 @@ class PruneAtRungs(TrainerCallback):
         if state.is_world_process_zero:
             record = self.judge(rung, float((metrics or {})["eval_loss"]))
             stop = record is not None and record.stop
+            if record is not None:
+                # The job log says what was decided and from what, go on or stop (before: only a stop
+                # showed, in --status, and a run that went on never said it was judged).
+                log.info("pruning, %s", decided_text(dataclasses.asdict(record), self.prune.min_points))
             if stop:
                 mark_pruned(self.run_dir, record, evaluate=self.prune.eval_pruned)
         if distributed.any_rank(stop):

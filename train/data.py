@@ -60,16 +60,30 @@ def read_rows(source: str, spec: DataSpec) -> list[dict]:
 
 
 def prompts_and_targets(
-    source: str, spec: DataSpec, tokenizer, kind: str, limit: int | None = None
+    source: str, spec: DataSpec, tokenizer, kind: str, limit: int | None = None, turns: str = "last"
 ) -> tuple[list[str], list[str]]:
     """The eval's prompts and references. A conversation's prompt is its chat rendering up to the last
-    assistant turn with the generation prompt (what a chat endpoint sends), its reference that turn; an
-    image-text example's image is in its first user turn."""
+    assistant turn with the generation prompt (what a chat endpoint sends), its reference that turn; with
+    `turns` "all" (eval.turns) every assistant turn is one such pair, given the conversation before it as
+    written. An image-text example's image is in its first user turn. `limit`: the first N examples
+    (conversations)."""
     rows = read_rows(source, spec)[:limit]
     if not templated(spec, kind) and kind != "image-text":
         return [prompt_of(r, spec) for r in rows], [target_of(r, spec) for r in rows]
-    pairs = [chat.eval_prompt(tokenizer, turns_of(row, spec, kind)) for row in rows]
+    conversations = [turns_of(row, spec, kind) for row in rows]
+    pairs = [
+        chat.eval_prompt(tokenizer, scored)
+        for whole in conversations
+        for scored in scored_turns(whole, turns)
+    ]
     return [prompt for prompt, _ in pairs], [reference for _, reference in pairs]
+
+
+def scored_turns(whole: list[dict], turns: str) -> list[list[dict]]:
+    """The conversation cut after each assistant turn the eval scores: its last only, or every one."""
+    if turns == "last":
+        return [whole]
+    return [whole[: i + 1] for i, turn in enumerate(whole) if turn["role"] == "assistant"]
 
 
 def turns_of(row: dict, spec: DataSpec, kind: str) -> list[dict]:
@@ -225,13 +239,18 @@ class LengthReport:
     truncated_at: dict[int, int]  # fixed length → how many examples it would cut
 
     def describe(self) -> str:
+        """What the lengths used cut, then, apart, what fixed lengths would have cut (before: "truncated: 0
+        inputs" beside "examples truncated at fixed lengths: 2 at 128" read as a contradiction)."""
         cuts = ", ".join(f"{n} at {length}" for length, n in self.truncated_at.items())
-        target = f", max_target_length {self.max_target_length}" if self.max_target_length else ""
-        cut_targets = f", {self.targets_truncated} targets" if self.max_target_length else ""
+        cut_targets = (
+            f"; at max_target_length {self.max_target_length}: {self.targets_truncated} targets cut"
+            if self.max_target_length
+            else ""
+        )
         return (
-            f"longest example {self.longest} tokens (target {self.longest_target}); max_length "
-            f"{self.max_length}{target}; truncated: {self.inputs_truncated} inputs{cut_targets}; "
-            f"examples truncated at fixed lengths: {cuts}"
+            f"longest example {self.longest} tokens (target {self.longest_target}); at max_length "
+            f"{self.max_length}: {self.inputs_truncated} examples cut{cut_targets}; a fixed max_length "
+            f"instead would cut: {cuts}"
         )
 
 

@@ -77,6 +77,7 @@ import os
 import shutil
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Literal
 
@@ -99,7 +100,7 @@ from core.files import json_line, read_json, read_jsonl, write_atomic, write_jso
 from core.hashing import content_hash
 from core.preflight import trained_share
 from core.rundir import RunDir, job_records
-from core.split import Split, as_written, resolve
+from core.split import Split, kept_on_resume, resolve
 from train import data as data_lib
 from train import distributed, vl
 from train.callbacks import (
@@ -319,25 +320,23 @@ class StageRecipe:
 
     def choose_split(self) -> Split:
         """How this rank splits its effective batch (core/split.py): a resumed run keeps the split it started
-        with (split.json); a fresh one chooses with the smallest free GPU memory of all ranks, so that every
-        rank makes the same choice, and rank 0 records it."""
+        with (split.json) where that still makes this rank's effective batch at this world size
+        (kept_on_resume; else it chooses again, with a warning); a fresh one chooses with the smallest free
+        GPU memory of all ranks, so that every rank makes the same choice, and rank 0 records it with the
+        world size it was chosen for."""
         recorded = RunDir(self.run_dir).split
         if self.resume_from:
-            kept = read_json(recorded, expected=dict)
-            try:
-                return (
-                    Split.from_json(kept) if kept else self.written_split("resumed a run with no split.json")
-                )
-            except TypeError:  # another version's record
-                return self.written_split(f"resumed a run whose {recorded.name} is not a split record")
-        split = self.fresh_split()
+            train, world = self.job.train, self.placement.world_size
+            kept, why_not = kept_on_resume(
+                read_json(recorded, expected=dict), train.batch_size * train.grad_accum, world
+            )
+            if kept is not None:
+                return kept
+            log.warning("resuming, the split is chosen again: %s", why_not)
+        split = replace(self.fresh_split(), world_size=self.placement.world_size)
         if distributed.is_main():
             write_json_atomic(recorded, split.as_json(), indent=1)
         return split
-
-    def written_split(self, why: str) -> Split:
-        train = self.job.train
-        return as_written(train.batch_size, train.grad_accum, train.gradient_checkpointing, why)
 
     def fresh_split(self) -> Split:
         train = self.job.train

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+from core.rundir import RunDir
 from slurm.commands.launch import run_preflight
-from slurm.experiments import load_experiments, parse_overrides
+from slurm.experiments import load_selected, parse_overrides
 from slurm.plan import build_plan, with_exports
 from slurm.queueing import submit
-from slurm.render import out
+from slurm.render import err, out
 from slurm.request import LaunchRequest
 
 
@@ -20,7 +23,9 @@ def export(request: LaunchRequest, profile) -> int:
         list(request.experiments) if request.experiments else None
     )
     overrides = parse_overrides(list(request.overrides))
-    experiments = load_experiments(request.config_dir, profile, overrides, names)
+    experiments, others = load_selected(request.config_dir, profile, overrides, names)
+    for problem in others:
+        err.print(f"[yellow]warning:[/] {problem}", highlight=False, soft_wrap=True)
     files = {e.name: str(e.file) for e in experiments}
     targets = export_targets(asked, experiments)
     plan = with_exports(build_plan(experiments, profile), targets, request.export_format == "gguf")
@@ -32,9 +37,40 @@ def export(request: LaunchRequest, profile) -> int:
         run_preflight(plan, files, profile, show=False, as_json=False)
     code = submit(plan, profile, request, None, files)
     exports = [j for j in plan.jobs if j.kind == "export"]
-    if code == 0 and request.backend == "local":
+    gguf = request.export_format == "gguf"
+    if code == 0 and (request.backend == "local" or request.wait):
         out.print("Exported: " + ", ".join(f"{j.run_dir}/" for j in exports), highlight=False, soft_wrap=True)
+        missing = without_gguf([Path(j.run_dir) for j in exports]) if gguf else []
+        for line in missing:
+            err.print(f"[red]error:[/] {line}", highlight=False, soft_wrap=True)
+        return 1 if missing else 0
+    if code == 0 and gguf:
+        out.print(GGUF_ON_THE_NODE, highlight=False, soft_wrap=True)
     return code
+
+
+GGUF_ON_THE_NODE = (
+    "GGUF: each export job makes model.gguf only where llama.cpp's convert_hf_to_gguf.py is found on its "
+    "node (LLAMA_CPP_DIR, else PATH); without it the export holds the merged model only, and its README.md "
+    "says the command to run."
+)
+
+
+def without_gguf(out_dirs: list[Path]) -> list[str]:
+    """For each finished export folder that holds no GGUF file, a sentence saying so (the merged model is
+    there) and how to make one. Before: `--export-format gguf` without llama.cpp exited 0 saying
+    "Exported:", and only a warning in the job's log said there was no GGUF."""
+    lines = []
+    for out_dir in out_dirs:
+        result = RunDir(out_dir).read_export_done().get("result") or {}
+        if not result.get("gguf"):
+            command = result.get("gguf_command") or "python convert_hf_to_gguf.py " + str(out_dir)
+            lines.append(
+                f"no GGUF was made in {out_dir}/ (it holds the merged model): llama.cpp's convert_hf_to_gguf.py "
+                f"was not found (LLAMA_CPP_DIR, PATH) where the export ran; set LLAMA_CPP_DIR and run the "
+                f"--export again, or run: {command}"
+            )
+    return lines
 
 
 def export_targets(asked: list[tuple[str, str | None]], experiments) -> list[tuple[str, str | None]]:

@@ -14,7 +14,7 @@ from core.states import State
 from slurm.commands.report import written_report
 from slurm.decisions import weigh
 from slurm.estimate import record_exact_tokens, record_splits
-from slurm.experiments import LoadedExperiment, load_experiments, parse_overrides
+from slurm.experiments import LoadedExperiment, load_selected, parse_overrides
 from slurm.pack import pack_plan
 from slurm.plan import Plan, build_plan, calibration_plan, estimated_again
 from slurm.queueing import submit
@@ -49,7 +49,13 @@ def loaded(request: LaunchRequest, profile) -> Loaded:
     """Load and validate (every problem at once, ConfigError), plan; say what the run root holds that the
     folder no longer has."""
     overrides = parse_overrides(list(request.overrides))
-    experiments = load_experiments(request.config_dir, profile, overrides, request.experiments)
+    experiments, others = load_selected(request.config_dir, profile, overrides, request.experiments)
+    for problem in others:
+        err.print(
+            f"[yellow]warning:[/] {problem}",
+            highlight=False,
+            soft_wrap=True,
+        )
     plan = build_plan(experiments, profile)
     if request.action == "calibrate":
         plan = calibration_plan(plan, request.calibrate_steps)

@@ -65,6 +65,7 @@ def written_report(profile, request: LaunchRequest, held: Watched | None = None)
             usage,
             sweeps={name: e.sweep for name, e in experiments.items() if e.sweep is not None},
             base_evals=base_evals(plan),
+            descriptions={name: e.experiment.description for name, e in experiments.items()},
         )
     except BaselinesError as exc:
         raise ConfigError([Problem(str(exc.path), "task", str(exc))]) from None
