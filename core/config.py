@@ -676,7 +676,7 @@ class PruneJob(PruneSpec):
     measured_under: str = ""
     # The sweep's runs (points x seeds), set by the plan for its expected cost (core/pruning.py
     # expected_epochs); None: unknown (a job run by hand). How it is estimated, not what it computes.
-    runs: int | None = None
+    runs: Int | None = None
 
 
 class TrainJob(Section):
