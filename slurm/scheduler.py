@@ -172,6 +172,22 @@ def _pid(job_id: str) -> int | None:
     return pid if pid else None
 
 
+def _threads_exiting(pid: int) -> bool:
+    """Whether a thread of `pid` other than a zombie is still listed (/proc/PID/task)."""
+    try:
+        threads = [t.name for t in Path(f"/proc/{pid}/task").iterdir()]
+    except OSError:
+        return False
+    for thread in threads:
+        try:
+            text = Path(f"/proc/{pid}/task/{thread}/stat").read_text()
+        except OSError:
+            continue
+        if text[text.rfind(")") + 2 :].split()[:1] not in (["Z"], ["X"]):
+            return True
+    return False
+
+
 def _stat(pid: int) -> list[str] | None:
     """/proc/PID/stat from field 3 (state) on; None when it cannot be read (no such process, not Linux)."""
     try:
@@ -182,10 +198,13 @@ def _stat(pid: int) -> list[str] | None:
 
 
 def gone(pid: int) -> bool:
-    """No such process, or a zombie (it ended; its parent has not collected it yet)."""
+    """No such process, or a zombie (it ended; its parent has not collected it yet). A process whose main
+    thread is a zombie while another of its threads still exits is not gone: it still holds its files and
+    their locks (/proc/PID/stat shows the main thread's state alone; a killed trainer's folder read as held
+    right after it read as gone)."""
     fields = _stat(pid)
     if fields is not None:
-        return fields[0] in ("Z", "X")
+        return fields[0] in ("Z", "X") and not _threads_exiting(pid)
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -400,7 +400,7 @@ def test_the_card_of_a_pruned_run_says_it_was_stopped_early_and_where(tiny, tmp_
     run_dir.mkdir()
     job = make_job(tiny, run_dir, "causal", max_steps=None, epochs=3)
     assert export.pruned_note(run_dir, job) == []  # not pruned: nothing said
-    mark_pruned(run_dir, RungRecord("t-r8-s1", "h", 1.0, 3.21, True, 1.15, 4))
+    mark_pruned(run_dir, RungRecord("t-r8-s1", "h", "def-a", 1.0, 3.21, True, 1.15, 4))
     (note,) = export.pruned_note(run_dir, job)
     assert "**Pruned:**" in note and "rung 1: eval_loss 3.21 > cutoff 1.15 of 4 runs" in note
     assert "did not train its planned 3 epochs" in note
