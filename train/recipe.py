@@ -244,20 +244,20 @@ class TokenMeanEval:
         return result
 
 
-class FusedOutputStep:
-    """Trainer mixin: with a fused loss, every step's forward hands the loss the last hidden states
-    (TargetTokenLoss.output_as_hidden); without one, nothing changes."""
+class OutputAtTargets:
+    """Trainer mixin: every step's output layer (training and eval) runs only at the positions that carry a
+    target, or with a fused loss hands the loss the hidden states there (TargetTokenLoss.output_at_targets)."""
 
     def compute_loss(self, model, inputs, *args, **kwargs):
-        with self.compute_loss_func.output_as_hidden(model):
+        with self.compute_loss_func.output_at_targets(model, inputs.get("labels")):
             return super().compute_loss(model, inputs, *args, **kwargs)
 
 
-class CausalTrainer(FusedOutputStep, TokenMeanEval, ReproducibleSampling, Trainer):
+class CausalTrainer(OutputAtTargets, TokenMeanEval, ReproducibleSampling, Trainer):
     pass
 
 
-class Seq2SeqStageTrainer(FusedOutputStep, TokenMeanEval, ReproducibleSampling, Seq2SeqTrainer):
+class Seq2SeqStageTrainer(OutputAtTargets, TokenMeanEval, ReproducibleSampling, Seq2SeqTrainer):
     pass
 
 
@@ -306,9 +306,10 @@ class StageRecipe:
         self.params = check_trainable(self.model, self.job.adapter.max_trainable_percent)
         # Data after the tokenizer: its fingerprint is part of the tokenization cache key.
         self.train_set, self.lengths = self.load_split(self.job.data.train, "train")
-        self.eval_set = None
+        self.eval_set = self.eval_lengths = None
         if self.job.data.eval:  # sorted: similar lengths pad little, and a loss-only eval has no order
-            self.eval_set = self.load_split(self.job.data.eval, "eval")[0].sort("length")
+            self.eval_set, self.eval_lengths = self.load_split(self.job.data.eval, "eval")
+            self.eval_set = self.eval_set.sort("length")
         # The split after the lengths (the memory model needs them) and before the Trainer (it runs it).
         self.split = self.choose_split()
         log.info("batch split: %s", self.split.describe())
@@ -346,15 +347,18 @@ class StageRecipe:
         if train.micro_batch != "auto":
             return resolve(train, None, None)
         try:
-            from train.preflight import fused_possible, split_figures, tokenizer_or_reason
+            from train.preflight import fused_possible, split_figures, step_lengths, tokenizer_or_reason
 
             tokenizer = tokenizer_or_reason(self.job)[0]
-            lengths = (self.lengths.max_length, self.lengths.max_target_length)
-            figures = split_figures(self.job, *lengths, tokenizer)
+            # the eval step at the eval set's own lengths: a dev set longer than the training set's
+            lengths = step_lengths(
+                self.job.model.kind, self.lengths, self.eval_lengths if self.evaluating() else None
+            )
+            figures = split_figures(self.job, lengths, tokenizer)
             installed = fused_loss_possible(self.placement, liger_installed())
             fused = None
             if fused_possible(self.job, tokenizer, installed):
-                fused = split_figures(self.job, *lengths, tokenizer, fused=True)
+                fused = split_figures(self.job, lengths, tokenizer, fused=True)
         except Exception as exc:  # the memory model fails on an unusual model: the written split still runs
             log.warning("memory model failed (%s: %s); keeping the written split", type(exc).__name__, exc)
             return resolve(train, None, None, "the memory model failed on this model")
