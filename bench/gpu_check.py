@@ -285,7 +285,7 @@ def adapted_on_gpu(config, fused: bool, seed: int = 0):
 def loss_step(model, loss_of, ids):
     import torch
 
-    with torch.autocast("cuda", dtype=torch.bfloat16), loss_of.output_as_hidden(model):
+    with torch.autocast("cuda", dtype=torch.bfloat16), loss_of.output_at_targets(model, ids):
         return loss_of(model(input_ids=ids), ids)
 
 

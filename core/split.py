@@ -96,6 +96,23 @@ class Split:
         return Split(**value)
 
 
+class DoesNotFit(RuntimeError):
+    """A job's automatic split that fits nowhere on its GPU: refused at the job's start, with the figures,
+    rather than found out by running out of memory at the first step or, worse, the first eval."""
+
+
+def refuse_unless_fits(split: Split) -> Split:
+    """`split`, if it fits the memory it was judged against; else DoesNotFit with the figures."""
+    if split.fits:
+        return split
+    raise DoesNotFit(
+        f"batch split {split.describe()}: the training step or the in-training eval step needs "
+        f"{split.peak_gb:.2f} GB where {split.usable_gb:.2f} GB may be filled on this GPU. Lower "
+        "data.max_length, use adapter.method: qlora, ask for a GPU with more memory, or evaluate less "
+        "(data.eval's longest example sets the eval step's length)"
+    )
+
+
 def label(recorded) -> str | None:
     """`32x1 (auto)`: a recorded split (Split.as_json, from summary.json or preflight) as its micro-batch x
     accumulation and how it was chosen; None when it is no split record (absent, another version's)."""

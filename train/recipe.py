@@ -99,7 +99,7 @@ from core.config import TrainJob, what_it_computes
 from core.files import read_json, read_jsonl, write_atomic, write_json_atomic
 from core.hashing import content_hash
 from core.rundir import RunDir, job_records
-from core.split import Split, as_written, resolve
+from core.split import Split, as_written, refuse_unless_fits, resolve
 from train import data as data_lib
 from train import distributed, vl
 from train.callbacks import (
@@ -330,7 +330,8 @@ class StageRecipe:
                 )
             except TypeError:  # another version's record
                 return self.written_split(f"resumed a run whose {recorded.name} is not a split record")
-        split = self.fresh_split()
+        # A split that fits nowhere fails here, with its figures, not at the first step or eval's OOM.
+        split = refuse_unless_fits(self.fresh_split())
         if distributed.is_main():
             write_json_atomic(recorded, split.as_json(), indent=1)
         return split
