@@ -143,8 +143,9 @@ def choose(
 ) -> Split:
     """The split for the plain loss (choose_with); and where `fused` (the figures with the output layer
     fused into the loss) lets a larger micro-batch fit, or fit without checkpointing, or fit at all, that
-    one. A fused loss is slower than the plain one at the same micro-batch (Liger at 8 x 240 tokens on an
-    H100: 0.65x plain HF), so it is taken only for what it buys."""
+    one. A fused loss was measured slower than the plain one at the same micro-batch (Liger at 8 x 240 tokens on
+    an H100: 0.65x plain HF, but cold: Triton compiled inside the timed window; a warm re-measurement is
+    pending a GPU, bench/gpu_throughput.py), so it is taken only for what it buys."""
     plain = choose_with(figures, usable, effective, checkpointing)
     if fused is None:
         return plain
