@@ -21,7 +21,9 @@ read and as train/gpu_use.py reports NVML's readings. An "80 GB" H100 holds 85.5
 Assumptions, stated so a user can judge them: a bf16-capable GPU (train/device.py's placement for it: bf16
 weights and autocast); AdamW keeps two fp32 moments per trainable parameter, every one of which is fp32
 (train/device.py TRAINABLE_DTYPE); batches are padded to at most max_length (rounded up to the collator's
-multiple); an image-text model's vision tower runs on no images (its activations are not counted).
+multiple); every example of a batch has as many target tokens as the longest answer (the loss's output
+layer runs at those only, train/loss.py; `targets` in the shape); the in-training eval's batches are at the
+eval set's own lengths; an image-text model's vision tower runs on no images (its activations are not counted).
 """
 
 from __future__ import annotations
