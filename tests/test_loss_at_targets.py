@@ -7,13 +7,18 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoModelForSeq2SeqLM
 
 from core.config import AdapterSpec
-from tests.test_loss_fused import LOADERS
 from train.loss import IGNORE, TargetTokenLoss, chunked_linear_cross_entropy
 from train.model import new_adapter
 
 LENGTH = 16
+LOADERS = {
+    "causal": ("tiny-llama", AutoModelForCausalLM),
+    "seq2seq": ("tiny-t5", AutoModelForSeq2SeqLM),
+    "image-text": ("tiny-qwen-vl", AutoModelForImageTextToText),
+}
 
 
 def layout(name: str, ids: torch.Tensor) -> torch.Tensor:
