@@ -1,30 +1,30 @@
-"""The GPU acceptance check: what CPU tests cannot show, in one command on a CUDA machine (about three minutes
-on one H100; on a CPU, the throughput part's rows on a tiny model, the rest skipped with the reason).
+"""The GPU acceptance check: what CPU tests cannot show, in one command on a CUDA machine, in parts that each
+end within about three minutes on one H100 and print their figures as they end (a run stopped by a time limit
+keeps what it measured); on a CPU, the throughput part's rows on a tiny model, the rest skipped with the reason.
 
-    python -m bench.gpu_check [--skip-demo] [--skip-throughput]
+    python -m bench.gpu_check [--part throughput|memory|demo|all]
 
-Prints one JSON object. Each part either reports its figures or says, under "skipped", why it did not run
-(no CUDA GPU, a missing package, one GPU only):
+Prints one JSON line per part as it ends, then one JSON object with them all and the commit they were measured
+at. Each part either reports its figures or says, under "skipped", why it did not run (no CUDA GPU, a missing
+package, one GPU only):
 
-- "demo": the demo's LoRA (sql-t5-lora) and QLoRA (sql-llama-qlora-curriculum) experiments through
-  `launch.py --backend local --wait`, three tiny jobs at a time sharing the GPU, runs and logs in a
-  temporary folder: each stage's device and precision from summary.json, whether its loss fell, and
-  whether metrics.jsonl carries NVML readings.
 - "memory": preflight's estimate (train/memory.py, on the meta device) against the whole step's
   `torch.cuda.max_memory_allocated` (forward, loss, backward, AdamW step) of a Qwen2.5-0.5B-shaped model
   built from its config with random weights, LoRA r16 on every linear layer, at two shapes with the plain
-  loss and one with the fused loss (where liger-kernel is installed).
-- "fused_loss": Liger's fused linear cross-entropy against the plain loss on that model: the loss and the
-  LoRA gradients (relative difference, cosine).
-- "throughput": bench/gpu_throughput.py's JSON: the Qwen2.5-0.5B shape at ~240-token prompts, our trainer
-  (micro_batch auto, and 8x1) against tuned HF at the same splits and tuned HF + Liger at 32x1: tokens/s,
-  wall, peak GB, MFU, the split auto chose, and its checks (two splits' adapters agree; the estimate
+  loss and one with the fused loss (where liger-kernel is installed); and "fused_loss": Liger's fused linear
+  cross-entropy against the plain loss on that model: the loss and the LoRA gradients (relative difference,
+  cosine).
+- "demo": the demo's LoRA (sql-t5-lora) and QLoRA (sql-llama-qlora-curriculum) experiments through
+  `launch.py --backend local --wait`, three tiny jobs at a time sharing the GPU (each planning for a third of
+  its memory), runs and logs in a temporary folder: each stage's device and precision from summary.json,
+  whether its loss fell, and whether metrics.jsonl carries NVML readings; and "ddp": with 2 GPUs or more,
+  sql-t5-lora on 2 ranks (nccl) against 1 rank at the same global batch: the final train losses and each
+  run's wall time.
+- "throughput": bench/gpu_throughput.py's JSON: the Qwen2.5-0.5B shape at ~240-token prompts, warm, rows
+  interleaved and repeated: tuned HF at the user's 4x8, tuned HF plain and + Liger at the split auto chose,
+  ours auto, HF and ours at 8x1; the split gain and the trainer at equal split; the peak allocated and
+  reserved over the epoch (dynamic padding); its checks (two different splits' adapters agree; the estimate
   against the measured peak).
-- "ddp": with 2 GPUs or more, sql-t5-lora on 2 ranks (nccl) against 1 rank at the same global batch:
-  the final train losses and each run's wall time.
-
-The demo runs beside the memory and fused-loss parts (checks, not timings); the throughput part alone after
-them.
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -49,78 +48,55 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--skip-demo", action="store_true")
-    parser.add_argument("--skip-throughput", action="store_true")
+    parser.add_argument("--part", choices=[*PARTS, "all"], default="all")
     args = parser.parse_args(argv)
     import torch
 
+    from bench.gpu_throughput import commit
     from train.device import Hardware
     from train.loss import liger_installed
 
-    report: dict = {"skipped": {}}
+    report: dict = {"commit": commit(), "skipped": {}}
     hardware = Hardware.detect()  # train/device.py: what the trainer itself sees
     gpus = hardware.cuda_devices
     cuda = gpus > 0
     if cuda:
         report["gpu"] = {"name": hardware.name, "count": gpus, "torch": torch.__version__}
     no_gpu = "no CUDA GPU here (torch.cuda.is_available() is False)"
-    demo = None if args.skip_demo or not cuda else Background(demo_runs)
-    parts = {  # a CPU runs the throughput part only, on a tiny model: the same rows, figures that run here
+    checks = {  # a CPU runs the throughput part only, on a tiny model: the same rows, figures that run here
         "memory": memory_rows if cuda else None,
         "fused_loss": fused_against_plain if cuda and liger_installed() else None,
-        "demo": demo.result if demo else None,
-        "throughput": None if args.skip_throughput else throughput,
+        "demo": demo_runs if cuda else None,
         "ddp": ddp_against_one_rank if gpus >= 2 else None,
+        "throughput": throughput,
     }
     reasons = {
         "memory": no_gpu,
         "fused_loss": "liger-kernel is not installed (pip install -e '.[gpu]')" if cuda else no_gpu,
-        "demo": "--skip-demo" if cuda else no_gpu,
-        "throughput": "--skip-throughput",
+        "demo": no_gpu,
         "ddp": f"{gpus} GPU: needs 2",
     }
-    for name, part in parts.items():
-        if part is None:
-            report["skipped"][name] = reasons[name]
-            continue
-        try:
-            report[name] = part()
-        except Exception as exc:  # one failing part must not hide the others' figures
-            report["skipped"][name] = f"failed: {type(exc).__name__}: {exc}"
-        # Each part's figures as soon as they are there, with the time so far: a run stopped by a time
-        # limit (a lent GPU's, a job's) keeps what it measured.
-        elapsed = round(time.monotonic() - STARTED, 1)
-        print(
-            json.dumps({"part": name, "at_s": elapsed, name: report.get(name, report["skipped"].get(name))})
-        )
+    for part in PARTS if args.part == "all" else [args.part]:
+        started = time.monotonic()
+        for name in PARTS[part]:
+            check = checks[name]
+            if check is None:
+                report["skipped"][name] = reasons[name]
+                continue
+            try:
+                report[name] = check()
+            except Exception as exc:  # one failing check must not hide the others' figures
+                report["skipped"][name] = f"failed: {type(exc).__name__}: {exc}"
+        figures = {name: report.get(name, report["skipped"].get(name)) for name in PARTS[part]}
+        print(json.dumps({"part": part, "part_s": round(time.monotonic() - started, 1), **figures}))
         sys.stdout.flush()
     report["wall_s"] = round(time.monotonic() - STARTED, 1)
     print(json.dumps(report, indent=1))
     return 0
 
 
+PARTS = {"memory": ("memory", "fused_loss"), "demo": ("demo", "ddp"), "throughput": ("throughput",)}
 STARTED = time.monotonic()
-
-
-class Background:
-    """A part run in a thread (its work is in subprocesses), its result or exception taken later."""
-
-    def __init__(self, part):
-        self.value, self.error = None, None
-        self.thread = threading.Thread(target=self.run, args=(part,), daemon=True)
-        self.thread.start()
-
-    def run(self, part) -> None:
-        try:
-            self.value = part()
-        except Exception as exc:  # handed to the caller by result()
-            self.error = exc
-
-    def result(self):
-        self.thread.join()
-        if self.error is not None:
-            raise self.error
-        return self.value
 
 
 def demo_folder(tmp: Path, extra_cluster: str = "", parallel: int = 1) -> Path:
@@ -153,7 +129,7 @@ def demo_runs() -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         # The base-model rows are left out: the check is that each kind trains and evaluates on the GPU.
         # The tiny jobs share GPU 0, SHARED_JOBS at a time: the launcher is shown it that many times over
-        # (slurm/local_gpus.py gives each job one entry), so a job's start-up overlaps another's work.
+        # (slurm/local_gpus.py: that many slots, each job planning for its share of the memory).
         env = os.environ | {"CUDA_VISIBLE_DEVICES": ",".join(["0"] * SHARED_JOBS)}
         folder = demo_folder(Path(tmp), parallel=SHARED_JOBS)
         wall = launch_local(folder, [LORA_DEMO, QLORA_DEMO], "eval.baseline=false", env=env)
@@ -285,7 +261,7 @@ def adapted_on_gpu(config, fused: bool, seed: int = 0):
 def loss_step(model, loss_of, ids):
     import torch
 
-    with torch.autocast("cuda", dtype=torch.bfloat16), loss_of.output_as_hidden(model):
+    with torch.autocast("cuda", dtype=torch.bfloat16), loss_of.output_at_targets(model, ids):
         return loss_of(model(input_ids=ids), ids)
 
 

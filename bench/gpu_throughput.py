@@ -1,24 +1,33 @@
-"""Throughput at the size users train: our trainer against tuned Hugging Face setups. Prints figures.
+"""Throughput at the size users train: our trainer against tuned Hugging Face setups, warm. Prints figures.
 
-    python -m bench.gpu_throughput [--examples 800] [--json]
+    python -m bench.gpu_throughput [--examples 400] [--repeats 2] [--json]
 
 On a GPU: a Qwen2.5-0.5B-shaped model (494 M parameters, Qwen's vocabulary of 151,936; random weights, the
-demo tokenizer), ~240-token prompts built from the demo SQL data, LoRA r16 on every linear layer, bf16, one
-epoch. On a CPU the same rows on a tiny Qwen2 (so the command answers anywhere; the figures that matter are
-the GPU's). Rows, all on the same tokenized data:
+demo tokenizer), ~240-token prompts built from the demo SQL data (a ~30-token answer: ~89 % of positions carry
+no label), LoRA r16 on every linear layer, bf16, one epoch. On a CPU the same rows on a tiny Qwen2 (so the
+command answers anywhere; the figures that matter are the GPU's). Rows, all on the same tokenized data:
 
 - tuned HF 4x8: the user's config (`batch_size: 4, grad_accum: 8`) in a tuned HF Trainer (bf16, length-grouped
   batches, dynamic padding to a multiple of 8, fused AdamW, 4 loader workers);
-- tuned HF + Liger 32x1: the best a user reaches by hand (Liger's kernels, the whole effective batch at once;
-  only where liger-kernel is installed);
-- ours 4x8 auto: the same config through train.recipe with `micro_batch: auto` (what a job runs);
+- tuned HF at auto's split, plain and + Liger (Liger's kernels: where liger-kernel is installed, on CUDA): the
+  best a user reaches by hand at the split our trainer chose;
+- ours 4x8 auto: the same config through train.recipe with `micro_batch: auto` (what a job runs); its setup
+  (loading, choosing the split) is outside its timed window and printed beside it;
 - ours 8x1 and tuned HF 8x1: no accumulation to trade, our own overhead alone.
+
+Measured warm: first an untimed run of every kernel path (HF plain, HF + Liger, ours) on a few batches in this
+process (Triton compiles Liger's kernels there, cuBLAS picks its algorithms); then the rows interleaved, each
+`--repeats` times; each row's median tokens/s and its spread (min, max). Two headline numbers:
+- the split gain: ours auto / tuned HF at the user's 4x8 (what choosing the split buys);
+- the trainer at equal split: ours auto / the best tuned HF row at the same split (plain or + Liger).
 
 Tokens are counted from the dataset (every example's non-pad tokens, once per epoch), not in a collator: the
 trainer's loader workers run the collator in other processes. Wall: from the start of training to the saved
-adapter. Peak GB: torch.cuda.max_memory_allocated. MFU: 6 N FLOPs per token over the GPU's dense bf16 peak.
-Checks (GPU): the adapters of two splits of one effective batch agree; the memory model's estimate for the
-split auto chose against the measured peak.
+adapter. Peak GB: torch.cuda.max_memory_allocated, and the allocator's reserved peak beside it. MFU: 6 N
+FLOPs per token over the GPU's dense bf16 peak. Checks: the adapters of two different splits of one effective
+batch agree (on a CPU auto is given a GPU's free memory through train/device.py's seam, so that it chooses a
+split other than the written one), and the examples each trained; the memory model's estimate for the split
+auto chose against the measured peak. The result carries the commit it was measured at.
 """
 
 from __future__ import annotations
@@ -28,6 +37,8 @@ import gc
 import json
 import os
 import random
+import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -144,6 +155,7 @@ def measured(run, tokens: int, placement: Placement, params: int) -> dict:
     }
     if placement.cuda:
         row["peak_gb"] = round(torch.cuda.max_memory_allocated() / 10**9, 2)
+        row["peak_reserved_gb"] = round(torch.cuda.max_memory_reserved() / 10**9, 2)
         row["mfu"] = model_flops_utilisation(row["tokens_per_s"], params, placement.device_name)
     return row
 
@@ -252,26 +264,30 @@ def ours_row(model_dir: Path, data: Path, run_dir: Path, batch: int, accum: int,
             "train_loss": summary.get("final_train_loss"),
         }
 
+    run.recipe = recipe  # the split it chose, before it runs
     return run
 
 
 def same_adapter_check(model_dir: Path, data: Path, tmp: Path, placement: Placement, liger: bool) -> dict:
-    """The user's 4x8 as written (micro_batch: 4), as auto splits it, and (with Liger on a GPU) as auto
-    splits it on a 12 GB GPU, where the fused loss buys a larger micro-batch (the free memory given through
-    the seam train/device.py FAKE_FREE_GPU_GB), on the first CHECK_EXAMPLES examples: each adapter's
-    relative difference from the auto one."""
+    """The user's 4x8 as written (micro_batch: 4) against auto's split (on a CPU, auto is given an 80 GB GPU's
+    free memory through the seam train/device.py FAKE_FREE_GPU_GB, so that it chooses another split and
+    still trains here), and (with Liger on a GPU) auto on a 12 GB GPU, where the fused loss buys a larger
+    micro-batch; on the first CHECK_EXAMPLES examples: each adapter's relative difference from the auto one,
+    the split each ran and the examples each trained."""
     subset = tmp / "check.jsonl"
     subset.write_text("".join(data.read_text().splitlines(keepends=True)[:CHECK_EXAMPLES]))
-    runs = {"auto": ("auto", None), "written": (4, None)}
+    runs = {"auto": ("auto", None if placement.cuda else "80"), "written": (4, None)}
     if liger and placement.cuda:
         runs["auto_on_12gb"] = ("auto", "12")
-    splits, differences = {}, {}
+    splits, examples, differences = {}, {}, {}
     for name, (micro, free_gb) in runs.items():
         gc.collect()
         if free_gb:
             os.environ[FAKE_FREE_GPU_GB] = free_gb
         try:
             splits[name] = ours_row(model_dir, subset, tmp / f"check-{name}", 4, 8, micro=micro)()[1]["split"]
+            summary = json.loads((tmp / f"check-{name}" / "summary.json").read_text())
+            examples[name] = summary["train_examples"]
             if name != "auto":
                 differences[name] = adapter_difference(
                     tmp / f"check-{name}" / "adapter", tmp / "check-auto" / "adapter"
@@ -280,7 +296,13 @@ def same_adapter_check(model_dir: Path, data: Path, tmp: Path, placement: Placem
             differences[name] = f"failed: {type(exc).__name__}: {exc}"
         finally:
             os.environ.pop(FAKE_FREE_GPU_GB, None)
-    return {"examples": CHECK_EXAMPLES, "splits": splits, "relative_difference": differences}
+    different = len(set(splits.values())) == len(splits)
+    return {
+        "examples": examples,
+        "splits": splits,
+        "splits_differ": different,
+        "relative_difference": differences,
+    }
 
 
 CHECK_EXAMPLES = 160
@@ -299,7 +321,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--examples", type=int, default=None, help="default: 800 on a GPU, 96 on a CPU")
+    parser.add_argument("--examples", type=int, default=None, help="default: 400 on a GPU, 48 on a CPU")
+    parser.add_argument("--repeats", type=int, default=2, help="timed runs of each row, interleaved")
     parser.add_argument("--json", action="store_true")
     parser.add_argument(
         "--compile",
@@ -308,14 +331,8 @@ def main(argv: list[str] | None = None) -> dict:
     )
     args = parser.parse_args(argv)
     placement = current("auto")
-    examples = args.examples or (800 if placement.cuda else 96)
-    try:
-        import liger_kernel  # noqa: F401
-
-        liger = placement.cuda
-    except ImportError:
-        liger = False
-    rows: dict[str, dict] = {}
+    examples = args.examples or (400 if placement.cuda else 48)
+    liger = liger_usable(placement)
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         model_dir = build_model(tmp, placement)
@@ -326,63 +343,177 @@ def main(argv: list[str] | None = None) -> dict:
         params = AutoModelForCausalLM.from_pretrained(model_dir).num_parameters()
         if args.compile:
             return compile_rows(model_dir, dataset, placement, tokens, params)
-        plan = {
-            "tuned_hf_4x8": lambda: hf_row(model_dir, dataset, placement, 4, 8),
-            "ours_4x8_auto": lambda: ours_row(model_dir, data, tmp / "auto", 4, 8),
-            "tuned_hf_8x1": lambda: hf_row(model_dir, dataset, placement, 8, 1),
-            "ours_8x1": lambda: ours_row(model_dir, data, tmp / "8x1", 8, 1),
-        }
-        if liger:
-            plan["tuned_hf_liger_32x1"] = lambda: hf_row(model_dir, dataset, placement, 32, 1, liger=True)
-        for name, make in plan.items():
-            gc.collect()  # the last row's model and optimizer: gone before this one measures or chooses
-            if placement.cuda:
-                torch.cuda.empty_cache()
-            rows[name] = measured(make(), tokens, placement, params)
-            print(f"{name:22s} {json.dumps(rows[name])}", file=sys.stderr, flush=True)
+        micro, accum = auto_split(model_dir, data, tmp)
+        plan = row_plan(model_dir, data, dataset, tmp, placement, (micro, accum), liger)
+        warm_up(model_dir, data, tmp, placement, (micro, accum), liger)
+        runs = interleaved(plan, args.repeats, tokens, placement, params)
         checks = {
             "adapter_4x8_auto_vs_as_written": same_adapter_check(model_dir, data, tmp, placement, liger)
         }
+    rows = {name: summarised(found) for name, found in runs.items()}
     auto = rows["ours_4x8_auto"]
     if auto.get("peak_gb") and auto.get("split_estimate_gb"):
         checks["memory_estimate_vs_measured_percent"] = round(
             100 * (auto["split_estimate_gb"] / auto["peak_gb"] - 1), 1
         )
-    ratios = {
-        "ours_auto_vs_tuned_hf_4x8": round(auto["tokens_per_s"] / rows["tuned_hf_4x8"]["tokens_per_s"], 2),
-        "ours_8x1_vs_tuned_hf_8x1": round(
-            rows["ours_8x1"]["tokens_per_s"] / rows["tuned_hf_8x1"]["tokens_per_s"], 2
-        ),
-    }
-    if liger:
-        ratios["ours_auto_vs_tuned_hf_liger_32x1"] = round(
-            auto["tokens_per_s"] / rows["tuned_hf_liger_32x1"]["tokens_per_s"], 2
-        )
     result = {
+        "commit": commit(),
         "device_name": placement.device_name,
         "precision": placement.precision,
         "examples": examples,
         "tokens_per_epoch": tokens,
         "params": params,
+        "repeats": args.repeats,
+        "auto_split": f"{micro}x{accum}",
         "rows": rows,
-        "ratios": ratios,
+        "headline": headline(rows),
         "checks": checks,
-        "skipped": {} if liger else {"tuned_hf_liger_32x1": "liger-kernel not installed, or no CUDA GPU"},
+        "skipped": {} if liger else {"tuned_hf_liger_auto": "liger-kernel not installed, or no CUDA GPU"},
     }
-    for name, row in rows.items():
-        print(
-            f"{name:22s} {row['tokens_per_s']:>10.1f} tokens/s  wall {row['wall_s']:>7.2f} s  split {row['split']:>9s}"
-            + (
-                f"  peak {row['peak_gb']:.1f} GB  MFU {row['mfu']:.1%}"
-                if row.get("peak_gb") is not None and row.get("mfu")
-                else ""
-            )
-            + f"  non-training {row['non_training_fraction']:.1%}"
-        )
-    print("ratios:", json.dumps(ratios), " checks:", json.dumps(checks))
+    print_rows(result)
     if args.json:
         print(json.dumps(result))
     return result
+
+
+def liger_usable(placement: Placement) -> bool:
+    try:
+        import liger_kernel  # noqa: F401
+    except ImportError:
+        return False
+    return placement.cuda
+
+
+def auto_split(model_dir: Path, data: Path, tmp: Path) -> tuple[int, int]:
+    """The split our trainer chooses for the user's 4x8 here (its setup, untimed): the HF rows run at it."""
+    recipe_run = ours_row(model_dir, data, tmp / "probe", 4, 8)
+    split = recipe_run.recipe.split
+    del recipe_run
+    gc.collect()
+    return split.micro_batch, split.grad_accum
+
+
+def row_plan(model_dir, data, dataset, tmp, placement, split: tuple[int, int], liger: bool) -> dict:
+    """Row name → a function that builds the row's run (untimed) and returns it."""
+    micro, accum = split
+    plan = {
+        "tuned_hf_4x8": lambda: hf_row(model_dir, dataset, placement, 4, 8),
+        "tuned_hf_auto": lambda: hf_row(model_dir, dataset, placement, micro, accum),
+        "ours_4x8_auto": lambda: ours_row(model_dir, data, fresh(tmp, "auto"), 4, 8),
+        "tuned_hf_8x1": lambda: hf_row(model_dir, dataset, placement, 8, 1),
+        "ours_8x1": lambda: ours_row(model_dir, data, fresh(tmp, "8x1"), 8, 1),
+    }
+    if liger:
+        plan["tuned_hf_liger_auto"] = lambda: hf_row(model_dir, dataset, placement, micro, accum, liger=True)
+    return plan
+
+
+def fresh(tmp: Path, name: str) -> Path:
+    """A run folder not used before: a repeat must not resume the last one's checkpoint."""
+    index = len(list(tmp.glob(f"{name}-*")))
+    return tmp / f"{name}-{index}"
+
+
+def warm_up(model_dir: Path, data: Path, tmp: Path, placement: Placement, split, liger: bool) -> None:
+    """An untimed run of every kernel path (HF plain, HF + Liger, ours) on WARM_UP_STEPS optimizer steps
+    at auto's split: Triton compiles Liger's kernels here, not in a timed row."""
+    micro, accum = split
+    subset = tmp / "warm-up.jsonl"
+    lines = data.read_text().splitlines(keepends=True)[: WARM_UP_STEPS * micro * accum]
+    subset.write_text("".join(lines))
+    tokenizer = load_tokenizer(str(model_dir), ModelSpec(name_or_path=str(model_dir), kind="causal"))
+    small = data_lib.tokenized(str(subset), data_spec(subset), tokenizer, "causal")
+    hf_row(model_dir, small, placement, micro, accum)()
+    if liger:
+        hf_row(model_dir, small, placement, micro, accum, liger=True)()
+    ours_row(model_dir, subset, tmp / "warm-up-ours", 4, 8)()
+    gc.collect()
+
+
+WARM_UP_STEPS = 2
+
+
+def interleaved(plan: dict, repeats: int, tokens: int, placement: Placement, params: int) -> dict:
+    """Every row `repeats` times, in turn (A B C A B C): a drift of the machine's speed touches all alike."""
+    runs: dict[str, list[dict]] = {name: [] for name in plan}
+    for repeat in range(repeats):
+        for name, make in plan.items():
+            gc.collect()  # the last row's model and optimizer: gone before this one measures or chooses
+            if placement.cuda:
+                torch.cuda.empty_cache()
+            runs[name].append(measured(make(), tokens, placement, params))
+            print(f"{name:22s} run {repeat + 1}: {json.dumps(runs[name][-1])}", file=sys.stderr, flush=True)
+    return runs
+
+
+def summarised(found: list[dict]) -> dict:
+    """A row's runs: median tokens/s with its spread, the median of its other timings, its split."""
+    speeds = [run["tokens_per_s"] for run in found]
+    row = {
+        "tokens_per_s": round(statistics.median(speeds), 1),
+        "tokens_per_s_min": min(speeds),
+        "tokens_per_s_max": max(speeds),
+        "runs": len(found),
+        "split": found[0]["split"],
+    }
+    for key in ("wall_s", "non_training_fraction", "setup_s", "train_loss", "mfu"):
+        values = [run[key] for run in found if run.get(key) is not None]
+        if values:
+            row[key] = round(statistics.median(values), 4)
+    for key in ("peak_gb", "peak_reserved_gb"):
+        values = [run[key] for run in found if run.get(key) is not None]
+        if values:
+            row[key] = max(values)
+    for key in ("split_reason", "split_estimate_gb"):
+        if key in found[0]:
+            row[key] = found[0][key]
+    return row
+
+
+def headline(rows: dict) -> dict:
+    """The split gain (ours auto / tuned HF at the user's 4x8) and the trainer at equal split (ours auto /
+    the best tuned HF row at auto's split, plain or + Liger), each from the rows' medians."""
+    ours = rows["ours_4x8_auto"]["tokens_per_s"]
+    peers = {
+        name: rows[name]["tokens_per_s"] for name in ("tuned_hf_auto", "tuned_hf_liger_auto") if name in rows
+    }
+    best = max(peers, key=peers.get)
+    return {
+        "split_gain": round(ours / rows["tuned_hf_4x8"]["tokens_per_s"], 2),
+        "trainer_at_equal_split": round(ours / peers[best], 2),
+        "best_peer_at_equal_split": best,
+        "ours_8x1_vs_tuned_hf_8x1": round(
+            rows["ours_8x1"]["tokens_per_s"] / rows["tuned_hf_8x1"]["tokens_per_s"], 2
+        ),
+    }
+
+
+def commit() -> str:
+    """The commit the figures were measured at (+dirty when the work tree differs from it)."""
+
+    def git(*args: str) -> str:
+        done = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=False)
+        return done.stdout.strip()
+
+    head = git("rev-parse", "--short=12", "HEAD") or "unknown"
+    return head + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
+
+
+def print_rows(result: dict) -> None:
+    for name, row in result["rows"].items():
+        spread = f"({row['tokens_per_s_min']:.0f}-{row['tokens_per_s_max']:.0f}, {row['runs']} runs)"
+        setup = f"  setup {row['setup_s']:.1f} s" if "setup_s" in row else ""
+        memory = (
+            f"  peak {row['peak_gb']:.1f} GB (reserved {row['peak_reserved_gb']:.1f})"
+            if "peak_gb" in row
+            else ""
+        )
+        print(
+            f"{name:22s} {row['tokens_per_s']:>10.1f} tokens/s {spread}  split {row['split']:>9s}{setup}{memory}"
+            f"  non-training {row['non_training_fraction']:.1%}"
+        )
+    print("headline:", json.dumps(result["headline"]), " commit:", result["commit"])
+    print("checks:", json.dumps(result["checks"]))
 
 
 def compile_rows(model_dir: Path, dataset, placement: Placement, tokens: int, params: int) -> dict:

@@ -36,7 +36,8 @@ ALL_LINEAR = "all-linear"
 T5_TARGETS = ["q", "k", "v", "o", "wi_0", "wi_1", "wo"]
 MiB = 2**20
 
-# name → (kind, config.json changes, adapter changes, [(batch, length, checkpointing[, grad_accum])])
+# name → (kind, config.json changes, adapter changes,
+#         [(batch, length, checkpointing[, grad_accum[, answer tokens per example]])])
 CASES = {
     "tiny-llama": (
         "causal",
@@ -71,7 +72,7 @@ CASES = {
             "num_key_value_heads": 2,
         },
         {"rank": 16, "target_modules": ALL_LINEAR},
-        [(4, 512, False)],
+        [(4, 512, False), (4, 512, False, 1, 64)],  # the second: prompt-heavy, 64 answer tokens of 512
     ),
     "vocab152k-lm_head": (
         "causal",
@@ -168,15 +169,20 @@ def bench_job(
 
 
 # ---- measuring -----------------------------------------------------------------------------------------
-def real_inputs(kind: str, vocab: int, batch: int, length: int) -> tuple[dict, torch.Tensor]:
+def real_inputs(
+    kind: str, vocab: int, batch: int, length: int, targets: int | None = None
+) -> tuple[dict, torch.Tensor]:
     """(model inputs, labels): random tokens, one padded position (as dynamic padding leaves in almost
-    every batch, so the model builds its full attention mask)."""
+    every batch, so the model builds its full attention mask); `targets`: the answer's tokens at the end of
+    each example, the prompt before them masked (None: every token a target)."""
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(4, vocab, (batch, length), generator=generator)
     mask = torch.ones_like(ids)
     mask[0, -1] = 0
     labels = ids.clone()
     labels[0, -1] = -100
+    if targets is not None and kind != "seq2seq":
+        labels[:, : length - targets] = -100
     if kind != "seq2seq":
         return {"input_ids": ids, "attention_mask": mask}, labels
     decoder = torch.cat([torch.zeros_like(labels[:, :1]), labels[:, :-1]], 1).clamp(min=0)
@@ -187,7 +193,7 @@ def train_step(model, optimizer, loss, inputs: dict, labels: torch.Tensor, accum
     """One step as the Trainer takes it: per micro-batch an autocast forward and loss and a backward, then
     fused AdamW and zero_grad."""
     for _ in range(accumulate):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast("cpu", dtype=torch.bfloat16), loss.output_at_targets(model, labels):
             value = loss(model(**inputs), labels) / accumulate
         value.backward()
     optimizer.step()
@@ -196,7 +202,7 @@ def train_step(model, optimizer, loss, inputs: dict, labels: torch.Tensor, accum
 
 def eval_step(model, loss, inputs: dict, labels: torch.Tensor) -> None:
     model.eval()
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16), loss.output_at_targets(model, labels):
         loss(model(**inputs), labels)
     model.train()
 
@@ -248,8 +254,8 @@ def weight_tensors(model, trainable: bool) -> list[torch.Tensor]:
     return found + ([] if trainable else list(model.buffers()))
 
 
-def measured(job: TrainJob, length: int) -> dict[str, int]:
-    """Bytes: the frozen weights as held, and the train and eval steps' peaks."""
+def measured(job: TrainJob, length: int, targets: int | None = None) -> dict[str, int]:
+    """Bytes: the frozen weights as held, and the train and eval steps' peaks. `targets`: real_inputs'."""
     kind, batch = job.model.kind, job.train.batch_size
     model = real_model(job)
     if job.train.gradient_checkpointing:  # as the Trainer enables it
@@ -262,19 +268,20 @@ def measured(job: TrainJob, length: int) -> dict[str, int]:
     moments = [t for state in optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
     weights = held_bytes(weight_tensors(model, trainable=False))
     held = weights + held_bytes(trainable + moments)
-    inputs, labels = real_inputs(kind, vocab, batch, length)
+    inputs, labels = real_inputs(kind, vocab, batch, length, targets)
     train = held + held_bytes([*inputs.values(), labels])
     accumulate = job.train.grad_accum
     train += profiled_rise(lambda: train_step(model, optimizer, loss, inputs, labels, accumulate))
-    inputs, labels = real_inputs(kind, vocab, EVAL_BATCH_FACTOR * batch, length)
+    inputs, labels = real_inputs(kind, vocab, EVAL_BATCH_FACTOR * batch, length, targets)
     eval_ = held + held_bytes([*inputs.values(), labels])
     eval_ += profiled_rise(lambda: eval_step(model, loss, inputs, labels))
     return {"weights": weights, "train": train, "eval": eval_}
 
 
-def estimated(job: TrainJob, length: int) -> dict[str, float]:
+def estimated(job: TrainJob, length: int, targets: int | None = None) -> dict[str, float]:
     """Bytes, without the CUDA reserve."""
     shape = {
+        "targets": targets,
         "batch_size": job.train.batch_size,
         "max_length": length,
         "max_target_length": length,
@@ -296,23 +303,25 @@ def rows(names) -> list[dict]:
         for name in names:
             kind, changes, adapter, shapes = CASES[name]
             folder = model_folder(Path(tmp), name, changes, kind)
-            for batch, length, checkpointing, *accum in shapes:
+            for batch, length, checkpointing, *more in shapes:
                 assert padded_length(length, "bf16") == length  # the real batch is as long as the estimate's
-                job = bench_job(folder, kind, adapter, batch, checkpointing, *accum)
-                estimate, actual = estimated(job, length), measured(job, length)
+                accum, targets = (more + [1, None])[:2]
+                job = bench_job(folder, kind, adapter, batch, checkpointing, accum)
+                estimate, actual = estimated(job, length, targets), measured(job, length, targets)
                 gc.collect()
                 steps = ("train",) if job.train.grad_accum > 1 else ("train", "eval")  # the same eval
-                out += [row(name, job, length, step, estimate, actual) for step in steps]
+                out += [row(name, job, length, step, estimate, actual, targets) for step in steps]
     return out
 
 
-def row(name: str, job: TrainJob, length: int, step: str, estimate: dict, actual: dict) -> dict:
+def row(name: str, job: TrainJob, length: int, step: str, estimate: dict, actual: dict, targets=None) -> dict:
     above = (estimate[step] - estimate["weights"], actual[step] - actual["weights"])
     return {
         "model": name,
         "step": step,
         "batch": job.train.batch_size * (EVAL_BATCH_FACTOR if step == "eval" else 1),
         "length": length,
+        "targets": targets,  # answer tokens per example (None: every token)
         "checkpointing": job.train.gradient_checkpointing,
         "grad_accum": job.train.grad_accum if step == "train" else 1,
         "estimate_mib": round(estimate[step] / MiB, 1),

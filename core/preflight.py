@@ -30,6 +30,9 @@ class JobPreflight:
     longest_example: int | None = None
     truncated_inputs: int | None = None
     truncated_at: dict[str, int] = field(default_factory=dict)
+    # the lengths the memory model judges the steps at (train/preflight.py step_lengths): max_length,
+    # max_target_length, the most target tokens of an example, and the eval set's own
+    step_lengths: dict = field(default_factory=dict)
     tokens_skipped: str | None = None
     data_refused: str | None = None  # why the job would fail at its start on this data (deterministic)
     # GB = 10**9 bytes throughout (train/memory.py), as GPUs are sold and cluster.yaml's gpu_mem_gb is read

@@ -100,6 +100,23 @@ class Split:
         return Split(**value)
 
 
+class DoesNotFit(RuntimeError):
+    """A job's automatic split that fits nowhere on its GPU: refused at the job's start, with the figures,
+    rather than found out by running out of memory at the first step or, worse, the first eval."""
+
+
+def refuse_unless_fits(split: Split) -> Split:
+    """`split`, if it fits the memory it was judged against; else DoesNotFit with the figures."""
+    if split.fits:
+        return split
+    raise DoesNotFit(
+        f"batch split {split.describe()}: the training step or the in-training eval step needs "
+        f"{split.peak_gb:.2f} GB where {split.usable_gb:.2f} GB may be filled on this GPU. Lower "
+        "data.max_length, use adapter.method: qlora, ask for a GPU with more memory, or evaluate less "
+        "(data.eval's longest example sets the eval step's length)"
+    )
+
+
 def label(recorded) -> str | None:
     """`32x1 (auto)`: a recorded split (Split.as_json, from summary.json or preflight) as its micro-batch x
     accumulation and how it was chosen; None when it is no split record (absent, another version's)."""
@@ -159,8 +176,9 @@ def choose(
 ) -> Split:
     """The split for the plain loss (choose_with); and where `fused` (the figures with the output layer
     fused into the loss) lets a larger micro-batch fit, or fit without checkpointing, or fit at all, that
-    one. A fused loss is slower than the plain one at the same micro-batch (Liger at 8 x 240 tokens on an
-    H100: 0.65x plain HF), so it is taken only for what it buys."""
+    one. A fused loss was measured slower than the plain one at the same micro-batch (Liger at 8 x 240 tokens on
+    an H100: 0.65x plain HF, but cold: Triton compiled inside the timed window; a warm re-measurement is
+    pending a GPU, bench/gpu_throughput.py), so it is taken only for what it buys."""
     plain = choose_with(figures, usable, effective, checkpointing)
     if fused is None:
         return plain

@@ -22,6 +22,7 @@ from pathlib import Path
 import submitit
 
 from core.config import Resources
+from core.devices import GPU_SHARES
 from core.files import open_append
 from core.layout import PACKS
 from core.problems import ConfigError
@@ -228,7 +229,7 @@ class LocalBackend:
             raise ConfigError(problems)
         run = LocalRun(list(jobs), GpuPool(self.gpus.ids))
         for job, handle, devices in adopted:
-            run.pool.held.update(devices)
+            run.pool.hold(devices)
             run.running[job.id] = (job, handle, tuple(devices))
         try:
             while run.waiting or run.running:
@@ -254,7 +255,8 @@ class LocalBackend:
                 if devices is None:
                     continue  # its GPUs are held by running jobs: it waits, as for a parallel slot
                 run.waiting.remove(job)
-                run.running[job.id] = (job, self._start(job, devices), devices)
+                shares = max((run.pool.shares(d) for d in devices), default=1)
+                run.running[job.id] = (job, self._start(job, devices, shares), devices)
                 on_start(job, run.running[job.id][1].job_id, devices)
 
     def _collect_ended(self, run: LocalRun, on_end) -> None:
@@ -270,14 +272,16 @@ class LocalBackend:
         """PENDING = may start now, None = wait, BLOCKED = a parent it needs failed (`states`: the ended)."""
         return jobs_verdict([parent_verdict(kind, states.get(parent)) for parent, kind in parents])
 
-    def _start(self, job: PlannedJob, devices: tuple[str, ...]):
+    def _start(self, job: PlannedJob, devices: tuple[str, ...], shares: int = 1):
         """Every task of the job sees all of `devices` (rank K uses cuda:K, as on SLURM); none: no GPU.
+        `shares`: how many jobs may run on its GPU at once (its memory split between them, train/device.py).
 
         Each task is started by `python` below: `env` sets its CUDA_VISIBLE_DEVICES and execs Python.
         submitit's own `visible_gpus` takes integer ids only (not the UUIDs a user may have set), and a
         `setup` line would start the job through /bin/sh, where a bash that execs its last command makes
         submitit take the launcher's pid for the job's id."""
-        python = f"env CUDA_VISIBLE_DEVICES={shlex.quote(','.join(devices))} {shlex.quote(sys.executable)}"
+        python = f"env CUDA_VISIBLE_DEVICES={shlex.quote(','.join(devices))} {GPU_SHARES}={shares} "
+        python += shlex.quote(sys.executable)
         folder = log_folder(self.profile.log_dir, job.id)
         executor = submitit.LocalExecutor(folder=folder, python=python)
         # The time-limit signal (USR2) comes signal_delay_s before the limit, as on SLURM (submitit's own

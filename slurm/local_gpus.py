@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 import subprocess
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -67,21 +68,31 @@ def gpus_needed(asked: int, visible: VisibleGpus) -> int:
 
 
 class GpuPool:
-    """Which of the visible GPUs running jobs hold; a job takes its share whole or waits."""
+    """Which of the visible GPUs running jobs hold; a job takes its share whole or waits. A GPU listed N
+    times (CUDA_VISIBLE_DEVICES=0,0,0) is N slots: up to N jobs run on it at once, each told so
+    (`shares`), so that each plans to fill only its part of the GPU's memory (train/device.py)."""
 
     def __init__(self, ids: tuple[str, ...]):
-        self.ids, self.held = ids, set()
+        self.ids, self.held = ids, Counter()
 
     def take(self, count: int) -> tuple[str, ...] | None:
-        """`count` free GPUs (in the machine's order), now held by the caller; None if fewer are free."""
-        free = [d for d in self.ids if d not in self.held]
+        """`count` distinct GPUs with a free slot (in the machine's order), now held by the caller; None if
+        fewer have one."""
+        free = [d for d in dict.fromkeys(self.ids) if self.held[d] < self.shares(d)]
         if count > len(free):
             return None
-        self.held.update(free[:count])
+        self.hold(free[:count])
         return tuple(free[:count])
 
+    def hold(self, ids) -> None:
+        self.held.update(ids)
+
     def give_back(self, ids: tuple[str, ...]) -> None:
-        self.held.difference_update(ids)
+        self.held.subtract(ids)
+
+    def shares(self, device: str) -> int:
+        """How many jobs may run on `device` at once: how many times it is listed."""
+        return self.ids.count(device)
 
 
 def too_many_gpus(jobs, visible: VisibleGpus, files: Mapping[str, str]) -> list[Problem]:
@@ -100,11 +111,10 @@ def too_many_gpus(jobs, visible: VisibleGpus, files: Mapping[str, str]) -> list[
             )
             problems.append(Problem(files.get(job.experiment, job.experiment), "resources.nodes", message))
             continue
-        asked = job.resources.gpus
-        if not visible.ids or asked <= len(visible.ids):
+        asked, have = job.resources.gpus, len(set(visible.ids))  # a GPU listed twice is still one GPU
+        if not visible.ids or asked <= have:
             continue
         key = "resources.gpus" if job.kind == "train" else "eval.resources.gpus"
-        have = len(visible.ids)
         message = (
             f"asks for {asked} GPUs but this machine has {have} ({visible.source}), and the local "
             f"backend runs every job on it; ask for at most {have} (e.g. {key}={have} on the command line) "

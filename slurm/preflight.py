@@ -89,7 +89,8 @@ def cache_key(job: TrainJob, gpu_mem_gb: float | None) -> str:
                 "eval_every_epochs",
             }
         ),
-        job.data.eval is not None,  # an in-training eval has its own peak
+        # an in-training eval has its own peak, at the eval set's own lengths
+        file_fingerprint(job.data.eval) if job.data.eval is not None else None,
         gpu_mem_gb,
     ]
     return content_hash(parts, CACHE_KEY_CHARS)

@@ -145,3 +145,19 @@ def test_gpu_pool_never_gives_one_gpu_to_two_running_jobs():
     assert pool.take(1) == ("2",) and pool.take(1) is None and pool.take(0) == ()
     pool.give_back(first)
     assert pool.take(2) == ("0", "1")
+
+
+def test_a_gpu_listed_three_times_runs_three_jobs_each_planning_for_a_third_of_its_memory():
+    """Issue 40 (4): CUDA_VISIBLE_DEVICES=0,0,0 (bench/gpu_check's demo part) meant three jobs at once on
+    GPU 0, but the pool held GPU ids as a set (one job at a time), and a job told so would still have
+    planned its split for 95 % of the whole GPU: three such jobs run it out of memory."""
+    from train.device import FAKE_FREE_GPU_GB, GPU_SHARES, Hardware, decide, free_gpu_gb
+
+    pool = GpuPool(("0", "0", "0"))
+    assert [pool.take(1) for _ in range(4)] == [("0",), ("0",), ("0",), None]  # a fourth waits for a slot
+    assert pool.shares("0") == 3 and pool.take(2) is None  # never two ranks on one GPU
+    pool.give_back(("0",))
+    assert pool.take(1) == ("0",)
+    cpu = decide(Hardware(), "auto")
+    assert free_gpu_gb(cpu, {FAKE_FREE_GPU_GB: "80", GPU_SHARES: "3"}) == pytest.approx(80 / 3)
+    assert free_gpu_gb(cpu, {FAKE_FREE_GPU_GB: "80"}) == 80.0

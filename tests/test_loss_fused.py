@@ -1,7 +1,7 @@
 """Issue 29 (2): the trainer's one loss, with the output layer fused in (train/loss.py). On a CPU the fused
 path runs torch's chunked equivalent of Liger's kernel (Liger's own is a GPU-only check, in bench/gpu_check);
 what is checked here is the wiring every model kind goes through: the output layer hands back the hidden
-states for the step, the loss applies its weight, and loss and gradients equal the plain path's.
+states at the target positions for the step, the loss applies its weight, and loss and gradients equal the plain path's.
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ def step(model, batch: dict, loss: TargetTokenLoss):
         inputs["decoder_input_ids"] = model.get_base_model().prepare_decoder_input_ids_from_labels(
             labels=labels
         )
-    with loss.output_as_hidden(model):
+    with loss.output_at_targets(model, labels):
         value = loss(model(**inputs), labels)
     value.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
@@ -102,7 +102,7 @@ def test_an_eval_step_under_the_fused_loss_gives_the_per_example_rows_of_the_pla
         loss = TargetTokenLoss(True, fused=fused)
         inputs = dict(batch)
         labels = inputs.pop("labels")
-        with torch.no_grad(), loss.output_as_hidden(model):
+        with torch.no_grad(), loss.output_at_targets(model, labels):
             loss(model(**inputs), labels)
         rows.append(loss.rows)
     assert torch.allclose(rows[0], rows[1], rtol=1e-5)

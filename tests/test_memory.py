@@ -17,8 +17,11 @@ from bench import preflight_memory as bench
 LLAMA = bench.ROOT / "models" / "tiny-llama" / "config.json"
 SMALL = {"from": LLAMA, "hidden_size": 64, "intermediate_size": 128}
 FULL_LM_HEAD = {"modules_to_save": ["lm_head"], "allow_full_modules": True, "max_trainable_percent": 100}
-CASES = {  # name → (kind, config changes, adapter, batch, length, gradient checkpointing[, grad_accum])
+# name → (kind, config changes, adapter, batch, length, gradient checkpointing[, grad_accum[, answer tokens]])
+CASES = {
     "large vocabulary": ("causal", SMALL | {"vocab_size": 32000}, {}, 4, 128, False),
+    # Logits only at the 16 answer tokens of each 128 (train/loss.py): the step's logits shrink 8x.
+    "large vocabulary, prompt-heavy": ("causal", SMALL | {"vocab_size": 32000}, {}, 4, 128, False, 1, 16),
     # Checkpointing keeps each layer's input once and recomputes one layer at a time (each counted once).
     "checkpointed, 4 layers": (
         "causal",
@@ -44,17 +47,20 @@ CASES = {  # name → (kind, config changes, adapter, batch, length, gradient ch
 
 
 def case_job(tmp_path: Path, name: str):
-    kind, changes, adapter, batch, length, checkpointing, *accum = CASES[name]
-    targets = bench.T5_TARGETS if kind == "seq2seq" else bench.ALL_LINEAR
+    """(job, length, answer tokens per example or None)."""
+    kind, changes, adapter, batch, length, checkpointing, *more = CASES[name]
+    accum, answer = (more + [1, None])[:2]
+    modules = bench.T5_TARGETS if kind == "seq2seq" else bench.ALL_LINEAR
     folder = bench.model_folder(tmp_path, "model", changes, kind)
-    adapter = {"rank": 8, "target_modules": targets} | adapter
-    return bench.bench_job(folder, kind, adapter, batch, checkpointing, *accum), length
+    adapter = {"rank": 8, "target_modules": modules} | adapter
+    return bench.bench_job(folder, kind, adapter, batch, checkpointing, accum), length, answer
 
 
-def estimate(job, length: int):
+def estimate(job, length: int, targets: int | None = None):
     from train.preflight import measure_memory
 
     shape = {
+        "targets": targets,
         "batch_size": job.train.batch_size,
         "max_length": length,
         "max_target_length": length,
@@ -69,8 +75,8 @@ def measured_cases(tmp_path_factory) -> dict:
     """name → (estimate, measured bytes): each case's model built, estimated and measured once."""
     found = {}
     for name in CASES:
-        job, length = case_job(tmp_path_factory.mktemp(name.replace(" ", "-")), name)
-        found[name] = estimate(job, length), bench.measured(job, length)
+        job, length, answer = case_job(tmp_path_factory.mktemp(name.replace(" ", "-").replace(",", "")), name)
+        found[name] = estimate(job, length, answer), bench.measured(job, length, answer)
     return found
 
 

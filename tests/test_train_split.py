@@ -82,17 +82,6 @@ def test_auto_with_a_gpus_free_memory_runs_the_trainer_at_the_chosen_split_not_t
     assert_same_adapter(chosen, written, relative=SAME_SUMS)
 
 
-def test_auto_with_too_little_memory_turns_checkpointing_on_and_keeps_the_effective_batch(
-    tiny, tmp_path, monkeypatch
-):
-    monkeypatch.setenv(FAKE_FREE_GPU_GB, "0.0001")
-    recipe = train_recipe(job(tiny, tmp_path / "run", "causal"))
-    args = recipe.trainer.args
-    assert (args.per_device_train_batch_size, args.gradient_accumulation_steps) == (1, 8)
-    assert args.activation_checkpointing
-    assert recipe.split.fits is False
-
-
 def test_a_requeued_run_keeps_the_split_it_started_with(tiny, tmp_path, monkeypatch):
     run_dir = tmp_path / "run"
     monkeypatch.setenv(FAKE_FREE_GPU_GB, "80")

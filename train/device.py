@@ -34,6 +34,8 @@ from typing import Literal
 
 import torch
 
+from core.devices import GPU_SHARES
+
 Precision = Literal["auto", "bf16", "fp16", "fp32"]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # Every trainable parameter (LoRA matrices, modules_to_save copies, added-token rows), whatever the weights
@@ -175,18 +177,22 @@ def gpu_uuid(placement: Placement) -> str | None:
 
 
 # A test seam standing in for torch.cuda.mem_get_info: with it set, a process on a CPU chooses its batch
-# split as a GPU with this many GB free would (it still trains on the CPU). Tests only.
+# split as a GPU with this many GB free (and in all) would (it still trains on the CPU). Tests only.
 FAKE_FREE_GPU_GB = "LORA_TEST_FREE_GPU_GB"
 
 
 def free_gpu_gb(placement: Placement, env: Mapping[str, str] = os.environ) -> float | None:
-    """GB (10**9 bytes) this process's training step may fill on its GPU (step_memory_gb); None on a CPU."""
+    """GB (10**9 bytes) this process's training step may fill on its GPU (step_memory_gb), at most its
+    share of the whole GPU when `GPU_SHARES` jobs share it: the jobs start together, each sees the memory
+    the others have not taken yet, and each planning to fill 95 % of it ran them all out of memory.
+    None on a CPU."""
+    shares = max(1, int(env.get(GPU_SHARES) or 1))
     if env.get(FAKE_FREE_GPU_GB):
-        return float(env[FAKE_FREE_GPU_GB])
+        return float(env[FAKE_FREE_GPU_GB]) / shares
     if not placement.cuda:
         return None
-    free, _total = torch.cuda.mem_get_info(placement.device)
-    return step_memory_gb(free, torch.cuda.memory_reserved(placement.device))
+    free, total = torch.cuda.mem_get_info(placement.device)
+    return min(step_memory_gb(free, torch.cuda.memory_reserved(placement.device)), total / shares / 10**9)
 
 
 def step_memory_gb(free_bytes: int, held_bytes: int) -> float:

@@ -21,7 +21,9 @@ read and as train/gpu_use.py reports NVML's readings. An "80 GB" H100 holds 85.5
 Assumptions, stated so a user can judge them: a bf16-capable GPU (train/device.py's placement for it: bf16
 weights and autocast); AdamW keeps two fp32 moments per trainable parameter, every one of which is fp32
 (train/device.py TRAINABLE_DTYPE); batches are padded to at most max_length (rounded up to the collator's
-multiple); an image-text model's vision tower runs on no images (its activations are not counted).
+multiple); every example of a batch has as many target tokens as the longest answer (the loss's output
+layer runs at those only, train/loss.py; `targets` in the shape); the in-training eval's batches are at the
+eval set's own lengths; an image-text model's vision tower runs on no images (its activations are not counted).
 """
 
 from __future__ import annotations
@@ -255,13 +257,26 @@ def to_fake(model, mode) -> None:
 
 
 def step_inputs(kind: str, batch: int, length: int, target_length: int | None) -> dict:
-    """A batch of the job's padded shape as the collator makes it (labels; decoder inputs for seq2seq)."""
+    """A batch of the job's padded shape as the collator makes it (decoder inputs for seq2seq); its labels
+    come from step_labels."""
     ids = torch.zeros(batch, length, dtype=torch.long)
     mask = torch.ones(batch, length, dtype=torch.long)
     if kind == "seq2seq":
-        labels = torch.zeros(batch, target_length or length, dtype=torch.long)
-        return {"input_ids": ids, "attention_mask": mask, "labels": labels, "decoder_input_ids": labels}
-    return {"input_ids": ids, "attention_mask": mask, "labels": ids}
+        decoder = torch.zeros(batch, target_length or length, dtype=torch.long)
+        return {"input_ids": ids, "attention_mask": mask, "decoder_input_ids": decoder}
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def step_labels(kind: str, batch: int, length: int, target_length: int | None, targets: int | None):
+    """Real (not fake) labels of the batch's shape, each example with `targets` target tokens at its end
+    (None: every position, as `train_on: all`): the loss's output layer runs at those only (train/loss.py),
+    and it counts them, which a fake tensor cannot. Seq2seq: every decoder position is a target."""
+    if kind == "seq2seq":
+        return torch.zeros(batch, target_length or length, dtype=torch.long)
+    labels = torch.zeros(batch, length, dtype=torch.long)
+    if targets is not None and targets < length:
+        labels[:, : length - targets] = -100  # the prompt
+    return labels
 
 
 def step_peak_bytes(
@@ -278,8 +293,11 @@ def step_peak_bytes(
     if training and shape["gradient_checkpointing"]:  # as the Trainer enables it
         model.get_base_model().activation_checkpointing_enable()
     model.train(training)
+    sizes = (kind, shape["batch_size"], shape["max_length"], shape["max_target_length"])
+    labels = step_labels(*sizes, shape.get("targets"))
+    positions = loss.target_positions(labels) if hasattr(loss, "target_positions") else None
     with mode:
-        inputs = step_inputs(kind, shape["batch_size"], shape["max_length"], shape["max_target_length"])
+        inputs = step_inputs(*sizes) | {"labels": labels}
         if training and accumulates(shape):  # later micro-batches find every gradient there
             for param in model.parameters():
                 param.grad = torch.zeros_like(param) if param.requires_grad else None
@@ -294,7 +312,7 @@ def step_peak_bytes(
         tracker = stack.enter_context(LiveBytes(existing))
         stack.enter_context(torch.enable_grad() if training else torch.no_grad())
         with torch.autocast("cpu", dtype=dtype) if dtype is not None else nullcontext():
-            value = run_loss(model, inputs, loss)
+            value = run_loss(model, inputs, loss, positions)
         if training:
             value.backward()
         del value
@@ -305,12 +323,14 @@ def accumulates(shape: dict) -> bool:
     return shape.get("grad_accum", 1) > 1
 
 
-def run_loss(model, inputs: dict, loss: Loss | None) -> torch.Tensor:
+def run_loss(model, inputs: dict, loss: Loss | None, positions: torch.Tensor | None) -> torch.Tensor:
     if loss is None:
         return model(**inputs).loss
     labels = inputs.pop("labels")  # as the Trainer does when it has a compute_loss_func
-    # A fused loss (train/loss.py) takes the hidden states from the output layer, as the trainer's step does.
-    with getattr(loss, "output_as_hidden", lambda _: nullcontext())(model):
+    # The output layer at the target positions only (or, fused, the hidden states there), as the trainer's
+    # step runs it; the positions were counted on real labels (fake tensors cannot count).
+    at_targets = getattr(loss, "output_at_targets", lambda *_: nullcontext())
+    with at_targets(model, labels, positions):
         return loss(model(**inputs), labels)
 
 
@@ -360,8 +380,10 @@ def estimate(
     """`build(layers)`: a fresh adapted model on the meta device in weight_dtype(precision), at most
     `layers` deep (None: as configured), LoRA over an unquantized base even for QLoRA (given QLoRA's
     dtypes here). `adapter`: the job's AdapterSpec. `shape`: batch_size, max_length, max_target_length,
-    gradient_checkpointing, grad_accum. `evaluating`: the job runs in-training evals. `loss`: the
-    trainer's loss."""
+    gradient_checkpointing, grad_accum; `targets`, the most target tokens an example has (None or absent:
+    every position; the trainer's loss computes logits only there); `eval_max_length`,
+    `eval_max_target_length`, `eval_targets`: the eval set's own (absent: the training set's).
+    `evaluating`: the job runs in-training evals. `loss`: the trainer's loss."""
     qlora = adapter.method == "qlora"
     compute = gpu_placement(precision).compute_dtype
     full = build(None)
@@ -372,17 +394,14 @@ def estimate(
     layers = depth(full.config)
     extra = dequantized_bytes(full, compute) if qlora else 0
     del full
-    lengths = {
-        "max_length": padded_length(shape["max_length"], precision),
-        "max_target_length": padded_length(shape["max_target_length"] or shape["max_length"], precision),
-    }
+    steps = {True: padded(shape, precision), False: padded(eval_shape(shape), precision)}
 
     def peak(batch: int, training: bool) -> int:
         def at(layers_: int | None) -> int:
             model = build(layers_)
             if qlora:
                 held_as_qlora(model, compute)
-            step = shape | lengths | {"batch_size": batch}
+            step = steps[training] | {"batch_size": batch}
             return step_peak_bytes(model, kind, step, precision, training, loss)
 
         return at_depth(at, layers) + extra
@@ -394,6 +413,23 @@ def estimate(
     train = line(lambda b: peak(b, True) - grads, 1, far)
     eval_ = line(lambda b: peak(b, False), EVAL_BATCH_FACTOR, EVAL_BATCH_FACTOR * far) if evaluating else None
     return assemble(weights, trainable, batch, train, eval_)
+
+
+EVAL_KEYS = ("max_length", "max_target_length", "targets")
+
+
+def eval_shape(shape: dict) -> dict:
+    """The in-training eval step's shape: the eval set's own lengths where given (the job's eval set may be
+    much longer than its training set), the training set's otherwise."""
+    return shape | {key: shape[f"eval_{key}"] for key in EVAL_KEYS if f"eval_{key}" in shape}
+
+
+def padded(shape: dict, precision: str) -> dict:
+    length = shape["max_length"]
+    return shape | {
+        "max_length": padded_length(length, precision),
+        "max_target_length": padded_length(shape["max_target_length"] or length, precision),
+    }
 
 
 def line(peak: Callable[[int], int], low: int, high: int) -> tuple[float, float]:

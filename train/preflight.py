@@ -97,14 +97,8 @@ def token_lengths(job: TrainJob, tokenizer, config) -> dict:
     `tokenizer` is meta_model's, holding model.added_tokens as the job's does: a chat template's markers
     among them are one token each, not a dozen characters."""
     kind = job.model.kind
-    if kind == "image-text":  # the job's own count: prompt + image tokens + answer; over-long ones dropped
-        dataset = vl.examples(job.data.train, job.data, tokenizer)
-        lengths = vl.choose_length(dataset, job.data, max_positions(config))
-        kept = vl.drop_too_long(dataset, lengths)
-    else:
-        dataset = data_lib.tokenized(job.data.train, job.data, tokenizer, kind)
-        lengths = data_lib.choose_lengths(dataset, job.data, kind, max_positions(config))
-        kept = data_lib.truncate(dataset, lengths, kind)
+    dataset, kept, lengths = lengths_of(job, job.data.train, tokenizer, config)
+    eval_lengths = lengths_of(job, job.data.eval, tokenizer, config)[2] if evaluates(job) else None
     spread = {"inputs": percentiles(dataset["length"])}
     if kind == "seq2seq":
         spread["targets"] = percentiles(data_lib.target_lengths(dataset))
@@ -118,7 +112,38 @@ def token_lengths(job: TrainJob, tokenizer, config) -> dict:
         "longest_example": lengths.longest,
         "truncated_inputs": lengths.inputs_truncated,
         "truncated_at": {str(k): v for k, v in lengths.truncated_at.items()},
+        "step_lengths": step_lengths(kind, lengths, eval_lengths),
     }
+
+
+def lengths_of(job: TrainJob, source: str, tokenizer, config):
+    """(dataset, dataset as trained, LengthReport) of one data file, as the job's load_split reads it."""
+    kind = job.model.kind
+    if kind == "image-text":  # the job's own count: prompt + image tokens + answer; over-long ones dropped
+        dataset = vl.examples(source, job.data, tokenizer)
+        lengths = vl.choose_length(dataset, job.data, max_positions(config))
+        return dataset, vl.drop_too_long(dataset, lengths), lengths
+    dataset = data_lib.tokenized(source, job.data, tokenizer, kind)
+    lengths = data_lib.choose_lengths(dataset, job.data, kind, max_positions(config))
+    return dataset, data_lib.truncate(dataset, lengths, kind), lengths
+
+
+def step_lengths(kind: str, train: data_lib.LengthReport, eval_: data_lib.LengthReport | None) -> dict:
+    """The lengths the memory model judges the steps at (train/memory.py estimate): the training set's, the
+    most target tokens one of its examples has (the loss's logits are at those only; seq2seq: every
+    decoder position), and the eval set's own, whose batches the in-training eval step runs on."""
+    found = {
+        "max_length": train.max_length,
+        "max_target_length": train.max_target_length or train.max_length,
+        "targets": None if kind == "seq2seq" else train.longest_target,
+    }
+    if eval_ is not None:
+        found |= {
+            "eval_max_length": eval_.max_length,
+            "eval_max_target_length": eval_.max_target_length or eval_.max_length,
+            "eval_targets": None if kind == "seq2seq" else eval_.longest_target,
+        }
+    return found
 
 
 def percentiles(lengths: list[int]) -> list[int]:
@@ -185,20 +210,22 @@ REPORTS: dict[str, tuple] = {}
 
 
 def memory_shape(job: TrainJob, result: JobPreflight) -> dict | None:
-    """The padded batch shape a step can reach: batch_size × max_length (None: length unknown)."""
+    """The padded batch shape a step can reach: batch_size × max_length, the target tokens and the eval
+    set's lengths (step_lengths); without the data, the written lengths (None: none written)."""
+    split = {
+        "batch_size": job.train.batch_size,
+        "gradient_checkpointing": job.train.gradient_checkpointing,
+        "grad_accum": job.train.grad_accum,
+    }
+    if result.step_lengths:
+        return split | result.step_lengths
     length = result.max_length or (job.data.max_length if job.data.max_length != "auto" else None)
     if length is None:
         return None
     target = result.max_target_length
     if target is None and job.data.max_target_length != "auto":
         target = job.data.max_target_length
-    return {
-        "batch_size": job.train.batch_size,
-        "max_length": length,
-        "max_target_length": target or length,
-        "gradient_checkpointing": job.train.gradient_checkpointing,
-        "grad_accum": job.train.grad_accum,
-    }
+    return split | {"max_length": length, "max_target_length": target or length}
 
 
 def judge_memory(result: JobPreflight, job: TrainJob, tokenizer) -> None:
@@ -230,10 +257,10 @@ def split_on(job: TrainJob, shape: dict, tokenizer, gpu_mem_gb: float | None) ->
     loss among its choices where the job's environment has it (the same environment as this one)."""
     if job.train.micro_batch != "auto" or gpu_mem_gb is None:
         return resolve(job.train, None, None, "no gpu_mem_gb for this partition in cluster.yaml")
-    lengths = (shape["max_length"], shape["max_target_length"])
-    figures = split_figures(job, *lengths, tokenizer)
+    lengths = {key: value for key, value in shape.items() if key in LENGTH_KEYS}
+    figures = split_figures(job, lengths, tokenizer)
     fused = (
-        split_figures(job, *lengths, tokenizer, fused=True)
+        split_figures(job, lengths, tokenizer, fused=True)
         if fused_possible(job, tokenizer, liger_installed())
         else None
     )
@@ -250,18 +277,26 @@ def fused_possible(job: TrainJob, tokenizer, installed: bool) -> bool:
     return reason is None
 
 
-def split_figures(
-    job: TrainJob, max_length: int, max_target_length: int | None, tokenizer, fused: bool = False
-) -> MemoryFigures:
+# step_lengths' keys: what a step's shape takes from the data
+LENGTH_KEYS = (
+    "max_length",
+    "max_target_length",
+    "targets",
+    "eval_max_length",
+    "eval_max_target_length",
+    "eval_targets",
+)
+
+
+def split_figures(job: TrainJob, lengths: dict, tokenizer, fused: bool = False) -> MemoryFigures:
     """The memory model's lines for any micro-batch up to the effective batch (measured out to it: a line
     is exact at its two ends and above the step between them), without and with checkpointing, with the
     plain or the `fused` loss. Judged as accumulating, every gradient held through the step: for a
     micro-batch of the whole effective batch that overstates the peak by at most the trainable weights'
-    gradients."""
-    shape = {
+    gradients. `lengths`: step_lengths (max_length, max_target_length, targets and the eval set's)."""
+    shape = lengths | {
         "batch_size": job.train.batch_size * job.train.grad_accum,
-        "max_length": max_length,
-        "max_target_length": max_target_length or max_length,
+        "max_target_length": lengths.get("max_target_length") or lengths["max_length"],
         "gradient_checkpointing": False,
         "grad_accum": 2,
     }

@@ -100,7 +100,7 @@ from core.files import json_line, read_json, read_jsonl, write_atomic, write_jso
 from core.hashing import content_hash
 from core.preflight import trained_share
 from core.rundir import RunDir, job_records
-from core.split import Split, kept_on_resume, resolve
+from core.split import Split, kept_on_resume, refuse_unless_fits, resolve
 from train import data as data_lib
 from train import distributed, vl
 from train.callbacks import (
@@ -246,20 +246,20 @@ class TokenMeanEval:
         return result
 
 
-class FusedOutputStep:
-    """Trainer mixin: with a fused loss, every step's forward hands the loss the last hidden states
-    (TargetTokenLoss.output_as_hidden); without one, nothing changes."""
+class OutputAtTargets:
+    """Trainer mixin: every step's output layer (training and eval) runs only at the positions that carry a
+    target, or with a fused loss hands the loss the hidden states there (TargetTokenLoss.output_at_targets)."""
 
     def compute_loss(self, model, inputs, *args, **kwargs):
-        with self.compute_loss_func.output_as_hidden(model):
+        with self.compute_loss_func.output_at_targets(model, inputs.get("labels")):
             return super().compute_loss(model, inputs, *args, **kwargs)
 
 
-class CausalTrainer(CheckedSaves, FusedOutputStep, TokenMeanEval, ReproducibleSampling, Trainer):
+class CausalTrainer(CheckedSaves, OutputAtTargets, TokenMeanEval, ReproducibleSampling, Trainer):
     pass
 
 
-class Seq2SeqStageTrainer(CheckedSaves, FusedOutputStep, TokenMeanEval, ReproducibleSampling, Seq2SeqTrainer):
+class Seq2SeqStageTrainer(CheckedSaves, OutputAtTargets, TokenMeanEval, ReproducibleSampling, Seq2SeqTrainer):
     pass
 
 
@@ -308,9 +308,10 @@ class StageRecipe:
         self.params = check_trainable(self.model, self.job.adapter.max_trainable_percent)
         # Data after the tokenizer: its fingerprint is part of the tokenization cache key.
         self.train_set, self.lengths = self.load_split(self.job.data.train, "train")
-        self.eval_set = None
+        self.eval_set = self.eval_lengths = None
         if self.job.data.eval:  # sorted: similar lengths pad little, and a loss-only eval has no order
-            self.eval_set = self.load_split(self.job.data.eval, "eval")[0].sort("length")
+            self.eval_set, self.eval_lengths = self.load_split(self.job.data.eval, "eval")
+            self.eval_set = self.eval_set.sort("length")
         # The split after the lengths (the memory model needs them) and before the Trainer (it runs it).
         self.split = self.choose_split()
         log.info("batch split: %s", self.split.describe())
@@ -333,7 +334,8 @@ class StageRecipe:
             if kept is not None:
                 return kept
             log.warning("resuming, the split is chosen again: %s", why_not)
-        split = replace(self.fresh_split(), world_size=self.placement.world_size)
+        # A split that fits nowhere fails here, with its figures, not at the first step or eval's OOM.
+        split = refuse_unless_fits(replace(self.fresh_split(), world_size=self.placement.world_size))
         if distributed.is_main():
             write_json_atomic(recorded, split.as_json(), indent=1)
         return split
@@ -346,15 +348,18 @@ class StageRecipe:
         if train.micro_batch != "auto":
             return resolve(train, None, None)
         try:
-            from train.preflight import fused_possible, split_figures, tokenizer_or_reason
+            from train.preflight import fused_possible, split_figures, step_lengths, tokenizer_or_reason
 
             tokenizer = tokenizer_or_reason(self.job)[0]
-            lengths = (self.lengths.max_length, self.lengths.max_target_length)
-            figures = split_figures(self.job, *lengths, tokenizer)
+            # the eval step at the eval set's own lengths: a dev set longer than the training set's
+            lengths = step_lengths(
+                self.job.model.kind, self.lengths, self.eval_lengths if self.evaluating() else None
+            )
+            figures = split_figures(self.job, lengths, tokenizer)
             installed = fused_loss_possible(self.placement, liger_installed())
             fused = None
             if fused_possible(self.job, tokenizer, installed):
-                fused = split_figures(self.job, *lengths, tokenizer, fused=True)
+                fused = split_figures(self.job, lengths, tokenizer, fused=True)
         except Exception as exc:  # the memory model fails on an unusual model: the written split still runs
             log.warning("memory model failed (%s: %s); keeping the written split", type(exc).__name__, exc)
             return resolve(train, None, None, "the memory model failed on this model")
