@@ -14,8 +14,9 @@ input) and target (output). Torch-free, standard library only: the launcher chec
 
 from __future__ import annotations
 
+from core import preferences
 from core.config import DataSpec
-from core.names import CONVERSATIONS
+from core.names import CONVERSATIONS, PREFERENCE
 from core.problems import did_you_mean
 
 ROLES = ("system", "user", "assistant")
@@ -77,6 +78,8 @@ def last_answer(turns: list[dict]) -> int:
 
 def problems(row: dict, spec: DataSpec) -> list[str]:
     """What is wrong with one example of a conversation format, each said with what was expected."""
+    if spec.format == PREFERENCE:
+        return preferences.problems(row)
     if spec.format == "alpaca":
         return alpaca_problems(row)
     field = spec.conversation_field
@@ -126,6 +129,8 @@ def alpaca_problems(row: dict) -> list[str]:
 
 def chars(row: dict, spec: DataSpec) -> int:
     """Characters of text in an example (the estimates' measure of its size)."""
+    if spec.format == PREFERENCE:
+        return preferences.chars(row)
     if spec.format in ("fields", "alpaca"):
         return len(prompt_of(row, spec)) + len(target_of(row, spec))
     return sum(len(turn["content"]) for turn in conversation(row, spec))
