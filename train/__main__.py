@@ -19,7 +19,7 @@ def main(argv: list[str]) -> int:
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from core.config import TrainJob
-    from train.recipe import run_stage
+    from train.stage import run_stage
 
     job = TrainJob.model_validate(yaml.safe_load(Path(argv[0]).read_text()))
     stop = threading.Event()
