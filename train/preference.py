@@ -31,7 +31,7 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 from core import preferences
 from train import chat
 from train import data as data_lib
-from train.model import max_positions
+from train.model import max_positions, trainable_in_fp32
 from train.recipe import ReproducibleSampling, StageRecipe, one_gpu_per_process
 
 log = logging.getLogger("train.preference")
@@ -196,6 +196,9 @@ class PreferenceRecipe(StageRecipe):
             processing_class=chat.text_tokenizer(self.tokenizer),
             callbacks=callbacks,
         )
+        # TRL casts a quantized model's trainable weights to bf16 (QLoRA paper), not its frozen "ref" copy:
+        # the policy would differ from its reference before any step. Ours stay fp32, as in an SFT stage.
+        trainable_in_fp32(trainer.model)
         self.reference = reference_of(self.job)
         adapters = trainer.model.peft_config
         if self.reference == "base" and REFERENCE_ADAPTER in adapters:

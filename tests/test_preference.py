@@ -1,0 +1,128 @@
+"""A preference stage (train/preference.py): TRL's real DPOTrainer on the tiny causal model, after a short SFT
+stage. The trap peers fall into (LLaMA-Factory #8974: DPO on an SFT LoRA reports loss 0, accuracy 1 from the
+first step, its reference silently the policy's own adapter or the base): at the first step, before any update,
+the policy is the SFT adapter, and the reference is what `train.dpo.reference` says, checked against
+log-probabilities computed here by hand."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.train_helpers import SQL, make_job, read_jsonl
+from train.stage import run_stage
+
+BETA = 0.1
+PAIRS = 8  # one batch: the first step's logged means are over exactly these pairs
+
+
+@pytest.fixture(scope="module", params=["lora", "qlora"])
+def sft_stage(request, tiny, tmp_path_factory) -> tuple[str, Path, Path]:
+    """(adapter method, the SFT adapter of a 3-step SFT stage on the demo SQL, a file of PAIRS demo pairs)."""
+    folder = tmp_path_factory.mktemp(f"sft-{request.param}")
+    assert run_stage(make_job(tiny, folder / "sft", adapter={"method": request.param})) == "completed"
+    pairs = folder / "pairs.jsonl"
+    pairs.write_text("".join((SQL / "pairs-train.jsonl").read_text().splitlines(keepends=True)[:PAIRS]))
+    return request.param, folder / "sft" / "adapter", pairs
+
+
+def dpo_job(tiny, run_dir: Path, sft_stage, reference: str, **train):
+    method, adapter, pairs = sft_stage
+    job = make_job(
+        tiny,
+        run_dir,
+        adapter={"method": method},
+        data={"train": str(pairs), "format": "preference", "order": "file"},
+        method="dpo",
+        dpo={"beta": BETA, "reference": reference},
+        **({"max_steps": 1} | train),
+    )
+    return job.model_copy(update={"init_adapter": str(adapter)})
+
+
+def answer_logps(job) -> dict[str, list[float]]:
+    """Summed log-probabilities of each pair's chosen and rejected answer tokens, computed here from the
+    model's logits: with the SFT adapter (`sft_*`) and with adapters disabled (`base_*`)."""
+    from core.examples import read_jsonl as read_pairs
+    from train.device import current
+    from train.model import load_trained
+    from train.preference import encode_pair
+
+    placement = current(job.train.precision)
+    model, tokenizer = load_trained(
+        job.model, job.init_adapter, job.adapter, placement=placement, data=job.data
+    )
+    model.eval()
+    found = {f"{model_}_{side}": [] for model_ in ("sft", "base") for side in ("chosen", "rejected")}
+    for row in read_pairs(Path(job.data.train)):
+        pair = encode_pair(tokenizer, row, job.data)
+        for side in ("chosen", "rejected"):
+            ids = pair["prompt_ids"] + pair[f"{side}_ids"]
+            for name, adapters in (("sft", contextlib.nullcontext()), ("base", model.disable_adapter())):
+                with torch.no_grad(), adapters:
+                    logits = model(input_ids=torch.tensor([ids])).logits[0].float()
+                logps = torch.log_softmax(logits[:-1], -1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+                found[f"{name}_{side}"].append(logps[len(pair["prompt_ids"]) - 1 :].sum().item())
+    return found
+
+
+@pytest.fixture(scope="module")
+def by_hand(tiny, sft_stage, tmp_path_factory) -> dict[str, list[float]]:
+    return answer_logps(dpo_job(tiny, tmp_path_factory.mktemp("by-hand"), sft_stage, "base"))
+
+
+def mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
+def first_row(run_dir: Path) -> dict:
+    rows = [row for row in read_jsonl(run_dir / "metrics.jsonl") if "loss" in row]
+    assert rows[0]["step"] == 1
+    return rows[0]
+
+
+@pytest.mark.slow
+def test_reference_previous_is_the_sft_adapter_so_the_first_dpo_loss_is_ln2(
+    tiny, tmp_path, sft_stage, by_hand
+):
+    job = dpo_job(tiny, tmp_path / "dpo", sft_stage, "previous")
+    assert run_stage(job) == "completed"
+    row = first_row(tmp_path / "dpo")
+    assert abs(row["loss"] - math.log(2)) < 1e-3  # policy == reference: sigmoid(0)
+    assert abs(row["rewards/margins"]) < 1e-5 and abs(row["rewards/chosen"]) < 1e-5  # 4-bit kernels: ~1e-6
+    # ...and both are the SFT adapter, not the base (whose log-probs differ by about a nat here).
+    assert row["logps/chosen"] == pytest.approx(mean(by_hand["sft_chosen"]), abs=1e-3)
+    assert abs(mean(by_hand["sft_chosen"]) - mean(by_hand["base_chosen"])) > 0.1
+    summary = json.loads((tmp_path / "dpo" / "summary.json").read_text())
+    assert (summary["method"], summary["reference"]) == ("dpo", "previous")
+    assert not (tmp_path / "dpo" / "adapter" / "ref").exists()  # the frozen copy is not saved as the adapter
+
+
+@pytest.mark.slow
+def test_reference_base_is_the_model_with_adapters_disabled_and_the_margin_is_the_sft_log_ratio(
+    tiny, tmp_path, sft_stage, by_hand
+):
+    job = dpo_job(tiny, tmp_path / "dpo", sft_stage, "base")
+    assert run_stage(job) == "completed"
+    row = first_row(tmp_path / "dpo")
+    reference_chosen = row["logps/chosen"] - row["rewards/chosen"] / BETA
+    reference_rejected = row["logps/rejected"] - row["rewards/rejected"] / BETA
+    assert reference_chosen == pytest.approx(mean(by_hand["base_chosen"]), abs=1e-3)
+    assert reference_rejected == pytest.approx(mean(by_hand["base_rejected"]), abs=1e-3)
+    ratios = [
+        (sc - bc) - (sr - br)
+        for sc, bc, sr, br in zip(
+            by_hand["sft_chosen"],
+            by_hand["base_chosen"],
+            by_hand["sft_rejected"],
+            by_hand["base_rejected"],
+            strict=True,
+        )
+    ]
+    assert row["rewards/margins"] == pytest.approx(BETA * mean(ratios), abs=1e-4)
+    assert abs(row["rewards/chosen"]) > 1e-2  # the reference is not the policy's own adapter
