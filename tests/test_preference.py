@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.train_helpers import SQL, make_job, read_jsonl
+from tests.train_helpers import SQL, StopAfter, assert_same_adapter, make_job, read_jsonl
+from train.checkpoints import latest_valid_checkpoint, step_of
 from train.stage import run_stage
 
 BETA = 0.1
@@ -86,21 +87,27 @@ def first_row(run_dir: Path) -> dict:
     return rows[0]
 
 
+@pytest.fixture(scope="module")
+def previous_run(tiny, sft_stage, tmp_path_factory) -> Path:
+    """A DPO stage after the SFT one, reference: previous: its first step is the trap's step; LoRA's runs on
+    to 4 steps for the curriculum and resume tests (QLoRA's 4-bit CPU kernels are slow: one step)."""
+    run_dir = tmp_path_factory.mktemp("dpo-previous") / "dpo"
+    steps = 4 if sft_stage[0] == "lora" else 1
+    assert run_stage(dpo_job(tiny, run_dir, sft_stage, "previous", max_steps=steps)) == "completed"
+    return run_dir
+
+
 @pytest.mark.slow
-def test_reference_previous_is_the_sft_adapter_so_the_first_dpo_loss_is_ln2(
-    tiny, tmp_path, sft_stage, by_hand
-):
-    job = dpo_job(tiny, tmp_path / "dpo", sft_stage, "previous")
-    assert run_stage(job) == "completed"
-    row = first_row(tmp_path / "dpo")
+def test_reference_previous_is_the_sft_adapter_so_the_first_dpo_loss_is_ln2(previous_run, by_hand):
+    row = first_row(previous_run)
     assert abs(row["loss"] - math.log(2)) < 1e-3  # policy == reference: sigmoid(0)
     assert abs(row["rewards/margins"]) < 1e-5 and abs(row["rewards/chosen"]) < 1e-5  # 4-bit kernels: ~1e-6
     # ...and both are the SFT adapter, not the base (whose log-probs differ by about a nat here).
     assert row["logps/chosen"] == pytest.approx(mean(by_hand["sft_chosen"]), abs=1e-3)
     assert abs(mean(by_hand["sft_chosen"]) - mean(by_hand["base_chosen"])) > 0.1
-    summary = json.loads((tmp_path / "dpo" / "summary.json").read_text())
+    summary = json.loads((previous_run / "summary.json").read_text())
     assert (summary["method"], summary["reference"]) == ("dpo", "previous")
-    assert not (tmp_path / "dpo" / "adapter" / "ref").exists()  # the frozen copy is not saved as the adapter
+    assert not (previous_run / "adapter" / "ref").exists()  # the frozen copy is not saved as the adapter
 
 
 @pytest.mark.slow
@@ -126,3 +133,33 @@ def test_reference_base_is_the_model_with_adapters_disabled_and_the_margin_is_th
     ]
     assert row["rewards/margins"] == pytest.approx(BETA * mean(ratios), abs=1e-4)
     assert abs(row["rewards/chosen"]) > 1e-2  # the reference is not the policy's own adapter
+
+
+def logged(run_dir: Path, key: str) -> list[float]:
+    return [row[key] for row in read_jsonl(run_dir / "metrics.jsonl") if key in row]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sft_stage", ["lora"], indirect=True)
+def test_dpo_after_sft_lowers_its_loss_and_raises_its_reward_accuracy_on_the_demo_pairs(previous_run):
+    losses, accuracies = logged(previous_run, "loss"), logged(previous_run, "rewards/accuracies")
+    assert len(losses) == 4 and losses[-1] < losses[0] - 0.01, losses
+    assert accuracies[-1] > accuracies[0], accuracies
+    assert logged(previous_run, "rewards/margins")[-1] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sft_stage", ["lora"], indirect=True)
+def test_a_dpo_stage_stopped_mid_way_resumes_to_the_same_adapter(tiny, tmp_path, sft_stage, previous_run):
+    straight, interrupted = previous_run, tmp_path / "interrupted"
+    job = dpo_job(tiny, interrupted, sft_stage, "previous", max_steps=4)
+    assert run_stage(job, StopAfter(1)) == "interrupted"
+    assert step_of(latest_valid_checkpoint(interrupted / "checkpoints")) == 2
+    assert run_stage(job) == "completed"
+
+    assert_same_adapter(straight, interrupted)
+    steps = [row["step"] for row in read_jsonl(interrupted / "metrics.jsonl") if "loss" in row]
+    assert steps == [1, 2, 3, 4]  # none lost, none twice
+    assert logged(interrupted, "rewards/margins") == pytest.approx(
+        logged(straight, "rewards/margins"), abs=1e-5
+    )
