@@ -24,7 +24,7 @@ from core.config import TrainJob
 from core.preflight import JobPreflight
 from core.split import MemoryFigures, Split, StepLine, resolve
 from train import data as data_lib
-from train import memory, vl
+from train import memory, pairs, vl
 from train.chat import ChatTemplateError
 from train.hub_cache import first_line
 from train.loss import fusable, liger_installed
@@ -92,7 +92,11 @@ def token_lengths(job: TrainJob, tokenizer, config) -> dict:
     `tokenizer` is meta_model's, holding model.added_tokens as the job's does: a chat template's markers
     among them are one token each, not a dozen characters."""
     kind = job.model.kind
-    if kind == "image-text":  # the job's own count: prompt + image tokens + answer; over-long ones dropped
+    if job.train.method == "dpo":  # the job's own pairs: prompt + the longer answer, fitted by its rule
+        dataset = pairs.encoded_pairs(job.data.train, job.data, tokenizer)
+        lengths = pairs.lengths_of(dataset, job.data, max_positions(config))
+        kept = pairs.fitted(dataset, lengths.max_length)[0]
+    elif kind == "image-text":  # the job's own count: prompt + image tokens + answer; over-long ones dropped
         dataset = vl.examples(job.data.train, job.data, tokenizer)
         lengths = vl.choose_length(dataset, job.data, max_positions(config))
         kept = vl.drop_too_long(dataset, lengths)
