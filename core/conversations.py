@@ -31,8 +31,11 @@ ALPACA_FIELDS = ("instruction", "output")  # and `input`, which may be missing o
 
 
 def templated(spec: DataSpec, kind: str) -> bool:
-    """Is an example rendered with the model's chat template? Conversations are, but for seq2seq."""
-    return spec.format in CONVERSATIONS and kind != "seq2seq"
+    """Is an example rendered with the model's chat template? Conversations are, but for seq2seq; preference
+    pairs when data.chat_template names one (else a string pair is rendered as `fields`, a conversation
+    pair with the model's own template)."""
+    chat_pairs = spec.format == PREFERENCE and spec.chat_template is not None
+    return (spec.format in CONVERSATIONS or chat_pairs) and kind != "seq2seq"
 
 
 def no_template_message(model: str, data_format: str) -> str:

@@ -163,3 +163,43 @@ def test_a_dpo_stage_stopped_mid_way_resumes_to_the_same_adapter(tiny, tmp_path,
     assert logged(interrupted, "rewards/margins") == pytest.approx(
         logged(straight, "rewards/margins"), abs=1e-5
     )
+
+
+def test_a_too_long_pair_keeps_its_answers_whole_and_loses_its_prompts_start_or_is_dropped():
+    import datasets
+
+    from train.pairs import fitted
+
+    pairs = datasets.Dataset.from_dict(
+        {
+            "prompt_ids": [[1, 2, 3, 4, 5, 6], [1, 2], [7, 8]],
+            "chosen_ids": [[10, 11], [12], [13] * 9],
+            "rejected_ids": [[20, 21, 22], [23], [24]],
+            "length": [9, 3, 11],
+        }
+    )
+    kept, cut, dropped = fitted(pairs, 8)
+    assert (cut, dropped) == (1, 1)
+    assert kept["prompt_ids"] == [[2, 3, 4, 5, 6], [1, 2]]  # the question at the prompt's end stays
+    assert kept["chosen_ids"] == [[10, 11], [12]] and kept["rejected_ids"] == [[20, 21, 22], [23]]
+    assert kept["length"] == [8, 3]
+
+
+def test_a_string_pair_is_tokenized_as_the_sft_stage_tokenizes_its_example(tiny):
+    from transformers import AutoTokenizer
+
+    from core.config import DataSpec
+    from train import data as data_lib
+    from train.pairs import encode_pair
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny["tiny-llama"])
+    row = {
+        "prompt": "how many customers | SQL: ",
+        "chosen": "SELECT COUNT(*) FROM customers",
+        "rejected": "SELECT 1",
+    }
+    pair = encode_pair(tokenizer, row, DataSpec(train="x.jsonl", format="preference"))
+    sft = data_lib.encode(tokenizer, [row["prompt"]], [row["chosen"]], "causal")
+    assert pair["prompt_ids"] + pair["chosen_ids"] == sft["input_ids"][0]
+    assert [t for t in sft["labels"][0] if t != -100] == pair["chosen_ids"]  # the answer and its eos
+    assert pair["rejected_ids"][-1] == tokenizer.eos_token_id

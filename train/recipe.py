@@ -667,6 +667,7 @@ class StageRecipe:
             time=round(time.time(), 3),
             calibration=self.job.calibration,
             gradient_checkpointing=self.split.gradient_checkpointing,
+            objective=self.job.train.method,
         )
         speeds.append(book, record)
 
