@@ -52,7 +52,7 @@ def answer_logps(job) -> dict[str, list[float]]:
     from core.examples import read_jsonl as read_pairs
     from train.device import current
     from train.model import load_trained
-    from train.preference import encode_pair
+    from train.pairs import encode_pair
 
     placement = current(job.train.precision)
     model, tokenizer = load_trained(
