@@ -17,13 +17,23 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
 
 from core import chat_templates, layout
 from core.durations import TIME_FORMAT, slurm_seconds, slurm_time
-from core.names import DATA_FORMATS, DEFAULT_METRICS, METRICS, SPLITS, SQL_TIMEOUT_S, missing_inputs
+from core.names import (
+    DATA_FORMATS,
+    DEFAULT_METRICS,
+    DPO_LOSSES,
+    METRICS,
+    PREFERENCE,
+    SPLITS,
+    SQL_TIMEOUT_S,
+    missing_inputs,
+)
 
 SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 # What SLURM accepts as partition, account and qos names (',' between several) and as a --constraint
@@ -185,6 +195,12 @@ class DataSpec(Section):
                 f"{', '.join(written)} {are(written)} for format: fields; a {self.format} example is rendered by the "
                 "model's chat template (data.chat_template to choose another): remove them"
             )
+        if self.format == PREFERENCE and (self.messages_field is not None or self.train_on != "assistant"):
+            raise ValueError(
+                "messages_field and train_on are not for format: preference; a pair is {prompt, chosen, "
+                "rejected} (strings, or the prompt as turns and each answer as an assistant turn), and DPO "
+                "learns from the answers only: remove them"
+            )
         if self.messages_field is not None and self.format == "alpaca":
             raise ValueError(
                 "messages_field is for format: messages or sharegpt; alpaca examples have the fields "
@@ -236,7 +252,22 @@ class EarlyStopping(Section):
         return value
 
 
+class DpoSpec(Section):
+    """`train.dpo`: the preference objective of a `train.method: dpo` stage (TRL's DPOTrainer)."""
+
+    beta: Annotated[Float, Field(gt=0)] = 0.1
+    loss_type: Literal[DPO_LOSSES] = "sigmoid"
+    # What the policy is compared against: the previous stage's adapter frozen, or the base model with
+    # adapters disabled. Unset: previous after another stage, base for a first (or only) stage.
+    reference: Literal["previous", "base"] | None = Field(None, exclude_if=lambda value: value is None)
+
+
 class TrainSpec(Section):
+    # sft: next-token loss on the answers; dpo: TRL's DPOTrainer on {prompt, chosen, rejected} pairs
+    # (data.format: preference). Left out of the spec (and so of its hash) at their defaults: every stage
+    # trained before these keys existed keeps its identity.
+    method: Literal["sft", "dpo"] = Field("sft", exclude_if=lambda value: value == "sft")
+    dpo: DpoSpec | None = Field(None, exclude_if=lambda value: value is None)
     epochs: Annotated[Float, Field(gt=0)] = 3
     max_steps: Annotated[Int, Field(ge=1)] | None = None
     learning_rate: Annotated[Float, Field(gt=0)] = 2e-4
@@ -276,6 +307,21 @@ class TrainSpec(Section):
                 f" = {effective} (the loss is the same for any exact split): use one of {fitting}, or auto"
             )
         return self
+
+    @field_validator("dpo")
+    @classmethod
+    def _dpo_keys_on_a_dpo_stage(cls, value, info: ValidationInfo):
+        if value is not None and info.data.get("method") == "sft":  # method is checked before dpo
+            raise ValueError(
+                "is the preference objective's block, but this stage is train.method: sft; set "
+                "train.method: dpo (with data.format: preference), or remove train.dpo"
+            )
+        return value
+
+    @property
+    def preference(self) -> DpoSpec:
+        """The DPO block as it runs (its defaults when none is written)."""
+        return self.dpo or DpoSpec()
 
     @model_validator(mode="after")
     def _early_stopping_needs_eval(self):

@@ -14,8 +14,9 @@ input) and target (output). Torch-free, standard library only: the launcher chec
 
 from __future__ import annotations
 
+from core import preferences
 from core.config import DataSpec
-from core.names import CONVERSATIONS
+from core.names import CONVERSATIONS, PREFERENCE
 from core.problems import did_you_mean
 
 ROLES = ("system", "user", "assistant")
@@ -30,8 +31,11 @@ ALPACA_FIELDS = ("instruction", "output")  # and `input`, which may be missing o
 
 
 def templated(spec: DataSpec, kind: str) -> bool:
-    """Is an example rendered with the model's chat template? Conversations are, but for seq2seq."""
-    return spec.format in CONVERSATIONS and kind != "seq2seq"
+    """Is an example rendered with the model's chat template? Conversations are, but for seq2seq; preference
+    pairs when data.chat_template names one (else a string pair is rendered as `fields`, a conversation
+    pair with the model's own template)."""
+    chat_pairs = spec.format == PREFERENCE and spec.chat_template is not None
+    return (spec.format in CONVERSATIONS or chat_pairs) and kind != "seq2seq"
 
 
 def no_template_message(model: str, data_format: str) -> str:
@@ -106,6 +110,8 @@ def last_answer(turns: list[dict]) -> int:
 
 def problems(row: dict, spec: DataSpec) -> list[str]:
     """What is wrong with one example of a conversation format, each said with what was expected."""
+    if spec.format == PREFERENCE:
+        return preferences.problems(row)
     if spec.format == "alpaca":
         return alpaca_problems(row)
     field = spec.conversation_field
@@ -201,6 +207,8 @@ def alpaca_problems(row: dict) -> list[str]:
 
 def chars(row: dict, spec: DataSpec) -> int:
     """Characters of text in an example (the estimates' measure of its size)."""
+    if spec.format == PREFERENCE:
+        return preferences.chars(row)
     if spec.format in ("fields", "alpaca"):
         return len(prompt_of(row, spec)) + len(target_of(row, spec))
     return sum(len(turn["content"]) for turn in conversation(row, spec))

@@ -57,6 +57,8 @@ class TextSize:
 
 
 def needed_fields(spec: DataSpec) -> list[str]:
+    if spec.format == "preference":  # a missing side is one of a pair's problems, listed with the others
+        return []
     if spec.format == "alpaca":
         texts = list(conversations.ALPACA_FIELDS)
     elif spec.format != "fields":
@@ -158,8 +160,16 @@ def check_rows(rows: list[tuple[int, dict]], spec: DataSpec, path: Path) -> None
         missing = [field for field in needed if field not in row]
         if missing:
             other = conversations.other_format(row, spec)  # ShareGPT's `conversations` as messages, or back
+            pair = "chosen" in row and "rejected" in row
+            hint = (
+                "; this looks like a preference pair: give it to a DPO stage (train.method: dpo, "
+                "data.format: preference)"
+                if pair
+                else ""
+            )
             raise ExampleError(
-                f"{path}:{number}", other or f"no field {missing} in this example (it has {sorted(row)})"
+                f"{path}:{number}",
+                other or f"no field {missing} in this example (it has {sorted(row)}){hint}",
             )
         if nulls := [field for field in needed if row[field] is None]:
             raise ExampleError(

@@ -62,7 +62,26 @@ REPORT_COLUMNS = {key: {"bertscore_f1": "bertscore"}.get(key, key) for key in SC
 SPLITS = ("eval", "train")
 # How examples are written (data.format, core/conversations.py): fields, or one of the conversations.
 CONVERSATIONS = ("messages", "sharegpt", "alpaca")
-DATA_FORMATS = ("fields", *CONVERSATIONS)
+# `preference`: {prompt, chosen, rejected} pairs for a train.method: dpo stage (core/preferences.py).
+PREFERENCE = "preference"
+DATA_FORMATS = ("fields", *CONVERSATIONS, PREFERENCE)
+# TRL's DPOTrainer loss variants (train.dpo.loss_type), as trl 1.16's DPOTrainer names them.
+DPO_LOSSES = (
+    "sigmoid",
+    "hinge",
+    "ipo",
+    "exo_pair",
+    "nca_pair",
+    "robust",
+    "bco_pair",
+    "sppo_hard",
+    "aot",
+    "aot_unpaired",
+    "apo_zero",
+    "apo_down",
+    "discopop",
+    "sigmoid_norm",
+)
 
 # A model folder has a tokenizer when it has one of these (the hub cache check, the speed book's stamp).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "spiece.model", "tokenizer.model", "vocab.json")

@@ -45,6 +45,9 @@ class SpeedRecord:
     calibration: bool = False  # written by a `launch.py --calibrate` run (a few dozen steps), not a stage
     # train.gradient_checkpointing (one more forward per step); None in rows written before it was kept
     gradient_checkpointing: bool | None = None
+    # train.method: a DPO step runs two sequences per example and a reference forward, so its speed is its
+    # own; rows written before it was kept are SFT's
+    objective: str = "sft"
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,10 @@
 writes `shop.db` and `sql/{train,dev,easy,medium,hard}.jsonl` (rows: id, question, schema, sql, difficulty),
 and the same train and dev rows as conversations, `sql/chat-{train,dev}.jsonl` (data.format: messages: a
 system turn holding the schema, then question → SQL; in train, every pair of the first CHAT_PAIRED rows is
-one two-exchange conversation, a follow-up question in the same chat), byte-identical on every run. easy + medium + hard is the train split cut by difficulty (a curriculum);
+one two-exchange conversation, a follow-up question in the same chat), and as preference pairs,
+`sql/pairs-{train,dev}.jsonl` (data.format: preference: the fields prompt, the gold query chosen, a plausible
+wrong one rejected: a wrong column, table, order, aggregate or condition, whose result differs from the gold
+one's on shop.db), byte-identical on every run. easy + medium + hard is the train split cut by difficulty (a curriculum);
 dev shares no question with train. Every gold query runs on shop.db. The SQL is short and in one canonical
 style (upper-case keywords, single quotes, aliases o/c/p in joins) so a tiny model learns it in a few epochs.
 
@@ -324,7 +327,63 @@ def build_demo_data(out_dir: Path) -> dict[str, Path]:
         write_jsonl(
             paths[f"chat-{split}"], conversations(splits[split], CHAT_PAIRED if split == "train" else 0)
         )
+        paths[f"pairs-{split}"] = out_dir / "sql" / f"pairs-{split}.jsonl"
+        write_jsonl(paths[f"pairs-{split}"], preference_pairs(paths["db"], splits[split]))
     return paths
+
+
+# Plausible mistakes, tried in order until one changes the query's result on shop.db (or makes it fail).
+WRONG_SQL = (
+    (" DESC", ""),
+    ("ORDER BY age", "ORDER BY age DESC"),
+    ("ORDER BY price", "ORDER BY price DESC"),
+    ("SUM(", "COUNT("),
+    ("AVG(", "MAX("),
+    ("COUNT(*)", "SUM(o.quantity)"),
+    (" > ", " < "),
+    (" < ", " > "),
+    ("c.city", "c.name"),
+    ("p.name", "p.category"),
+    ("city", "name"),
+    ("category", "name"),
+    ("age", "id"),
+    ("o.year = ", "o.year < "),
+    ("= ", "!= "),
+    ("FROM customers", "FROM products"),
+    ("FROM products", "FROM customers"),
+)
+PAIR_PROMPT = "{schema} | {question} | SQL: "  # the prompt of the SFT demo (_demo-fields.yaml)
+
+
+def wrong_query(db: sqlite3.Connection, sql: str) -> str:
+    """The first mistake of WRONG_SQL that changes what the gold query returns."""
+    gold = db.execute(sql).fetchall()
+    for old, new in WRONG_SQL:
+        wrong = sql.replace(old, new, 1)
+        if wrong == sql:
+            continue
+        try:
+            if db.execute(wrong).fetchall() != gold:
+                return wrong
+        except sqlite3.Error:
+            return wrong  # a query that fails is a plausible wrong answer too
+    raise ValueError(f"no plausible wrong query for {sql!r}: add a mistake to WRONG_SQL")
+
+
+def preference_pairs(db_path: Path, rows: list[dict]) -> list[dict]:
+    db = sqlite3.connect(f"file:{db_path}?mode=ro", uri=True)
+    try:
+        return [
+            {
+                "id": row["id"],
+                "prompt": PAIR_PROMPT.format(**row),
+                "chosen": row["sql"],
+                "rejected": wrong_query(db, row["sql"]),
+            }
+            for row in rows
+        ]
+    finally:
+        db.close()
 
 
 def conversations(rows: list[dict], paired: int) -> list[dict]:

@@ -425,7 +425,7 @@ def by_gpu_model(rows: list, gpus: int, gpu: str | None) -> tuple[list, str | No
 def nearest_record(
     spec: TrainJob, gpus: int, book: list[SpeedRecord], gpu: str | None = None
 ) -> tuple[SpeedRecord, str | None] | None:
-    """(row, the GPU model the job is estimated for): a row of the same model, method, precision,
+    """(row, the GPU model the job is estimated for): a row of the same model, method, objective, precision,
     gradient checkpointing and kind of device, of the job's GPU model first (by_gpu_model); then nearest
     in batch size and max length (by ratio: 8 is as far from 16 as 16 from 32); of the rows as near as that,
     the one of median speed (the slower of two): one noisy row, or a short calibration's, does not swing
@@ -436,6 +436,7 @@ def nearest_record(
         for r in book
         if r.model == spec.model.name_or_path
         and r.method == spec.adapter.method
+        and r.objective == spec.train.method
         and r.precision in wanted
         and bool(r.gradient_checkpointing) == spec.train.gradient_checkpointing  # a row without: off
         and same_device_kind(r.device_name, gpus)

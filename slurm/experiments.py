@@ -20,7 +20,7 @@ from core.conversations import no_template_message, templated
 from core.databases import NotADatabaseError, check_database
 from core.examples import ExampleError, TextSize, check_file, needed_fields
 from core.files import read_json
-from core.names import REPORT_COLUMNS, SCORES_OF
+from core.names import PREFERENCE, REPORT_COLUMNS, SCORES_OF
 from core.problems import ConfigError, Problem, did_you_mean
 from core.rundir import run_root_experiments
 from core.sweep import Sweep, SweepError, SweepMember, SweepSpec, expand, nested, source_of
@@ -177,6 +177,7 @@ def checked(
         + check_prune(experiment, stages, member, chain)
         + check_kind(experiment, chain)
         + check_chat_template(experiment, stages, chain)
+        + check_preference(experiment, stages, chain)
     )
 
 
@@ -360,6 +361,46 @@ def unknown_markers(experiment: Experiment, stages: list[Stage], chain: list[Yam
             )
             return [Problem(file, "data.chat_template", message, line)]
     return []
+
+
+def check_preference(experiment: Experiment, stages: list[Stage], chain: list[YamlFile]) -> list[Problem]:
+    """A DPO stage's chain, before anything is queued: preference pairs for it and only for it, a model
+    kind TRL's DPOTrainer trains here, and a `reference: previous` that has a previous stage."""
+    problems = []
+    for index, stage in enumerate(stages):
+        dpo, pairs = stage.train.method == "dpo", stage.data.format == PREFERENCE
+        why = None
+        if dpo and not pairs:
+            key = ("train", "method")
+            why = (
+                f"is dpo in stage {stage.name!r}, whose data is format: {stage.data.format}; DPO trains on "
+                "preference pairs: set data.format: preference ({prompt, chosen, rejected} per line)"
+            )
+        elif pairs and not dpo:
+            key = ("data", "format")
+            why = (
+                f"is preference in stage {stage.name!r}, an SFT stage (train.method: sft): pairs train only a "
+                "DPO stage: set train.method: dpo in that stage, or give it SFT data"
+            )
+        elif dpo and experiment.model.kind != "causal":
+            key = ("train", "method")
+            why = (
+                f"is dpo, but model.kind is {experiment.model.kind}: TRL's DPOTrainer trains causal models only "
+                "here (it has no seq2seq path; image-text pairs are not supported yet): use a causal model"
+            )
+        elif dpo and index == 0 and stage.train.preference.reference == "previous":
+            key = ("train", "dpo", "reference")
+            why = (
+                f"is previous, but stage {stage.name!r} is the first: there is no previous adapter to "
+                "compare against; use reference: base (the default for a first stage), or put an SFT stage "
+                "before it"
+            )
+        if why:
+            written = getattr(experiment.stages[index], key[0])
+            place = ("stages", index, *key) if key[1] in written else key
+            file, line = where(chain, place)
+            problems.append(Problem(file, ".".join(map(str, place)), why, line))
+    return problems
 
 
 def check_select(experiment: Experiment, member: SweepMember | None, chain: list[YamlFile]) -> list[Problem]:

@@ -121,7 +121,7 @@ class TrainStage(StageJob):
 
     def run(self, spec: dict, config_hash: str) -> str:
         from core.config import TrainJob
-        from train.recipe import run_stage
+        from train.stage import run_stage
 
         job = TrainJob.model_validate(spec)
         stop = StopRequest()

@@ -247,6 +247,9 @@ DEMO_JOBS = {
     "shapes-vl-qlora-curriculum/eval",
     "sql-llama-chat/train",
     "sql-llama-chat/eval",
+    "sql-llama-sft-dpo/sft",
+    "sql-llama-sft-dpo/dpo",
+    "sql-llama-sft-dpo/eval",
 }
 
 

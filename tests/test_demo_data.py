@@ -16,6 +16,7 @@ from demo.data import SCHEMA, build_demo_data
 
 SPLITS = ("train", "dev", "easy", "medium", "hard")
 CHATS = ("chat-train", "chat-dev")  # train and dev as conversations (data.format: messages)
+PAIRS = ("pairs-train", "pairs-dev")  # train and dev as preference pairs (data.format: preference)
 FIELDS = ["id", "question", "schema", "sql", "difficulty"]
 
 
@@ -100,8 +101,8 @@ def test_the_schema_string_describes_the_db(shipped):
 
 def test_regenerating_gives_the_shipped_files(shipped, tmp_path):
     paths = build_demo_data(tmp_path / "demo")
-    assert set(paths) == {"db", *SPLITS, *CHATS}
-    for split in SPLITS + CHATS:
+    assert set(paths) == {"db", *SPLITS, *CHATS, *PAIRS}
+    for split in SPLITS + CHATS + PAIRS:
         assert paths[split].read_bytes() == (shipped / "sql" / f"{split}.jsonl").read_bytes(), split
     # The db's header records the SQLite library version, so against the shipped file compare contents;
     # two builds with the same library must still be the same bytes.
@@ -109,6 +110,23 @@ def test_regenerating_gives_the_shipped_files(shipped, tmp_path):
     again = build_demo_data(tmp_path / "again")
     assert again["db"].read_bytes() == paths["db"].read_bytes()
     assert not [p.name for p in (tmp_path / "demo").rglob("*") if p.name.endswith(".tmp")]
+
+
+def test_every_rejected_query_answers_differently_from_the_gold_one(shipped, rows):
+    db = connect_ro(shipped / "shop.db")
+    try:
+        for split in ("train", "dev"):
+            pairs = read_split(shipped, f"pairs-{split}")
+            assert [p["chosen"] for p in pairs] == [r["sql"] for r in rows[split]]
+            for pair in pairs:
+                gold = db.execute(pair["chosen"]).fetchall()
+                try:
+                    wrong = db.execute(pair["rejected"]).fetchall()
+                except sqlite3.Error:
+                    continue  # a failing query is a wrong answer too
+                assert wrong != gold, pair
+    finally:
+        db.close()
 
 
 def test_the_chats_hold_the_train_and_dev_rows_as_turns_some_with_a_follow_up(shipped, rows):

@@ -90,11 +90,12 @@ def test_demo_on_the_dev_cluster(repo_root, tmp_path, slurm_cluster, tiny, capsy
     assert f"Curves: tensorboard --logdir {tmp_path / 'runs'}" in capsys.readouterr().out
     report = (tmp_path / "runs" / "report.md").read_text()
     # The base models, each scored once without adapter (base.yaml: eval.baseline): the T5, the tiny Llama
-    # (chain-first and chain-second share it), the same 4-bit for the QLoRA curriculum, the VL model. The
-    # chat experiment has none: the base has no embeddings for the ChatML markers it adds as tokens.
+    # (chain-first and chain-second share it), the same 4-bit for the QLoRA curriculum, the VL model, the
+    # tiny Llama on the SFT -> DPO demo's dev pairs. The chat experiment has none: the base has no
+    # embeddings for the ChatML markers it adds as tokens.
     bases = sorted(p.parent.name for p in (tmp_path / "runs").glob("_base-*/eval/DONE"))
-    assert len(bases) == 4, bases
-    assert report.count("| complete") == 6 + 4 and report.count("| base (no adapter)") == 4
+    assert len(bases) == 5, bases
+    assert report.count("| complete") == 7 + 5 and report.count("| base (no adapter)") == 5
     assert "T5-p" not in report  # SocratiQ baselines belong to another task than the demo's text-to-SQL
     assert (tmp_path / "runs" / "loss_curves.png").stat().st_size > 10_000
 

@@ -24,7 +24,7 @@ ALLOWED = {
 # Every import from one product floor into another, by name: anything else fails the test below.
 CROSSING = {
     ("launch", "slurm.cli"),  # the door
-    ("slurm.jobs", "train.recipe"),  # a job's entry points, run on the node
+    ("slurm.jobs", "train.stage"),  # a job's entry points, run on the node
     ("slurm.jobs", "eval.job"),
     ("slurm.jobs", "eval.export"),
     ("slurm.preflight", "train.preflight"),  # login-node preflight (torch on a cache miss only)

@@ -52,7 +52,7 @@ def preflight_json(argv: list[str], capsys) -> list[dict]:
 def test_demo_preflight_equals_what_the_finished_jobs_write(repo_root, tiny, tmp_path, monkeypatch, capsys):
     """Trainable % and max_length of every demo training job, from configs only, are what the real job
     (run_stage, one step) writes to summary.json: one counting function, one tokenization path."""
-    from train.recipe import run_stage
+    from train.stage import run_stage
 
     monkeypatch.chdir(repo_root)
     shutil.copytree(repo_root / "configs", tmp_path / "configs")  # the demo and the base it inherits

@@ -34,7 +34,7 @@ def main(argv: list[str]) -> int:
 
 
 def train(job) -> str:
-    from train.recipe import run_stage
+    from train.stage import run_stage
 
     stop = threading.Event()
     previous = {

@@ -25,6 +25,10 @@ from train.gpu_use import GpuSampler, summarize
 
 log = logging.getLogger("train.callbacks")
 
+# What TRL's DPOTrainer logs besides the loss (rewards/chosen, rejected, accuracies, margins; logps/chosen,
+# rejected): a preference stage's curves, kept in metrics.jsonl beside the loss.
+PREFERENCE_METRICS = ("rewards/", "logps/")
+
 
 class RunDirectoryLog(TrainerCallback):
     """`metrics.jsonl` (one row per log step, eval rows too) and `progress.json` (what --status shows).
@@ -58,6 +62,7 @@ class RunDirectoryLog(TrainerCallback):
         if "loss" in logs:
             elapsed = max(now - self.last_time, 1e-9)
             row |= {k: logs[k] for k in ("loss", "learning_rate", "grad_norm") if k in logs}
+            row |= {k: v for k, v in logs.items() if k.startswith(PREFERENCE_METRICS)}  # a DPO stage's
             row["tokens_per_s"] = round((state.num_input_tokens_seen - self.last_tokens) / elapsed, 1)
             steps = state.global_step - self.last_step
             row["samples_per_s"] = round(

@@ -22,10 +22,12 @@ from pathlib import Path
 
 import datasets
 
+from core import preferences
 from core.config import DataSpec
 from core.conversations import conversation, prompt_of, target_of, templated
 from core.examples import check_file, check_rows, numbered_csv, numbered_jsonl
 from core.hashing import CACHE_KEY_CHARS, content_hash
+from core.names import PREFERENCE
 from train import chat
 
 log = logging.getLogger("train.data")
@@ -68,6 +70,8 @@ def prompts_and_targets(
     written. An image-text example's image is in its first user turn. `limit`: the first N examples
     (conversations)."""
     rows = read_rows(source, spec)[:limit]
+    if spec.format == PREFERENCE:  # a pair is scored as its prompt with the chosen answer the reference
+        return preference_prompts(tokenizer, rows, spec)
     if not templated(spec, kind) and kind != "image-text":
         return [prompt_of(r, spec) for r in rows], [target_of(r, spec) for r in rows]
     conversations = [turns_of(row, spec, kind) for row in rows]
@@ -84,6 +88,20 @@ def scored_turns(whole: list[dict], turns: str) -> list[list[dict]]:
     if turns == "last":
         return [whole]
     return [whole[: i + 1] for i, turn in enumerate(whole) if turn["role"] == "assistant"]
+
+
+def preference_prompts(tokenizer, rows: list[dict], spec: DataSpec) -> tuple[list[str], list[str]]:
+    """Pairs' prompts (a string prompt as written, as `fields`; turns, or any prompt when data.chat_template
+    is set, rendered with the generation prompt) and their chosen answers."""
+    prompts, references = [], []
+    for row in rows:
+        turns, chosen, _ = preferences.pair(row)
+        plain = isinstance(row["prompt"], str) and spec.chat_template is None
+        prompts.append(
+            turns[0]["content"] if plain else chat.rendered(tokenizer, turns, generation_prompt=True)
+        )
+        references.append(chosen)
+    return prompts, references
 
 
 def turns_of(row: dict, spec: DataSpec, kind: str) -> list[dict]:

@@ -24,7 +24,7 @@ from core.config import TrainJob
 from core.preflight import JobPreflight
 from core.split import MemoryFigures, Split, StepLine, resolve
 from train import data as data_lib
-from train import memory, vl
+from train import memory, pairs, vl
 from train.chat import ChatTemplateError
 from train.hub_cache import first_line
 from train.loss import fusable, liger_installed
@@ -119,6 +119,10 @@ def token_lengths(job: TrainJob, tokenizer, config) -> dict:
 def lengths_of(job: TrainJob, source: str, tokenizer, config):
     """(dataset, dataset as trained, LengthReport) of one data file, as the job's load_split reads it."""
     kind = job.model.kind
+    if job.train.method == "dpo":  # the job's own pairs: prompt + the longer answer, fitted by its rule
+        dataset = pairs.encoded_pairs(source, job.data, tokenizer)
+        lengths = pairs.lengths_of(dataset, job.data, max_positions(config))
+        return dataset, pairs.fitted(dataset, lengths.max_length)[0], lengths
     if kind == "image-text":  # the job's own count: prompt + image tokens + answer; over-long ones dropped
         dataset = vl.examples(source, job.data, tokenizer)
         lengths = vl.choose_length(dataset, job.data, max_positions(config))

@@ -142,15 +142,30 @@ log = logging.getLogger("train.recipe")
 
 
 def run_stage(
-    job: TrainJob, stop: threading.Event | None = None
+    job: TrainJob, stop: threading.Event | None = None, recipe_class: type[StageRecipe] | None = None
 ) -> Literal["completed", "pruned", "interrupted"]:
-    recipe = StageRecipe(job, stop or threading.Event())
+    """The stage's life cycle with `recipe_class` (a preference stage's, train/preference.py, comes through
+    train/stage.py, the jobs' entry point; this SFT recipe refuses to train one as SFT)."""
+    if recipe_class is None and job.train.method != "sft":
+        raise ValueError(
+            f"train.method {job.train.method} runs through train.stage.run_stage, not the SFT recipe"
+        )
+    recipe = (recipe_class or StageRecipe)(job, stop or threading.Event())
     recipe.setup()
     outcome = recipe.train()
     if outcome != "interrupted":  # a pruned run ends as a completed one does, with its best model
         recipe.save()
     distributed.leave()  # not after an error: the other ranks are not coming
     return outcome
+
+
+def one_gpu_per_process(args: TrainingArguments) -> TrainingArguments:
+    """One process never splits its batch over GPUs: with several visible, the Trainer would wrap the model
+    in nn.DataParallel and multiply the batch by their count (issue 11). It uses its own GPU; the placement
+    warned how to use them all."""
+    if args.n_gpu > 1:
+        args._n_gpu = 1
+    return args
 
 
 class Collator:
@@ -414,11 +429,15 @@ class StageRecipe:
         return self.eval_set is not None and self.job.train.eval_every_epochs is not None
 
     def training_arguments(self) -> TrainingArguments:
+        args_class = Seq2SeqTrainingArguments if self.job.model.kind == "seq2seq" else TrainingArguments
+        return one_gpu_per_process(args_class(**self.argument_values()))
+
+    def argument_values(self) -> dict:
+        """The Trainer's arguments from the job (a preference stage adds its objective's to them)."""
         train, data, placement = self.job.train, self.job.data, self.placement
         evaluating = self.evaluating()
         eval_steps = max(1, round(self.steps_per_epoch() * (train.eval_every_epochs or 1)))
-        args_class = Seq2SeqTrainingArguments if self.job.model.kind == "seq2seq" else TrainingArguments
-        args = args_class(
+        return dict(
             output_dir=str(RunDir(self.run_dir).checkpoints),
             num_train_epochs=train.epochs,
             max_steps=train.max_steps or -1,  # when set, overrides epochs
@@ -461,12 +480,6 @@ class StageRecipe:
             ddp_find_unused_parameters=False,  # LoRA: the frozen base has no gradients, nothing is unused
             disable_tqdm=True,
         )
-        # One process never splits its batch over GPUs: with several visible, the Trainer would wrap the
-        # model in nn.DataParallel and multiply the batch by their count (issue 11). It uses its own GPU;
-        # the placement warned how to use them all.
-        if args.n_gpu > 1:
-            args._n_gpu = 1
-        return args
 
     def build_trainer(self) -> Trainer:
         args = self.training_arguments()
@@ -494,6 +507,9 @@ class StageRecipe:
         callbacks += tracking_callbacks(self.job, step_of(self.resume_from) if self.resume_from else None)
         self.timer = StageTimer()  # last: a save's time includes committing the checkpoint
         callbacks.append(self.timer)
+        return self.make_trainer(args, callbacks)
+
+    def make_trainer(self, args: TrainingArguments, callbacks: list[TrainerCallback]) -> Trainer:
         trainer_class = Seq2SeqStageTrainer if self.job.model.kind == "seq2seq" else CausalTrainer
         if self.job.model.kind == "image-text":
             collator = vl.Collator(self.tokenizer, self.placement.pad_to_multiple_of)
@@ -559,7 +575,7 @@ class StageRecipe:
         adapter_dir = RunDir(self.run_dir).adapter
         tmp = self.run_dir / f".adapter.{os.getpid()}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
-        self.trainer.model.save_pretrained(tmp)
+        self.save_model(tmp)
         vl.text_tokenizer(self.tokenizer).padding_side = self.saved_padding_side
         self.tokenizer.save_pretrained(
             tmp
@@ -567,6 +583,9 @@ class StageRecipe:
         if adapter_dir.exists():
             shutil.rmtree(adapter_dir)
         os.replace(tmp, adapter_dir)
+
+    def save_model(self, folder: Path) -> None:
+        self.trainer.model.save_pretrained(folder)
 
     def batch_order(self) -> list[int]:
         """The first epoch's example order, as the train sampler gives it."""
@@ -617,8 +636,13 @@ class StageRecipe:
             "resumed_from": str(self.resume_from) if self.resume_from else None,
             "num_input_tokens_seen": state.num_input_tokens_seen,
             "split": self.split.as_json(),  # the micro-batch, accumulation and checkpointing that ran, and why
+            **self.method_summary(),
         }
         write_json_atomic(RunDir(self.run_dir).summary, summary, indent=1, root=RunDir(self.run_dir).run_root)
+
+    def method_summary(self) -> dict:
+        """What summary.json adds for the stage's training method (a preference stage's reference and pairs)."""
+        return {}
 
     def write_speed(self) -> None:
         """This stage's row in the speed book (core/speeds.py), from which the launcher estimates the next
@@ -648,6 +672,7 @@ class StageRecipe:
             time=round(time.time(), 3),
             calibration=self.job.calibration,
             gradient_checkpointing=self.split.gradient_checkpointing,
+            objective=self.job.train.method,
         )
         speeds.append(book, record)
 
