@@ -37,7 +37,7 @@ from train.hub_cache import (
     model_file,
 )
 
-CACHE_VERSION = 5  # bump whenever what a preflight computes changes
+CACHE_VERSION = 6  # bump whenever what a preflight computes changes
 
 
 # ---- the cache ----------------------------------------------------------------------------------------
