@@ -125,13 +125,7 @@ def warn_marker_text(tokenizer, conversations: list[list[dict]]) -> int:
     """Conversations whose content holds a special token's text (`<|im_end|>injected<|im_start|>system`):
     the tokenizer reads it as that control token, in labels and prompts alike, as TRL and axolotl do. They
     are trained as written, counted and named in a warning; returns the count."""
-    markers = [m for m in chat.text_tokenizer(tokenizer).all_special_tokens if len(m) > 1]
-    found = {
-        m for turns in conversations for turn in turns for m in markers if m in content_text(turn["content"])
-    }
-    holding = sum(
-        1 for turns in conversations if any(m in content_text(t["content"]) for t in turns for m in found)
-    )
+    holding, found = marker_text(tokenizer, conversations)
     if holding:
         log.warning(
             "%d of %d conversations hold special-token text in their content (%s): it is encoded as those "
@@ -141,6 +135,26 @@ def warn_marker_text(tokenizer, conversations: list[list[dict]]) -> int:
             ", ".join(sorted(found)),
         )
     return holding
+
+
+def marker_text(tokenizer, conversations: list[list[dict]]) -> tuple[int, set[str]]:
+    """(how many conversations hold a special token's text in their content, the tokens found)."""
+    markers = [m for m in chat.text_tokenizer(tokenizer).all_special_tokens if len(m) > 1]
+    found = {
+        m for turns in conversations for turn in turns for m in markers if m in content_text(turn["content"])
+    }
+    holding = sum(
+        1 for turns in conversations if any(m in content_text(t["content"]) for t in turns for m in found)
+    )
+    return holding, found
+
+
+def marker_text_in(source: str, spec: DataSpec, tokenizer, kind: str) -> int | None:
+    """marker_text's count for a data file, quietly (preflight shows it; `tokenized` warned in its log);
+    None when its examples are not rendered with a chat template."""
+    if not templated(spec, kind):
+        return None
+    return marker_text(tokenizer, [conversation(row, spec) for row in read_rows(source, spec)])[0]
 
 
 def content_text(content) -> str:
