@@ -22,7 +22,7 @@ from pathlib import Path
 
 import datasets
 
-from core import preferences
+from core import below, preferences
 from core.config import DataSpec
 from core.conversations import conversation, prompt_of, target_of, templated
 from core.examples import check_file, check_rows, numbered_csv, numbered_jsonl
@@ -251,8 +251,17 @@ def tokenized(source: str, spec: DataSpec, tokenizer, kind: str) -> datasets.Dat
 
 
 def save_atomic(dataset: datasets.Dataset, folder: Path) -> None:
+    """`folder` written whole: saved beside it, then renamed. datasets writes the files itself, so the
+    path is checked for a link below the cache root (`tokenized/` -> elsewhere, planted after the job
+    started) immediately before the save and the rename (core/below.py check)."""
     tmp = folder.with_name(f"{folder.name}.{os.getpid()}.tmp")
+    below.check(cache_root(), tmp)
     dataset.save_to_disk(str(tmp))
+    try:
+        below.check(cache_root(), folder)
+    except below.LinkBelowRoot:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     try:
         os.replace(tmp, folder)
     except OSError:  # another job cached the same data meanwhile: theirs is as good
