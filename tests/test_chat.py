@@ -670,6 +670,9 @@ def test_a_template_that_loops_on_one_conversation_only_fails_the_job_in_time_no
     spinning = [{"role": "user", "content": "spin"}, THREE_TURNS[2]]
     source = write_chats(tmp_path / "c.jsonl", [THREE_TURNS, spinning])
     spec = DataSpec(train=source, format="messages", chat_template=looping)  # validation passes it
-    with pytest.raises(chat.ChatTemplateError, match=r"ran past 0.3 s rendering one conversation .*'spin'"):
+    with pytest.raises(
+        chat.ChatTemplateError,
+        match=r"ran past 0.3 s rendering one conversation .*'spin'.*\(template line 2\)",
+    ):
         data_lib.tokenized(source, spec, tokenizer, "causal")
     assert chat.encode(tokenizer, THREE_TURNS).labels  # the others render, and the timer is gone after

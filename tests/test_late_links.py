@@ -117,7 +117,14 @@ def test_link_planted_at_a_unit_log_folder_after_the_pack_started_gets_no_order_
 
     target = victim(tmp_path)
     unit = Unit(
-        "exp/st", "train", {}, "h", str(tmp_path / "runs/exp/st"), str(tmp_path / "logs/exp/st"), 1.0, ()
+        id="exp/st",
+        kind="train",
+        spec={},
+        config_hash="h",
+        run_dir=str(tmp_path / "runs/exp/st"),
+        log_folder=str(tmp_path / "logs/exp/st"),
+        seconds=1.0,
+        depends_on=(),
     )
     lanes = Lanes([unit], ["0"], "77", str(tmp_path), str(tmp_path))
     (tmp_path / "logs").mkdir()

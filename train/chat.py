@@ -102,7 +102,7 @@ def rendered(tokenizer, turns: list[dict], generation_prompt: bool = False) -> s
         raise ChatTemplateError(f"the chat template cannot render this conversation: {exc}") from None
 
 
-class RenderTimeout(BaseException):  # not an Exception: neither jinja2 nor transformers may swallow it
+class RenderTimeout(Exception):  # an Exception, so jinja2 maps its traceback onto the template's lines
     pass
 
 
