@@ -652,6 +652,8 @@ def test_marker_text_inside_content_is_counted_on_the_preflight_screen_and_in_js
     assert result.as_json()["marker_text_conversations"] == 2
     [note] = marker_text_notes([result, JobPreflight("t/clean", 1.0, 1, 100, {}, 100.0)])
     assert "t/s: 2 training conversation(s) hold special-token text" in note
+    pairs = DataSpec(train=source, format="preference", chat_template="chatml")  # read by train/pairs.py
+    assert data_lib.marker_text_in(source, pairs, tokenizer, "causal") is None  # not read as conversations
 
 
 def test_a_template_that_loops_on_one_conversation_only_fails_the_job_in_time_not_hangs_it(

@@ -151,8 +151,9 @@ def marker_text(tokenizer, conversations: list[list[dict]]) -> tuple[int, set[st
 
 def marker_text_in(source: str, spec: DataSpec, tokenizer, kind: str) -> int | None:
     """marker_text's count for a data file, quietly (preflight shows it; `tokenized` warned in its log);
-    None when its examples are not rendered with a chat template."""
-    if not templated(spec, kind):
+    None when its examples are not conversations rendered with a chat template (preference pairs are read
+    by train/pairs.py, not here)."""
+    if not templated(spec, kind) or spec.format == PREFERENCE:
         return None
     return marker_text(tokenizer, [conversation(row, spec) for row in read_rows(source, spec)])[0]
 
