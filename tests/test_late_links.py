@@ -218,3 +218,18 @@ def test_link_planted_at_the_speed_book_after_start_gets_no_row(tmp_path, capsys
     row = speeds.EvalSpeedRecord("m", "cpu", 1, 1, 1, 1, 1.0, 0.1, 0.0, 1.0)
     speeds.append(tmp_path / "runs" / "speeds.jsonl", row)
     assert "symbolic link" in capsys.readouterr().err and target.read_text() == "precious\n"
+
+
+def test_link_planted_at_the_code_snapshots_folder_gets_no_copy_and_no_job_starts_from_it(tmp_path):
+    # The launch copies the code its jobs run into LOG_DIR/.code/<hash>; `.code` -> elsewhere since the
+    # launch's check would have received the copy, or handed jobs code that is not this launch's.
+    from core.layout import CODE_SNAPSHOTS
+    from slurm.snapshot import take_snapshot
+
+    target = victim(tmp_path)
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / CODE_SNAPSHOTS).symlink_to(target)
+    before = fingerprint(target)
+    with pytest.raises(LinkBelowRoot, match=CODE_SNAPSHOTS):
+        take_snapshot(tmp_path / "logs")
+    assert fingerprint(target) == before
