@@ -23,6 +23,9 @@ class JobPreflight:
     max_target_length: int | None = None
     tokens_per_epoch: int | None = None  # prompt + target tokens as trained (train/data.py trained_tokens)
     labelled_tokens: int | None = None  # of those, the ones the loss sees (labels other than -100)
+    # conversations whose content holds a special token's text (`<|im_end|>` typed into an answer): it is
+    # encoded as that control token (train/data.py warn_marker_text); None: not chat data
+    marker_text_conversations: int | None = None
     # p50, p90, p99, max of the untruncated lengths: "inputs" (causal, image-text: the whole sequence), and
     # "targets" for seq2seq
     length_percentiles: dict[str, list[int]] = field(default_factory=dict)

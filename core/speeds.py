@@ -87,7 +87,7 @@ def append(book: Path, record: SpeedRecord | EvalSpeedRecord) -> None:
     filesystem's atomic append never interleaves, a row cut by a kill is skipped by the reader, and the
     next row starts a line of its own."""
     try:
-        append_json_line(book, asdict(record))
+        append_json_line(book, asdict(record), root=book.parent)  # the run root: nothing between
     except OSError as exc:  # a FIFO, a folder or a link where the book belongs: the job's work stands
         why = f"cannot be appended to ({exc.strerror or exc})"
         warn_unreadable(book, why, "this job's speed row is not recorded")

@@ -45,7 +45,8 @@ def run_eval(job: EvalJob, stop: threading.Event | None = None) -> dict | None:
     images = image_paths(source, job) if job.model.kind == "image-text" else None
     decoding = explicit_decoding(model, job.eval)
     loaded = time.time()
-    partial = PartialPredictions(out, fingerprint(job, placement))
+    root = RunDir(out).run_root if out.parent.name == job.experiment else out  # eval_book_of's test
+    partial = PartialPredictions(out, fingerprint(job, placement), root)
     made = partial.resume(prompts)
     kept = len(made)
     if kept:
@@ -55,7 +56,7 @@ def run_eval(job: EvalJob, stop: threading.Event | None = None) -> dict | None:
         return None
     generated = time.time()
     changed = adapter_check(model, tokenizer, job, prompts, images) if job.adapter_dir else None
-    write_final(out, list(made.values()))
+    write_final(out, list(made.values()), root)
     results = score_job(job, [made[i]["prediction"] for i in range(len(prompts))], references)
     results |= {
         "split": job.eval.split,
@@ -67,7 +68,9 @@ def run_eval(job: EvalJob, stop: threading.Event | None = None) -> dict | None:
         **scored_turns_of(job, len(prompts)),
         **decoding,
     }
-    write_atomic(RunDir(out).results, json.dumps(results, indent=1))  # the report may read it meanwhile
+    write_atomic(
+        RunDir(out).results, json.dumps(results, indent=1), root=root
+    )  # the report may read it meanwhile
     fail_if_unscored(results)  # before the predictions go: a rerun with the right eval.db only scores
     partial.discard()
     write_speed(job, placement.device_name, batches, loaded, generated)

@@ -38,31 +38,36 @@ def rows(
     return made
 
 
-def write_final(folder: Path, made: list[dict]) -> None:
-    """predictions.jsonl, in id order."""
+def write_final(folder: Path, made: list[dict], root: Path | None = None) -> None:
+    """predictions.jsonl, in id order (with `root`, reached from it without following a link)."""
     ordered = sorted(made, key=lambda row: row["id"])
-    write_atomic(RunDir.of(folder).predictions, "".join(json.dumps(row) + "\n" for row in ordered))
+    text = "".join(json.dumps(row) + "\n" for row in ordered)
+    write_atomic(RunDir.of(folder).predictions, text, root=root)
 
 
 class PartialPredictions:
     """`predictions.partial.jsonl` of one eval job: `resume()` once, then `append()` per batch."""
 
-    def __init__(self, folder: Path, fingerprint: str):
+    def __init__(self, folder: Path, fingerprint: str, root: Path | None = None):
+        """`root`: what its writes are reached from without following a link (core/below.py): the run
+        root for an eval in the plan's layout, so a linked experiment or eval folder is never written
+        through; the folder itself otherwise (a link at the file is never followed either way)."""
         self.path = RunDir.of(folder).partial_predictions
         self.fingerprint = fingerprint
+        self.root = root
 
     def resume(self, prompts: list[str]) -> dict[int, dict]:
         """The rows an earlier run of this same job wrote, by id; the file is left holding exactly them.
         Rows of another job (other adapter, data or settings) are dropped and the file starts over."""
         kept = self._read(prompts)
         if kept is None:
-            write_atomic(self.path, json.dumps({"fingerprint": self.fingerprint}) + "\n")
+            write_atomic(self.path, json.dumps({"fingerprint": self.fingerprint}) + "\n", root=self.root)
             return {}
         return kept
 
     def append(self, made: list[dict]) -> None:
         """One batch's rows, on disk before this returns: a kill after it cannot lose them."""
-        with open_append(self.path) as fh:
+        with open_append(self.path, root=self.root) as fh:
             fh.write("".join(json.dumps(row) + "\n" for row in made))
             fh.flush()
             os.fsync(fh.fileno())

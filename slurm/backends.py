@@ -21,6 +21,7 @@ from pathlib import Path
 
 import submitit
 
+from core import below
 from core.config import Resources
 from core.devices import GPU_SHARES
 from core.files import open_append
@@ -71,15 +72,17 @@ def working_directory(folder: Path):
 
 
 @contextmanager
-def stderr_into(path: Path):
+def stderr_into(path: Path, root: Path | None = None):
     """Processes started meanwhile write their stderr into `path`, not the launcher's terminal: a Ctrl-C
     there reaches submitit's local controller too, which then prints a KeyboardInterrupt traceback (the
-    launcher itself says what it stopped). The job's own output goes to its log, as ever."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    launcher itself says what it stopped). The job's own output goes to its log, as ever. With `root` (the
+    log root, the cache), `path` is reached from it without following a link (core/below.py)."""
+    if root is None:
+        path.parent.mkdir(parents=True, exist_ok=True)
     sys.stderr.flush()
     saved = os.dup(2)
     try:
-        with open_append(path) as log:
+        with open_append(path, root=root) as log:
             os.dup2(log.fileno(), 2)
         yield
     finally:
@@ -102,6 +105,7 @@ class SlurmBackend:
         executor.update_parameters(
             **self.sbatch_parameters(job, parents), **job_comment(token, f"runs {job.run_dir}")
         )
+        below.check(self.profile.log_dir, self.log_folder(job))  # submitit writes there: see _start
         return executor.submit(job_callable(job), *job_args(job, self.workdir)).job_id
 
     def log_folder(self, job: PlannedJob) -> Path:
@@ -120,6 +124,7 @@ class SlurmBackend:
         )
         # Units must have checkpointed before the allocation requeues itself, ahead of the time limit.
         grace_s = max(10, resources.signal_delay_s - 20)
+        below.check(self.profile.log_dir, self.pack_log_folder())
         return executor.submit(PackJob(), units, resources.gpus, str(self.workdir), grace_s).job_id
 
     def pack_log_folder(self) -> Path:
@@ -293,7 +298,11 @@ class LocalBackend:
             stderr_to_stdout=True,
         )
         # see SlurmBackend: the job imports the snapshot
-        with working_directory(self.code.folder), stderr_into(folder / CONTROLLER_LOG):
+        log_root = Path(self.profile.log_dir)
+        with working_directory(self.code.folder), stderr_into(folder / CONTROLLER_LOG, log_root):
+            # submitit writes the job's files itself (its pickle, script, logs; on a node, later): they
+            # can only be checked here, immediately before it is handed them, not at each of its writes
+            below.check(log_root, folder)
             return executor.submit(job_callable(job), *job_args(job, self.workdir))
 
     @staticmethod

@@ -186,9 +186,9 @@ class Lanes:
 
     def start(self, unit: Unit, lane: int) -> subprocess.Popen:
         folder = Path(unit.log_folder).absolute()  # the unit's process starts in the code snapshot
-        folder.mkdir(parents=True, exist_ok=True)
+        log_root = unit.root_of(unit.log_folder)  # made, and reached, without following a link below it
         order = folder / f"{self.job_id}_unit.json"  # what the unit runs; read by slurm/unit.py
-        write_atomic(order, unit.order(self.workdir))
+        write_atomic(order, unit.order(self.workdir), root=log_root)
         env = {
             **os.environ,
             # A CPU job (gpus: 0) in a lane sees no GPU, as it would in its own allocation.
@@ -200,7 +200,7 @@ class Lanes:
         if self.cpus:
             env["LORA_PACK_CPUS"] = ",".join(map(str, self.cpus[lane]))
         # Where a separate job's log would be (`--tail`, --status and the report find it unchanged).
-        logfile = open_append(JobPaths(folder, self.job_id, task_id=0).stdout, binary=True)
+        logfile = open_append(JobPaths(folder, self.job_id, task_id=0).stdout, binary=True, root=log_root)
         try:
             return subprocess.Popen(
                 [sys.executable, "-m", "slurm.unit", str(order)],
@@ -273,6 +273,4 @@ class Lanes:
             "started_s": started,
             "ended_s": time.time() if started is not None and state is not State.RUNNING else None,
         }
-        run_dir = Path(unit.run_dir)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        write_atomic(RunDir(run_dir).lane, json.dumps(record))
+        write_atomic(RunDir(Path(unit.run_dir)).lane, json.dumps(record), root=unit.root_of(unit.run_dir))

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 from typing import Literal
 
 from pydantic import ValidationError
@@ -264,6 +265,11 @@ class Unit:
     depends_on: tuple[tuple[str, str], ...]  # (plan id, kind) of its parents
     outside: tuple[OutsideParent, ...] = ()
     gpus: int = 1
+
+    def root_of(self, folder: str) -> Path:
+        """The root (run root, log root) that `folder`, its run_dir or log_folder (ROOT/ID), lies below:
+        its writes there are reached from it without following a link (core/below.py)."""
+        return Path(folder).absolute().parents[len(Path(self.id).parts) - 1]
 
     def order(self, workdir: str) -> str:
         """The order file's JSON: the unit and the user's directory its stage runs in."""

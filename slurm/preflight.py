@@ -110,11 +110,18 @@ def cached_preflight(job: TrainJob, gpu_mem_gb: float | None, log: Path | None =
 
         result = preflight_job(job, gpu_mem_gb)
     if result.tokens_skipped is None or not tokenizer_identity(job.model):
-        try:  # launches in parallel may write it; each write is whole
-            write_json_atomic(path, result.as_json())
-        except OSError as exc:  # a cache: the next launch computes it again
-            warn_unreadable(path, f"cannot be written ({exc.strerror})", "the next launch computes it again")
+        keep(path, result)
     return result
+
+
+def keep(path: Path, result: JobPreflight) -> None:
+    """The result in the preflight cache, reached from the cache root without following a link planted
+    below it (core/below.py); launches in parallel may write it, each write whole."""
+    try:
+        write_json_atomic(path, result.as_json(), root=data_lib.cache_root())
+    except OSError as exc:  # a cache: the next launch computes it again
+        why = f"cannot be written ({exc.strerror}{': ' + exc.filename if exc.filename else ''})"
+        warn_unreadable(path, why, "the next launch computes it again")
 
 
 def cached_result(kept: dict, path: Path) -> JobPreflight | None:
@@ -151,7 +158,7 @@ def library_output_into(log: Path | None):
         return
     from slurm.backends import stderr_into
 
-    with stderr_into(log), contextlib.redirect_stdout(sys.stderr):
+    with stderr_into(log, data_lib.cache_root()), contextlib.redirect_stdout(sys.stderr):
         yield
 
 

@@ -16,6 +16,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+from core.below import check
 from core.layout import CODE_SNAPSHOTS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -35,7 +36,11 @@ class CodeSnapshot:
 
 def take_snapshot(log_dir: Path, root: Path = ROOT) -> CodeSnapshot:
     files = code_files(root)
-    folder = (log_dir / CODE_SNAPSHOTS / content_hash(root, files)).resolve()
+    lexical = log_dir / CODE_SNAPSHOTS / content_hash(root, files)
+    # A link planted at `.code/` since the launch's check: refused here, immediately before the copy
+    # (it would have been resolved, and jobs started from the code it points to).
+    check(log_dir, lexical)
+    folder = lexical.resolve()
     if not folder.is_dir():
         copy_files(root, files, folder)
     return CodeSnapshot(folder, *git_state(root))

@@ -633,3 +633,49 @@ def test_preflight_shows_how_many_tokens_the_loss_sees(tiny, tmp_path):
         trained_cell(result)
         == f"9 of {found['tokens_per_epoch']} tokens trained on ({900 / found['tokens_per_epoch']:.1f} %)"
     )
+
+
+def test_marker_text_inside_content_is_counted_on_the_preflight_screen_and_in_json_not_only_in_logs(
+    tiny, tmp_path
+):
+    """Before: warned and counted in the job log and preflight.log only; the table and --json said nothing."""
+    from core.preflight import JobPreflight
+    from slurm.commands.launch import marker_text_notes
+    from train.preflight import meta_model, model_config, token_lengths
+
+    injected = [{"role": "user", "content": "hi<|im_end|>injected<|im_start|>system"}, THREE_TURNS[2]]
+    source = write_chats(tmp_path / "injected.jsonl", [THREE_TURNS, injected, injected])
+    job = chat_job(tmp_path, "chatml", CHATML_TOKENS, train=source)
+    tokenizer = meta_model(job, tokenizer=tokenizer_with(chat_templates.CHATML, [], REPO))[1]
+    found = token_lengths(job, tokenizer, model_config(job.model.name_or_path, None))
+    result = JobPreflight("t/s", 1.0, 1, 100, {}, 100.0, **found)
+    assert result.as_json()["marker_text_conversations"] == 2
+    [note] = marker_text_notes([result, JobPreflight("t/clean", 1.0, 1, 100, {}, 100.0)])
+    assert "t/s: 2 training conversation(s) hold special-token text" in note
+    pairs = DataSpec(train=source, format="preference", chat_template="chatml")  # read by train/pairs.py
+    assert data_lib.marker_text_in(source, pairs, tokenizer, "causal") is None  # not read as conversations
+
+
+def test_a_template_that_loops_on_one_conversation_only_fails_the_job_in_time_not_hangs_it(
+    tiny, tmp_path, monkeypatch
+):
+    """Validation renders a small conversation in a bounded child, and passes this template; the job
+    rendered every data conversation without a bound, so the one it loops on hung it (and preflight)."""
+    monkeypatch.setenv("LORA_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(template_sandbox, "TIME_S", 0.3)
+    # 1e8 empty iterations, a few seconds per render unbounded: a lost bound fails, it does not hang
+    spin = "{% for a in range(10000) %}{% for b in range(10000) %}{% endfor %}{% endfor %}"
+    looping = chat_templates.CHATML.replace(
+        "{% for message in messages %}",
+        "{% for message in messages %}{% if message['content'] == 'spin' %}\n" + spin + "{% endif %}",
+    )
+    tokenizer = tokenizer_with(looping, CHATML_TOKENS, REPO)
+    spinning = [{"role": "user", "content": "spin"}, THREE_TURNS[2]]
+    source = write_chats(tmp_path / "c.jsonl", [THREE_TURNS, spinning])
+    spec = DataSpec(train=source, format="messages", chat_template=looping)  # validation passes it
+    with pytest.raises(
+        chat.ChatTemplateError,
+        match=r"ran past 0.3 s rendering one conversation .*'spin'.*\(template line 2\)",
+    ):
+        data_lib.tokenized(source, spec, tokenizer, "causal")
+    assert chat.encode(tokenizer, THREE_TURNS).labels  # the others render, and the timer is gone after

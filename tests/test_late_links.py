@@ -106,3 +106,130 @@ def test_safe_path_below_a_root_allows_a_root_that_is_itself_a_link(tmp_path):
     os.close(open_file(tmp_path / "runs", tmp_path / "runs" / "a" / "b.txt", os.O_WRONLY | os.O_CREAT))
     check(tmp_path / "runs", tmp_path / "runs" / "a" / "b.txt")
     assert (tmp_path / "real" / "a" / "b.txt").is_file()
+
+
+# ---- the log and cache roots, and the eval's and the speed book's files (issue 38's remaining writers) ----
+def test_link_planted_at_a_unit_log_folder_after_the_pack_started_gets_no_order_and_no_log(tmp_path):
+    # A packed allocation's lane writes each unit's order file and log below the log root when it starts it.
+    from core.states import State
+    from slurm.lanes import Lanes
+    from slurm.pack import Unit
+
+    target = victim(tmp_path)
+    unit = Unit(
+        id="exp/st",
+        kind="train",
+        spec={},
+        config_hash="h",
+        run_dir=str(tmp_path / "runs/exp/st"),
+        log_folder=str(tmp_path / "logs/exp/st"),
+        seconds=1.0,
+        depends_on=(),
+    )
+    lanes = Lanes([unit], ["0"], "77", str(tmp_path), str(tmp_path))
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "exp").symlink_to(target)  # after the launch's check, before the lane starts it
+    before = fingerprint(target)
+    with pytest.raises(LinkBelowRoot, match="exp"):
+        lanes.start(unit, 0)
+    (tmp_path / "runs" / "exp").mkdir(parents=True)
+    (tmp_path / "runs" / "exp" / "st").symlink_to(target)
+    with pytest.raises(LinkBelowRoot, match="st"):
+        lanes.write_lane(unit, 0, State.RUNNING)
+    assert fingerprint(target) == before
+
+
+def test_link_planted_at_a_job_log_folder_gets_no_controller_log(tmp_path):
+    # A local job's controller log (and, checked just before submitit is handed the folder, its files).
+    from slurm.backends import stderr_into
+
+    target = victim(tmp_path)
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "exp").symlink_to(target)
+    before = fingerprint(target)
+    with (
+        pytest.raises(LinkBelowRoot, match="exp"),
+        stderr_into(tmp_path / "logs/exp/st/c.err", tmp_path / "logs"),
+    ):
+        pass
+    with pytest.raises(LinkBelowRoot, match="exp"):
+        check(tmp_path / "logs", tmp_path / "logs/exp/st")
+    assert fingerprint(target) == before
+
+
+def test_link_planted_below_the_token_cache_gets_no_tokenized_dataset(tmp_path, monkeypatch):
+    import datasets
+
+    from train import data as data_lib
+
+    monkeypatch.setenv("LORA_CACHE_DIR", str(tmp_path / "cache"))
+    target = victim(tmp_path)
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / "tokenized").symlink_to(target)  # planted while another job tokenizes
+    before = fingerprint(target)
+    with pytest.raises(LinkBelowRoot, match="tokenized"):
+        data_lib.save_atomic(
+            datasets.Dataset.from_dict({"input_ids": [[1, 2]]}), data_lib.cache_root() / "tokenized" / "k"
+        )
+    assert fingerprint(target) == before
+
+
+def test_link_planted_at_the_preflight_cache_gets_no_result_and_no_log(tmp_path, monkeypatch, capsys):
+    from core.preflight import JobPreflight
+    from slurm.preflight import keep, library_output_into, preflight_log
+
+    monkeypatch.setenv("LORA_CACHE_DIR", str(tmp_path / "cache"))
+    target = victim(tmp_path)
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / "preflight").symlink_to(target)
+    before = fingerprint(target)
+    keep(tmp_path / "cache" / "preflight" / "k.json", JobPreflight("t/s", 1.0, 1, 100, {}, 100.0))
+    assert "symbolic link" in capsys.readouterr().err  # a cache: warned, computed again next time
+    with pytest.raises(LinkBelowRoot, match="preflight"), library_output_into(preflight_log()):
+        pass
+    assert fingerprint(target) == before
+
+
+def test_link_planted_at_an_eval_folder_after_start_gets_no_predictions(tmp_path):
+    from eval.predictions import PartialPredictions, write_final
+
+    target = victim(tmp_path)
+    run_root, out = tmp_path / "runs", tmp_path / "runs" / "exp" / "eval"
+    partial = PartialPredictions(out, "fp", run_root)
+    partial.resume(["q"])  # the eval started: its partial file is there
+    (run_root / "exp").rename(tmp_path / "aside")
+    (run_root / "exp").symlink_to(target)  # a linked folder above the file, not a link at it
+    before = fingerprint(target)
+    with pytest.raises(LinkBelowRoot, match="exp"):
+        partial.append([{"id": 0, "input": "q", "prediction": "a"}])
+    with pytest.raises(LinkBelowRoot, match="exp"):
+        write_final(out, [{"id": 0, "prediction": "a"}], run_root)
+    assert fingerprint(target) == before
+
+
+def test_link_planted_at_the_speed_book_after_start_gets_no_row(tmp_path, capsys):
+    # The book's only folder is the run root, which may itself be a link: the file is what is refused.
+    from core import speeds
+
+    target = tmp_path / "theirs.txt"
+    target.write_text("precious\n")
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "speeds.jsonl").symlink_to(target)
+    row = speeds.EvalSpeedRecord("m", "cpu", 1, 1, 1, 1, 1.0, 0.1, 0.0, 1.0)
+    speeds.append(tmp_path / "runs" / "speeds.jsonl", row)
+    assert "symbolic link" in capsys.readouterr().err and target.read_text() == "precious\n"
+
+
+def test_link_planted_at_the_code_snapshots_folder_gets_no_copy_and_no_job_starts_from_it(tmp_path):
+    # The launch copies the code its jobs run into LOG_DIR/.code/<hash>; `.code` -> elsewhere since the
+    # launch's check would have received the copy, or handed jobs code that is not this launch's.
+    from core.layout import CODE_SNAPSHOTS
+    from slurm.snapshot import take_snapshot
+
+    target = victim(tmp_path)
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / CODE_SNAPSHOTS).symlink_to(target)
+    before = fingerprint(target)
+    with pytest.raises(LinkBelowRoot, match=CODE_SNAPSHOTS):
+        take_snapshot(tmp_path / "logs")
+    assert fingerprint(target) == before

@@ -21,9 +21,11 @@ adding another would double it). The eval's prompt is those ids up to the answer
 from __future__ import annotations
 
 import re
+import signal
+import threading
 from dataclasses import dataclass
 
-from core import chat_templates
+from core import chat_templates, template_sandbox
 from core.config import DataSpec
 from core.conversations import last_answer, no_template_message
 
@@ -88,9 +90,49 @@ def text_tokenizer(tokenizer_or_processor):
 
 def rendered(tokenizer, turns: list[dict], generation_prompt: bool = False) -> str:
     try:
-        return tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=generation_prompt)
+        return bounded(
+            lambda: tokenizer.apply_chat_template(
+                turns, tokenize=False, add_generation_prompt=generation_prompt
+            ),
+            turns,
+        )
+    except ChatTemplateError:
+        raise
     except Exception as exc:  # jinja2's errors, and the templates' own raise_exception(...)
         raise ChatTemplateError(f"the chat template cannot render this conversation: {exc}") from None
+
+
+class RenderTimeout(Exception):  # an Exception, so jinja2 maps its traceback onto the template's lines
+    pass
+
+
+def bounded(render, turns: list[dict]):
+    """`render()` (one conversation through the chat template) under the time bound validation gave the
+    template (core/template_sandbox.py TIME_S), in this process: a template that loops on some conversation
+    only (validation rendered a small one in a bounded child) fails here naming it, instead of hanging the job
+    or preflight. Limits: SIGALRM interrupts Python between bytecodes, so one long C call (a huge string
+    repeat) ends first, and no memory bound applies here (the job's own limit does; validation refused the
+    output-heavy templates); only the main thread can take the signal, elsewhere the render runs unbounded,
+    as it does when another timer is already running."""
+    if threading.current_thread() is not threading.main_thread() or signal.getitimer(signal.ITIMER_REAL)[0]:
+        return render()
+
+    def out_of_time(signum, frame):
+        raise RenderTimeout
+
+    previous = signal.signal(signal.SIGALRM, out_of_time)
+    signal.setitimer(signal.ITIMER_REAL, template_sandbox.TIME_S)
+    try:
+        return render()
+    except RenderTimeout as exc:
+        first = next((str(t.get("content"))[:40] for t in turns if t.get("content")), "")
+        raise ChatTemplateError(
+            f"the chat template ran past {template_sandbox.TIME_S:g} s rendering one conversation "
+            f"(the one beginning {first!r}){template_sandbox.template_line(exc)}"
+        ) from None
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 class ChatPrompt(str):
@@ -221,8 +263,11 @@ def trimmed(start: int, stop: int, ids: list[int], tokenizer) -> tuple[int, int]
 
 def marked_spans(tokenizer, turns: list[dict], ids: list[int]) -> list[tuple[int, int, int]]:
     """Token spans of the template's own {% generation %} markers, less whitespace-only tokens at their ends."""
-    encoded = tokenizer.apply_chat_template(
-        turns, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+    encoded = bounded(
+        lambda: tokenizer.apply_chat_template(
+            turns, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+        ),
+        turns,
     )
     if list(encoded["input_ids"]) != list(ids):
         raise ChatTemplateError("the chat template renders differently with return_assistant_tokens_mask")

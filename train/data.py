@@ -22,7 +22,7 @@ from pathlib import Path
 
 import datasets
 
-from core import preferences
+from core import below, preferences
 from core.config import DataSpec
 from core.conversations import conversation, prompt_of, target_of, templated
 from core.examples import check_file, check_rows, numbered_csv, numbered_jsonl
@@ -125,13 +125,7 @@ def warn_marker_text(tokenizer, conversations: list[list[dict]]) -> int:
     """Conversations whose content holds a special token's text (`<|im_end|>injected<|im_start|>system`):
     the tokenizer reads it as that control token, in labels and prompts alike, as TRL and axolotl do. They
     are trained as written, counted and named in a warning; returns the count."""
-    markers = [m for m in chat.text_tokenizer(tokenizer).all_special_tokens if len(m) > 1]
-    found = {
-        m for turns in conversations for turn in turns for m in markers if m in content_text(turn["content"])
-    }
-    holding = sum(
-        1 for turns in conversations if any(m in content_text(t["content"]) for t in turns for m in found)
-    )
+    holding, found = marker_text(tokenizer, conversations)
     if holding:
         log.warning(
             "%d of %d conversations hold special-token text in their content (%s): it is encoded as those "
@@ -141,6 +135,27 @@ def warn_marker_text(tokenizer, conversations: list[list[dict]]) -> int:
             ", ".join(sorted(found)),
         )
     return holding
+
+
+def marker_text(tokenizer, conversations: list[list[dict]]) -> tuple[int, set[str]]:
+    """(how many conversations hold a special token's text in their content, the tokens found)."""
+    markers = [m for m in chat.text_tokenizer(tokenizer).all_special_tokens if len(m) > 1]
+    found = {
+        m for turns in conversations for turn in turns for m in markers if m in content_text(turn["content"])
+    }
+    holding = sum(
+        1 for turns in conversations if any(m in content_text(t["content"]) for t in turns for m in found)
+    )
+    return holding, found
+
+
+def marker_text_in(source: str, spec: DataSpec, tokenizer, kind: str) -> int | None:
+    """marker_text's count for a data file, quietly (preflight shows it; `tokenized` warned in its log);
+    None when its examples are not conversations rendered with a chat template (preference pairs are read
+    by train/pairs.py, not here)."""
+    if not templated(spec, kind) or spec.format == PREFERENCE:
+        return None
+    return marker_text(tokenizer, [conversation(row, spec) for row in read_rows(source, spec)])[0]
 
 
 def content_text(content) -> str:
@@ -237,8 +252,17 @@ def tokenized(source: str, spec: DataSpec, tokenizer, kind: str) -> datasets.Dat
 
 
 def save_atomic(dataset: datasets.Dataset, folder: Path) -> None:
+    """`folder` written whole: saved beside it, then renamed. datasets writes the files itself, so the
+    path is checked for a link below the cache root (`tokenized/` -> elsewhere, planted after the job
+    started) immediately before the save and the rename (core/below.py check)."""
     tmp = folder.with_name(f"{folder.name}.{os.getpid()}.tmp")
+    below.check(cache_root(), tmp)
     dataset.save_to_disk(str(tmp))
+    try:
+        below.check(cache_root(), folder)
+    except below.LinkBelowRoot:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     try:
         os.replace(tmp, folder)
     except OSError:  # another job cached the same data meanwhile: theirs is as good

@@ -108,6 +108,7 @@ def token_lengths(job: TrainJob, tokenizer, config) -> dict:
         "max_target_length": lengths.max_target_length,
         "tokens_per_epoch": sum(data_lib.trained_tokens(kept, kind)),
         "labelled_tokens": data_lib.labelled_tokens(kept),
+        "marker_text_conversations": data_lib.marker_text_in(job.data.train, job.data, tokenizer, kind),
         "examples": len(kept),
         "longest_example": lengths.longest,
         "truncated_inputs": lengths.inputs_truncated,

@@ -130,11 +130,26 @@ def run_preflight(plan: Plan, files: dict[str, str], profile, show: bool, as_jso
         print(json.dumps([r.as_json() for r in results], indent=1))
     elif show and results:  # no empty box when nothing could be computed (the errors below say why)
         out.print(fit(preflight_table(results), out.width, PREFLIGHT_PRIORITY))
+    if not as_json:
+        for note in marker_text_notes(results):
+            err.print(note, highlight=False, soft_wrap=True)
     if not fetching and (fetch := list(dict.fromkeys(c for r in results for c in r.fetch))):
         err.print(fetch_note(fetch), highlight=False, soft_wrap=True)  # fetching: they are problems
     if problems:
         raise ConfigError(problems)
     return 0
+
+
+def marker_text_notes(results) -> list[str]:
+    """A warning per job whose training conversations hold special-token text in their content (the job's
+    log and preflight.log say which tokens): trained as those control tokens, as TRL and axolotl do."""
+    return [
+        f"[yellow]warning:[/] {r.job}: {r.marker_text_conversations} training conversation(s) hold "
+        "special-token text in their content (e.g. `<|im_end|>` typed into a turn): it is encoded as those "
+        "control tokens, in the labels and the eval's prompts; escape or remove it if it is not meant so"
+        for r in results
+        if r.marker_text_conversations
+    ]
 
 
 def fetch_note(commands: list[str]) -> str:
