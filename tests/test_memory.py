@@ -235,3 +235,17 @@ def test_a_dpo_step_is_estimated_as_two_sequences_per_pair_with_the_reference_fo
         job.model_copy(update={"train": job.train.model_copy(update={"method": "sft"})}), 64, 16
     )
     assert (as_sft.train_gb - CUDA_RESERVE_GB) * GB < 0.9 * actual["train"]  # the gap this closes
+
+
+def test_preflight_judges_a_dpo_stage_at_its_pairs_lengths_instead_of_refusing_its_data(tiny, tmp_path):
+    """Before: preflight counted a pair's labels, which pairs do not have ("Column 'labels' doesn't
+    exist"): the stage's data read as refused and its memory was never judged."""
+    from tests.train_helpers import SQL, make_job
+    from train.preflight import preflight_job
+
+    data = {"train": str(SQL / "pairs-train.jsonl"), "format": "preference"}
+    job = make_job(tiny, tmp_path / "run", data=data, method="dpo", dpo={"reference": "base"})
+    result = preflight_job(job, None)
+    assert result.data_refused is None and result.labelled_tokens is None
+    assert result.step_lengths["targets"] < result.step_lengths["max_length"]  # the longer answer's
+    assert result.memory["trainable_state_gb"] > 0 and result.memory_gb > 1.0  # judged, reserve included

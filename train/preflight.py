@@ -107,7 +107,8 @@ def token_lengths(job: TrainJob, tokenizer, config) -> dict:
         "max_length": lengths.max_length,
         "max_target_length": lengths.max_target_length,
         "tokens_per_epoch": sum(data_lib.trained_tokens(kept, kind)),
-        "labelled_tokens": data_lib.labelled_tokens(kept),
+        # A pair has no labels: DPO sums log-probabilities over both answers (tokens_per_epoch: the longer)
+        "labelled_tokens": None if job.train.method == "dpo" else data_lib.labelled_tokens(kept),
         "examples": len(kept),
         "longest_example": lengths.longest,
         "truncated_inputs": lengths.inputs_truncated,
