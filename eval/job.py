@@ -58,7 +58,7 @@ def run_eval(job: EvalJob, stop: threading.Event | None = None) -> dict | None:
     changed = adapter_check(model, tokenizer, job, prompts, images) if job.adapter_dir else None
     write_final(out, list(made.values()))
     results = score_job(job, [made[i]["prediction"] for i in range(len(prompts))], references)
-    if job.data.format == PREFERENCE:  # every row alike: base, SFT and DPO adapters (eval/preference.py)
+    if job.data.format == PREFERENCE or job.preference_pairs:  # every row alike (eval/preference.py)
         from eval.preference import preference_scores
 
         results |= preference_scores(model, tokenizer, job)

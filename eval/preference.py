@@ -8,7 +8,9 @@ prompt (TRL's `logps`, no reference subtracted: a figure the base row has too). 
 - preference_accuracy: the share of pairs whose chosen answer has the higher summed log-probability;
 - preference_margin: the mean of chosen minus rejected summed log-probability (nats).
 
-No truncation: a pair is scored whole (the eval loads no max_length).
+An SFT stage's eval in a curriculum with a preference stage scores that stage's pairs too
+(EvalJob.preference_pairs, slurm/plan.py), so base, SFT and DPO rows hold the same figure. No truncation: a
+pair is scored whole (the eval loads no max_length).
 """
 
 from __future__ import annotations
@@ -40,11 +42,26 @@ def pair_scores(model, pairs) -> dict[str, float]:
     }
 
 
+def pairs_of(job):
+    """(file, DataSpec) of the pairs the eval job scores: its own data when they are pairs, else a later
+    preference stage's (EvalJob.preference_pairs), from the split eval.split names; None: no pairs."""
+    from core.names import PREFERENCE
+
+    spec = job.data if job.data.format == PREFERENCE else job.preference_pairs
+    if spec is None:
+        return None
+    source = spec.eval if job.eval.split == "eval" else spec.train
+    return (source, spec) if source else None
+
+
 def preference_scores(model, tokenizer, job) -> dict[str, float]:
-    """The eval job's pairs (its source, the first eval.limit of them) scored by `model`."""
+    """The eval job's pairs (pairs_of; the first eval.limit of them) scored by `model`; {}: none."""
     from train.pairs import encoded_pairs
 
-    pairs = encoded_pairs(job.source, job.data, tokenizer)
+    found = pairs_of(job)
+    if found is None:
+        return {}
+    pairs = encoded_pairs(*found, tokenizer)
     if job.eval.limit is not None:
         pairs = pairs.select(range(min(job.eval.limit, len(pairs))))
     return pair_scores(model, pairs)

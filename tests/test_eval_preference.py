@@ -76,3 +76,27 @@ def test_the_report_has_a_column_for_each_preference_score():
 
     for key in PREFERENCE_SCORES:
         assert REPORT_COLUMNS[key] in COLUMNS and REPORT_COLUMNS[key] in SCORE_COLUMNS
+
+
+def test_an_sft_stages_eval_scores_the_curriculums_pairs_from_the_split_it_scores(tiny, tmp_path):
+    """The SFT row's eval data are its own SQL examples; the pairs come from EvalJob.preference_pairs (the
+    DPO stage's data, slurm/plan.py), from the file eval.split names, and an eval without them has none."""
+    from eval.preference import pairs_of
+    from tests.train_helpers import sql_data
+
+    pairs = base_eval(tiny, tmp_path).data.model_copy(update={"train": str(SQL / "pairs-train.jsonl")})
+    sft = EvalJob(
+        experiment="t",
+        stage="eval-sft",
+        model=model_spec(tiny),
+        adapter={"rank": 8},
+        data=sql_data("easy", eval_split="dev"),
+        eval={"metrics": ["exact_match"]},
+        preference_pairs=pairs,
+        adapter_dir=str(tmp_path / "adapter"),
+        out_dir=str(tmp_path / "eval-sft"),
+    )
+    assert pairs_of(sft) == (pairs.eval, pairs)
+    on_train = sft.model_copy(update={"eval": sft.eval.model_copy(update={"split": "train"})})
+    assert pairs_of(on_train) == (str(SQL / "pairs-train.jsonl"), pairs)
+    assert pairs_of(sft.model_copy(update={"preference_pairs": None})) is None
