@@ -249,3 +249,10 @@ def test_preflight_judges_a_dpo_stage_at_its_pairs_lengths_instead_of_refusing_i
     assert result.data_refused is None and result.labelled_tokens is None
     assert result.step_lengths["targets"] < result.step_lengths["max_length"]  # the longer answer's
     assert result.memory["trainable_state_gb"] > 0 and result.memory_gb > 1.0  # judged, reserve included
+    # reference: previous holds the adapter's frozen fp32 copy besides: 4 bytes per trainable parameter
+    previous = job.model_copy(
+        update={"train": job.train.model_copy(update={"dpo": {"reference": "previous"}})}
+    )
+    previous = previous.model_validate(previous.model_dump())
+    extra = preflight_job(previous, None).memory["weights_gb"] - result.memory["weights_gb"]
+    assert extra == pytest.approx(4 * result.trainable_params / 1e9, rel=1e-9)
