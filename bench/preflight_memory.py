@@ -8,7 +8,9 @@ weights, fp32 trainable parameters, bf16 autocast; QLoRA through bitsandbytes' 4
 
 - train: forward, the trainer's loss, backward, fused AdamW step and zero_grad, after a first step that
   created AdamW's moments (as every step but the first finds them);
-- eval: a no-grad forward and loss at the eval batch (twice the training batch, train/recipe.py).
+- eval: a no-grad forward and loss at the eval batch (twice the training batch, train/recipe.py);
+- a DPO stage's train step (PREFERENCE_CASES, reference: base): TRL's own DPOTrainer.training_step, chosen
+  and rejected as one batch, the reference forward with adapters disabled, the backward, then fused AdamW.
 
 Measured peak = what the step finds (weights, trainable parameters, moments, the batch) + the highest the
 CPU allocator's live bytes rise above that during the step (torch.profiler's allocation events carry the
@@ -23,6 +25,7 @@ import gc
 import json
 import tempfile
 from pathlib import Path
+from unittest.mock import patch
 
 import torch
 
@@ -32,6 +35,7 @@ from train.preflight import measure_memory, trainer_loss
 
 ROOT = Path(__file__).resolve().parent.parent
 QWEN = ROOT / "tests" / "fixtures" / "hub" / "Qwen" / "Qwen2.5-0.5B" / "config.json"
+TOKENIZER = ROOT / "models" / "tiny-llama"
 ALL_LINEAR = "all-linear"
 T5_TARGETS = ["q", "k", "v", "o", "wi_0", "wi_1", "wo"]
 MiB = 2**20
@@ -106,7 +110,15 @@ CASES = {
         [(2, 512, False)],
     ),
 }
-QUICK = ("tiny-llama", "tiny-t5", "vocab152k-small")
+# DPO stages (TRL's step, reference: base): name → (config.json changes, adapter, [(pairs, length, answer tokens)])
+PREFERENCE_CASES = {
+    "tiny-llama-dpo": (
+        {"from": ROOT / "models" / "tiny-llama" / "config.json"},
+        {"rank": 8, "target_modules": ALL_LINEAR},
+        [(4, 64, 16), (4, 128, 32), (8, 128, 64)],
+    ),
+}
+QUICK = ("tiny-llama", "tiny-t5", "vocab152k-small", "tiny-llama-dpo")
 
 
 # ---- the model, as a job holds it ------------------------------------------------------------------------
@@ -278,6 +290,78 @@ def measured(job: TrainJob, length: int, targets: int | None = None) -> dict[str
     return {"weights": weights, "train": train, "eval": eval_}
 
 
+def preference_job(job: TrainJob) -> TrainJob:
+    """The job as a DPO stage (reference: base, no in-training eval): its step is TRL's."""
+    written = job.model_dump(exclude_unset=True)
+    written["train"] |= {"method": "dpo", "eval_every_epochs": None, "dpo": {"reference": "base"}}
+    written["data"] = {"train": "unused.jsonl", "format": "preference"}
+    return TrainJob.model_validate(written)
+
+
+def measured_preference(job: TrainJob, length: int, targets: int) -> dict[str, int]:
+    """Bytes: the frozen weights, and TRL's own DPO training step (DPOTrainer.training_step: chosen and
+    rejected as one batch, the reference forward with adapters disabled, the backward) on `batch` pairs of
+    `length` tokens, `targets` of them each answer's, with the fused AdamW step and zero_grad after it."""
+    import datasets
+    from transformers import AutoTokenizer
+    from trl import DPOConfig
+    from trl.trainer import utils as trl_utils
+
+    from train.preference import dpo_trainer_class
+
+    model = real_model(job)
+    pairs = [
+        {"prompt_ids": [5] * (length - targets), "chosen_ids": [6] * targets, "rejected_ids": [7] * targets}
+    ]
+    args = DPOConfig(
+        output_dir=tempfile.mkdtemp(),
+        per_device_train_batch_size=job.train.batch_size,
+        bf16=True,
+        use_cpu=True,
+        max_length=None,
+        report_to=[],
+        gradient_checkpointing=job.train.gradient_checkpointing,
+        disable_dropout=True,
+    )
+    tokenizer = AutoTokenizer.from_pretrained(TOKENIZER)  # TRL wants one; the batches are token ids
+    train_set = datasets.Dataset.from_list(pairs)
+    trainer = dpo_trainer_class()(model=model, args=args, train_dataset=train_set, processing_class=tokenizer)
+    if "ref" in trainer.model.peft_config:
+        trainer.model.delete_adapter("ref")  # reference: base
+    model, trainer.current_gradient_accumulation_steps = trainer.model, 1  # set by Trainer.train otherwise
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=1e-4, fused=True)  # the Trainer's adamw_torch_fused
+    vocab = model.get_input_embeddings().weight.shape[0]
+    generator = torch.Generator().manual_seed(0)
+
+    def batch(size: int) -> dict:
+        def ids(n: int) -> list[int]:
+            return torch.randint(4, vocab, (n,), generator=generator).tolist()
+
+        rows = [
+            {"prompt_ids": ids(length - targets), "chosen_ids": ids(targets), "rejected_ids": ids(targets)}
+        ]
+        return trainer.data_collator(rows * size)
+
+    def step(inputs: dict) -> None:
+        # A GPU's path: the fused LM head at the answer tokens only (TRL scores every position elsewhere),
+        # under bf16 autocast, as train_step runs it (the Trainer's CPU autocast leaves LoRA's path in fp32)
+        with (
+            patch.object(trl_utils, "_use_triton", lambda device: True),
+            torch.autocast("cpu", torch.bfloat16),
+        ):
+            trainer.training_step(model, inputs)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    step(batch(1))  # creates the moments
+    moments = [t for state in optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
+    weights = held_bytes(weight_tensors(model, trainable=False))
+    inputs = batch(job.train.batch_size)
+    held = weights + held_bytes(trainable + moments) + held_bytes(list(inputs.values()))
+    return {"weights": weights, "train": held + profiled_rise(lambda: step(inputs))}
+
+
 def estimated(job: TrainJob, length: int, targets: int | None = None) -> dict[str, float]:
     """Bytes, without the CUDA reserve."""
     shape = {
@@ -293,7 +377,7 @@ def estimated(job: TrainJob, length: int, targets: int | None = None) -> dict[st
     return {
         "weights": estimate.weights_gb * GB,
         "train": estimate.train_gb * GB - reserve,
-        "eval": estimate.eval_gb * GB - reserve,
+        "eval": None if estimate.eval_gb is None else estimate.eval_gb * GB - reserve,
     }
 
 
@@ -301,6 +385,9 @@ def rows(names) -> list[dict]:
     out = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in names:
+            if name in PREFERENCE_CASES:
+                out += preference_rows(Path(tmp), name)
+                continue
             kind, changes, adapter, shapes = CASES[name]
             folder = model_folder(Path(tmp), name, changes, kind)
             for batch, length, checkpointing, *more in shapes:
@@ -311,6 +398,18 @@ def rows(names) -> list[dict]:
                 gc.collect()
                 steps = ("train",) if job.train.grad_accum > 1 else ("train", "eval")  # the same eval
                 out += [row(name, job, length, step, estimate, actual, targets) for step in steps]
+    return out
+
+
+def preference_rows(root: Path, name: str) -> list[dict]:
+    changes, adapter, shapes = PREFERENCE_CASES[name]
+    folder = model_folder(root, name, changes, "causal")
+    out = []
+    for batch, length, targets in shapes:
+        job = preference_job(bench_job(folder, "causal", adapter, batch, False))
+        estimate, actual = estimated(job, length, targets), measured_preference(job, length, targets)
+        gc.collect()
+        out.append(row(name, job, length, "train", estimate, actual, targets))
     return out
 
 
@@ -339,7 +438,9 @@ def main() -> int:
     )
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK)}")
-    parser.add_argument("--only", nargs="+", choices=sorted(CASES), help="these cases only")
+    parser.add_argument(
+        "--only", nargs="+", choices=sorted([*CASES, *PREFERENCE_CASES]), help="these cases only"
+    )
     args = parser.parse_args()
     table = rows(args.only or (QUICK if args.quick else list(CASES)))
     if args.json:

@@ -776,6 +776,10 @@ class EvalJob(Section):
     eval: EvalSpec
     adapter_dir: str | None  # None: the base model alone, scored as the experiments' base row (slurm/plan.py)
     out_dir: str
+    # An earlier stage's eval in a curriculum with a preference stage: that stage's pairs, scored besides
+    # this stage's own data, so its row has the preference figure the DPO and base rows have
+    # (eval/preference.py). Left out at None: every other eval job keeps its identity.
+    preference_pairs: DataSpec | None = Field(None, exclude_if=lambda value: value is None)
 
     @model_validator(mode="after")
     def _split_has_data(self):

@@ -45,6 +45,10 @@ SCORE_KEYS = (
     "sql_exec_accuracy",
     "sql_record_f1",
     "sql_error_rate",
+    # On preference pairs (eval/preference.py): the share of pairs whose chosen answer the model gives the
+    # higher summed log-probability, and the mean chosen-minus-rejected margin (nats, not a fraction).
+    "preference_accuracy",
+    "preference_margin",
 )
 # The scores each metric of `eval.metrics` writes into results.json (eval/metrics.py, eval/sql.py).
 SCORES_OF = {

@@ -18,6 +18,7 @@ from pathlib import Path
 from core.config import EvalJob
 from core.files import write_atomic
 from core.hashing import content_hash
+from core.names import PREFERENCE
 from core.rundir import RunDir
 from eval.predictions import PartialPredictions, rows, write_final
 
@@ -58,6 +59,10 @@ def run_eval(job: EvalJob, stop: threading.Event | None = None) -> dict | None:
     changed = adapter_check(model, tokenizer, job, prompts, images) if job.adapter_dir else None
     write_final(out, list(made.values()), root)
     results = score_job(job, [made[i]["prediction"] for i in range(len(prompts))], references)
+    if job.data.format == PREFERENCE or job.preference_pairs:  # every row alike (eval/preference.py)
+        from eval.preference import preference_scores
+
+        results |= preference_scores(model, tokenizer, job)
     results |= {
         "split": job.eval.split,
         "source": source,

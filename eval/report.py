@@ -787,11 +787,46 @@ def loss_series(jobs: list[JobRun], experiment: str) -> tuple[list, list, list]:
     return train, evals, boundaries[:-1]
 
 
+# A DPO stage's curves (TRL's log rows in metrics.jsonl), plotted beside the loss
+REWARD_KEYS = ("rewards/accuracies", "rewards/margins")
+
+
+def reward_series(jobs: list[JobRun], experiment: str) -> dict[str, list]:
+    """Each REWARD_KEYS curve the experiment's stages logged, steps counted across stages as loss_series
+    counts them; {} when none did (no preference stage)."""
+    found: dict[str, list] = {}
+    offset = 0
+    for job in (j for j in jobs if j.experiment == experiment and j.kind == "train"):
+        rows = read_metrics(job.run_dir)
+        for key in REWARD_KEYS:
+            points = [(offset + r["step"], r[key]) for r in rows if "step" in r and numeric(r.get(key))]
+            if points:
+                found.setdefault(key, []).extend(points)
+        offset += max((r.get("step", 0) for r in rows), default=0)
+    return found
+
+
+def numeric(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def draw_rewards(ax, name: str, rewards: dict[str, list]) -> None:
+    for key, points in rewards.items():
+        ax.plot(*zip(*points, strict=True), label=f"{name} {key}")
+    ax.axhline(0, color="grey", linewidth=0.8)
+    ax.set_xlabel("optimizer step (across stages)")
+    ax.set_ylabel("reward accuracy (share) / margin")
+    ax.set_title(f"{name}: DPO rewards (against its reference)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+
+
 def plot_losses(
     jobs: list[JobRun], experiments: list[str], run_root: Path, sweeps: dict[str, SweepMember] | None = None
 ) -> list[Path]:
     """loss_curves.png (every experiment; a sweep point's replicates as one mean line with a band) and
-    each experiment's own loss.png (a replicate's included)."""
+    each experiment's own loss.png (a replicate's included; with a preference stage, its reward accuracy
+    and margin curves beside the loss)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -810,7 +845,12 @@ def plot_losses(
     write_atomic_with(paths[0], partial(fig.savefig, dpi=110, bbox_inches="tight"))
     plt.close(fig)
     for name, (train, evals, boundaries) in series.items():
-        fig, ax = plt.subplots(figsize=(7, 4))
+        rewards = reward_series(jobs, name)
+        if rewards:  # a preference stage: its reward curves beside the loss
+            fig, (ax, beside) = plt.subplots(1, 2, figsize=(13, 4))
+            draw_rewards(beside, name, rewards)
+        else:
+            fig, ax = plt.subplots(figsize=(7, 4))
         draw(ax, name, train, evals, boundaries, label_stages=True)
         finish(ax, f"{name}: loss")
         paths.append(run_root / name / "loss.png")

@@ -29,6 +29,7 @@ from core.config import (
 )
 from core.durations import format_duration, slurm_time
 from core.hashing import content_hash
+from core.names import PREFERENCE
 from core.problems import ConfigError, Problem
 from core.pruning import definition_hash, expected_epochs
 from core.rundir import ADAPTER, CONFIG, done_hash, in_folder, run_folder
@@ -515,7 +516,10 @@ def experiment_jobs(
         is_last = stage is loaded.stages[-1]
         if exp.eval.metrics and (is_last or exp.eval.after_each_stage):
             name = layout.eval_folder(stage.name, is_last)
-            jobs.append(eval_job(exp, stage, previous, name, resources, profile, {**known, **_ids(jobs)}))
+            pairs = preference_pairs(loaded, stage)
+            jobs.append(
+                eval_job(exp, stage, previous, name, resources, profile, {**known, **_ids(jobs)}, pairs)
+            )
     return jobs
 
 
@@ -547,11 +551,23 @@ def of_stage(exp, stage) -> dict:
     }
 
 
-def eval_job(exp, stage, trained: PlannedJob, name: str, training: Resources, profile, known) -> PlannedJob:
-    """The job that scores `trained`'s adapter, on its own allocation (`eval.resources`)."""
+def preference_pairs(loaded: LoadedExperiment, stage):
+    """The pairs an earlier stage's eval scores besides its own data: the last preference stage's data
+    (None: the stage's own data are pairs, or no stage has pairs)."""
+    if stage.data.format == PREFERENCE:
+        return None
+    return next((s.data for s in reversed(loaded.stages) if s.data.format == PREFERENCE), None)
+
+
+def eval_job(
+    exp, stage, trained: PlannedJob, name: str, training: Resources, profile, known, pairs=None
+) -> PlannedJob:
+    """The job that scores `trained`'s adapter, on its own allocation (`eval.resources`); `pairs`:
+    preference_pairs."""
     spec = EvalJob(
         **of_stage(exp, stage),
         eval=exp.eval,
+        preference_pairs=pairs,
         adapter_dir=in_folder(trained.run_dir, ADAPTER),
         out_dir=run_folder(profile.run_dir, exp.name, name),
     )

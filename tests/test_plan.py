@@ -317,3 +317,27 @@ def test_the_job_script_sbatch_gets_is_the_one_recorded(tmp_path, job_id, parent
     if os.environ.get("LORA_REGOLDEN"):
         path.write_text(text)
     assert text == path.read_text()
+
+
+def test_the_sft_stages_eval_before_a_dpo_stage_scores_its_pairs_too(repo_root, tmp_path):
+    """Base, SFT and DPO rows alike have the preference figure: the SFT stage's own eval (its SQL data)
+    also gets the DPO stage's pairs; the DPO and base evals score pairs already, and every other eval job
+    keeps its identity (the field is left out of the spec when unset)."""
+    from core.config import EvalJob
+    from tests.helpers import demo_configs
+
+    configs = demo_configs(repo_root, tmp_path)
+    demo = configs / "sql-llama-sft-dpo.yaml"
+    text = demo.read_text().replace(
+        '      prompt_template: "{schema} | {question} | SQL: "\n',
+        '      prompt_template: "{schema} | {question} | SQL: "\n      eval: data/demo/sql/dev.jsonl\n',
+    )
+    demo.write_text(text + "eval: {after_each_stage: true}\n")
+    plan = plan_for(names=["sql-llama-sft-dpo"], folder=configs)
+    evals = {j.id: j.spec for j in plan.jobs if j.kind == "eval"}
+    sft = evals["sql-llama-sft-dpo/eval-sft"]
+    assert sft.data.format == "fields" and sft.preference_pairs.eval.endswith("pairs-dev.jsonl")
+    assert evals["sql-llama-sft-dpo/eval"].preference_pairs is None  # its own data are the pairs
+    assert "preference_pairs" not in evals[plan.base_of["sql-llama-sft-dpo"]].model_dump()
+    read_back = EvalJob.model_validate(sft.model_dump())  # as the job reads its config.yaml
+    assert read_back.preference_pairs == sft.preference_pairs

@@ -874,3 +874,34 @@ def test_a_point_with_a_pruned_seed_is_never_the_best_and_the_pruning_and_its_sa
     assert (
         "Spent 0.0668 GPU-hours (4 training minutes); pruning saved ~0.0334 GPU-hours (~2 training" in report
     )
+
+
+def test_a_dpo_stages_reward_curves_are_plotted_beside_its_loss(tmp_path):
+    """TRL's rewards/accuracies and rewards/margins rows of the second (DPO) stage, at steps counted across
+    stages as the loss is; an experiment without them keeps its loss-only picture."""
+    from eval.report import plot_losses, reward_series
+
+    plan = plan_of(tmp_path, "pref", "plain")
+    runs = tmp_path / "runs"
+    for name in ("pref", "plain"):
+        write_stage(runs / name / "one", [3.0, 2.5], 60, 2.2)
+        write_stage(runs / name / "two", [0.69, 0.6], 60, 0.65)
+    rewards = [
+        {"step": 5, "loss": 0.69, "rewards/accuracies": 0.0, "rewards/margins": 0.0},
+        {"step": 10, "loss": 0.6, "rewards/accuracies": 0.75, "rewards/margins": 0.3},
+    ]
+    (runs / "pref" / "two" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rewards))
+    jobs = job_runs(plan, {})
+
+    assert reward_series(jobs, "pref") == {
+        "rewards/accuracies": [(15, 0.0), (20, 0.75)],  # after stage one's 10 steps
+        "rewards/margins": [(15, 0.0), (20, 0.3)],
+    }
+    assert reward_series(jobs, "plain") == {}
+    plot_losses(jobs, ["pref", "plain"], runs)
+    widths = {name: png_width(runs / name / "loss.png") for name in ("pref", "plain")}
+    assert widths["pref"] > 1.5 * widths["plain"]  # a second plot beside the loss
+
+
+def png_width(path: Path) -> int:
+    return int.from_bytes(path.read_bytes()[16:20], "big")  # the IHDR chunk's width

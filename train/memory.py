@@ -24,6 +24,15 @@ weights and autocast); AdamW keeps two fp32 moments per trainable parameter, eve
 multiple); every example of a batch has as many target tokens as the longest answer (the loss's output
 layer runs at those only, train/loss.py; `targets` in the shape); the in-training eval's batches are at the
 eval set's own lengths; an image-text model's vision tower runs on no images (its activations are not counted).
+
+A preference (DPO) step is TRL's: chosen and rejected run as one batch of 2 sequences per example (the
+shape's `sequences: 2`; the lines stay per example, so the micro-batch rule splits pairs), the output layer
+fused at the answer tokens only (TRL's own chunked log-prob function: train/preference.py
+fused_log_prob_loss); then, while the policy's saved activations are alive, the reference forward without
+gradients on the same batch (`reference_forward`; run here with the adapter on, a little above the base's
+adapters-off forward); then the backward. `reference: previous` holds the adapter's frozen copy besides, fp32
+as the policy's (`reference_copy`, counted with the frozen weights). TRL's eval step runs both forwards
+without gradients.
 """
 
 from __future__ import annotations
@@ -49,6 +58,7 @@ GB = 10**9  # decimal gigabytes: see the module docstring
 CUDA_RESERVE_GB = 1.0  # CUDA context, cuBLAS workspace and allocator fragmentation
 EVAL_BATCH_FACTOR = 2  # the in-training eval's batch over the training batch (train/recipe.py uses it)
 TRAINABLE_BYTES = 4 + 4 + 8  # fp32 weight, its fp32 gradient, AdamW's two fp32 moments
+REFERENCE_COPY_BYTES = 4  # DPO's frozen copy of the adapter (reference: previous), fp32 as the policy's
 EVAL_TRAINABLE_BYTES = 4 + 8  # the Trainer frees gradients (zero_grad to None) after each optimizer step
 NF4_BLOCK = 64  # bitsandbytes' 4-bit block: one absmax per 64 weights
 NF4_NESTED_BLOCK = 256  # double quantization: one fp32 absmax per 256 8-bit absmaxes
@@ -304,6 +314,7 @@ def step_peak_bytes(
     existing = [*model.parameters(), *model.buffers(), *inputs.values()]
     existing += [p.grad for p in model.parameters() if p.grad is not None]
     dtype = autocast_dtype(precision)
+    reference = shape.get("reference_forward", False)
     with ExitStack() as stack:
         stack.enter_context(mode)
         # The mask helpers ask "is this mask all ones?", which fake tensors cannot answer: they take the
@@ -312,7 +323,10 @@ def step_peak_bytes(
         tracker = stack.enter_context(LiveBytes(existing))
         stack.enter_context(torch.enable_grad() if training else torch.no_grad())
         with torch.autocast("cpu", dtype=dtype) if dtype is not None else nullcontext():
-            value = run_loss(model, inputs, loss, positions)
+            value = run_loss(model, dict(inputs), loss, positions)
+            if reference:  # TRL's reference forward comes after the policy's, before the backward
+                with torch.no_grad():
+                    run_loss(model, dict(inputs), loss, positions)
         if training:
             value.backward()
         del value
@@ -383,7 +397,8 @@ def estimate(
     gradient_checkpointing, grad_accum; `targets`, the most target tokens an example has (None or absent:
     every position; the trainer's loss computes logits only there); `eval_max_length`,
     `eval_max_target_length`, `eval_targets`: the eval set's own (absent: the training set's).
-    `evaluating`: the job runs in-training evals. `loss`: the trainer's loss."""
+    `evaluating`: the job runs in-training evals. `loss`: the trainer's loss. A preference step (module
+    docstring): `sequences` per example (absent: 1), `reference_forward`, `reference_copy` (absent: False)."""
     qlora = adapter.method == "qlora"
     compute = gpu_placement(precision).compute_dtype
     full = build(None)
@@ -391,6 +406,7 @@ def estimate(
         held_as_qlora(full, compute)
     weights = weight_bytes(full, qlora, adapter.double_quant)
     trainable = sum(p.numel() for p in full.parameters() if p.requires_grad)
+    weights += REFERENCE_COPY_BYTES * trainable if shape.get("reference_copy") else 0
     layers = depth(full.config)
     extra = dequantized_bytes(full, compute) if qlora else 0
     del full
@@ -401,7 +417,7 @@ def estimate(
             model = build(layers_)
             if qlora:
                 held_as_qlora(model, compute)
-            step = steps[training] | {"batch_size": batch}
+            step = steps[training] | {"batch_size": batch * shape.get("sequences", 1)}
             return step_peak_bytes(model, kind, step, precision, training, loss)
 
         return at_depth(at, layers) + extra

@@ -27,7 +27,7 @@ from train import data as data_lib
 from train import memory, pairs, vl
 from train.chat import ChatTemplateError
 from train.hub_cache import first_line
-from train.loss import fusable, liger_installed
+from train.loss import TargetTokenLoss, fusable, liger_installed
 from train.model import add_tokens, load_tokenizer, max_positions, model_class, new_adapter, trainable_report
 
 log = logging.getLogger("train.preflight")
@@ -107,7 +107,8 @@ def token_lengths(job: TrainJob, tokenizer, config) -> dict:
         "max_length": lengths.max_length,
         "max_target_length": lengths.max_target_length,
         "tokens_per_epoch": sum(data_lib.trained_tokens(kept, kind)),
-        "labelled_tokens": data_lib.labelled_tokens(kept),
+        # A pair has no labels: DPO sums log-probabilities over both answers (tokens_per_epoch: the longer)
+        "labelled_tokens": None if job.train.method == "dpo" else data_lib.labelled_tokens(kept),
         "marker_text_conversations": data_lib.marker_text_in(job.data.train, job.data, tokenizer, kind),
         "examples": len(kept),
         "longest_example": lengths.longest,
@@ -321,6 +322,9 @@ def estimate_for(job: TrainJob, shape: dict, tokenizer, fused: bool = False) -> 
             job.model.model_dump(),
             job.adapter.model_dump(),
             job.train.precision,
+            job.train.method,
+            job.train.preference.reference if job.train.method == "dpo" else None,
+            job.init_adapter is not None,
             shape,
             evaluates(job),
             tokenizer_size(tokenizer),
@@ -350,9 +354,20 @@ def measure_memory(job: TrainJob, shape: dict, tokenizer, fused: bool = False) -
         return meta_model(as_lora, dtype, tokenizer, layers)[0]
 
     kind = job.model.kind
-    return memory.estimate(
-        build, kind, job.adapter, job.train.precision, shape, evaluates(job), trainer_loss(kind, fused)
-    )
+    loss = trainer_loss(kind, fused)
+    if job.train.method == "dpo":  # TRL's step, its LM head always fused (train/memory.py docstring)
+        from train.preference import fused_log_prob_loss
+
+        shape, loss = shape | preference_step(job), TargetTokenLoss(shifted=True, fused=fused_log_prob_loss)
+    return memory.estimate(build, kind, job.adapter, job.train.precision, shape, evaluates(job), loss)
+
+
+def preference_step(job: TrainJob) -> dict:
+    """What a DPO step adds to the shape (train/memory.py): chosen and rejected as 2 sequences per example,
+    the reference forward, and under reference: previous the adapter's frozen copy."""
+    from train.preference import reference_of
+
+    return {"sequences": 2, "reference_forward": True, "reference_copy": reference_of(job) == "previous"}
 
 
 def evaluates(job: TrainJob) -> bool:
