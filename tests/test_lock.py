@@ -60,7 +60,7 @@ def test_two_concurrent_launches_queue_each_job_once(repo_root, tmp_path, slurm_
 
     # One submission per job of the plan (the demo's and its base-model evals'), not two.
     jobs = {*DEMO_JOBS, *(f"{p.parent.name}/eval" for p in (tmp_path / "runs").glob("_base-*/eval"))}
-    assert len(jobs) == len(DEMO_JOBS) + 4 and count(calls) == len(jobs)
+    assert len(jobs) == len(DEMO_JOBS) + 5 and count(calls) == len(jobs)
     records = [json.loads((tmp_path / "runs" / p / "job.json").read_text())["jobs"] for p in jobs]
     assert all(len(r) == 1 for r in records)
     queued = {r[0]["job_id"] for r in records}
