@@ -17,7 +17,7 @@ from core.config import PruneJob
 from core.pruning import judged, rung_records
 from core.rundir import RunDir, record_job
 from tests.conftest import squeue_ids, write_cluster_yaml
-from tests.helpers import slurm_id, tiny_sql_base, wait_until
+from tests.helpers import plan_for, slurm_id, tiny_sql_base, wait_until
 from tests.train_helpers import make_job, sql_data
 from train.recipe import run_stage
 
@@ -165,8 +165,12 @@ def pruned_job(tiny, run_dir: Path):
     return job.model_copy(update={"prune": PruneJob.model_validate(PRUNE)})
 
 
-def record_others(run_root: Path, losses: list[float], prefix: str, sweep: str = "sw") -> None:
-    spec = PruneJob.model_validate(PRUNE)
+def record_others(
+    run_root: Path, losses: list[float], prefix: str, sweep: str = "sw", measured_under: str = ""
+) -> None:
+    """Rung records of other runs; a launched sweep's decisions count only rows of its own definition
+    (`measured_under`, which its plan gives each point)."""
+    spec = PruneJob.model_validate({**PRUNE, "measured_under": measured_under})
     for index, loss in enumerate(losses):
         judged(run_root, sweep, f"{prefix}{index}", "h", 1, loss, spec)
 
@@ -222,7 +226,10 @@ def test_a_pruned_runs_eval_runs_on_its_best_checkpoint_unless_eval_pruned_is_fa
     (folder / "asha.yaml").unlink()
     for name, evaluate in (("kept", "true"), ("skipped", "false")):
         (folder / f"{name}.yaml").write_text(EVALUATED.format(name=name, root=repo_root, evaluate=evaluate))
-        record_others(tmp_path / "runs", [0.1, 0.1, 0.1], "low", sweep=name)  # far better runs came first
+    for job in plan_for(folder=folder).jobs:  # far better runs of the same sweep definition came first
+        if job.kind == "train" and job.spec.prune is not None:
+            under = job.spec.prune.measured_under
+            record_others(tmp_path / "runs", [0.1, 0.1, 0.1], "low", job.spec.prune.sweep, under)
     assert launch.main(["--all", "--config-dir", str(folder), "--backend", "local"]) == 0
     kept, skipped = (tmp_path / "runs" / f"{name}-lr1e-09" for name in ("kept", "skipped"))
     assert RunDir(kept / "train").read_pruned()["rung"] == 1 and RunDir(skipped / "train").read_pruned()
