@@ -35,6 +35,7 @@ CROSSING = {
     ("eval.export", "train.model"),
     ("eval.export", "train.vl"),
     ("eval.generate", "train.chat"),  # prompts rendered and stopped as in training
+    ("eval.preference", "train.pairs"),  # pairs scored as the DPO stage tokenizes them
     ("eval.generate", "train.device"),
     ("eval.generate", "train.model"),
     ("eval.generate", "train.vl"),

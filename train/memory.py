@@ -27,7 +27,7 @@ eval set's own lengths; an image-text model's vision tower runs on no images (it
 
 A preference (DPO) step is TRL's: chosen and rejected run as one batch of 2 sequences per example (the
 shape's `sequences: 2`; the lines stay per example, so the micro-batch rule splits pairs), the output layer
-fused at the answer tokens only (TRL's own chunked log-prob function: train/preference.py
+fused at the answer tokens only (TRL's own chunked log-prob function: train/dpo_step.py
 fused_log_prob_loss); then, while the policy's saved activations are alive, the reference forward without
 gradients on the same batch (`reference_forward`; run here with the adapter on, a little above the base's
 adapters-off forward); then the backward. `reference: previous` holds the adapter's frozen copy besides, fp32

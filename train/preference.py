@@ -28,6 +28,7 @@ from pathlib import Path
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from train import chat
+from train.dpo_step import reference_of
 from train.model import max_positions, trainable_in_fp32
 from train.pairs import encoded_pairs, fitted, lengths_of
 from train.recipe import ReproducibleSampling, StageRecipe, one_gpu_per_process
@@ -35,28 +36,6 @@ from train.recipe import ReproducibleSampling, StageRecipe, one_gpu_per_process
 log = logging.getLogger("train.preference")
 REFERENCE_ADAPTER = "ref"  # the name TRL gives its frozen copy of the policy's adapter
 POLICY_ADAPTER = "default"
-
-
-def reference_of(job) -> str:
-    """The reference as it runs: the written one, else previous after a stage and base for a first."""
-    written = job.train.preference.reference
-    return written or ("previous" if job.init_adapter else "base")
-
-
-# TRL's DPO step asks its fused LM head for these per-token fields (trl 1.16 DPOTrainer.__init__)
-FUSED_OUTPUTS = ("log_probs", "entropy", "mean_logits", "is_top1")
-
-
-def fused_log_prob_loss(hidden, weight, targets, reduction: str):
-    """TRL's fused LM head at the answer tokens (its chunked log-prob function, as a GPU step runs it: only
-    the positions with a target): minus their log-probabilities, summed or per token. The memory model's
-    stand-in for a DPO step's output layer (train/memory.py), in train/loss.py's LinearCrossEntropy form."""
-    from trl.trainer.utils import _CHUNKED_LOGPROB_CHUNK_SIZE, _ChunkedLogProbFunction
-
-    log_probs = _ChunkedLogProbFunction.apply(
-        hidden, weight, None, targets, 1.0, _CHUNKED_LOGPROB_CHUNK_SIZE, None, 1.0, FUSED_OUTPUTS
-    )[0]
-    return -log_probs.sum() if reduction == "sum" else -log_probs
 
 
 # ---- the trainer ----------------------------------------------------------------------------------

@@ -356,7 +356,7 @@ def measure_memory(job: TrainJob, shape: dict, tokenizer, fused: bool = False) -
     kind = job.model.kind
     loss = trainer_loss(kind, fused)
     if job.train.method == "dpo":  # TRL's step, its LM head always fused (train/memory.py docstring)
-        from train.preference import fused_log_prob_loss
+        from train.dpo_step import fused_log_prob_loss
 
         shape, loss = shape | preference_step(job), TargetTokenLoss(shifted=True, fused=fused_log_prob_loss)
     return memory.estimate(build, kind, job.adapter, job.train.precision, shape, evaluates(job), loss)
@@ -365,7 +365,7 @@ def measure_memory(job: TrainJob, shape: dict, tokenizer, fused: bool = False) -
 def preference_step(job: TrainJob) -> dict:
     """What a DPO step adds to the shape (train/memory.py): chosen and rejected as 2 sequences per example,
     the reference forward, and under reference: previous the adapter's frozen copy."""
-    from train.preference import reference_of
+    from train.dpo_step import reference_of
 
     return {"sequences": 2, "reference_forward": True, "reference_copy": reference_of(job) == "previous"}
 
