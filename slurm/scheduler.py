@@ -25,6 +25,7 @@ import submitit
 from submitit.core.utils import pickle_load
 
 from core.config import ascii_int
+from core.files import read_window
 from core.rundir import JobRecord, current_job, log_folder, mark_cancelled
 from core.writer_lock import holder
 from slurm.client import run_client
@@ -313,11 +314,8 @@ def reached_time_limit(job: submitit.LocalJob) -> bool:
     its limit (before: "ended without a result (killed or cancelled)", though its log had the signal)."""
     if job.paths.result_pickle.exists():
         return False
-    try:
-        with open(job.paths.stdout, "rb") as fh:
-            fh.seek(0, os.SEEK_END)
-            fh.seek(max(0, fh.tell() - LOG_TAIL_BYTES))
-            return TIME_LIMIT_LINE in fh.read()
+    try:  # bounded, and a FIFO at the log is never waited on (core/files.py read_window)
+        return TIME_LIMIT_LINE in read_window(Path(job.paths.stdout), None, LOG_TAIL_BYTES)[0]
     except OSError:
         return False
 
