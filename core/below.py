@@ -29,8 +29,10 @@ class LinkBelowRoot(OSError):
 
 
 def relative_parts(root: Path, path: Path) -> list[str]:
-    """`path`'s components below `root`; ValueError when it is not below it (or climbs out with '..')."""
-    parts = list(Path(os.path.normpath(path)).relative_to(os.path.normpath(root)).parts)
+    """`path`'s components below `root`; ValueError when it is not below it (or climbs out with '..').
+    Either may be relative to the working directory: a pack's units carry `runs/EXP/STAGE` as written in
+    cluster.yaml, their roots are absolute."""
+    parts = list(Path(os.path.abspath(path)).relative_to(os.path.abspath(root)).parts)
     if ".." in parts:
         raise ValueError(f"{path} is not below {root}")
     return parts

@@ -233,3 +233,15 @@ def test_link_planted_at_the_code_snapshots_folder_gets_no_copy_and_no_job_start
     with pytest.raises(LinkBelowRoot, match=CODE_SNAPSHOTS):
         take_snapshot(tmp_path / "logs")
     assert fingerprint(target) == before
+
+
+def test_a_relative_stage_folder_below_an_absolute_root_is_written_not_refused(tmp_path, monkeypatch):
+    # Before: cluster.yaml's shipped `run_dir: runs` gave a pack's units `runs/EXP/STAGE` beside an absolute
+    # run root, and every unit died at its first write (ValueError: not in the subpath).
+    from core.files import write_atomic
+
+    monkeypatch.chdir(tmp_path)
+    write_atomic(Path("runs/one/train/lane.json"), "{}", root=tmp_path / "runs")
+    assert (tmp_path / "runs" / "one" / "train" / "lane.json").read_text() == "{}"
+    with pytest.raises(ValueError):
+        write_atomic(Path("elsewhere/lane.json"), "{}", root=tmp_path / "runs")
