@@ -32,7 +32,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def add_verbs(action) -> None:
-    """The flags that name what to do, one at most (none: a launch); slurm/request.py names each verb."""
+    """The flags that name what to do, one at most (none: a launch); slurm/planning/request.py names each verb."""
     action.add_argument("--dry-run", action="store_true", help="validate and print the plan; submit nothing")
     action.add_argument(
         "--preflight",
@@ -65,7 +65,7 @@ def add_verbs(action) -> None:
 
 
 def add_options(parser: argparse.ArgumentParser) -> None:
-    """How a verb does it (slurm/request.py refuses an option given to a verb it does not apply to)."""
+    """How a verb does it (slurm/planning/request.py refuses an option given to a verb it does not apply to)."""
     parser.add_argument(
         "--rank", type=int, metavar="K", help="with --tail: the log of task K of a multi-GPU job"
     )

@@ -129,7 +129,7 @@ def demo_runs() -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         # The base-model rows are left out: the check is that each kind trains and evaluates on the GPU.
         # The tiny jobs share GPU 0, SHARED_JOBS at a time: the launcher is shown it that many times over
-        # (slurm/local_gpus.py: that many slots, each job planning for its share of the memory).
+        # (slurm/cluster/local_gpus.py: that many slots, each job planning for its share of the memory).
         env = os.environ | {"CUDA_VISIBLE_DEVICES": ",".join(["0"] * SHARED_JOBS)}
         folder = demo_folder(Path(tmp), parallel=SHARED_JOBS)
         wall = launch_local(folder, [LORA_DEMO, QLORA_DEMO], "eval.baseline=false", env=env)

@@ -1,7 +1,7 @@
 """A safe path below a root (the run root, the log root, a cache): every write under one goes through here.
 
 The launch refuses links below the roots once (slurm/cli.py refuse_links), and a job once more at its start
-(slurm/jobs.py refuse_links_in); a link planted later (`runs/.rungs` -> elsewhere, a stage's
+(slurm/queueing/jobs.py refuse_links_in); a link planted later (`runs/.rungs` -> elsewhere, a stage's
 `checkpoints/` -> elsewhere, while the job trains) must not be followed either. So a write is made safe at
 the moment it happens: the folder is reached from the root one component at a time, each opened with
 O_NOFOLLOW relative to the one before (`dir_fd`), and the file opened in that folder with O_NOFOLLOW too. A

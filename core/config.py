@@ -409,10 +409,10 @@ SLURM_TIMER_S = 30
 class Resources(Section):
     # gpus > 1: one process (SLURM task) per GPU, data parallel (DDP); `gpus`, `cpus` and `mem_gb` are each
     # node's, `cpus` split evenly over a node's tasks. `nodes` > 1: the same on every node, one DDP run of
-    # nodes x gpus ranks (slurm/rendezvous.py: where they meet).
+    # nodes x gpus ranks (slurm/cluster/rendezvous.py: where they meet).
     gpus: Annotated[Int, Field(ge=0)] = 1
     nodes: Annotated[Int, BeforeValidator(whole_nodes), Field(ge=1)] = 1
-    # "auto": the plan sets it from the job's estimate (slurm/estimate.py); every consumer sees a time.
+    # "auto": the plan sets it from the job's estimate (slurm/planning/estimate.py); every consumer sees a time.
     time: SlurmTimeOrAuto = "04:00:00"
     mem_gb: Annotated[Float, Field(gt=0)] = 32
     cpus: Annotated[Int, Field(ge=1)] = 8
@@ -439,7 +439,7 @@ class Resources(Section):
     @property
     def time_s(self) -> int:
         if self.time == "auto":
-            raise ValueError("time 'auto' has no seconds until the plan resolves it (slurm/plan.py)")
+            raise ValueError("time 'auto' has no seconds until the plan resolves it (slurm/planning/plan.py)")
         return slurm_seconds(self.time)
 
     @property
@@ -541,7 +541,7 @@ class EvalSpec(Section):
     )
     after_each_stage: bool = False
     # The base model scored without an adapter on the same prompts, one shared job per base + eval data +
-    # settings (slurm/plan.py): the report's "base (no adapter)" row. Not the eval's identity.
+    # settings (slurm/planning/plan.py): the report's "base (no adapter)" row. Not the eval's identity.
     baseline: bool = Field(False, exclude=True)
     split: Literal[SPLITS] = Field(
         "eval",
@@ -695,7 +695,7 @@ class PruneSpec(Section):
     """A sweep's `prune:` block (asynchronous successive halving, core/pruning.py): at each rung (an epoch)
     a run records its in-training eval_loss and stops if it is above the `keep` quantile of every loss
     recorded at that rung so far, once there are `min_points` of them. The experiment-level checks (eval
-    data, eval_every_epochs, rungs below epochs, one stage) are slurm/experiments.py check_prune's."""
+    data, eval_every_epochs, rungs below epochs, one stage) are slurm/planning/experiments.py check_prune's."""
 
     rungs: list[Annotated[Float, Field(gt=0)]]
     keep: Annotated[Float, Field(gt=0, lt=1)]
@@ -750,7 +750,7 @@ class TrainJob(Section):
         return self
 
 
-# Keys that change how a stage runs, not what it computes: left out of its identity (slurm/plan.py) and of
+# Keys that change how a stage runs, not what it computes: left out of its identity (slurm/planning/plan.py) and of
 # the "changed config" comparisons, so changing them reruns nothing.
 # prune.eval_pruned decides only whether a pruned run's eval runs (its eval job reads the run's PRUNED note).
 HOW_IT_RUNS = {"tracking": True, "train": {"micro_batch"}, "prune": {"measured_under", "runs", "eval_pruned"}}
@@ -774,7 +774,9 @@ class EvalJob(Section):
     adapter: AdapterSpec  # QLoRA adapters are evaluated on the same 4-bit base they were trained on
     data: DataSpec
     eval: EvalSpec
-    adapter_dir: str | None  # None: the base model alone, scored as the experiments' base row (slurm/plan.py)
+    adapter_dir: (
+        str | None
+    )  # None: the base model alone, scored as the experiments' base row (slurm/planning/plan.py)
     out_dir: str
     # An earlier stage's eval in a curriculum with a preference stage: that stage's pairs, scored besides
     # this stage's own data, so its row has the preference figure the DPO and base rows have

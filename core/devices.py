@@ -21,6 +21,6 @@ def visible_devices(value: str) -> tuple[str, ...]:
 
 
 # How many jobs the local backend runs on a job's GPU at once, in the job's environment: a GPU listed N times
-# in CUDA_VISIBLE_DEVICES (0,0,0) is N slots (slurm/local_gpus.py), and each job plans to fill only its
+# in CUDA_VISIBLE_DEVICES (0,0,0) is N slots (slurm/cluster/local_gpus.py), and each job plans to fill only its
 # share of the GPU's memory (train/device.py free_gpu_gb).
 GPU_SHARES = "LORA_GPU_SHARES"

@@ -50,7 +50,7 @@ MOST_LISTED = 20
 
 @dataclass(frozen=True)
 class TextSize:
-    """How much text a data file holds: what the launcher's time estimates start from (slurm/estimate.py)."""
+    """How much text a data file holds: what the launcher's time estimates start from (slurm/planning/estimate.py)."""
 
     examples: int
     chars: int  # prompt (template filled in) + target, summed over the examples

@@ -19,6 +19,7 @@ import stat
 import sys
 import tempfile
 from collections.abc import Callable
+from contextlib import contextmanager
 from pathlib import Path
 from typing import IO
 
@@ -364,3 +365,22 @@ def fsync_path(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+@contextmanager
+def stderr_into(path: Path, root: Path | None = None):
+    """Processes started meanwhile write their stderr into `path`, not the launcher's terminal: a Ctrl-C
+    there reaches submitit's local controller too, which then prints a KeyboardInterrupt traceback (the
+    launcher itself says what it stopped). The job's own output goes to its log, as ever. With `root` (the
+    log root, the cache), `path` is reached from it without following a link (core/below.py)."""
+    if root is None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open_append(path, root=root) as log:
+            os.dup2(log.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 # RUN_ROOT/: files of the whole run root.
 SPEED_BOOK = "speeds.jsonl"  # core/speeds.py
-PREFLIGHT_TOKENS = "preflight-tokens.json"  # slurm/estimate.py
-PREFLIGHT_SPLITS = "preflight-splits.json"  # slurm/estimate.py
+PREFLIGHT_TOKENS = "preflight-tokens.json"  # slurm/planning/estimate.py
+PREFLIGHT_SPLITS = "preflight-splits.json"  # slurm/planning/estimate.py
 REPORT_MD = "report.md"  # eval/report.py
 REPORT_CSV = "report.csv"  # eval/report.py
 LOSS_CURVES = "loss_curves.png"  # eval/report.py
-LAUNCH_LOCK = ".launch.lock"  # slurm/lock.py
+LAUNCH_LOCK = ".launch.lock"  # slurm/queueing/lock.py
 RUNGS = ".rungs"  # core/pruning.py: RUNGS/SWEEP/RUNG.jsonl, a pruned sweep's losses at each rung
 RUN_ROOT = {
     SPEED_BOOK: "the speed book",
@@ -30,8 +30,8 @@ RUN_ROOT = {
 }
 
 # LOG_DIR/: folders beside the experiments' log folders.
-PACKS = "packs"  # slurm/backends.py: packed allocations' submitit folders
-CODE_SNAPSHOTS = ".code"  # slurm/snapshot.py
+PACKS = "packs"  # slurm/queueing/backends.py: packed allocations' submitit folders
+CODE_SNAPSHOTS = ".code"  # slurm/queueing/snapshot.py
 LOG_ROOT = {PACKS: "the packed allocations' logs", CODE_SNAPSHOTS: "the code snapshots"}
 
 # RUN_ROOT/EXP/: what shares an experiment's folder with its stages.

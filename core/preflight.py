@@ -1,5 +1,5 @@
 """What preflight found for one training job: computed by train/preflight.py (torch) on a cache miss, kept
-in the cache and judged on the login node by slurm/preflight.py (torch-free)."""
+in the cache and judged on the login node by slurm/planning/preflight.py (torch-free)."""
 
 from __future__ import annotations
 

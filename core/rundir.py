@@ -11,7 +11,7 @@ adapter/       the trained adapter and its tokenizer (the trainer, at its end)
 split.json     how the effective batch was split (micro-batch, accumulation, checkpointing, why): the
                trainer's rank 0 at a fresh start; a resumed run keeps it (core/split.py)
 summary.json   what the stage did: steps, runtime, tokens, device, precision, world size (the trainer, last)
-lane.json      for a unit of a packed allocation: its lane, GPU and how it ended (slurm/lanes.py)
+lane.json      for a unit of a packed allocation: its lane, GPU and how it ended (slurm/queueing/lanes.py)
 predictions.jsonl, predictions.partial.jsonl, results.json   an eval's (eval/job.py, eval/predictions.py)
 PRUNED         a stage of a pruned sweep stopped at a rung: the rung, its loss and the cutoff it was above
                (core/pruning.py, the trainer's rank 0 when it decides; its DONE follows as for a completed one)
@@ -83,7 +83,7 @@ PRUNED_FIELDS = {
     "points": int,
     "evaluate": bool,
 }
-# lane.json as slurm/lanes.py writes it
+# lane.json as slurm/queueing/lanes.py writes it
 LANE_FIELDS = {
     "pack_job": (str, int),
     "lane": int,
@@ -411,9 +411,9 @@ def record_job(
 def record_intent(
     run_dir: Path, code: dict | None = None, pack: bool = False, token: str | None = None
 ) -> str:
-    """Before sbatch: the token the job's SLURM comment will carry (slurm/backends.py). If the launch dies or
+    """Before sbatch: the token the job's SLURM comment will carry (slurm/queueing/backends.py). If the launch dies or
     cannot write job.json once sbatch has queued it, the next launch (or --cancel, --status) finds the
-    job in the queue by this token and records it (slurm/decisions.py adopt_unrecorded), instead of
+    job in the queue by this token and records it (slurm/queueing/decisions.py adopt_unrecorded), instead of
     queueing it a second time. Raises OSError when job.json cannot be written: then nothing is queued."""
     token = token or uuid.uuid4().hex  # a pack's units share their allocation's
     intent = Submission(token, time.strftime(TIME_STAMP), pack, code or None)

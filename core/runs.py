@@ -12,7 +12,7 @@ from core.states import State
 
 @dataclass(frozen=True)
 class JobUsage:
-    """What one job held of the cluster, as it charges it (slurm/usage.py)."""
+    """What one job held of the cluster, as it charges it (slurm/watching/usage.py)."""
 
     held_s: float  # wall time held, every attempt (a packed unit: its lane time)
     gpu_hours: float
@@ -51,7 +51,7 @@ class JobRun:
     model: str = ""  # a training stage's base model (name_or_path)
     method: str = ""  # a training stage's adapter method (lora, qlora)
     summary: dict = field(default_factory=dict)  # a training stage's summary.json, read once ({}: none)
-    used: JobUsage | None = None  # what it held (slurm/usage.py); None: no scheduler figure
+    used: JobUsage | None = None  # what it held (slurm/watching/usage.py); None: no scheduler figure
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """The speed book, `RUN_ROOT/speeds.jsonl`: one row per finished training stage, appended by its rank 0,
 and one per finished eval job (`"kind": "eval"`).
 
-The launcher's time estimates (slurm/estimate.py) read it before they guess: a model that has trained here
+The launcher's time estimates (slurm/planning/estimate.py) read it before they guess: a model that has trained here
 once is estimated from what it did. Torch-free, so the launcher can read what the trainer writes.
 
 Tokens are prompt + target tokens of the examples trained on (a causal model's one sequence, a seq2seq
@@ -102,7 +102,7 @@ def read_eval_book(book: Path) -> list[EvalSpeedRecord]:
     return _rows(book, EvalSpeedRecord, lambda row: row.get("kind") == "eval")
 
 
-# Numbers the estimates divide by or take the logarithm of (slurm/estimate.py): a row with one at 0 or below
+# Numbers the estimates divide by or take the logarithm of (slurm/planning/estimate.py): a row with one at 0 or below
 # would crash them, so it is skipped with a warning, as a row of another shape is.
 POSITIVE = ("world_size", "batch_size", "grad_accum", "max_length", "tokens_per_s", "batches")
 

@@ -53,7 +53,7 @@ def jobs_verdict(verdicts: list[State | None]) -> State | None:
     return None if None in verdicts else State.PENDING
 
 
-# The words a packed unit's lane.json held before lanes wrote State's own (slurm/lanes.py): still read, so
+# The words a packed unit's lane.json held before lanes wrote State's own (slurm/queueing/lanes.py): still read, so
 # a pack queued by an earlier version is shown as it runs.
 LANE_STATES: dict[str, State] = {
     "waiting": State.PENDING,

@@ -9,7 +9,7 @@ prompt (TRL's `logps`, no reference subtracted: a figure the base row has too). 
 - preference_margin: the mean of chosen minus rejected summed log-probability (nats).
 
 An SFT stage's eval in a curriculum with a preference stage scores that stage's pairs too
-(EvalJob.preference_pairs, slurm/plan.py), so base, SFT and DPO rows hold the same figure. No truncation: a
+(EvalJob.preference_pairs, slurm/planning/plan.py), so base, SFT and DPO rows hold the same figure. No truncation: a
 pair is scored whole (the eval loads no max_length).
 """
 

@@ -5,7 +5,7 @@ Takes the run root's jobs as typed records (core/runs.py `JobRun`: each job's st
 summary.json, read once by slurm/commands/report.py) and reads the rest of the run folders itself:
 `metrics.jsonl` of each stage, `results.json` of the eval job. It never sees the plan or the scheduler.
 GPU-hours are what the cluster charged: each job's elapsed time x the GPUs it held, every requeue, eval
-jobs and a pack's idle lanes included, as the launcher found them (`usage`: slurm/usage.py, from sacct or
+jobs and a pack's idle lanes included, as the launcher found them (`usage`: slurm/watching/usage.py, from sacct or
 a local job's own clock). A job without such a figure (run by hand, unknown to the scheduler) counts its
 Trainer clock x its GPUs, and the report says so; a CPU run (device "cpu") costs no GPU-hours.
 An experiment that failed or never ran is a row that says so, never a silent gap.

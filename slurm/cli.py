@@ -1,4 +1,4 @@
-"""The door of launch.py: its parsed flags become one typed request (slurm/request.py, checked before
+"""The door of launch.py: its parsed flags become one typed request (slurm/planning/request.py, checked before
 anything loads), and the request's verb runs its command (slurm/commands/, one module a verb). User
 mistakes end here as messages and exit code 2; a launch stopped midway as exit 1 (130 for Ctrl-C)."""
 
@@ -9,11 +9,11 @@ from pathlib import Path
 
 from core.files import NotARegularFile, forget_warnings, links_below
 from core.problems import ConfigError, Problem
+from slurm.cluster.profile import load_profile
 from slurm.commands import cancel, export, launch, report, sync, watch
-from slurm.profile import load_profile
-from slurm.queueing import LaunchError
-from slurm.render import err
-from slurm.request import LaunchRequest, action_of, nothing_done, request_from
+from slurm.planning.request import LaunchRequest, action_of, nothing_done, request_from
+from slurm.queueing.submit import LaunchError
+from slurm.watching.render import err
 
 # What a read-only, full or hand-altered run folder raises where a command writes (the report, the launch
 # lock, a job's record): a sentence naming the file, exit 1, never a traceback.
@@ -28,10 +28,10 @@ WRITE_REFUSALS = {
     errno.ENOTDIR,
 }
 
-# Each verb (slurm/request.py names them, launch.py's flags choose one) → its command.
+# Each verb (slurm/planning/request.py names them, launch.py's flags choose one) → its command.
 VERBS = {
     "launch": launch.launch,
-    "retry_failed": launch.launch,  # a launch of the failed jobs and what follows them (slurm/queueing.py)
+    "retry_failed": launch.launch,  # a launch of the failed jobs and what follows them (slurm/queueing/submit.py)
     "dry_run": launch.dry_run,
     "preflight": launch.preflight,
     "calibrate": launch.calibrate,

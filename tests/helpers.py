@@ -15,7 +15,7 @@ from pathlib import Path
 import yaml
 
 from core.writer_lock import hold_folder
-from slurm.jobs import StageJob, this_job_id
+from slurm.queueing.jobs import StageJob, this_job_id
 from tests.conftest import write_cluster_yaml
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -286,9 +286,9 @@ eval: {{metrics: [exact_match]}}
 def plan_for(
     overrides: list[str] | None = None, names: list[str] | None = None, folder: Path = SHIPPED_EXPERIMENTS
 ):
-    from slurm.experiments import load_experiments, parse_overrides
-    from slurm.plan import build_plan
-    from slurm.profile import load_profile
+    from slurm.cluster.profile import load_profile
+    from slurm.planning.experiments import load_experiments, parse_overrides
+    from slurm.planning.plan import build_plan
 
     profile, _ = load_profile(folder)
     return build_plan(load_experiments(folder, profile, parse_overrides(overrides or []), names), profile)
@@ -335,7 +335,7 @@ def hub_cache(folder: Path) -> Path:
 
 
 # Jobs that hold their run folder as a trainer does and then wait to be killed: the one-writer tests need
-# real processes under a real submitit controller, not training (core/writer_lock.py, slurm/jobs.py).
+# real processes under a real submitit controller, not training (core/writer_lock.py, slurm/queueing/jobs.py).
 class BlockingStage(StageJob):
     """A StageJob (the same __call__: tied to its controller, the folder held) whose work never ends."""
 
@@ -358,7 +358,7 @@ def start_local_job(folder: Path, stage, run_dir: Path):
     """`stage` as a real local job (submitit's LocalExecutor, the local backend's) logging in `folder`."""
     import submitit
 
-    from slurm.backends import working_directory
+    from slurm.queueing.backends import working_directory
 
     run_dir.mkdir(parents=True, exist_ok=True)
     executor = submitit.LocalExecutor(folder=folder, python=sys.executable)

@@ -12,12 +12,12 @@ import pytest
 import launch
 from core.rundir import RunDir, job_records, mark_done
 from core.states import State
+from slurm.cluster.profile import load_profile
 from slurm.commands.cancel import without_shared_bases
-from slurm.decisions import weigh
-from slurm.experiments import load_experiments
-from slurm.plan import legacy_base_eval_job
-from slurm.profile import load_profile
-from slurm.status import JobStatus
+from slurm.planning.experiments import load_experiments
+from slurm.planning.plan import legacy_base_eval_job
+from slurm.queueing.decisions import weigh
+from slurm.watching.status import JobStatus
 from tests.conftest import write_cluster_yaml
 from tests.helpers import holding_sbatch, plan_for, start_launcher, tiny_sql_base
 

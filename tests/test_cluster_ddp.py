@@ -19,7 +19,7 @@ from pathlib import Path
 from submitit.core.utils import JobPaths
 
 import launch
-from slurm.rendezvous import rendezvous_port
+from slurm.cluster.rendezvous import rendezvous_port
 from tests.helpers import fault_experiment, job_pids, progress_step, slurm_id, submit, wait_until
 from tests.train_helpers import assert_every_step_logged_once, assert_same_adapter
 from train.checkpoints import latest_valid_checkpoint, step_of
@@ -130,8 +130,8 @@ def test_kill_9_of_the_rank_on_node_two_fails_the_job_at_once_naming_rank_and_no
 ):
     # A rank that dies (OOM killer, a node's fault) must not leave rank 0 waiting in its next all-reduce
     # for the group's 30-minute timeout: srun --kill-on-bad-exit ends the step, the job FAILS.
-    from slurm.profile import load_profile
-    from slurm.status import plan_status
+    from slurm.cluster.profile import load_profile
+    from slurm.watching.status import plan_status
     from tests.helpers import plan_for
 
     monkeypatch.chdir(repo_root)

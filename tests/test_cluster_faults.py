@@ -15,7 +15,7 @@ from submitit.core.utils import JobPaths
 
 import launch
 from core.states import State
-from slurm.status import query_slurm
+from slurm.watching.status import query_slurm
 from tests.helpers import fault_experiment, slurm_id, submit, wait_until
 from tests.train_helpers import (
     assert_every_step_logged_once,

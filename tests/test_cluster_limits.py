@@ -1,4 +1,4 @@
-"""The cluster's real limits, read before anything is queued (slurm/limits.py), against the dev cluster's
+"""The cluster's real limits, read before anything is queued (slurm/cluster/limits.py), against the dev cluster's
 slurmctld with accounting enforced (slurm/dev-cluster/up.sh): QOS `limited` lets a user hold 2 GPUs and
 queue 3 jobs, partition `short` has a MaxTime of 10 minutes. SLURM itself would accept the first two
 kinds of job and leave them pending forever, and refuse a fourth job halfway through a plan."""

@@ -18,10 +18,10 @@ from submitit.core.utils import JobPaths
 import launch
 from bench.packing import SCENARIO, scenario
 from core.states import State
-from slurm.experiments import load_experiments, parse_overrides
-from slurm.plan import build_plan
-from slurm.profile import load_profile
-from slurm.status import query_slurm
+from slurm.cluster.profile import load_profile
+from slurm.planning.experiments import load_experiments, parse_overrides
+from slurm.planning.plan import build_plan
+from slurm.watching.status import query_slurm
 from tests.conftest import squeue_ids
 from tests.helpers import holding_sbatch, slurm_id, wait_until
 from tests.train_helpers import assert_every_step_logged_once, assert_same_adapter

@@ -8,7 +8,7 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from core.config import Experiment
-from slurm.profile import ClusterProfile
+from slurm.cluster.profile import ClusterProfile
 
 DOC = Path(__file__).resolve().parent.parent / "configs" / "README.md"
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 
 from core.devices import visible_devices
-from slurm.lanes import lane_devices
-from slurm.local_gpus import VisibleGpus
-from slurm.usage import given_gpus
+from slurm.cluster.local_gpus import VisibleGpus
+from slurm.queueing.lanes import lane_devices
+from slurm.watching.usage import given_gpus
 
 
 @pytest.mark.parametrize(
@@ -28,7 +28,9 @@ def test_every_reader_sees_the_gpus_cuda_sees(value, devices, monkeypatch, tmp_p
     assert visible_devices(value) == devices
     assert VisibleGpus.detect().ids == devices
     log = tmp_path / "job.out"
-    log.write_text(f"2026-11-27 10:00:00 INFO CUDA_VISIBLE_DEVICES={value}\nstep 1\n")  # slurm/jobs.py's line
+    log.write_text(
+        f"2026-11-27 10:00:00 INFO CUDA_VISIBLE_DEVICES={value}\nstep 1\n"
+    )  # slurm/queueing/jobs.py's line
     assert given_gpus(log) == len(devices)
     if devices:
         assert lane_devices(len(devices)) == list(devices)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from core.durations import TIME_FORMAT, format_duration, read_duration, slurm_seconds, slurm_time
-from slurm.status import elapsed_seconds
+from slurm.watching.status import elapsed_seconds
 
 
 @pytest.mark.parametrize(

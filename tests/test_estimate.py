@@ -1,4 +1,4 @@
-"""Estimates (slurm/estimate.py), the speed book (core/speeds.py) and `resources.time: auto`."""
+"""Estimates (slurm/planning/estimate.py), the speed book (core/speeds.py) and `resources.time: auto`."""
 
 from __future__ import annotations
 
@@ -10,11 +10,17 @@ import pytest
 from core.config import DataSpec, EvalJob, ModelSpec, TrainJob
 from core.problems import ConfigError
 from core.speeds import EvalSpeedRecord, SpeedRecord, book_of, read_book
-from slurm import guesses
-from slurm.estimate import DataTokens, Estimator, auto_time_limit_s, read_exact_tokens, record_exact_tokens
-from slurm.experiments import load_experiments
-from slurm.plan import estimated_again
-from slurm.profile import load_profile
+from slurm.cluster.profile import load_profile
+from slurm.planning import guesses
+from slurm.planning.estimate import (
+    DataTokens,
+    Estimator,
+    auto_time_limit_s,
+    read_exact_tokens,
+    record_exact_tokens,
+)
+from slurm.planning.experiments import load_experiments
+from slurm.planning.plan import estimated_again
 from tests.helpers import plan_for, sized, write_experiments
 
 MODEL = {"name_or_path": "org/some-model-0.5B", "kind": "causal"}
@@ -200,8 +206,8 @@ def auto_folder(tmp_path: Path, cluster: str = "") -> Path:
 
 
 def sbatch_time(folder: Path, job_id: str) -> int:
-    from slurm.backends import SlurmBackend
-    from slurm.snapshot import CodeSnapshot
+    from slurm.queueing.backends import SlurmBackend
+    from slurm.queueing.snapshot import CodeSnapshot
 
     profile, _ = load_profile(folder)
     backend = SlurmBackend(profile, folder, CodeSnapshot(folder, None, None))
@@ -223,7 +229,7 @@ def test_time_auto_resolves_in_the_plan_and_reaches_sbatch(tmp_path):
 
 def test_a_guessed_eval_limit_leaves_room_for_a_slow_machine():
     """Before: a newcomer's evals, guessed at ~49 s, got 15 minutes and were killed on a busy machine."""
-    from slurm.estimate import GUESSED_EVAL_FLOOR_S
+    from slurm.planning.estimate import GUESSED_EVAL_FLOOR_S
 
     assert auto_time_limit_s(49, 120, 86400, guessed=True) == 900  # the guess alone: what killed them
     assert auto_time_limit_s(49, 120, 86400, guessed=True, floor_s=GUESSED_EVAL_FLOOR_S) == 3600
@@ -368,7 +374,7 @@ def test_an_h100_row_is_scaled_to_an_a100_job_by_peak_and_marked():
 
 
 def test_a_gpu_model_comes_from_a_device_name_or_a_constraint_and_a_guess_uses_its_peak():
-    from slurm.guesses import gpu_model
+    from slurm.planning.guesses import gpu_model
 
     assert gpu_model("NVIDIA H100 80GB HBM3") == "H100" and gpu_model("NVIDIA H100 PCIe") == "H100 PCIE"
     assert gpu_model("NVIDIA A100-SXM4-80GB") == gpu_model("a100_80g") == "A100"
@@ -422,7 +428,7 @@ def test_an_eval_row_from_a_cpu_never_estimates_a_gpu_eval_and_another_gpus_is_s
 
 def test_the_gpu_model_a_job_gets_is_read_from_its_constraint_then_its_partition():
     from core.config import Resources
-    from slurm.guesses import job_gpu
+    from slurm.planning.guesses import job_gpu
 
     assert job_gpu(Resources(gpus=1, constraint="h100&ib", partition="gpu-a100")) == "H100"
     assert job_gpu(Resources(gpus=1, constraint="ib", partition="gpu-a100")) == "A100"

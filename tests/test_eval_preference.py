@@ -80,7 +80,7 @@ def test_the_report_has_a_column_for_each_preference_score():
 
 def test_an_sft_stages_eval_scores_the_curriculums_pairs_from_the_split_it_scores(tiny, tmp_path):
     """The SFT row's eval data are its own SQL examples; the pairs come from EvalJob.preference_pairs (the
-    DPO stage's data, slurm/plan.py), from the file eval.split names, and an eval without them has none."""
+    DPO stage's data, slurm/planning/plan.py), from the file eval.split names, and an eval without them has none."""
     from eval.preference import pairs_of
     from tests.train_helpers import sql_data
 

@@ -116,10 +116,10 @@ def test_a_finished_export_asked_again_in_another_format_is_redone_in_place_not_
     # Before: --export-format gguf after a safetensors export was "already finished: rerun with --force",
     # and --force archived the whole export folder (gigabytes for a 7B) before making it again.
     from core.rundir import mark_done, write_spec
-    from slurm.decisions import archive_stale, weigh
-    from slurm.experiments import load_experiments
-    from slurm.plan import build_plan, with_exports
-    from slurm.profile import load_profile
+    from slurm.cluster.profile import load_profile
+    from slurm.planning.experiments import load_experiments
+    from slurm.planning.plan import build_plan, with_exports
+    from slurm.queueing.decisions import archive_stale, weigh
 
     folder = tmp_path / "configs"
     folder.mkdir()

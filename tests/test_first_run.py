@@ -6,8 +6,8 @@ from __future__ import annotations
 def test_the_wait_for_the_run_roots_lock_says_how_to_use_a_run_root_of_ones_own(tmp_path):
     """Before: a newcomer's first launch waited for `make demo`'s lock on runs/ with no word on how not to.
     The cluster.yaml it suggests is read as the folder's profile: its run root is the one it names."""
-    from slurm.profile import load_profile
-    from slurm.queueing import waiting_text
+    from slurm.cluster.profile import load_profile
+    from slurm.queueing.submit import waiting_text
 
     said = waiting_text("runs", "pid 4242 on login1")
     assert said.startswith("waiting for the launch lock of runs/: held by pid 4242 on login1")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from core.hashing import CACHE_KEY_CHARS, IDENTITY, IDENTITY_CHARS, content_hash
 
-# An identity as slurm/plan.py builds one: nested dicts (keys out of order), a float, None, a Path (not
+# An identity as slurm/planning/plan.py builds one: nested dicts (keys out of order), a float, None, a Path (not
 # JSON: written as str), a non-ASCII character (escaped by json.dumps).
 SAMPLE = {
     "model": {"name_or_path": "google/flan-t5-small", "kind": "seq2seq"},

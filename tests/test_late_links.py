@@ -112,8 +112,8 @@ def test_safe_path_below_a_root_allows_a_root_that_is_itself_a_link(tmp_path):
 def test_link_planted_at_a_unit_log_folder_after_the_pack_started_gets_no_order_and_no_log(tmp_path):
     # A packed allocation's lane writes each unit's order file and log below the log root when it starts it.
     from core.states import State
-    from slurm.lanes import Lanes
-    from slurm.pack import Unit
+    from slurm.planning.pack import Unit
+    from slurm.queueing.lanes import Lanes
 
     target = victim(tmp_path)
     unit = Unit(
@@ -141,7 +141,7 @@ def test_link_planted_at_a_unit_log_folder_after_the_pack_started_gets_no_order_
 
 def test_link_planted_at_a_job_log_folder_gets_no_controller_log(tmp_path):
     # A local job's controller log (and, checked just before submitit is handed the folder, its files).
-    from slurm.backends import stderr_into
+    from core.files import stderr_into
 
     target = victim(tmp_path)
     (tmp_path / "logs").mkdir()
@@ -176,7 +176,7 @@ def test_link_planted_below_the_token_cache_gets_no_tokenized_dataset(tmp_path, 
 
 def test_link_planted_at_the_preflight_cache_gets_no_result_and_no_log(tmp_path, monkeypatch, capsys):
     from core.preflight import JobPreflight
-    from slurm.preflight import keep, library_output_into, preflight_log
+    from slurm.planning.preflight import keep, library_output_into, preflight_log
 
     monkeypatch.setenv("LORA_CACHE_DIR", str(tmp_path / "cache"))
     target = victim(tmp_path)
@@ -224,7 +224,7 @@ def test_link_planted_at_the_code_snapshots_folder_gets_no_copy_and_no_job_start
     # The launch copies the code its jobs run into LOG_DIR/.code/<hash>; `.code` -> elsewhere since the
     # launch's check would have received the copy, or handed jobs code that is not this launch's.
     from core.layout import CODE_SNAPSHOTS
-    from slurm.snapshot import take_snapshot
+    from slurm.queueing.snapshot import take_snapshot
 
     target = victim(tmp_path)
     (tmp_path / "logs").mkdir()

@@ -24,13 +24,13 @@ ALLOWED = {
 # Every import from one product floor into another, by name: anything else fails the test below.
 CROSSING = {
     ("launch", "slurm.cli"),  # the door
-    ("slurm.jobs", "train.stage"),  # a job's entry points, run on the node
-    ("slurm.jobs", "eval.job"),
-    ("slurm.jobs", "eval.export"),
-    ("slurm.preflight", "train.preflight"),  # login-node preflight (torch on a cache miss only)
-    ("slurm.preflight", "train.data"),
-    ("slurm.preflight", "train.hub_cache"),
-    ("slurm.commands.report", "eval.report"),  # the report renderer, handed core/runs.py records
+    ("slurm.queueing.jobs", "train.stage"),  # a job's entry points, run on the node
+    ("slurm.queueing.jobs", "eval.job"),
+    ("slurm.queueing.jobs", "eval.export"),
+    ("slurm.planning.preflight", "train.preflight"),  # login-node preflight (torch on a cache miss only)
+    ("slurm.planning.preflight", "train.data"),
+    ("slurm.planning.preflight", "train.hub_cache"),
+    ("slurm.watching.reporting", "eval.report"),  # the report renderer, handed core/runs.py records
     ("eval.export", "train.data"),  # eval loads models and data as the trainer does
     ("eval.export", "train.model"),
     ("eval.export", "train.vl"),
@@ -87,6 +87,42 @@ def test_each_floor_imports_only_the_floors_below_it_and_the_named_crossings():
         if (floor := module.split(".")[0]) != (below := imported.split(".")[0])
         and below not in ALLOWED[floor]
         and (module, imported) not in CROSSING
+    )
+    assert wrong == []
+
+
+# The wings of slurm/, lowest first (README "How it works"): a wing imports core/ and the wings below it,
+# the commands import any wing, the door (slurm/cli.py) anything of slurm/.
+WINGS = ("slurm.cluster", "slurm.planning", "slurm.watching", "slurm.queueing", "slurm.commands", "slurm.cli")
+
+
+def wing_of(module: str) -> str | None:
+    return next((w for w in WINGS if module == w or module.startswith(f"{w}.")), None)
+
+
+def test_every_module_of_slurm_lives_in_a_wing():
+    # A module dropped at slurm/'s top level is a room outside every wing: nobody can tell which floor it is on.
+    assert sorted(m for m in project_modules() if m.startswith("slurm.") and wing_of(m) is None) == []
+
+
+def test_each_wing_of_slurm_imports_only_the_wings_below_it():
+    wrong = sorted(
+        f"{module} imports {imported}"
+        for module, imported_set in graph().items()
+        if (wing := wing_of(module))
+        for imported in imported_set
+        if (below := wing_of(imported)) and WINGS.index(below) > WINGS.index(wing)
+    )
+    assert wrong == []
+
+
+def test_no_command_imports_another_command():
+    # What two commands share lives in the wing that owns it; a command calling a command drags in its
+    # whole verb (its tables, its exit codes) and ties their changes together.
+    edges = graph()
+    commands = [m for m in edges if m.startswith("slurm.commands.")]
+    wrong = sorted(
+        f"{m} imports {i}" for m in commands for i in edges[m] if i.startswith("slurm.commands.") and i != m
     )
     assert wrong == []
 

@@ -10,14 +10,14 @@ from core.layout import taken_experiment_name, taken_stage_name
 from core.rundir import write_spec
 from core.speeds import book_of, eval_book_of
 from eval.report import write_report
-from slurm.commands.report import job_runs
-from slurm.decisions import archive_stale
-from slurm.estimate import record_exact_tokens
-from slurm.experiments import load_experiments
-from slurm.lock import launch_lock
-from slurm.plan import build_plan, calibration_plan
-from slurm.profile import load_profile
-from slurm.snapshot import take_snapshot
+from slurm.cluster.profile import load_profile
+from slurm.planning.estimate import record_exact_tokens
+from slurm.planning.experiments import load_experiments
+from slurm.planning.plan import build_plan, calibration_plan
+from slurm.queueing.decisions import archive_stale
+from slurm.queueing.lock import launch_lock
+from slurm.queueing.snapshot import take_snapshot
+from slurm.watching.reporting import job_runs
 from tests.conftest import write_cluster_yaml
 
 EXPERIMENT = """\

@@ -1,4 +1,4 @@
-"""The cluster-limit readers (slurm/limits.py parse_limits and its parts) on text recorded from a dev cluster.
+"""The cluster-limit readers (slurm/cluster/limits.py parse_limits and its parts) on text recorded from a dev cluster.
 
 Recorded from slurm-wlm 22.05.8 (slurm/dev-cluster/up.sh, its 4 GPUs declared as `gpu:a100:4` and
 AccountingStorageTRES=gres/gpu,gres/gpu:a100) with the launcher's own commands: `sacctmgr -n -P show qos
@@ -17,8 +17,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from core.config import Resources
-from slurm.client import gpu_counts, tres_counts
-from slurm.limits import (
+from slurm.cluster.client import gpu_counts, tres_counts
+from slurm.cluster.limits import (
     Cap,
     ClusterLimits,
     association_row,
@@ -28,7 +28,7 @@ from slurm.limits import (
     parse_limits,
     partition_times,
 )
-from slurm.status import tres_gpus
+from slurm.watching.status import tres_gpus
 
 FIXTURES = Path(__file__).parent / "fixtures" / "scontrol"
 PARTITIONS = (FIXTURES / "partitions-22.05.8.txt").read_text()  # debug: MaxTime=UNLIMITED; short: 00:10:00

@@ -4,7 +4,7 @@ CUDA_VISIBLE_DEVICES="" for every job, so on a GPU workstation or a `salloc` nod
 Now each local job holds its `resources.gpus` of the GPUs the launcher sees (CUDA_VISIBLE_DEVICES, else
 `nvidia-smi -L`), disjoint from every other running job's, and waits for them; a job asking for more than
 the machine has is refused before anything runs. This machine has no GPU: the launcher is given made-up
-GPU UUIDs, and the tests read what each job process received from its own log (slurm/jobs.py writes its
+GPU UUIDs, and the tests read what each job process received from its own log (slurm/queueing/jobs.py writes its
 CUDA_VISIBLE_DEVICES there before torch starts; CPU torch then trains on the CPU, whatever it names).
 Real local jobs (submitit's LocalExecutor), real tiny models."""
 
@@ -18,7 +18,7 @@ from submitit.core.utils import JobPaths
 
 import launch
 from core.devices import visible_devices
-from slurm.local_gpus import GpuPool, VisibleGpus, count_listed, gpus_needed
+from slurm.cluster.local_gpus import GpuPool, VisibleGpus, count_listed, gpus_needed
 from tests.conftest import write_cluster_yaml
 from tests.helpers import record, tiny_sql_base
 

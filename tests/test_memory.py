@@ -123,7 +123,7 @@ def test_memory_is_in_decimal_gb_as_cluster_yaml_and_nvml_readings_are():
     """One unit: an "80 GB" H100 written as gpu_mem_gb: 80 must not be filled by a step of 79.9 GiB
     (85.8 GB), and preflight's figures compare with the GPU readings status shows (train/gpu_use.py)."""
     from core.preflight import JobPreflight
-    from slurm.preflight import refusals
+    from slurm.planning.preflight import refusals
     from train import gpu_use, memory
 
     assert memory.GB == gpu_use.GB == 10**9
@@ -149,7 +149,7 @@ def test_preflight_evaluates_at_the_batch_the_trainer_evaluates_at(tiny, tmp_pat
 @pytest.mark.slow
 def test_a_job_whose_eval_step_does_not_fit_is_refused_naming_the_eval(tmp_path):
     """A logits-heavy job: its training step fits, its in-training eval (twice the batch) does not."""
-    from slurm.preflight import refusals
+    from slurm.planning.preflight import refusals
     from train.preflight import preflight_job
 
     kind, changes, _, batch, length, _ = CASES["large vocabulary"]

@@ -18,7 +18,7 @@ import pytest
 
 import launch
 from core.rundir import job_records, pending_submission, record_intent, record_job
-from slurm.scheduler import RecordedLocalJob, descendants, local_alive, parse_comments, stop_local
+from slurm.cluster.scheduler import RecordedLocalJob, descendants, local_alive, parse_comments, stop_local
 from tests.conftest import squeue_ids
 from tests.helpers import alive, configs, holding_sbatch, record, start_launcher, wait_until
 

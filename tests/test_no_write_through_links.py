@@ -15,7 +15,7 @@ import pytest
 
 import launch
 from core.files import links_below, open_append, open_lock, write_atomic_with
-from slurm.jobs import refuse_links_in
+from slurm.queueing.jobs import refuse_links_in
 from tests.helpers import configs
 
 EXPERIMENT_WITH_EVAL = """\

@@ -1,4 +1,4 @@
-"""`resources.nodes: N`: where the ranks meet (slurm/rendezvous.py, on recorded scontrol output), what the
+"""`resources.nodes: N`: where the ranks meet (slurm/cluster/rendezvous.py, on recorded scontrol output), what the
 plan, the dry run and the limits make of N nodes, and what is refused before anything is queued."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from slurm.rendezvous import (
+from slurm.cluster.rendezvous import (
     RendezvousError,
     first_node,
     gpus_on_node,
@@ -72,7 +72,7 @@ def test_slurms_own_task_and_gpu_shapes_parse_and_uneven_nodes_are_refused_with_
 
 
 def test_placement_line_names_rank_zeros_node_and_this_tasks(monkeypatch):
-    from slurm.jobs import placement_line
+    from slurm.queueing.jobs import placement_line
 
     env = {
         "WORLD_SIZE": "2",
@@ -121,8 +121,8 @@ def test_a_two_node_job_is_two_nodes_x_gpus_ranks_and_counts_every_nodes_gpu_hou
 
 def test_a_multi_node_job_is_never_a_lane_of_a_one_node_pack(tmp_path):
     from core.problems import ConfigError
-    from slurm.pack import pack_plan
-    from slurm.profile import load_profile
+    from slurm.cluster.profile import load_profile
+    from slurm.planning.pack import pack_plan
 
     folder = write_experiments(tmp_path, wide=sized("wide", WIDE.replace("gpus: 4", "gpus: 1")))
     plan = plan_for(["train.batch_size=2"], ["wide", "other"], folder=folder)
@@ -135,7 +135,7 @@ def test_a_multi_node_job_is_never_a_lane_of_a_one_node_pack(tmp_path):
 
 
 def test_the_local_backend_refuses_two_nodes_and_says_how_to_run_them_on_one_machine(tmp_path):
-    from slurm.local_gpus import VisibleGpus, too_many_gpus
+    from slurm.cluster.local_gpus import VisibleGpus, too_many_gpus
 
     folder = write_experiments(tmp_path, wide=sized("wide", WIDE))
     plan = plan_for(["train.batch_size=2"], ["wide"], folder=folder)
@@ -200,7 +200,7 @@ def test_nodes_on_an_eval_section_is_refused_eval_stays_one_node(tmp_path, capsy
 
 
 def test_more_nodes_than_the_partition_has_never_start_named_with_the_clusters_figure(tmp_path):
-    from slurm.limits import never_starting, parse_limits
+    from slurm.cluster.limits import never_starting, parse_limits
 
     partitions = (SCONTROL / "partitions-two-nodes-22.05.8.txt").read_text()
     limits = parse_limits("normal", "", "association root/lab", "", partitions, "")
@@ -254,7 +254,7 @@ def test_a_group_that_cannot_form_fails_within_the_join_timeout_naming_rank_and_
 
 
 def test_a_failed_multi_node_job_names_the_first_rank_and_node_srun_saw_end():
-    from slurm.status import first_failed_rank
+    from slurm.watching.status import first_failed_rank
 
     # Task 0's log as the two-node dev cluster wrote it: a requeued first attempt (both tasks ended by the
     # requeue), then a second attempt whose rank on n2 was killed.

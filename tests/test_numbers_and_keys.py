@@ -13,7 +13,7 @@ from pydantic import BaseModel, TypeAdapter, ValidationError
 from transformers import TrainerState
 
 from core import config
-from slurm.profile import ClusterProfile
+from slurm.cluster.profile import ClusterProfile
 from tests.helpers import dry_run, experiment_folder
 from tests.train_helpers import make_job
 from train.callbacks import FailOnNonFiniteLoss, NonFiniteLoss

@@ -19,9 +19,9 @@ import launch
 from core.rundir import log_folder, record_job, write_spec
 from core.states import State
 from core.writer_lock import FolderHeld, hold_folder, holder, recorded_holder
-from slurm.decisions import decide
-from slurm.scheduler import descendants, gone, local_failure
-from slurm.status import plan_status
+from slurm.cluster.scheduler import descendants, gone, local_failure
+from slurm.queueing.decisions import decide
+from slurm.watching.status import plan_status
 from tests.helpers import (
     ROOT,
     BlockingStage,

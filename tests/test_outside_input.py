@@ -16,9 +16,9 @@ from core.config import ascii_int
 from core.durations import read_duration
 from core.files import read_json, read_jsonl, read_text
 from core.rundir import UNREADABLE, done_hash
-from slurm import limits
-from slurm.client import run_client
-from slurm.status import elapsed_seconds, tres_gpus
+from slurm.cluster import limits
+from slurm.cluster.client import run_client
+from slurm.watching.status import elapsed_seconds, tres_gpus
 from tests.conftest import write_cluster_yaml
 
 ROOT = Path(__file__).resolve().parent.parent

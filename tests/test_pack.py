@@ -1,4 +1,4 @@
-"""Packing (slurm/pack.py) as data: the lanes' rule simulated on estimates, the budget check, the refusals,
+"""Packing (slurm/planning/pack.py) as data: the lanes' rule simulated on estimates, the budget check, the refusals,
 the allocation a pack asks for. No cluster: the dev-cluster runs are in tests/test_cluster_pack.py."""
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ import pytest
 import launch
 from core.problems import ConfigError
 from core.states import State, lane_state
-from slurm.estimate import Estimate
-from slurm.experiments import load_experiments, parse_overrides
-from slurm.pack import Unit, pack_plan, pack_resources, simulate
-from slurm.plan import build_plan
-from slurm.profile import load_profile
+from slurm.cluster.profile import load_profile
+from slurm.planning.estimate import Estimate
+from slurm.planning.experiments import load_experiments, parse_overrides
+from slurm.planning.pack import Unit, pack_plan, pack_resources, simulate
+from slurm.planning.plan import build_plan
 from tests.helpers import sized
 
 SECONDS = {"a/one": 1000, "a/two": 1000, "b/train": 1500, "c/train": 500}
@@ -174,7 +174,7 @@ def test_cluster_yaml_can_set_the_pack_and_an_unquoted_budget(tmp_path, capsys):
 
 
 def test_each_lane_gets_its_own_gpu_and_cores(monkeypatch):
-    from slurm.lanes import lane_cpus, lane_devices
+    from slurm.queueing.lanes import lane_cpus, lane_devices
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3,5,6")  # what SLURM gave the allocation on a shared node
     assert lane_devices(4) == ["2", "3", "5", "6"]
@@ -217,7 +217,7 @@ def test_how_a_unit_ended_decides_whether_it_resumes_fails_or_blocks(tmp_path):
     import signal
 
     from core.rundir import mark_done
-    from slurm.lanes import Lanes
+    from slurm.queueing.lanes import Lanes
 
     lanes = Lanes(lane_units(tmp_path), ["0", "1"], "77", str(tmp_path), str(tmp_path))
     lanes.ended("one", 0, -signal.SIGUSR2, stopping=False)  # killed by SLURM's signal while starting
@@ -240,7 +240,7 @@ def test_how_a_unit_ended_decides_whether_it_resumes_fails_or_blocks(tmp_path):
 
 def test_a_requeued_allocation_skips_done_keeps_failed_and_runs_the_rest_again(tmp_path):
     from core.rundir import mark_done
-    from slurm.lanes import Lanes
+    from slurm.queueing.lanes import Lanes
 
     units = lane_units(tmp_path)
     first = Lanes(units, ["0"], "77", str(tmp_path), str(tmp_path))
@@ -295,7 +295,7 @@ def test_a_sweep_over_the_budget_is_told_how_many_points_fit_dropping_the_deares
 def test_a_lane_json_an_earlier_version_wrote_in_its_own_words_is_read_as_our_states(tmp_path):
     # Lanes spoke their own vocabulary (done, interrupted, ...) before they spoke State: a pack queued
     # then, requeued now, must resume what it interrupted and keep what failed, not run it all again.
-    from slurm.lanes import Lanes
+    from slurm.queueing.lanes import Lanes
 
     units = lane_units(tmp_path)
     old = {"one": "failed", "two": "interrupted"}
@@ -342,7 +342,7 @@ def pruned_plan(tmp_path: Path):
 def test_a_pruned_sweeps_expected_gpu_hours_count_its_early_runs_going_on_and_its_worst_case_stops_nothing(
     tmp_path,
 ):
-    from slurm.render import totals_text
+    from slurm.watching.render import totals_text
 
     plan, _ = pruned_plan(tmp_path)
     # 4 runs of 3 epochs, rung 1, keep 0.5, min_points 3 (issue 38: the halving sum assumed every rung keeps

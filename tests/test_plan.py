@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from slurm.profile import load_profile
+from slurm.cluster.profile import load_profile
 from tests.helpers import plan_for, sized, write_experiments
 
 
@@ -87,7 +87,7 @@ def test_eval_jobs_get_one_gpu_with_the_training_jobs_cpus_memory_and_placement(
 
 
 def test_eval_jobs_time_limit_comes_from_their_estimate_not_a_fixed_hour(tmp_path):
-    from slurm.estimate import GUESSED_EVAL_FLOOR_S, auto_time_limit_s
+    from slurm.planning.estimate import GUESSED_EVAL_FLOOR_S, auto_time_limit_s
 
     folder = eval_resources_folder(tmp_path)
     plan, (profile, _) = plan_for(folder=folder), load_profile(folder)
@@ -135,8 +135,8 @@ def test_eval_resources_are_not_part_of_the_eval_jobs_identity(tmp_path):
 
 
 def test_eval_resources_reach_the_sbatch_parameters(tmp_path):
-    from slurm.backends import SlurmBackend
-    from slurm.snapshot import CodeSnapshot
+    from slurm.queueing.backends import SlurmBackend
+    from slurm.queueing.snapshot import CodeSnapshot
 
     folder = eval_resources_folder(tmp_path)
     plan = plan_for(folder=folder)
@@ -152,8 +152,8 @@ def test_eval_resources_reach_the_sbatch_parameters(tmp_path):
 def test_jobs_run_offline_unless_the_nodes_download(tmp_path):
     """hub_downloads: login (default) puts the offline switches first in every job's setup, where a
     user's own setup line can still override them; nodes leaves the jobs online."""
-    from slurm.backends import SlurmBackend
-    from slurm.snapshot import CodeSnapshot
+    from slurm.queueing.backends import SlurmBackend
+    from slurm.queueing.snapshot import CodeSnapshot
 
     offline = ["export HF_HUB_OFFLINE=1", "export HF_DATASETS_OFFLINE=1"]
     cases = [("", offline), ("setup: ['export X=1']", [*offline, "export X=1"]), ("hub_downloads: nodes", [])]
@@ -166,8 +166,8 @@ def test_jobs_run_offline_unless_the_nodes_download(tmp_path):
 
 
 def test_mail_reaches_sbatch_for_training_and_eval_jobs_unless_the_eval_says_otherwise(tmp_path):
-    from slurm.backends import SlurmBackend
-    from slurm.snapshot import CodeSnapshot
+    from slurm.queueing.backends import SlurmBackend
+    from slurm.queueing.snapshot import CodeSnapshot
 
     folder = write_experiments(
         tmp_path,
@@ -189,8 +189,8 @@ def test_mail_reaches_sbatch_for_training_and_eval_jobs_unless_the_eval_says_oth
 
 
 def test_a_multi_gpu_job_is_one_task_per_gpu_on_one_node_and_its_eval_one_task(tmp_path):
-    from slurm.backends import SlurmBackend
-    from slurm.snapshot import CodeSnapshot
+    from slurm.queueing.backends import SlurmBackend
+    from slurm.queueing.snapshot import CodeSnapshot
 
     folder = eval_resources_folder(tmp_path)
     plan = plan_for(["train.batch_size=8", "train.grad_accum=2"], ["big"], folder=folder)
@@ -285,8 +285,8 @@ def sbatch_script(tmp_path: Path, job_id: str, parents: list[tuple[str, str]]) -
     with this test's folders and the intent token made constant."""
     import submitit
 
-    from slurm.backends import SlurmBackend, job_comment
-    from slurm.snapshot import CodeSnapshot
+    from slurm.queueing.backends import SlurmBackend, job_comment
+    from slurm.queueing.snapshot import CodeSnapshot
 
     folder = eval_resources_folder(tmp_path)
     profile, _ = load_profile(folder)

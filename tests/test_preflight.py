@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 
 import launch
-from slurm.experiments import load_experiments
-from slurm.plan import build_plan
-from slurm.profile import load_profile
+from slurm.cluster.profile import load_profile
+from slurm.planning.experiments import load_experiments
+from slurm.planning.plan import build_plan
 from tests.conftest import write_cluster_yaml
 from tests.helpers import demo_configs, hub_cache, tiny_sql_base
 
@@ -397,7 +397,7 @@ def test_the_dry_run_and_the_watching_commands_import_no_torch(
 
 def test_gpu_memory_is_looked_up_by_constraint_then_partition_then_default():
     from core.config import Resources
-    from slurm.profile import ClusterProfile
+    from slurm.cluster.profile import ClusterProfile
 
     profile = ClusterProfile(partition="gpu", gpu_mem_gb={"a100_80": 80, "gpu": 40, "default": 24})
     assert profile.gpu_mem_for(Resources(constraint="a100_80")) == 80

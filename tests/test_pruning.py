@@ -258,7 +258,7 @@ def test_a_run_pruned_for_a_nan_loss_says_so_in_status_not_at_a_rung(tmp_path):
     """Before: --status said only "PRUNED at a rung" for a run whose eval loss was NaN (no cutoff)."""
     from core.pruning import RungRecord, mark_pruned
     from core.rundir import RunDir
-    from slurm.status import pruned_reason
+    from slurm.watching.status import pruned_reason
 
     decided = decision(math.nan, [math.nan, 1.0, 2.0], keep=0.5, min_points=3)
     mark_pruned(

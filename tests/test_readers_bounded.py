@@ -80,9 +80,9 @@ def test_junk_where_rung_records_belong_is_named_not_a_traceback(tmp_path, caplo
 
 
 def test_fifo_job_log_does_not_hang_status_or_tail(tmp_path, capsys):
-    from slurm.render import last_lines
-    from slurm.tail import print_new
-    from slurm.usage import given_gpus
+    from slurm.watching.render import last_lines
+    from slurm.watching.tail import print_new
+    from slurm.watching.usage import given_gpus
 
     log = tmp_path / "123_0_log.out"
     os.mkfifo(log)
@@ -95,8 +95,8 @@ def test_fifo_job_log_does_not_hang_status_or_tail(tmp_path, capsys):
 
 
 def test_tail_of_log_linked_to_dev_zero_is_bounded(tmp_path, capsys):
-    from slurm.render import last_lines
-    from slurm.tail import CHUNK_BYTES, print_new
+    from slurm.watching.render import last_lines
+    from slurm.watching.tail import CHUNK_BYTES, print_new
 
     log = tmp_path / "123_0_log.out"
     log.symlink_to("/dev/zero")

@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-from slurm.redact import literal_secret, secret_values
+from core.redact import literal_secret, secret_values
 
 TOKEN = "hf_ThisIsNotARealTokenButIsLong"
 
@@ -50,8 +50,8 @@ def test_job_output_masks_secrets_in_prints_logs_and_tracebacks(repo_root):
     script = textwrap.dedent(
         """
         import logging, os, submitit
-        from slurm.redact import redact_job_output
-        from slurm.jobs import _configure_logging
+        from core.redact import redact_job_output
+        from slurm.queueing.jobs import _configure_logging
         redact_job_output()
         _configure_logging()
         token = os.environ["HF_TOKEN"]

@@ -21,14 +21,14 @@ from core.rundir import job_records, record_job
 from core.runs import BaseEval
 from core.states import State
 from eval.report import write_report
-from slurm.commands.report import job_runs
-from slurm.experiments import load_experiments
-from slurm.lanes import PackJob
-from slurm.pack import unit_of
-from slurm.plan import build_plan
-from slurm.profile import load_profile
-from slurm.status import parse_sacct_allocations
-from slurm.usage import plan_usage, usage_of
+from slurm.cluster.profile import load_profile
+from slurm.planning.experiments import load_experiments
+from slurm.planning.pack import unit_of
+from slurm.planning.plan import build_plan
+from slurm.queueing.lanes import PackJob
+from slurm.watching.reporting import job_runs
+from slurm.watching.status import parse_sacct_allocations
+from slurm.watching.usage import plan_usage, usage_of
 from tests.conftest import write_cluster_yaml
 
 # sacct's own figures for jobs 1-7 of the dev cluster (see tests/test_status_parse.py): 1 held 2 GPUs

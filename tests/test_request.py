@@ -1,4 +1,4 @@
-"""launch.py's flags are checked at the door (slurm/request.py): before the config folder is read, every
+"""launch.py's flags are checked at the door (slurm/planning/request.py): before the config folder is read, every
 flag that cannot work is named at once, exit 2."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 import launch
-from slurm.request import request_from
+from slurm.planning.request import request_from
 
 
 @pytest.mark.parametrize(

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from slurm.snapshot import PACKAGES
+from slurm.queueing.snapshot import PACKAGES
 from tests.conftest import write_cluster_yaml
 from tests.helpers import holding_sbatch, record, tiny_sql_base
 

@@ -10,11 +10,11 @@ from rich.console import Console
 
 from core.rundir import JobRecord
 from core.states import State
-from slurm.experiments import load_experiments
-from slurm.plan import build_plan
-from slurm.profile import load_profile
-from slurm.render import status_table
-from slurm.status import SchedulerInfo, job_status
+from slurm.cluster.profile import load_profile
+from slurm.planning.experiments import load_experiments
+from slurm.planning.plan import build_plan
+from slurm.watching.render import status_table
+from slurm.watching.status import SchedulerInfo, job_status
 from tests.conftest import write_cluster_yaml
 
 EXPERIMENT = """\

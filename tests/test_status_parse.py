@@ -18,7 +18,7 @@ import pytest
 
 from core.durations import format_eta
 from core.states import State, from_slurm, jobs_verdict, parent_verdict
-from slurm.status import (
+from slurm.watching.status import (
     Allocation,
     SchedulerInfo,
     parse_sacct,
@@ -206,8 +206,8 @@ def test_a_local_jobs_elapsed_is_its_own_clock_not_blank(tmp_path):
     import time
 
     from core.rundir import JobRecord
-    from slurm.scheduler import RecordedLocalJob
-    from slurm.status import local_elapsed
+    from slurm.cluster.scheduler import RecordedLocalJob
+    from slurm.watching.status import local_elapsed
 
     job = RecordedLocalJob(tmp_path, "4242")
     start = time.time() - 3600
@@ -228,11 +228,11 @@ def test_a_local_jobs_elapsed_is_its_own_clock_not_blank(tmp_path):
 def test_a_job_the_user_cancelled_shows_no_traceback_nor_fix_the_cause(tmp_path):
     """Before: --status printed the cancelled job's KeyboardInterrupt traceback from its log and "Fix the
     cause, then: python launch.py --retry-failed", as for a crash."""
-    from slurm.experiments import load_experiments
-    from slurm.plan import build_plan
-    from slurm.profile import load_profile
-    from slurm.render import problem_lines
-    from slurm.status import JobStatus
+    from slurm.cluster.profile import load_profile
+    from slurm.planning.experiments import load_experiments
+    from slurm.planning.plan import build_plan
+    from slurm.watching.render import problem_lines
+    from slurm.watching.status import JobStatus
     from tests.helpers import experiment_folder
 
     folder = experiment_folder(tmp_path)
@@ -273,14 +273,14 @@ def test_tail_of_an_unknown_experiment_names_the_run_root_it_looked_in(tmp_path,
 
 def test_a_local_eval_stopped_at_its_time_limit_says_so_with_the_limit_and_where_it_came_from(tmp_path):
     """Before: "ended without a result (killed or cancelled)", though its log had the time-limit signal.
-    The job's files as submitit lays them out: its log with the line slurm/jobs.py writes on USR2, no
+    The job's files as submitit lays them out: its log with the line slurm/queueing/jobs.py writes on USR2, no
     result; its pid is no live process."""
     from core.rundir import JobRecord
-    from slurm.experiments import load_experiments
-    from slurm.plan import build_plan
-    from slurm.profile import load_profile
-    from slurm.scheduler import RecordedLocalJob, reached_time_limit
-    from slurm.status import local_info
+    from slurm.cluster.profile import load_profile
+    from slurm.cluster.scheduler import RecordedLocalJob, reached_time_limit
+    from slurm.planning.experiments import load_experiments
+    from slurm.planning.plan import build_plan
+    from slurm.watching.status import local_info
     from tests.helpers import experiment_folder
 
     folder = experiment_folder(tmp_path)
@@ -291,7 +291,7 @@ def test_a_local_eval_stopped_at_its_time_limit_says_so_with_the_limit_and_where
     job.paths.stdout.parent.mkdir(parents=True)
     job.paths.stdout.write_text(
         "INFO eval.job: 20 predictions made\n"
-        "WARNING slurm.jobs: received SIGUSR2: stopping at the next step end (training) or batch end (eval)\n"
+        "WARNING slurm.queueing.jobs: received SIGUSR2: stopping at the next step end (training) or batch end (eval)\n"
     )
     assert reached_time_limit(job)
     info = local_info(job, JobRecord("999999999", backend="local"), evaluation)

@@ -7,8 +7,8 @@ import json
 from pathlib import Path
 
 import launch
-from slurm.experiments import load_experiments
-from slurm.profile import load_profile
+from slurm.cluster.profile import load_profile
+from slurm.planning.experiments import load_experiments
 from tests.conftest import write_cluster_yaml
 from tests.helpers import plan_for
 
@@ -126,7 +126,7 @@ def test_a_sweeps_name_taken_by_another_experiment_is_refused(tmp_path, capsys):
 def test_export_of_a_sweep_exports_each_of_its_points_not_a_missing_experiment(tmp_path):
     # Before: --export lr (a sweep) looked for an experiment named lr: an IndexError traceback.
     from slurm.commands.export import export_targets
-    from slurm.plan import build_plan, with_exports
+    from slurm.planning.plan import build_plan, with_exports
 
     folder = folder_of(tmp_path)
     profile, _ = load_profile(folder)
@@ -250,7 +250,7 @@ def test_force_archives_a_pruned_points_rung_records_with_its_run_folder(tmp_pat
     from core.config import PruneJob
     from core.pruning import judged, rung_records
     from core.rundir import mark_done
-    from slurm.decisions import archive_stale
+    from slurm.queueing.decisions import archive_stale
 
     folder = pruned_folder(tmp_path, PRUNED)
     plan = plan_for(folder=folder)

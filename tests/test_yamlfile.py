@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from core import yamlfile
 from core.problems import ConfigError
-from slurm import yamlfile
-from slurm.experiments import parse_overrides
-from slurm.yamlfile import YamlProblem, load_chain, read_yaml
+from core.yamlfile import YamlProblem, load_chain, read_yaml
+from slurm.planning.experiments import parse_overrides
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -68,7 +68,7 @@ BOMB = "name: bomb\nlol0: &lol0 [lol, lol, lol, lol, lol, lol, lol, lol, lol, lo
 CHILD = """
 import sys
 from pathlib import Path
-from slurm.yamlfile import YamlProblem, read_yaml
+from core.yamlfile import YamlProblem, read_yaml
 try:
     read_yaml(Path(sys.argv[1]))
     print("loaded")

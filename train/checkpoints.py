@@ -67,7 +67,7 @@ def set_aside_other_world_size(folder: Path, world_size: int) -> Path | None:
     """Move checkpoints written by another number of ranks to `checkpoints.world-N` (kept, not deleted).
     They cannot be resumed: the optimizer steps already taken counted another global batch, the schedule
     another number of steps, and each rank's RNG state belongs to a rank that may not exist now. The plan
-    gives such a stage a new identity (slurm/plan.py), so it starts over; this makes the trainer agree."""
+    gives such a stage a new identity (slurm/planning/plan.py), so it starts over; this makes the trainer agree."""
     found = {world_size_of(c) for c in checkpoints(Path(folder)) if is_valid(c)} - {None, world_size}
     if not found:
         return None

@@ -6,7 +6,7 @@ Nothing here reads weights or needs a GPU. The model is built on the meta device
 adapter applied by train/model.py's own `new_adapter`; the share is counted by the trainer's own
 `trainable_report`; token lengths come from train/data.py's cached tokenization and `choose_lengths`, so the
 job later finds the cache ready and picks the same max_length. Torch is imported here, and only on a cache
-miss (slurm/preflight.py): the dry run and the status commands never import this module.
+miss (slurm/planning/preflight.py): the dry run and the status commands never import this module.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The trainer's entry point for a job (slurm/jobs.py, `python -m train`): the stage's recipe for its
+"""The trainer's entry point for a job (slurm/queueing/jobs.py, `python -m train`): the stage's recipe for its
 `train.method`, run through the one life cycle (train/recipe.py run_stage). SFT: StageRecipe; DPO:
 PreferenceRecipe (train/preference.py, which imports TRL, so only a DPO job loads it)."""
 

@@ -8,7 +8,7 @@ through the HF Trainer's own callbacks, made to survive requeues.
 - W&B: one run per stage, its id derived from the stage's spec, so a requeued job resumes the same run
   (`resume="allow"`), grouped by experiment, files in RUN_DIR/wandb/. WANDB_MODE=offline on nodes without
   network; `python launch.py --sync` uploads the offline runs from the login node. The API key stays in
-  the environment (slurm/redact.py masks its value in every output).
+  the environment (core/redact.py masks its value in every output).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """--cancel [--exp NAME ... | --config-dir X | --removed]: stop the queued and running jobs of what is
-watched (slurm/commands/watch.py), never what another experiment still needs (a shared base eval, a
+watched (slurm/watching/watched.py), never what another experiment still needs (a shared base eval, a
 packed allocation that runs other experiments' units), and, with --removed, the jobs of experiments no
 config folder has any more."""
 
@@ -10,12 +10,13 @@ from pathlib import Path
 from core.problems import ConfigError, Problem
 from core.rundir import RunDir, current_job, mark_cancelled
 from core.states import State
-from slurm.commands.watch import watched_of, watched_plan
-from slurm.plan import Plan, build_plan
-from slurm.render import err, out
-from slurm.request import LaunchRequest
-from slurm.scheduler import cancel_rows
-from slurm.status import JobStatus, plan_status
+from slurm.cluster.scheduler import cancel_rows
+from slurm.planning.plan import Plan, build_plan
+from slurm.planning.request import LaunchRequest
+from slurm.queueing.decisions import adopt_unrecorded
+from slurm.watching.render import err, out
+from slurm.watching.status import JobStatus, plan_status
+from slurm.watching.watched import watched_of, watched_plan
 
 
 def cancel(request: LaunchRequest, profile) -> int:
@@ -25,6 +26,8 @@ def cancel(request: LaunchRequest, profile) -> int:
     if watching is None:
         return 0
     plan = watching[1]
+    for line in adopt_unrecorded(plan, forget_missing=False):
+        err.print(line, highlight=False, soft_wrap=True)
     # --cancel --exp A or --config-dir X: what else the run root holds, loaded and planned once for both
     # checks below (a base eval or a pack another folder's experiment needs is not this cancel's to stop).
     narrowed = request.experiments or request.config_dir_named
@@ -90,9 +93,9 @@ def cancel_removed(request: LaunchRequest, profile) -> int:
     """--cancel --removed: the queued or running jobs of experiments the run root holds that no config
     folder has any more (points removed from a sweep). Their configs are gone, so their job records are
     all there is: each unfinished stage's last job, if the scheduler still has it live."""
-    from slurm.scheduler import cancel as cancel_jobs
-    from slurm.scheduler import local_alive, scheduler_job
-    from slurm.status import query_slurm
+    from slurm.cluster.scheduler import cancel as cancel_jobs
+    from slurm.cluster.scheduler import local_alive, scheduler_job
+    from slurm.watching.status import query_slurm
 
     gone = watched_of(request, profile, None, named=False).gone
     records = {

@@ -5,12 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from core.rundir import RunDir
-from slurm.commands.launch import run_preflight
-from slurm.experiments import load_selected, parse_overrides
-from slurm.plan import build_plan, with_exports
-from slurm.queueing import submit
-from slurm.render import err, out
-from slurm.request import LaunchRequest
+from slurm.planning.experiments import load_selected, parse_overrides
+from slurm.planning.plan import build_plan, with_exports
+from slurm.planning.request import LaunchRequest
+from slurm.queueing.submit import submit
+from slurm.watching.preflight_report import run_preflight
+from slurm.watching.render import err, out
 
 
 def export(request: LaunchRequest, profile) -> int:
@@ -23,14 +23,14 @@ def export(request: LaunchRequest, profile) -> int:
         list(request.experiments) if request.experiments else None
     )
     overrides = parse_overrides(list(request.overrides))
-    experiments, others = load_selected(request.config_dir, profile, overrides, names)
+    experiments, others, _, _ = load_selected(request.config_dir, profile, overrides, names)
     for problem in others:
         err.print(f"[yellow]warning:[/] {problem}", highlight=False, soft_wrap=True)
     files = {e.name: str(e.file) for e in experiments}
     targets = export_targets(asked, experiments)
     plan = with_exports(build_plan(experiments, profile), targets, request.export_format == "gguf")
     if request.backend == "local":
-        from slurm.local_gpus import refuse_too_many_gpus
+        from slurm.cluster.local_gpus import refuse_too_many_gpus
 
         refuse_too_many_gpus(plan.jobs, files)
     if request.preflight:  # what is not trained yet is checked as a launch checks it

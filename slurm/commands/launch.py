@@ -1,5 +1,5 @@
 """--all/--exp, --dry-run, --preflight, --calibrate, --retry-failed: load and validate every experiment,
-plan, check what can be checked here, then submit (slurm/queueing.py) or, for a dry run, print."""
+plan, check what can be checked here, then submit (slurm/queueing/submit.py) or, for a dry run, print."""
 
 from __future__ import annotations
 
@@ -7,22 +7,20 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from core.preflight import trained_share
 from core.problems import ConfigError, Problem
-from core.split import label as split_label
 from core.states import State
-from slurm.commands.report import written_report
-from slurm.decisions import weigh
-from slurm.estimate import record_exact_tokens, record_splits
-from slurm.experiments import LoadedExperiment, load_selected, parse_overrides
-from slurm.pack import pack_plan
-from slurm.plan import Plan, build_plan, calibration_plan, estimated_again
-from slurm.queueing import submit
-from slurm.render import edges_text, err, fit, out, packing_text, plan_table, totals_text
-from slurm.request import LaunchRequest
-from slurm.watched import removed_from, removed_text
+from slurm.planning.experiments import LoadedExperiment, load_selected, parse_overrides
+from slurm.planning.pack import pack_plan
+from slurm.planning.plan import Plan, build_plan, calibration_plan, estimated_again
+from slurm.planning.request import LaunchRequest
+from slurm.queueing.decisions import weigh
+from slurm.queueing.submit import submit
+from slurm.watching.preflight_report import run_preflight
+from slurm.watching.render import edges_text, err, out, packing_text, plan_table, totals_text
+from slurm.watching.reporting import written_report
+from slurm.watching.watched import removed_from, removed_text
 
-# A job's state in a dry run, as a relaunch would decide it (slurm/decisions.py weigh).
+# A job's state in a dry run, as a relaunch would decide it (slurm/queueing/decisions.py weigh).
 DRY_RUN_STATES = {
     "submit": State.PLANNED.value,
     "done": "COMPLETED (done)",
@@ -49,7 +47,9 @@ def loaded(request: LaunchRequest, profile) -> Loaded:
     """Load and validate (every problem at once, ConfigError), plan; say what the run root holds that the
     folder no longer has."""
     overrides = parse_overrides(list(request.overrides))
-    experiments, others = load_selected(request.config_dir, profile, overrides, request.experiments)
+    experiments, others, names, broken = load_selected(
+        request.config_dir, profile, overrides, request.experiments
+    )
     for problem in others:
         err.print(
             f"[yellow]warning:[/] {problem}",
@@ -59,7 +59,7 @@ def loaded(request: LaunchRequest, profile) -> Loaded:
     plan = build_plan(experiments, profile)
     if request.action == "calibrate":
         plan = calibration_plan(plan, request.calibrate_steps)
-    if removed := removed_from(Path(profile.run_dir), request.config_dir, overrides):
+    if removed := removed_from(Path(profile.run_dir), request.config_dir, names, broken):
         err.print(removed_text(removed, Path(profile.run_dir)), highlight=False, soft_wrap=True)
     return Loaded(experiments, plan)
 
@@ -86,7 +86,7 @@ def calibrate(request: LaunchRequest, profile) -> int:
 
 
 def submitted(request: LaunchRequest, profile) -> tuple[Loaded, int]:
-    """Load, plan, check, submit (slurm/queueing.py): what a launch and a calibration share."""
+    """Load, plan, check, submit (slurm/queueing/submit.py): what a launch and a calibration share."""
     run = loaded(request, profile)
     pack = requested_pack(request, profile)
     return run, submit(checked(run, request, profile), profile, request, pack, run.files)
@@ -96,7 +96,7 @@ def checked(run: Loaded, request: LaunchRequest, profile) -> Plan:
     """The plan to submit, once what needs no queue is checked: this machine's GPUs for a local run
     (before preflight: it may take minutes), preflight (whose exact token counts re-estimate the plan)."""
     if request.backend == "local":
-        from slurm.local_gpus import refuse_too_many_gpus
+        from slurm.cluster.local_gpus import refuse_too_many_gpus
 
         refuse_too_many_gpus(run.plan.jobs, run.files)
     if not request.preflight:
@@ -110,123 +110,6 @@ def preflight(request: LaunchRequest, profile) -> int:
     run = loaded(request, profile)
     requested_pack(request, profile)  # a --budget without --pack is refused here too
     return run_preflight(run.plan, run.files, profile, show=True, as_json=request.as_json)
-
-
-def run_preflight(plan: Plan, files: dict[str, str], profile, show: bool, as_json: bool) -> int:
-    """Refuse (exit 2) what the jobs would refuse or could not fit, before anything is queued; torch is
-    imported only on a preflight cache miss, never by the dry run or the status commands."""
-    from slurm.preflight import preflight_plan
-
-    fetching = profile.hub_downloads == "login"
-    results, problems = preflight_plan(plan, files, profile.gpu_mem_for, fetch=fetching)
-    specs = {j.id: j.spec for j in plan.jobs if j.kind == "train"}
-    record_exact_tokens(
-        plan.run_root,
-        [(specs[r.job], r.examples, r.tokens_per_epoch) for r in results if r.tokens_per_epoch],
-    )
-    chosen = [(specs[r.job], r.gpu_mem_gb, r.split) for r in results if r.split and r.split["how"] == "auto"]
-    record_splits(plan.run_root, chosen)
-    if as_json:
-        print(json.dumps([r.as_json() for r in results], indent=1))
-    elif show and results:  # no empty box when nothing could be computed (the errors below say why)
-        out.print(fit(preflight_table(results), out.width, PREFLIGHT_PRIORITY))
-    if not as_json:
-        for note in marker_text_notes(results):
-            err.print(note, highlight=False, soft_wrap=True)
-    if not fetching and (fetch := list(dict.fromkeys(c for r in results for c in r.fetch))):
-        err.print(fetch_note(fetch), highlight=False, soft_wrap=True)  # fetching: they are problems
-    if problems:
-        raise ConfigError(problems)
-    return 0
-
-
-def marker_text_notes(results) -> list[str]:
-    """A warning per job whose training conversations hold special-token text in their content (the job's
-    log and preflight.log say which tokens): trained as those control tokens, as TRL and axolotl do."""
-    return [
-        f"[yellow]warning:[/] {r.job}: {r.marker_text_conversations} training conversation(s) hold "
-        "special-token text in their content (e.g. `<|im_end|>` typed into a turn): it is encoded as those "
-        "control tokens, in the labels and the eval's prompts; escape or remove it if it is not meant so"
-        for r in results
-        if r.marker_text_conversations
-    ]
-
-
-def fetch_note(commands: list[str]) -> str:
-    """hub_downloads: nodes: not a refusal, the nodes download at the job's start; if they cannot after
-    all, the note says how to fetch on this machine into the cache the nodes share."""
-    lines = "\n".join(f"  {c}" for c in commands)
-    return (
-        "[yellow]warning:[/] not in this machine's Hugging Face cache, so jobs on nodes without network "
-        f"would fail at their start; fetch into the shared cache (HF_HOME) first:\n{lines}"
-    )
-
-
-# preflight_table's columns, most important first (slurm/render.py fit).
-PREFLIGHT_PRIORITY = (
-    "job",
-    "fits",
-    "memory/GPU",
-    "micro-batch",
-    "trainable",
-    "max_length",
-    "cut at max_length",
-    "tokens/epoch",
-    "lengths p50/p90/p99/max",
-)
-
-
-def preflight_table(results):
-    from rich.table import Table
-
-    table = Table(
-        "job",
-        "trainable",
-        "lengths p50/p90/p99/max",
-        "max_length",
-        "tokens/epoch",
-        "cut at max_length",
-        "memory/GPU",
-        "fits",
-        "micro-batch",
-    )
-    for r in results:
-        memory = (
-            f"{r.memory_gb:.1f} GB" + (f" of {r.gpu_mem_gb:g}" if r.gpu_mem_gb else "")
-            if r.memory_gb
-            else "-"
-        )
-        table.add_row(
-            r.job,
-            f"{r.trainable_percent:.2f}% ({r.trainable_params:,})",
-            "\n".join(
-                ("targets " if part == "targets" else "") + "/".join(map(str, values))
-                for part, values in r.length_percentiles.items()
-            )
-            or "-",
-            length_cell(r),
-            trained_cell(r),
-            str(r.truncated_inputs) if r.truncated_inputs is not None else "-",
-            memory,
-            {True: "yes", False: f"no (batch {r.largest_batch} fits)", None: "-"}[r.fits],
-            split_label(r.split) or "-",
-        )
-    return table
-
-
-def length_cell(r) -> str:
-    if r.max_length:
-        return str(r.max_length)
-    return f"refused: {r.data_refused}" if r.data_refused else f"skipped: {r.tokens_skipped}"
-
-
-def trained_cell(r) -> str:
-    """Tokens per epoch, and how many of them the loss sees."""
-    if not r.tokens_per_epoch:
-        return "-"
-    if r.labelled_tokens is None:
-        return f"{r.tokens_per_epoch:,}"
-    return trained_share(r.labelled_tokens, r.tokens_per_epoch)
 
 
 def requested_pack(request: LaunchRequest, profile) -> tuple[int, str, str] | None:

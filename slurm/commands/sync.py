@@ -6,8 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from slurm.render import err, out
-from slurm.request import LaunchRequest
+from slurm.planning.request import LaunchRequest
+from slurm.watching.render import err, out
 
 
 def sync(request: LaunchRequest, profile) -> int:

@@ -2,7 +2,7 @@
 
 Assumed hardware: the job's GPU model when its resources name one (GPUS below), else one NVIDIA A100 per
 GPU (312 TFLOP/s bf16 dense, 2 TB/s memory); a job without GPUs runs on a few CPU cores (0.2 TFLOP/s,
-20 GB/s). GPUS is also what a speed-book row measured on another GPU model is scaled by (slurm/estimate.py).
+20 GB/s). GPUS is also what a speed-book row measured on another GPU model is scaled by (slurm/planning/estimate.py).
 - Training: a token costs 4 x N FLOPs under LoRA (forward 2N, backward through the frozen weights 2N, and
   no weight gradients for them), 6 x N with gradient checkpointing (one more forward), at 30% MFU in
   bf16/fp16 (fp32 runs as TF32 at half that peak). QLoRA dequantises every weight at every use: 0.6 x.

@@ -2,7 +2,7 @@
 never start twice what is queued or still running (on SLURM or on this machine), refuse what finished
 with another config (unless --force, which archives it), adopt what a killed launch queued unrecorded.
 
-Every decision is made before the first sbatch (slurm/queueing.py then carries them out), so a refusal
+Every decision is made before the first sbatch (slurm/queueing/submit.py then carries them out), so a refusal
 leaves nothing half-submitted.
 """
 
@@ -30,8 +30,8 @@ from core.rundir import (
     record_job,
     results_lost,
 )
-from slurm.plan import Plan, PlannedJob
-from slurm.status import config_changes, named_changes, query_slurm
+from slurm.planning.plan import Plan, PlannedJob
+from slurm.watching.status import config_changes, named_changes, query_slurm
 
 # queued: a live SLURM job; running: a local job an earlier launch started, still running (its launcher
 # may be gone: killed, a dropped SSH session); both are never started again.
@@ -102,7 +102,10 @@ def live_action(log_root: str, job: PlannedJob, record: JobRecord | None, live_s
         return None
     if record.on_slurm:
         return "queued" if record.job_id in live_slurm else None
-    from slurm.scheduler import local_alive, scheduler_job  # submitit: only once a local job was recorded
+    from slurm.cluster.scheduler import (  # submitit: only once a local job was recorded
+        local_alive,
+        scheduler_job,
+    )
 
     return "running" if local_alive(scheduler_job(log_root, job.id, record, Path(job.run_dir))) else None
 
@@ -140,7 +143,7 @@ def adopt_unrecorded(plan: Plan, forget_missing: bool) -> list[str]:
     intents = [(job, i) for job in plan.jobs if (i := pending_submission(Path(job.run_dir)))]
     if not intents:
         return []
-    from slurm.scheduler import queued_by_token
+    from slurm.cluster.scheduler import queued_by_token
 
     queued = queued_by_token()
     if queued is None and forget_missing:

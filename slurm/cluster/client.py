@@ -8,6 +8,7 @@ without the scheduler's states) instead of crashing or hanging the login node.
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 
 from core.config import ascii_int
@@ -48,3 +49,12 @@ def gpu_counts(counts: dict[str, int]) -> dict[str, int]:
     """The GPU entries of tres_counts: `gres/gpu` (every type) and each `gres/gpu:TYPE`; what they add up
     to is the caller's rule (a limit binds at its tightest, an allocation holds the total)."""
     return {name: n for name, n in counts.items() if name == GPUS or name.startswith(f"{GPUS}:")}
+
+
+def pick_backend(name: str) -> str:
+    """auto: SLURM when its client is installed and a controller answers, else this machine."""
+    if name != "auto":
+        return name
+    if not shutil.which("sbatch"):
+        return "local"
+    return "slurm" if run_client(["sinfo", "-h", "-o", "%P"]) is not None else "local"

@@ -19,7 +19,7 @@ from pathlib import Path
 from core.below import check
 from core.layout import CODE_SNAPSHOTS
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the checkout: slurm/queueing/snapshot.py is two below it
 PACKAGES = ("core", "slurm", "train", "eval")  # pyproject.toml's packages, less demo/ (no job imports it)
 MODULES = ("launch.py",)
 

@@ -22,7 +22,7 @@ from pathlib import Path
 from pydantic import TypeAdapter, ValidationError
 
 from core.config import TrainJob, kind_mismatch
-from core.files import read_json, warn_unreadable, write_json_atomic
+from core.files import read_json, stderr_into, warn_unreadable, write_json_atomic
 from core.hashing import CACHE_KEY_CHARS, content_hash
 from core.names import TOKENIZER_FILES
 from core.preflight import JobPreflight
@@ -156,7 +156,6 @@ def library_output_into(log: Path | None):
     if log is None:
         yield
         return
-    from slurm.backends import stderr_into
 
     with stderr_into(log, data_lib.cache_root()), contextlib.redirect_stdout(sys.stderr):
         yield

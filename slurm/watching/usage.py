@@ -1,7 +1,7 @@
 """What every job of a plan held, as the cluster charges it: elapsed time x GPUs held, over every submission
 and requeue. For the report (eval/report.py), which asks no scheduler itself.
 
-SLURM jobs: accounting's own figures, one sacct call for all of them (slurm/status.py query_allocations),
+SLURM jobs: accounting's own figures, one sacct call for all of them (slurm/watching/status.py query_allocations),
 each attempt's ElapsedRaw x its AllocTRES gres/gpu. A packed allocation (job.json `pack`) counts whole,
 idle lanes included, shared among the units it ran in proportion to their lane time (lane.json), evenly
 where none was timed. Local jobs: from the start of the job's process to its last written file (submitit's
@@ -24,8 +24,8 @@ from core.files import read_window
 from core.layout import PACKS
 from core.rundir import JobRecord, job_records, log_folder, read_lane
 from core.runs import JobUsage, PackUsage, PlanUsage
-from slurm.pack import Unit
-from slurm.status import Allocation, file_time, query_allocations, submitted_at
+from slurm.planning.pack import Unit
+from slurm.watching.status import Allocation, file_time, query_allocations, submitted_at
 
 VISIBLE_LINE = re.compile(r"CUDA_VISIBLE_DEVICES=(\(not set\)|\S*)")
 LOG_HEAD_BYTES = 64 * 1024  # the line is logged before the work starts
@@ -147,7 +147,7 @@ def local_part(job, record: JobRecord, log_root: str) -> JobUsage | None:
 
 
 def given_gpus(log: Path) -> int | None:
-    """The GPUs the job's log says it was given (slurm/jobs.py logs CUDA_VISIBLE_DEVICES at its start)."""
+    """The GPUs the job's log says it was given (slurm/queueing/jobs.py logs CUDA_VISIBLE_DEVICES at its start)."""
     try:
         head = read_window(log, 0, LOG_HEAD_BYTES)[0].decode("utf-8", "replace")
     except OSError:  # missing, or not a regular file (a FIFO is never opened to wait on)

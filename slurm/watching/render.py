@@ -12,10 +12,10 @@ from core.durations import format_duration, format_eta, slurm_time
 from core.files import NotARegularFile, read_window
 from core.layout import BASE_EVAL_PREFIX
 from core.states import NEVER_STARTS, NEVER_STARTS_MARK, State
-from slurm.estimate import GUESS_MARGIN
-from slurm.pack import Packing
-from slurm.plan import Plan, PlannedJob
-from slurm.status import JobStatus
+from slurm.planning.estimate import GUESS_MARGIN
+from slurm.planning.pack import Packing
+from slurm.planning.plan import Plan, PlannedJob
+from slurm.watching.status import JobStatus
 
 WIDE = 160  # columns, when output goes to a file or a CI log: no terminal to fit
 # Each table's columns, most important first: in a narrow terminal the last ones are left out.

@@ -4,7 +4,7 @@
                  node` (never localhost, never the login node's SLURM_LAUNCH_NODE_IPADDR); one node: loopback
     MASTER_PORT  drawn from the job id alone, so every node and every requeue of the job picks the same one
 
-Torch-free and scheduler-free (the job entry, slurm/jobs.py, runs the two scontrol commands and hands their
+Torch-free and scheduler-free (the job entry, slurm/queueing/jobs.py, runs the two scontrol commands and hands their
 text here), so each rule is tested on recorded output: the dev cluster's nodes all have the address
 127.0.0.1, and a wrong choice would pass every test run on it.
 """

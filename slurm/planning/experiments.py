@@ -10,6 +10,7 @@ import json
 import re
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import NamedTuple
 
 import yaml
 from pydantic import BaseModel, ValidationError
@@ -24,8 +25,7 @@ from core.names import PREFERENCE, REPORT_COLUMNS, SCORES_OF
 from core.problems import ConfigError, Problem, did_you_mean
 from core.rundir import run_root_experiments
 from core.sweep import Sweep, SweepError, SweepMember, SweepSpec, expand, nested, source_of
-from slurm.profile import ClusterProfile
-from slurm.yamlfile import (
+from core.yamlfile import (
     COMMAND_LINE,
     YamlFile,
     YamlProblem,
@@ -35,6 +35,7 @@ from slurm.yamlfile import (
     load_chain,
     where,
 )
+from slurm.cluster.profile import ClusterProfile
 
 # Sections whose keys a "did you mean" can suggest from, by their place in the file; `sweep:` is validated on
 # its own, before its points are (core/sweep.py).
@@ -111,12 +112,23 @@ def load_experiments(
     config_dir: Path, profile: ClusterProfile, overrides: dict | None = None, names: list[str] | None = None
 ) -> list[LoadedExperiment]:
     """load_selected's experiments, its warnings left out."""
-    return load_selected(config_dir, profile, overrides, names)[0]
+    return load_selected(config_dir, profile, overrides, names).experiments
+
+
+class Selection(NamedTuple):
+    """What a launch loads of its folder, once: the experiments it selects, the problems of files they do
+    not need (warnings), every experiment name the folder gives (each file's name, each sweep point's, loaded
+    or not), and the files that did not load whole."""
+
+    experiments: list[LoadedExperiment]
+    warnings: list[Problem]
+    names: set[str]
+    broken: set[Path]
 
 
 def load_selected(
     config_dir: Path, profile: ClusterProfile, overrides: dict | None = None, names: list[str] | None = None
-) -> tuple[list[LoadedExperiment], list[Problem]]:
+) -> Selection:
     """Load and check every experiment in `config_dir`: the experiments `names` selects (all without it)
     and the problems found in files they do not need, as warnings; raise ConfigError listing all problems.
 
@@ -157,7 +169,9 @@ def load_selected(
     errors, warnings = sorted_out(problems_of, needed_files(loaded, names, written), files)
     if errors:
         raise ConfigError(errors + warnings)
-    return [e for e in loaded if chosen(e, names)], warnings
+    broken = {path for path, found in problems_of.items() if any(not p.warning for p in found)}
+    given = set(written) | {e.name for e in loaded}
+    return Selection([e for e in loaded if chosen(e, names)], warnings, given, broken)
 
 
 def checked(
@@ -506,7 +520,7 @@ def after_whole_sweeps(loaded: list[LoadedExperiment]) -> list[LoadedExperiment]
 def load_watchable_experiments(
     config_dir: Path, overrides: dict | None = None, held: frozenset[str] = frozenset()
 ) -> tuple[list[LoadedExperiment], list[Problem], set[str], set[Path]]:
-    """For --status, --tail, --cancel and --report (slurm/watched.py): every experiment whose files parse
+    """For --status, --tail, --cancel and --report (slurm/watching/watched.py): every experiment whose files parse
     and validate, the problems of the others as warnings, every name a file gives (loaded or not), and the
     files that did not load whole (what they stand for is unknown: a broken sweep file gives its name, never
     its points'). A broken neighbour must not stop anyone from watching or cancelling what runs; data files

@@ -1,5 +1,5 @@
-"""From a launch's decisions (slurm/decisions.py) to queued jobs, then, with --wait or locally, to their
-end: the one module that asks the backends (slurm/backends.py) to run anything.
+"""From a launch's decisions (slurm/queueing/decisions.py) to queued jobs, then, with --wait or locally, to their
+end: the one module that asks the backends (slurm/queueing/backends.py) to run anything.
 
 Each submission is announced in its job.json before sbatch (an intent with a token the job's comment
 carries): a launch killed while sbatch runs, or a job.json that cannot be written once it returned, leaves
@@ -31,7 +31,10 @@ from core.rundir import (
     write_spec,
 )
 from core.states import NEVER_STARTS_MARK, State
-from slurm.decisions import (
+from slurm.planning.pack import pack_plan, pack_resources, unit_of
+from slurm.planning.plan import Plan, PlannedJob
+from slurm.planning.request import LaunchRequest
+from slurm.queueing.decisions import (
     Decision,
     adopt_unrecorded,
     archive_stale,
@@ -40,11 +43,8 @@ from slurm.decisions import (
     refuse_crossing_backends,
     with_dependents,
 )
-from slurm.pack import pack_plan, pack_resources, unit_of
-from slurm.plan import Plan, PlannedJob
-from slurm.render import err, out, packing_text, plan_table, problem_lines, status_table
-from slurm.request import LaunchRequest
-from slurm.status import plan_status
+from slurm.watching.render import err, out, packing_text, plan_table, problem_lines, status_table
+from slurm.watching.status import plan_status
 
 SKIPPED = {
     "done": "COMPLETED (done)",
@@ -79,8 +79,8 @@ def submit(
     """Decide and submit under the run root's launch lock (a second launch waits, then finds the jobs
     queued); a local run keeps it until its jobs end. --wait follows SLURM jobs after letting it go.
     `files`: each experiment's YAML, recorded as its origin (watching finds it there)."""
-    from slurm.lock import launch_lock
-    from slurm.snapshot import take_snapshot
+    from slurm.queueing.lock import launch_lock
+    from slurm.queueing.snapshot import take_snapshot
 
     def waiting(holder: str) -> None:
         err.print(waiting_text(profile.run_dir, holder), highlight=False, soft_wrap=True)
@@ -146,7 +146,7 @@ def record_origins(plan: Plan, request: LaunchRequest, files: dict[str, str]) ->
 
 
 def queue(plan: Plan, profile, decisions, skipped: dict[str, str], code, files) -> None:
-    from slurm.backends import SlurmBackend
+    from slurm.queueing.backends import SlurmBackend
 
     refuse_never_starting([d.job for d in decisions if d.action == "submit"], files, profile)
     ids = submit_to_slurm(decisions, SlurmBackend(profile, Path.cwd(), code))
@@ -156,7 +156,7 @@ def queue(plan: Plan, profile, decisions, skipped: dict[str, str], code, files) 
 
 
 def queue_pack(plan: Plan, profile, decisions, skipped: dict[str, str], pack, code, files) -> None:
-    from slurm.backends import SlurmBackend
+    from slurm.queueing.backends import SlurmBackend
 
     todo = [d.job for d in decisions if d.action == "submit"]
     gpus, budget, basis = pack
@@ -175,9 +175,9 @@ def queue_pack(plan: Plan, profile, decisions, skipped: dict[str, str], pack, co
 
 
 def refuse_never_starting(jobs, files, profile, pack=None) -> None:
-    """The cluster's limits (slurm/limits.py), read now: a job SLURM would leave pending forever, or a
+    """The cluster's limits (slurm/cluster/limits.py), read now: a job SLURM would leave pending forever, or a
     launch it would refuse halfway, is refused whole before the first sbatch."""
-    from slurm.limits import cluster_problems
+    from slurm.cluster.limits import cluster_problems
 
     def say(line: str) -> None:
         err.print(f"[yellow]warning:[/] {line}", highlight=False, soft_wrap=True)
@@ -187,7 +187,7 @@ def refuse_never_starting(jobs, files, profile, pack=None) -> None:
 
 
 def run_here(plan: Plan, profile, decisions, code) -> int:
-    from slurm.backends import LocalBackend
+    from slurm.queueing.backends import LocalBackend
 
     def report(job, state: str, detail: str) -> None:
         line = f"{time.strftime('%H:%M:%S')} {job.id}: {state}" + (f" ({detail})" if detail else "")
@@ -268,7 +268,7 @@ def never_starting(rows) -> set[str]:
 def cancel_stuck(rows, log_root: str) -> None:
     """Jobs SLURM keeps pending as DependencyNeverSatisfied (a parent failed; clusters without
     kill_invalid_depend) would wait forever: cancel them, so they show as BLOCKED and can be retried."""
-    from slurm.scheduler import cancel_rows
+    from slurm.cluster.scheduler import cancel_rows
 
     stuck = [r for r in rows if r.stuck and r.scheduler_id]
     if stuck:
@@ -354,7 +354,7 @@ def submit_pack(decisions: list[Decision], backend, resources: Resources) -> dic
     todo = [d.job for d in decisions if d.action == "submit"]
     # Inside the allocation units wait for units. Parents queued as jobs of their own hold the whole
     # allocation until they end (afterany: one failing must not cancel the pack's unrelated units); a unit
-    # that needs such a parent's adapter checks its DONE when its turn comes (slurm/lanes.py).
+    # that needs such a parent's adapter checks its DONE when its turn comes (slurm/queueing/lanes.py).
     held_by = sorted({(slurm_id, "afterany") for job in todo for slurm_id, _ in parents_of(job, ids)})
     plan_jobs = {d.job.id: d.job for d in decisions}
     inside = {job.id for job in todo}
@@ -447,7 +447,7 @@ def run_locally(decisions: list[Decision], backend, report) -> dict[str, State]:
 
 def adopted_handles(adopted: list[Decision], log_root: str, report) -> list[tuple]:
     """(job, handle, its GPUs) of the local jobs an earlier launch started and that still run."""
-    from slurm.scheduler import scheduler_job
+    from slurm.cluster.scheduler import scheduler_job
 
     handles = []
     for d in adopted:

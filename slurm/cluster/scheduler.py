@@ -28,13 +28,13 @@ from core.config import ascii_int
 from core.files import read_window
 from core.rundir import JobRecord, current_job, log_folder, mark_cancelled
 from core.writer_lock import holder
-from slurm.client import run_client
+from slurm.cluster.client import run_client
 
 EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*: ")  # "ValueError: ...", "torch.OutOfMemoryError: ..."
-COMMENT_MARK = "slurm-lora"  # a job's SLURM comment: "slurm-lora TOKEN WHAT" (slurm/backends.py)
+COMMENT_MARK = "slurm-lora"  # a job's SLURM comment: "slurm-lora TOKEN WHAT" (slurm/queueing/backends.py)
 # How a local job is stopped: each signal in turn, until its processes are gone. SIGINT ends the tasks
 # (their controller then ends cleanly); SIGTERM makes a trainer checkpoint at its step end and return
-# (slurm/jobs.py); SIGKILL is for what ignores both (a job started with SIGINT ignored, as a script's `&`
+# (slurm/queueing/jobs.py); SIGKILL is for what ignores both (a job started with SIGINT ignored, as a script's `&`
 # does, whose trainer is stuck in one long step).
 STOP_STEPS = ((signal.SIGINT, 10.0), (signal.SIGTERM, 30.0), (signal.SIGKILL, 10.0))
 RECORD_TIME = "%Y-%m-%dT%H:%M:%S"  # core/rundir.py TIME_STAMP
@@ -112,7 +112,7 @@ def controller_alive(job: submitit.LocalJob) -> bool:
 
 def orphaned_task(job: submitit.LocalJob) -> int | None:
     """The pid of the job's task that still holds its run folder (core/writer_lock.py) although its
-    controller is gone: tasks now die with their controller (slurm/jobs.py die_with_controller), but one
+    controller is gone: tasks now die with their controller (slurm/queueing/jobs.py die_with_controller), but one
     started by older code, or on a system without parent-death signals, trains on. It counts when the
     folder's live holder is this job (its record's job id), on this host, and runs this job's task
     (submitit's `_submit` of its log folder: a reused pid does not)."""
@@ -303,7 +303,7 @@ def local_failure(job: submitit.LocalJob) -> str:
     return heads[-1].strip() if heads else "failed (see the log)"
 
 
-# The line slurm/jobs.py StopRequest logs when the time-limit signal (USR2) arrives: submitit's local
+# The line slurm/queueing/jobs.py StopRequest logs when the time-limit signal (USR2) arrives: submitit's local
 # controller sends it signal_delay_s before the job's limit, as SLURM does.
 TIME_LIMIT_LINE = b"received SIGUSR2"
 LOG_TAIL_BYTES = 1 << 20  # a job's log is read from its end, bounded
@@ -330,7 +330,7 @@ def queued_by_token() -> dict[str, str] | None:
 
 
 def parse_comments(text: str) -> dict[str, str]:
-    """`squeue -h -o %i|%k` output → token → job id, for the comments slurm/backends.py writes."""
+    """`squeue -h -o %i|%k` output → token → job id, for the comments slurm/queueing/backends.py writes."""
     found = {}
     for line in text.splitlines():
         job_id, _, comment = line.partition("|")

@@ -17,11 +17,11 @@ from pathlib import Path
 import submitit
 
 from core.files import links_below, write_json_atomic
+from core.redact import redact_job_output
 from core.rundir import RunDir, mark_done
 from core.writer_lock import hold_folder
-from slurm.client import run_client
-from slurm.redact import redact_job_output
-from slurm.rendezvous import (
+from slurm.cluster.client import run_client
+from slurm.cluster.rendezvous import (
     RendezvousError,
     first_node,
     gpus_on_node,
@@ -31,7 +31,7 @@ from slurm.rendezvous import (
     tasks_per_node,
 )
 
-log = logging.getLogger("slurm.jobs")
+log = logging.getLogger("slurm.queueing.jobs")
 
 
 class StageJob(submitit.helpers.Checkpointable):
@@ -229,7 +229,7 @@ class StopRequest:
 def _export_distributed_environment() -> int:
     """A job of several tasks (resources.gpus > 1 or nodes > 1: one per GPU on each node) is one DDP run:
     export RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR (loopback on one node; else the first node's NodeAddr,
-    slurm/rendezvous.py), MASTER_PORT (drawn from the job id, so every node and a requeued job meet on the
+    slurm/cluster/rendezvous.py), MASTER_PORT (drawn from the job id, so every node and a requeued job meet on the
     same one) for torch's env:// rendezvous; train/device.py then puts rank K on cuda:LOCAL_RANK.
     CUDA_VISIBLE_DEVICES is left as SLURM set it: it may name GPUs 2,3 of the node, not 0,1. Returns
     this task's rank."""

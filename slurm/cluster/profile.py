@@ -12,8 +12,8 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 from core.config import Float, Int, SlurmNames, SlurmTime
 from core.durations import slurm_seconds
 from core.problems import ConfigError, Problem
-from slurm.redact import literal_secret
-from slurm.yamlfile import YamlProblem, find_inherited, read_yaml
+from core.redact import literal_secret
+from core.yamlfile import YamlProblem, find_inherited, read_yaml
 
 
 def no_literal_secret(line: str) -> str:
@@ -93,7 +93,7 @@ class ClusterProfile(BaseModel):
                 return self.gpu_mem_gb[name]
         return None
 
-    # --pack / --budget when the command line leaves them out (slurm/pack.py).
+    # --pack / --budget when the command line leaves them out (slurm/planning/pack.py).
     pack: Annotated[Int, Field(ge=1)] | None = Field(None, description="GPUs of one packed allocation")
     budget: SlurmTime | None = Field(
         None, description="the packed allocation's time limit (default: max_time)"

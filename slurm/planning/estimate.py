@@ -11,7 +11,7 @@ Training: tokens to process ÷ tokens/s + start-up + in-training evals + checkpo
   every finished stage: core/speeds.py) when it has a row for this model, adapter method, precision
   (`auto`: what the job's device runs) and gradient checkpointing, on the job's kind of device (never a
   CPU row for a GPU job, nor a GPU row for a CPU job), the nearest in batch size and max length, newest
-  first ("measured"); else from the model's size on assumed hardware (slurm/guesses.py: "guess").
+  first ("measured"); else from the model's size on assumed hardware (slurm/planning/guesses.py: "guess").
   Early stopping can only make a stage shorter.
 GPU models: a GPU job takes rows measured on its own GPU model (`gpu`: named by resources.constraint or
   the partition, guesses.gpu_model; unknown: the slowest model the rows ran on, where the job may land).
@@ -21,7 +21,7 @@ Eval jobs: batches of the scored examples (eval.limit respected) x max_new_token
   + scoring, from the speed book's eval rows (every finished eval job writes one: "measured") when one has
   this model and beam count on the job's kind of device, else guessed from the model's size.
 A row written by `launch.py --calibrate` (a few dozen steps of an experiment's first stage on the real
-  hardware: slurm/plan.py calibration_plan) is used the same way and says "calibrated".
+  hardware: slurm/planning/plan.py calibration_plan) is used the same way and says "calibrated".
 """
 
 from __future__ import annotations
@@ -41,8 +41,8 @@ from core.hashing import CACHE_KEY_CHARS, content_hash
 from core.names import TOKENIZER_FILES
 from core.speeds import FILE, EvalSpeedRecord, SpeedRecord, read_book, read_eval_book
 from core.split import Split, resolve
-from slurm import guesses
-from slurm.experiments import read_examples
+from slurm.planning import guesses
+from slurm.planning.experiments import read_examples
 
 # The usual rule of thumb for English under BPE or SentencePiece vocabularies; code and SQL run nearer 3,
 # so their estimates come out a little short until the speed book or an exact count takes over.

@@ -26,9 +26,9 @@ from core.rundir import (
     read_spec,
 )
 from core.states import NEVER_STARTS, NEVER_STARTS_MARK, State, from_slurm, lane_state, parent_verdict
-from slurm.client import GPUS, gpu_counts, run_client, tres_counts
-from slurm.limits import never_starts
-from slurm.plan import Plan, PlannedJob
+from slurm.cluster.client import GPUS, gpu_counts, run_client, tres_counts
+from slurm.cluster.limits import never_starts
+from slurm.planning.plan import Plan, PlannedJob
 
 
 @dataclass(frozen=True)
@@ -127,7 +127,7 @@ def tres_gpus(tres: str) -> int:
     """GPUs a job held, from its AllocTRES: `gres/gpu=2`. The untyped count is the total (a cluster that
     accounts types lists it beside `gres/gpu:a100=2`); where only typed counts are kept, the job held
     their sum: GPUs of two types are two sets of GPUs, all of them charged. (A limit of several GPU
-    entries binds at its smallest instead: slurm/limits.py gpus_of.)"""
+    entries binds at its smallest instead: slurm/cluster/limits.py gpus_of.)"""
     gpus = gpu_counts(tres_counts(tres))
     return gpus[GPUS] if GPUS in gpus else sum(gpus.values())
 
@@ -315,7 +315,9 @@ def packed_unit_info(run_dir: Path, pack_id: str, pack: SchedulerInfo) -> Schedu
 
 
 def _submitit_job(log_root: str, plan_id: str, record: JobRecord, run_dir: Path):
-    from slurm.scheduler import scheduler_job  # submitit: only once a job was submitted (not for dry runs)
+    from slurm.cluster.scheduler import (
+        scheduler_job,  # submitit: only once a job was submitted (not for dry runs)
+    )
 
     return scheduler_job(log_root, plan_id, record, run_dir)
 
@@ -324,7 +326,7 @@ def local_info(submitted, record: JobRecord, job: PlannedJob) -> SchedulerInfo:
     """A local job runs while its submitit controller does, or while a task of it holds its run folder
     with the controller gone (killed); once ended without DONE, why: cancelled, its time limit reached, or
     failed. Its elapsed time is its own clock's (local_elapsed): no scheduler keeps one."""
-    from slurm.scheduler import controller_alive, local_failure, orphaned_task, reached_time_limit
+    from slurm.cluster.scheduler import controller_alive, local_failure, orphaned_task, reached_time_limit
 
     if controller_alive(submitted):
         return SchedulerInfo(State.RUNNING, elapsed=local_elapsed(submitted, record, running=True))

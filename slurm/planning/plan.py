@@ -3,7 +3,7 @@
 Stage N+1 starts from stage N's adapter (`afterok`: it needs the data), the eval job follows the last
 stage (`afterok`) on its own, smaller allocation (`eval.resources`), and `after: [other]` waits for the
 other experiment's last job to end (`afterany`: ordering only). Each job carries its estimated duration
-(slurm/estimate.py), and `resources.time: auto` is resolved here from it, so everything downstream sees a
+(slurm/planning/estimate.py), and `resources.time: auto` is resolved here from it, so everything downstream sees a
 concrete time limit. The plan is printed by --dry-run, tested as data, and only then submitted.
 """
 
@@ -33,10 +33,10 @@ from core.names import PREFERENCE
 from core.problems import ConfigError, Problem
 from core.pruning import definition_hash, expected_epochs
 from core.rundir import ADAPTER, CONFIG, done_hash, in_folder, run_folder
-from slurm import guesses
-from slurm.estimate import GUESSED_EVAL_FLOOR_S, Estimate, Estimator, auto_time_limit_s
-from slurm.experiments import LoadedExperiment
-from slurm.profile import ClusterProfile
+from slurm.cluster.profile import ClusterProfile
+from slurm.planning import guesses
+from slurm.planning.estimate import GUESSED_EVAL_FLOOR_S, Estimate, Estimator, auto_time_limit_s
+from slurm.planning.experiments import LoadedExperiment
 
 DependencyKind = Literal["afterok", "afterany"]
 # What a pruned sweep's runs are counted at: every run to its end (worst), or the epochs successive halving

@@ -14,8 +14,8 @@ from submitit.core.utils import JobPaths
 from core.files import read_window, warn_unreadable
 from core.problems import ConfigError, Problem, did_you_mean
 from core.states import State
-from slurm.plan import Plan, PlannedJob
-from slurm.status import plan_status
+from slurm.planning.plan import Plan, PlannedJob
+from slurm.watching.status import plan_status
 
 POLL_S = float(os.environ.get("LAUNCH_POLL_S", "5"))
 

@@ -13,6 +13,7 @@ from typing import Literal, get_args
 
 from core.config import slurm_duration
 from core.problems import ConfigError, Problem
+from slurm.cluster.client import pick_backend
 
 Action = Literal[
     "launch",
@@ -190,6 +191,4 @@ def door_problems(request: LaunchRequest, chose: bool) -> list[Problem]:
 
 def backend_here(backend: str) -> str:
     """`slurm` or `local`: what `auto` means on this machine (sbatch on PATH)."""
-    from slurm.backends import pick_backend  # submitit: only when asked
-
     return pick_backend(backend)

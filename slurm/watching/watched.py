@@ -12,9 +12,12 @@ import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from core.problems import Problem, did_you_mean
+from core.problems import ConfigError, Problem, did_you_mean
 from core.rundir import Origin, run_root_experiments
-from slurm.experiments import LoadedExperiment, chosen, load_watchable_experiments
+from slurm.planning.experiments import LoadedExperiment, chosen, load_watchable_experiments, parse_overrides
+from slurm.planning.plan import Plan, build_plan
+from slurm.planning.request import LaunchRequest
+from slurm.watching.render import err, out
 
 
 @dataclass(frozen=True)
@@ -124,19 +127,17 @@ def unknown_name(name: str, known: set[str], gone: list[str], where: Path) -> Pr
     return replace(Problem("command line", "--exp", message), warning=True)
 
 
-def removed_from(run_root: Path, config_dir: Path, overrides: dict | None = None) -> list[str]:
+def removed_from(run_root: Path, config_dir: Path, names: set[str], broken: set[Path]) -> list[str]:
     """Experiments the run root holds that were launched from `config_dir` and that it no longer has (a
-    file deleted, a point dropped from a sweep): a launch of that folder lists them, and leaves them be."""
+    file deleted, a point dropped from a sweep): a launch of that folder lists them, and leaves them be.
+    `names`: every experiment name the folder gives, loaded or not; `broken`: its files that did not load
+    whole (what they stand for is unknown). The caller loaded the folder already (a launch: once)."""
     here = config_dir.resolve()
     held = run_root_experiments(run_root)
     launched = [
         name for name, origin in held.items() if origin is not None and same_path(origin.config_dir, here)
     ]
-    if not launched:
-        return []
-    found, _, written, broken = load_watchable_experiments(config_dir, overrides, frozenset(held))
-    has = {e.name for e in found} | written
-    return [name for name in launched if name not in has and not launched_from_any(held[name], broken)]
+    return [name for name in launched if name not in names and not launched_from_any(held[name], broken)]
 
 
 def removed_text(names: list[str], run_root: Path) -> str:
@@ -145,3 +146,39 @@ def removed_text(names: list[str], run_root: Path) -> str:
         f"{run_root}/ also holds {len(names)} experiment(s) launched from this folder that it no longer has "
         f"(no longer in any config): {shown}; left as they are (`--cancel --removed` cancels their live jobs)"
     )
+
+
+def watched_plan(request: LaunchRequest, profile) -> tuple[Watched, Plan] | None:
+    """The watched experiments and their plan; None (said so) when the run root holds nothing to show."""
+    watched = warned(request, profile)
+    plan = build_plan(watched.experiments, profile)
+    unknown = any(p.file == "command line" for p in watched.warnings)
+    if not plan.jobs and not watched.gone and not unknown:
+        out.print(
+            f"Nothing has been launched under {profile.run_dir}/ yet: `--dry-run --all` shows what would run, "
+            "and --config-dir picks another folder of experiments.",
+            highlight=False,
+        )
+        return None
+    return watched, plan
+
+
+def warned(request: LaunchRequest, profile) -> Watched:
+    """The watched experiments, each file that did not load warned about (skipped); an --exp name nothing
+    has is refused by --cancel (a cancel that cancels nothing), warned about by the others."""
+    watched = watched_of(request, profile, request.experiments)
+    unknown = [p for p in watched.warnings if p.file == "command line"]
+    if request.action == "cancel" and unknown:
+        raise ConfigError([replace(p, warning=False) for p in unknown])
+    for problem in watched.warnings:
+        skipped = "" if problem in unknown else " (skipped)"
+        err.print(f"[yellow]warning:[/] {problem}{skipped}", highlight=False, soft_wrap=True)
+    return watched
+
+
+def watched_of(request: LaunchRequest, profile, names, named: bool | None = None) -> Watched:
+    """`named` (default: whether --config-dir was given) looks at that folder alone, else at every folder
+    the run root's experiments came from."""
+    overrides = parse_overrides(list(request.overrides))
+    named = request.config_dir_named if named is None else named
+    return watched_experiments(Path(profile.run_dir), request.config_dir, named, overrides, names)

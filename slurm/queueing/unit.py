@@ -1,5 +1,5 @@
-"""One unit of a packed allocation, in its own process on its lane's GPU (slurm/lanes.py starts it):
-`python -m slurm.unit ORDER.json` runs the same TrainStage or EvalStage a separate job would.
+"""One unit of a packed allocation, in its own process on its lane's GPU (slurm/queueing/lanes.py starts it):
+`python -m slurm.queueing.unit ORDER.json` runs the same TrainStage or EvalStage a separate job would.
 
 A stop (USR2 or TERM, from SLURM or forwarded by the lanes) checkpoints as in a separate job; the unit
 then exits non-zero without a DONE and the allocation requeues: submitit's requeue handler belongs to the
@@ -14,8 +14,8 @@ import signal
 import sys
 from pathlib import Path
 
-from slurm.jobs import EvalStage, TrainStage
-from slurm.pack import Unit
+from slurm.planning.pack import Unit
+from slurm.queueing.jobs import EvalStage, TrainStage
 
 
 def main(order_file: str) -> None:
@@ -25,7 +25,9 @@ def main(order_file: str) -> None:
     order = json.loads(Path(order_file).read_text(encoding="utf-8"))
     unit = Unit.of(order)
     if cpus := os.environ.get("LORA_PACK_CPUS"):
-        os.sched_setaffinity(0, {int(c) for c in cpus.split(",")})  # this lane's cores (slurm/lanes.py)
+        os.sched_setaffinity(
+            0, {int(c) for c in cpus.split(",")}
+        )  # this lane's cores (slurm/queueing/lanes.py)
     lane, gpu = os.environ.get("LORA_PACK_LANE"), os.environ.get("CUDA_VISIBLE_DEVICES")
     print(f"{unit.id}: unit of packed job on lane {lane}, CUDA_VISIBLE_DEVICES={gpu}", flush=True)
     stage = TrainStage() if unit.kind == "train" else EvalStage()

@@ -18,7 +18,7 @@ from functools import cache
 from core.config import ascii_int
 from core.durations import read_duration, slurm_time
 from core.problems import Problem
-from slurm.client import gpu_counts, run_client, tres_counts
+from slurm.cluster.client import gpu_counts, run_client, tres_counts
 
 
 @dataclass(frozen=True)
@@ -181,7 +181,7 @@ def gpus_of(tres: str) -> int | None:
     a GPU limit. Of several, the smallest: our jobs ask GPUs of no type, and SLURM counts the GPUs it gives
     against the cap of their type as well as the untyped one; where a partition's GPUs are all of the
     capped type (why a QOS caps one type), a job over that cap never starts. (On a partition of mixed types
-    this is stricter than SLURM. What a job held is a sum instead: slurm/status.py tres_gpus.)"""
+    this is stricter than SLURM. What a job held is a sum instead: slurm/watching/status.py tres_gpus.)"""
     caps = gpu_counts(tres_counts(tres)).values()
     return min(caps) if caps else None
 

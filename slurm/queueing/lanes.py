@@ -2,12 +2,12 @@
 
 One process (the allocation's only task) keeps the units' dependencies in memory and starts each unit as
 a child process that sees only its lane's GPU (CUDA_VISIBLE_DEVICES) and runs exactly what a separate
-job would (slurm/unit.py → TrainStage / EvalStage), with its log where a separate job's would be. Every
+job would (slurm/queueing/unit.py → TrainStage / EvalStage), with its log where a separate job's would be. Every
 unit keeps its own run directory and DONE; `lane.json` beside them says which lane ran it and how it
 ended, for --status. Why one process and not one SLURM task per lane: lanes claim units dynamically and
 must agree on who runs what; one scheduler in one process needs no locks or shared files to agree.
 
-A free lane claims the ready unit with the longest estimate (slurm/pack.py simulates the same rule). A
+A free lane claims the ready unit with the longest estimate (slurm/planning/pack.py simulates the same rule). A
 unit that fails blocks the units that need its adapter (afterok); the other lanes go on. On SLURM's USR2
 (time limit, preemption) or SIGTERM every running unit is told to checkpoint; once all have ended, the
 allocation requeues itself; on restart, units with a DONE are skipped and interrupted ones resume.
@@ -29,13 +29,13 @@ from submitit.core.utils import JobPaths
 
 from core.devices import visible_devices
 from core.files import open_append, write_atomic
+from core.redact import redact_job_output
 from core.rundir import RunDir, done_hash, is_done, read_lane
 from core.states import State, lane_state, parent_verdict
-from slurm.jobs import StopRequest, _configure_logging
-from slurm.pack import Unit
-from slurm.redact import redact_job_output
+from slurm.planning.pack import Unit
+from slurm.queueing.jobs import StopRequest, _configure_logging
 
-log = logging.getLogger("slurm.lanes")
+log = logging.getLogger("slurm.queueing.lanes")
 # How often the lanes look at their children: a lane idles at most this long after its unit ends. (A
 # SIGCHLD handler would wake them at once, but setting an Event from a signal handler can deadlock.)
 POLL_S = 0.25
@@ -187,7 +187,7 @@ class Lanes:
     def start(self, unit: Unit, lane: int) -> subprocess.Popen:
         folder = Path(unit.log_folder).absolute()  # the unit's process starts in the code snapshot
         log_root = unit.root_of(unit.log_folder)  # made, and reached, without following a link below it
-        order = folder / f"{self.job_id}_unit.json"  # what the unit runs; read by slurm/unit.py
+        order = folder / f"{self.job_id}_unit.json"  # what the unit runs; read by slurm/queueing/unit.py
         write_atomic(order, unit.order(self.workdir), root=log_root)
         env = {
             **os.environ,
@@ -203,7 +203,7 @@ class Lanes:
         logfile = open_append(JobPaths(folder, self.job_id, task_id=0).stdout, binary=True, root=log_root)
         try:
             return subprocess.Popen(
-                [sys.executable, "-m", "slurm.unit", str(order)],
+                [sys.executable, "-m", "slurm.queueing.unit", str(order)],
                 cwd=self.code_folder,
                 env=env,
                 stdout=logfile,

@@ -1,14 +1,14 @@
 """Packing: a plan's jobs run as units on G lanes (one GPU each) inside one SLURM allocation. Pure data.
 
 `--pack G --budget HH:MM:SS` asks for one job with G GPUs on one node and the budget as its time limit;
-inside it, a lane that frees claims the next ready unit, longest estimate first (slurm/lanes.py). Here the
+inside it, a lane that frees claims the next ready unit, longest estimate first (slurm/queueing/lanes.py). Here the
 same rule is simulated with the plan's estimates, before anything is queued: the lanes it gives are what
 `--dry-run` prints, and a makespan over the budget is refused with the GPU count that would fit.
 
 A unit's duration is its estimate; a unit without one counts as its whole time limit (pessimistic: the
 packing then fits for sure or is refused). A pruned sweep's training units count whole (no run stopped),
-unless `--budget-basis expected` counts them at the epochs pruning is expected to leave them (slurm/plan.py
-PlannedJob.seconds); a pruned unit that ends at its rung frees its lane at once (slurm/lanes.py). The makespan must end before SLURM's stop signal (the budget
+unless `--budget-basis expected` counts them at the epochs pruning is expected to leave them (slurm/planning/plan.py
+PlannedJob.seconds); a pruned unit that ends at its rung frees its lane at once (slurm/queueing/lanes.py). The makespan must end before SLURM's stop signal (the budget
 less the units' signal_delay_s and SLURM's 30 s timer). Units needing several GPUs (DDP) are refused: a
 lane is one GPU. A lane gets the CPUs (capped at the node's) and memory (refused beyond it) of the
 hungriest unit.
@@ -26,8 +26,8 @@ from pydantic import ValidationError
 from core.config import SLURM_TIMER_S, Resources
 from core.durations import slurm_seconds, slurm_time
 from core.problems import ConfigError, Problem
-from slurm.plan import Basis, PlannedJob
-from slurm.profile import ClusterProfile
+from slurm.cluster.profile import ClusterProfile
+from slurm.planning.plan import Basis, PlannedJob
 
 
 @dataclass(frozen=True)
@@ -253,7 +253,7 @@ class OutsideParent:
 @dataclass(frozen=True)
 class Unit:
     """One job of a packed allocation, as the allocation runs it: submitit pickles the list, each lane
-    writes its unit's order file from it (slurm/lanes.py) and the unit's process reads that (slurm/unit.py)."""
+    writes its unit's order file from it (slurm/queueing/lanes.py) and the unit's process reads that (slurm/queueing/unit.py)."""
 
     id: str
     kind: Literal["train", "eval"]

@@ -1,5 +1,5 @@
 """Submission through submitit: sbatch on SLURM, subprocesses locally (finding, watching and cancelling a
-submitted job later goes through slurm/scheduler.py). Jobs run the launch's code snapshot (slurm/snapshot.py).
+submitted job later goes through slurm/cluster/scheduler.py). Jobs run the launch's code snapshot (slurm/queueing/snapshot.py).
 
 Both backends take the same jobs with the same dependencies. SLURM enforces them itself (`--dependency`,
 and the dev cluster's `kill_invalid_depend` cancels children of a failed parent); the local backend
@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import os
 import shlex
-import shutil
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -24,32 +23,22 @@ import submitit
 from core import below
 from core.config import Resources
 from core.devices import GPU_SHARES
-from core.files import open_append
+from core.files import stderr_into
 from core.layout import PACKS
 from core.problems import ConfigError
 from core.rundir import current_job, log_folder
 from core.states import State, jobs_verdict, parent_verdict
-from slurm.client import run_client
-from slurm.jobs import EvalStage, ExportStage, TrainStage
-from slurm.lanes import PackJob
-from slurm.local_gpus import GpuPool, VisibleGpus, gpus_needed, too_many_gpus
-from slurm.pack import Unit
-from slurm.plan import PlannedJob
-from slurm.profile import ClusterProfile
-from slurm.scheduler import COMMENT_MARK, cancel, local_failure, reached_time_limit, stop_local
-from slurm.snapshot import CodeSnapshot
-from slurm.status import timed_out_text
+from slurm.cluster.local_gpus import GpuPool, VisibleGpus, gpus_needed, too_many_gpus
+from slurm.cluster.profile import ClusterProfile
+from slurm.cluster.scheduler import COMMENT_MARK, cancel, local_failure, reached_time_limit, stop_local
+from slurm.planning.pack import Unit
+from slurm.planning.plan import PlannedJob
+from slurm.queueing.jobs import EvalStage, ExportStage, TrainStage
+from slurm.queueing.lanes import PackJob
+from slurm.queueing.snapshot import CodeSnapshot
+from slurm.watching.status import timed_out_text
 
 CONTROLLER_LOG = "controller.err"  # in a local job's log folder: its submitit controller's own stderr
-
-
-def pick_backend(name: str) -> str:
-    """auto: SLURM when its client is installed and a controller answers, else this machine."""
-    if name != "auto":
-        return name
-    if not shutil.which("sbatch"):
-        return "local"
-    return "slurm" if run_client(["sinfo", "-h", "-o", "%P"]) is not None else "local"
 
 
 def job_callable(job: PlannedJob):
@@ -69,25 +58,6 @@ def working_directory(folder: Path):
         yield
     finally:
         os.chdir(previous)
-
-
-@contextmanager
-def stderr_into(path: Path, root: Path | None = None):
-    """Processes started meanwhile write their stderr into `path`, not the launcher's terminal: a Ctrl-C
-    there reaches submitit's local controller too, which then prints a KeyboardInterrupt traceback (the
-    launcher itself says what it stopped). The job's own output goes to its log, as ever. With `root` (the
-    log root, the cache), `path` is reached from it without following a link (core/below.py)."""
-    if root is None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    sys.stderr.flush()
-    saved = os.dup(2)
-    try:
-        with open_append(path, root=root) as log:
-            os.dup2(log.fileno(), 2)
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
 
 
 class SlurmBackend:
@@ -114,7 +84,7 @@ class SlurmBackend:
     def submit_pack(
         self, units: list[Unit], resources: Resources, parents: list[tuple[str, str]], token: str = ""
     ) -> str:
-        """Queue one allocation that runs `units` on `resources.gpus` lanes (slurm/lanes.py)."""
+        """Queue one allocation that runs `units` on `resources.gpus` lanes (slurm/queueing/lanes.py)."""
         executor = submitit.SlurmExecutor(
             folder=self.pack_log_folder(), max_num_timeout=resources.max_requeues
         )
@@ -205,7 +175,7 @@ def offline_setup(profile: ClusterProfile) -> list[str]:
 class LocalBackend:
     """Runs jobs on this machine, `local_parallel_jobs` at a time, honouring the same dependencies; each
     job holds its `resources.gpus` of the GPUs this machine shows, and waits until they are free
-    (slurm/local_gpus.py). Jobs start in plan order, first fit: one that fits the free GPUs starts even if
+    (slurm/cluster/local_gpus.py). Jobs start in plan order, first fit: one that fits the free GPUs starts even if
     an earlier one still waits for more (the plan is finite, so the larger one gets them in the end)."""
 
     name = "local"
