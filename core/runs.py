@@ -1,4 +1,4 @@
-"""What the report reads of a run root, as typed records: the scheduler layer (slurm/commands/report.py)
+"""What the report reads of a run root, as typed records: the scheduler layer (slurm/watching/reporting.py)
 loads the run root once, reads each job's summary.json once, and hands these to eval/report.py, which
 then needs nothing of the plan or the scheduler."""
 
