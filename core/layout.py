@@ -15,7 +15,7 @@ PREFLIGHT_TOKENS = "preflight-tokens.json"  # slurm/planning/estimate.py
 PREFLIGHT_SPLITS = "preflight-splits.json"  # slurm/planning/estimate.py
 REPORT_MD = "report.md"  # eval/report.py
 REPORT_CSV = "report.csv"  # eval/report.py
-LOSS_CURVES = "loss_curves.png"  # eval/report.py
+LOSS_CURVES = "loss_curves.png"  # eval/report_plots.py
 LAUNCH_LOCK = ".launch.lock"  # slurm/queueing/lock.py
 RUNGS = ".rungs"  # core/pruning.py: RUNGS/SWEEP/RUNG.jsonl, a pruned sweep's losses at each rung
 RUN_ROOT = {
@@ -37,7 +37,7 @@ LOG_ROOT = {PACKS: "the packed allocations' logs", CODE_SNAPSHOTS: "the code sna
 # RUN_ROOT/EXP/: what shares an experiment's folder with its stages.
 EVAL = "eval"  # the eval of the last stage; the others' are eval-STAGE (eval_folder)
 EXPORT = "export"  # the export job's folder
-EXPERIMENT_LOSS_PLOT = "loss.png"  # eval/report.py
+EXPERIMENT_LOSS_PLOT = "loss.png"  # eval/report_plots.py
 ORIGIN = "origin.json"  # core/rundir.py: the config file and folder the experiment was launched from
 EXPERIMENT_FOLDER = {
     EVAL: "the eval job's folder",

@@ -27,7 +27,7 @@ from eval.bertscore import BertScoreError
 from eval.metrics import text_metrics
 from eval.sql import sql_metrics
 
-# The order results are written and shown in (eval/report.py lists its columns in the same order).
+# The order results are written and shown in (eval/report_rows.py lists its columns in the same order).
 RESULT_KEYS = ("n", *SCORE_KEYS, "sql_gold_errors", "sql_unscored_reason")
 ID_TYPES = (str, int)
 

@@ -11,7 +11,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from core.config import DataSpec
-from eval.report import turns_marker
+from eval.report_rows import turns_marker
 from tests.helpers import dry_run, experiment_folder
 from train import chat
 from train import data as data_lib

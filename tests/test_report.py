@@ -567,7 +567,7 @@ def test_a_sweep_points_loss_curves_are_one_mean_line_with_a_min_max_band_over_s
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from eval.report import draw_all, loss_series
+    from eval.report_plots import draw_all, loss_series
 
     plan, sweeps = sweep_plan(tmp_path)
     runs = tmp_path / "runs"
@@ -879,7 +879,7 @@ def test_a_point_with_a_pruned_seed_is_never_the_best_and_the_pruning_and_its_sa
 def test_a_dpo_stages_reward_curves_are_plotted_beside_its_loss(tmp_path):
     """TRL's rewards/accuracies and rewards/margins rows of the second (DPO) stage, at steps counted across
     stages as the loss is; an experiment without them keeps its loss-only picture."""
-    from eval.report import plot_losses, reward_series
+    from eval.report_plots import plot_losses, reward_series
 
     plan = plan_of(tmp_path, "pref", "plain")
     runs = tmp_path / "runs"

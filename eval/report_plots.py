@@ -1,0 +1,186 @@
+"""The loss curves (matplotlib, drawn headless): loss_curves.png of every experiment, a sweep point's
+replicates as one mean line with a min–max band, and each experiment's own loss.png, steps counted across
+its stages, with a preference (DPO) stage's reward accuracy and margin beside the loss. Reads each stage's
+`metrics.jsonl` (eval/report_rows.py read_metrics)."""
+
+from __future__ import annotations
+
+import statistics
+from functools import partial
+from pathlib import Path
+
+from core.files import write_atomic_with
+from core.runs import JobRun
+from core.sweep import SweepMember
+from eval.report_rows import read_metrics
+
+
+def loss_series(jobs: list[JobRun], experiment: str) -> tuple[list, list, list]:
+    """(train points, eval points, stage boundaries) with steps counted across stages."""
+    train, evals, boundaries, offset = [], [], [], 0
+    for job in (j for j in jobs if j.experiment == experiment and j.kind == "train"):
+        rows = read_metrics(job.run_dir)
+        train += [(offset + r["step"], r["loss"]) for r in rows if "loss" in r and "step" in r]
+        evals += [(offset + r["step"], r["eval_loss"]) for r in rows if "eval_loss" in r and "step" in r]
+        offset += max((r.get("step", 0) for r in rows), default=0)
+        boundaries.append((offset, job.stage))
+    return train, evals, boundaries[:-1]
+
+
+# A DPO stage's curves (TRL's log rows in metrics.jsonl), plotted beside the loss
+REWARD_KEYS = ("rewards/accuracies", "rewards/margins")
+
+
+def reward_series(jobs: list[JobRun], experiment: str) -> dict[str, list]:
+    """Each REWARD_KEYS curve the experiment's stages logged, steps counted across stages as loss_series
+    counts them; {} when none did (no preference stage)."""
+    found: dict[str, list] = {}
+    offset = 0
+    for job in (j for j in jobs if j.experiment == experiment and j.kind == "train"):
+        rows = read_metrics(job.run_dir)
+        for key in REWARD_KEYS:
+            points = [(offset + r["step"], r[key]) for r in rows if "step" in r and numeric(r.get(key))]
+            if points:
+                found.setdefault(key, []).extend(points)
+        offset += max((r.get("step", 0) for r in rows), default=0)
+    return found
+
+
+def numeric(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def draw_rewards(ax, name: str, rewards: dict[str, list]) -> None:
+    for key, points in rewards.items():
+        ax.plot(*zip(*points, strict=True), label=f"{name} {key}")
+    ax.axhline(0, color="grey", linewidth=0.8)
+    ax.set_xlabel("optimizer step (across stages)")
+    ax.set_ylabel("reward accuracy (share) / margin")
+    ax.set_title(f"{name}: DPO rewards (against its reference)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+
+
+def plot_losses(
+    jobs: list[JobRun], experiments: list[str], run_root: Path, sweeps: dict[str, SweepMember] | None = None
+) -> list[Path]:
+    """loss_curves.png (every experiment; a sweep point's replicates as one mean line with a band) and
+    each experiment's own loss.png (a replicate's included; with a preference stage, its reward accuracy
+    and margin curves beside the loss)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sweeps = sweeps or {}
+    series = {name: loss_series(jobs, name) for name in experiments}
+    series = {k: v for k, v in series.items() if v[0] or v[1]}
+    if not series:
+        return []
+    paths = [run_root / "loss_curves.png"]
+    fig, ax = plt.subplots(figsize=(9, 5))
+    draw_all(ax, series, experiments, sweeps)
+    banded = "; sweep points: mean of their seeds, band min–max" if sweeps.keys() & series.keys() else ""
+    finish(ax, f"Loss of every experiment (dotted lines: stage boundaries{banded})")
+    write_atomic_with(paths[0], partial(fig.savefig, dpi=110, bbox_inches="tight"))
+    plt.close(fig)
+    for name, (train, evals, boundaries) in series.items():
+        rewards = reward_series(jobs, name)
+        if rewards:  # a preference stage: its reward curves beside the loss
+            fig, (ax, beside) = plt.subplots(1, 2, figsize=(13, 4))
+            draw_rewards(beside, name, rewards)
+        else:
+            fig, ax = plt.subplots(figsize=(7, 4))
+        draw(ax, name, train, evals, boundaries, label_stages=True)
+        finish(ax, f"{name}: loss")
+        paths.append(run_root / name / "loss.png")
+        paths[-1].parent.mkdir(parents=True, exist_ok=True)
+        write_atomic_with(paths[-1], partial(fig.savefig, dpi=110, bbox_inches="tight"))
+        plt.close(fig)
+    return paths
+
+
+def draw_all(ax, series: dict[str, tuple], experiments: list[str], sweeps: dict[str, SweepMember]) -> None:
+    """Each experiment's curves, except a sweep point's replicates: drawn together as their mean, at the
+    first replicate's place in plan order. `series`: loss_series of the experiments that logged any."""
+    points: dict[tuple, list[str]] = {}  # (sweep, point) → its replicates in the plan
+    for name in experiments:
+        if name in sweeps:
+            points.setdefault((sweeps[name].sweep, sweeps[name].point), []).append(name)
+    drawn: set[tuple] = set()
+    for name, (train, evals, boundaries) in series.items():
+        member = sweeps.get(name)
+        if member is None:
+            draw(ax, name, train, evals, boundaries)
+            continue
+        key = (member.sweep, member.point)
+        if key not in drawn:
+            drawn.add(key)
+            logged = [series[n] for n in points[key] if n in series]
+            draw_mean(ax, f"{member.sweep}-{member.point}", logged, len(points[key]))
+
+
+def draw_mean(ax, label: str, replicates: list[tuple], total: int) -> None:
+    """A sweep point: the mean training loss of its replicates with a min–max band, and their mean eval
+    loss, at the steps every replicate that logged has; the label says how many of its `total` seeds."""
+    line = None
+    train = mean_band([t for t, _, _ in replicates if t])
+    seeds = f"mean of {sum(bool(t) for t, _, _ in replicates)}/{total} seeds"
+    if train:
+        steps, means, lows, highs = zip(*train, strict=True)
+        (line,) = ax.plot(steps, means, label=f"{label} train ({seeds}, band min–max)")
+        ax.fill_between(steps, lows, highs, color=line.get_color(), alpha=0.2, linewidth=0)
+    evaluated = [e for _, e, _ in replicates if e]
+    evals = mean_band(evaluated)
+    if evals:
+        steps, means, _, _ = zip(*evals, strict=True)
+        color = line.get_color() if line else None
+        ax.plot(
+            steps, means, "o--", color=color, label=f"{label} eval (mean of {len(evaluated)}/{total} seeds)"
+        )
+    shared = [b for b in replicates[0][2] if all(b in r[2] for r in replicates)]
+    for step, _ in shared:
+        ax.axvline(step, color=line.get_color() if line else "grey", linestyle=":", alpha=0.7)
+
+
+def mean_band(curves: list[list[tuple]]) -> list[tuple]:
+    """(step, mean, min, max) of the curves' values at each step they all have: a mean over fewer
+    replicates at the tail of the longest would jump where a shorter one ends."""
+    by_step = [dict(curve) for curve in curves]
+    if not by_step:
+        return []
+    steps = sorted(set.intersection(*(set(values) for values in by_step)))
+    band = []
+    for step in steps:
+        values = [v[step] for v in by_step]
+        band.append((step, statistics.fmean(values), min(values), max(values)))
+    return band
+
+
+def draw(ax, name, train, evals, boundaries, label_stages=False) -> None:
+    line = None
+    if train:
+        (line,) = ax.plot(*zip(*train, strict=True), label=f"{name} train")
+    if evals:
+        color = line.get_color() if line else None
+        ax.plot(*zip(*evals, strict=True), "o--", color=color, label=f"{name} eval")
+    for step, stage in boundaries:
+        ax.axvline(step, color=line.get_color() if line else "grey", linestyle=":", alpha=0.7)
+        if label_stages:
+            ax.annotate(
+                f"end of {stage}",
+                (step, 1),
+                xycoords=("data", "axes fraction"),
+                fontsize=8,
+                rotation=90,
+                va="top",
+                ha="right",
+            )
+
+
+def finish(ax, title: str) -> None:
+    ax.set_xlabel("optimizer step (across stages)")
+    ax.set_ylabel("loss")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
