@@ -22,7 +22,7 @@ import launch
 from slurm.cluster.rendezvous import rendezvous_port
 from tests.helpers import fault_experiment, job_pids, progress_step, slurm_id, submit, wait_until
 from tests.train_helpers import assert_every_step_logged_once, assert_same_adapter
-from train.checkpoints import latest_valid_checkpoint, step_of
+from train.checkpoints import step_of
 
 
 def task_log(tmp_path, job: str, rank: int) -> str:
@@ -46,14 +46,14 @@ def task_pids(job_id: str) -> dict[int, int]:
     return pids
 
 
-def test_two_nodes_train_the_adapter_of_one_node_with_two_gpus_and_a_requeue_resumes_both(
+def test_two_nodes_train_the_adapter_of_one_node_with_two_gpus_and_usr2_to_one_rank_stops_both_and_requeues(
     repo_root, tmp_path, two_node_cluster, tiny, monkeypatch, capsys
 ):
     monkeypatch.chdir(repo_root)
-    # 2 nodes x 1 GPU (requeued mid-run) against 1 node x 2 GPUs (straight): the same world size and
+    # 2 nodes x 1 GPU (stopped mid-run, requeued) against 1 node x 2 GPUs (straight): the same world size and
     # global batch, so the same examples in each step and the same adapter (LoRA dropout 0, fp32).
-    folder = fault_experiment(repo_root, tmp_path, "requeued", epochs=8, save=8, gpus=1, nodes=2)
-    fault_experiment(repo_root, tmp_path, "straight", epochs=8, save=8, gpus=2)
+    folder = fault_experiment(repo_root, tmp_path, "requeued", epochs=8, save=1000, gpus=1, nodes=2)
+    fault_experiment(repo_root, tmp_path, "straight", epochs=8, save=1000, gpus=2)
     assert launch.main(["--all", "--config-dir", str(folder), "--dry-run", "--json"]) == 0
     planned = {job["id"]: job for job in json.loads(capsys.readouterr().out)["jobs"]}
     assert (planned["requeued/train"]["tasks"], planned["requeued/train"]["effective_batch"]) == (2, 16)
@@ -61,9 +61,13 @@ def test_two_nodes_train_the_adapter_of_one_node_with_two_gpus_and_a_requeue_res
     assert submit(folder) == 0
     run_dir = tmp_path / "runs" / "requeued" / "train"
     job_id = slurm_id(tmp_path, "requeued/train")
-    wait_until(lambda: latest_valid_checkpoint(run_dir / "checkpoints"), "a first checkpoint")
-    subprocess.run(["scontrol", "requeue", job_id], check=True)
-    assert submit(folder, "--wait") == 0
+    wait_until(lambda: progress_step(run_dir) >= 4, "training under way")
+    pids = wait_until(lambda: (found := task_pids(job_id)).keys() >= {0, 1} and found, "both task pids")
+    # SLURM signals every task of the step; a signal that reaches one task only (a rank slow to install
+    # its handler, a user's `kill`) must not leave the other rank, on the other node, waiting in its next
+    # all-reduce: both stop at one checkpoint and the job requeues.
+    os.kill(pids[1], signal.SIGUSR2)  # rank 1 only, on n2
+    assert submit(folder, "--wait") == 0  # the requeued job resumes and completes: no hang
     assert slurm_id(tmp_path, "requeued/train") == job_id  # same SLURM job, second run
 
     for name in ("requeued", "straight"):
@@ -71,7 +75,8 @@ def test_two_nodes_train_the_adapter_of_one_node_with_two_gpus_and_a_requeue_res
         assert (summary["world_size"], summary["rank_devices"]) == (2, ["cpu", "cpu"])
         assert summary["global_step"] == 8 * 15  # 240 examples / (8 x 2) a step, 8 epochs
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["resumed_from"] is not None
+    resumed = step_of(Path(summary["resumed_from"]))
+    assert 4 <= resumed < 8 * 15  # the one checkpoint both ranks stopped at (save_every_steps is 1000)
     assert_every_step_logged_once(run_dir, summary["global_step"])
     assert_same_adapter(tmp_path / "runs" / "straight" / "train", run_dir, relative=1e-4)
 
@@ -93,29 +98,6 @@ def test_two_nodes_train_the_adapter_of_one_node_with_two_gpus_and_a_requeue_res
     assert "rank1 INFO" in shown and "rank0 INFO" not in shown
     assert launch.main([*tail, "--rank", "2"]) == 2
     assert "runs 2 task(s): --rank is one of 0-1" in capsys.readouterr().err
-
-
-def test_usr2_reaching_only_the_rank_on_node_two_stops_both_at_one_checkpoint_and_requeues(
-    repo_root, tmp_path, two_node_cluster, tiny, monkeypatch
-):
-    # SLURM signals every task of the step; a signal that reaches one task only (a rank slow to install
-    # its handler, a user's `kill`) must not leave the other rank, on the other node, waiting in its next
-    # all-reduce.
-    monkeypatch.chdir(repo_root)
-    folder = fault_experiment(repo_root, tmp_path, "signalled", epochs=8, save=1000, gpus=1, nodes=2)
-    assert submit(folder) == 0
-    run_dir = tmp_path / "runs" / "signalled" / "train"
-    job_id = slurm_id(tmp_path, "signalled/train")
-    wait_until(lambda: progress_step(run_dir) >= 4, "training under way")
-    pids = wait_until(lambda: (found := task_pids(job_id)).keys() >= {0, 1} and found, "both task pids")
-    os.kill(pids[1], signal.SIGUSR2)  # rank 1 only, on n2
-    assert submit(folder, "--wait") == 0  # the requeued job resumes and completes: no hang
-    assert slurm_id(tmp_path, "signalled/train") == job_id
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["world_size"] == 2 and summary["global_step"] == 8 * 15
-    resumed = step_of(Path(summary["resumed_from"]))
-    assert 4 <= resumed < 8 * 15  # the one checkpoint both ranks stopped at (save_every_steps is 1000)
-    assert_every_step_logged_once(run_dir, summary["global_step"])
 
 
 def sacct_state(job_id: str) -> str:
