@@ -695,7 +695,7 @@ class PruneSpec(Section):
     """A sweep's `prune:` block (asynchronous successive halving, core/pruning.py): at each rung (an epoch)
     a run records its in-training eval_loss and stops if it is above the `keep` quantile of every loss
     recorded at that rung so far, once there are `min_points` of them. The experiment-level checks (eval
-    data, eval_every_epochs, rungs below epochs, one stage) are slurm/planning/experiments.py check_prune's."""
+    data, eval_every_epochs, rungs below epochs, one stage) are slurm/planning/sweeps.py check_prune's."""
 
     rungs: list[Annotated[Float, Field(gt=0)]]
     keep: Annotated[Float, Field(gt=0, lt=1)]

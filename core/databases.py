@@ -1,4 +1,4 @@
-"""Whether an SQLite file can serve as a task's database: the launcher's validation (slurm/planning/experiments.py)
+"""Whether an SQLite file can serve as a task's database: the launcher's checks (slurm/planning/checks.py)
 and the SQL scorer (eval/sql.py) ask the same question, so its one answer lives here."""
 
 from __future__ import annotations

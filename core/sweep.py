@@ -17,7 +17,7 @@ drawn from `int` include both bounds. At most MAX_POINTS points.
 
 The block is a pydantic model, SweepSpec, like every other block of an experiment: unknown keys are refused,
 and every problem is reported at once, in pydantic's shape (SweepError), so the loader shows each like any
-other block's, at `file:line: sweep.KEY: what (hint)` (slurm/planning/experiments.py to_problem).
+other block's, at `file:line: sweep.KEY: what (hint)` (slurm/planning/validation.py to_problem).
 
 Names. A point's name comes from its own values alone, never from its neighbours' (adding, removing or
 reordering values renames no other point, and no finished point is planned again under a new name). Its
@@ -29,7 +29,7 @@ reads back as the value trained, true/false, none, text after its last '/' with 
 characters of the value's own hash follow (`m_1a2b`). A point whose name would pass 64 characters drops
 its labels (`3e-04-8-s1`), and if that is still too long is named by its values' hash (`h1a2b3c-s1`).
 Replicates of a point share `point`, the suffix without its seed part. Names of sweeps launched before
-names were stable are still found (`SweepPoint.legacy`, slurm/planning/experiments.py).
+names were stable are still found (`SweepPoint.legacy`, slurm/planning/sweeps.py point_name).
 """
 
 from __future__ import annotations
@@ -486,7 +486,8 @@ def combinations(axes: list[Axis]) -> Iterable[dict]:
 def name_points(combos: list[dict], seeds: tuple[int, ...], experiment: str) -> list[SweepPoint]:
     """Each point named from its own values alone, never from its neighbours': adding, removing or
     reordering other values never renames a point (a finished one would be planned again under its new
-    name). Its `legacy` suffix is the one it had before (slurm/planning/experiments.py finds a run folder by it)."""
+    name). Its `legacy` suffix is the one it had before (slurm/planning/sweeps.py point_name finds a run
+    folder by it)."""
     keys = list(combos[0]) + ([SEED_KEY] if seeds else [])
     label = labels(keys)
     seed_label = label.get(SEED_KEY, "")

@@ -11,7 +11,7 @@ import pytest
 from core.config import SAFE_NAME
 from core.sweep import MAX_POINTS, SweepError, SweepSelect, expand, float_text, nested
 from core.yamlfile import YamlFile
-from slurm.planning.experiments import to_problem
+from slurm.planning.validation import to_problem
 
 LR_BY_RANK = {"grid": {"train.learning_rate": [1.0e-4, 3.0e-4], "adapter.rank": [8, 16]}}
 RANDOM = {

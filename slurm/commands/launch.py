@@ -9,10 +9,11 @@ from pathlib import Path
 
 from core.problems import ConfigError, Problem
 from core.states import State
-from slurm.planning.experiments import LoadedExperiment, load_selected, parse_overrides
+from slurm.planning.experiments import load_selected, parse_overrides
 from slurm.planning.pack import pack_plan
 from slurm.planning.plan import Plan, build_plan, calibration_plan, estimated_again
 from slurm.planning.request import LaunchRequest
+from slurm.planning.validation import LoadedExperiment
 from slurm.queueing.decisions import weigh
 from slurm.queueing.submit import submit
 from slurm.watching.preflight_report import run_preflight

@@ -42,7 +42,7 @@ from core.names import TOKENIZER_FILES
 from core.speeds import FILE, EvalSpeedRecord, SpeedRecord, read_book, read_eval_book
 from core.split import Split, resolve
 from slurm.planning import guesses
-from slurm.planning.experiments import read_examples
+from slurm.planning.checks import read_examples
 
 # The usual rule of thumb for English under BPE or SentencePiece vocabularies; code and SQL run nearer 3,
 # so their estimates come out a little short until the speed book or an exact count takes over.

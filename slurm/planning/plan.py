@@ -36,7 +36,7 @@ from core.rundir import ADAPTER, CONFIG, done_hash, in_folder, run_folder
 from slurm.cluster.profile import ClusterProfile
 from slurm.planning import guesses
 from slurm.planning.estimate import GUESSED_EVAL_FLOOR_S, Estimate, Estimator, auto_time_limit_s
-from slurm.planning.experiments import LoadedExperiment
+from slurm.planning.validation import LoadedExperiment
 
 DependencyKind = Literal["afterok", "afterany"]
 # What a pruned sweep's runs are counted at: every run to its end (worst), or the epochs successive halving

@@ -14,9 +14,10 @@ from pathlib import Path
 
 from core.problems import ConfigError, Problem, did_you_mean
 from core.rundir import Origin, run_root_experiments
-from slurm.planning.experiments import LoadedExperiment, chosen, load_watchable_experiments, parse_overrides
+from slurm.planning.experiments import chosen, load_watchable_experiments, parse_overrides
 from slurm.planning.plan import Plan, build_plan
 from slurm.planning.request import LaunchRequest
+from slurm.planning.validation import LoadedExperiment
 from slurm.watching.render import err, out
 
 

@@ -1,0 +1,364 @@
+"""What a valid experiment is checked for beyond its schema, before anything is queued (checked): its local
+files (data, eval database, model folders), its resources against a node of the cluster, `time: auto`, the
+model's kind and chat template, a DPO stage's chain; and across the folder's experiments, their names and
+`after:` targets (check_names). A sweep's own checks are slurm/planning/sweeps.py's.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from core import chat_templates
+from core.config import DataSpec, Experiment, kind_mismatch
+from core.conversations import no_template_message, templated
+from core.databases import NotADatabaseError, check_database
+from core.examples import ExampleError, TextSize, check_file, needed_fields
+from core.files import read_json
+from core.names import PREFERENCE
+from core.problems import Problem, did_you_mean
+from core.sweep import SweepMember
+from core.yamlfile import YamlFile, where
+from slurm.cluster.profile import ClusterProfile
+from slurm.planning.sweeps import check_prune, check_select
+from slurm.planning.validation import LoadedExperiment, Stage, resolve_stages
+
+
+def checked(
+    experiment: Experiment,
+    raw: dict,
+    chain: list[YamlFile],
+    member: SweepMember | None,
+    profile: ClusterProfile,
+) -> tuple[list[Stage], list[Problem]]:
+    """A valid experiment's stages, and what the checks beyond its schema find."""
+    stages, found = resolve_stages(experiment, raw, chain)
+    return stages, found + (
+        check_files(experiment, stages, chain)
+        + check_resources(experiment, profile, chain)
+        + check_auto_time(experiment, stages, chain)
+        + check_select(experiment, member, chain)
+        + check_prune(experiment, stages, member, chain)
+        + check_kind(experiment, chain)
+        + check_chat_template(experiment, stages, chain)
+        + check_preference(experiment, stages, chain)
+    )
+
+
+def check_kind(experiment: Experiment, chain: list[YamlFile]) -> list[Problem]:
+    """model.kind against a local model folder's config.json (a hub model's: at preflight, which has it)."""
+    config_json = Path(experiment.model.name_or_path) / "config.json"
+    if not config_json.is_file():
+        return []
+    model_config = read_json(config_json, {}, expected=dict)
+    why = kind_mismatch(experiment.model.kind, model_config)
+    if why is None:
+        return []
+    file, line = where(chain, ("model", "kind"))
+    return [Problem(file, "model.kind", why, line)]
+
+
+def check_chat_template(experiment: Experiment, stages: list[Stage], chain: list[YamlFile]) -> list[Problem]:
+    """Conversations need a chat template: the model folder's own, or data.chat_template (a hub model's is
+    known on the node, where a missing one is refused the same way)."""
+    name = experiment.model.name_or_path
+    lacking = [
+        stage
+        for stage in stages
+        if templated(stage.data, experiment.model.kind) and stage.data.chat_template is None
+    ]
+    if lacking and chat_templates.folder_has_template(Path(name)) is False:
+        file, line = where(chain, ("data", "format"))
+        return [Problem(file, "data.format", no_template_message(name, lacking[0].data.format), line)]
+    return unknown_markers(experiment, stages, chain)
+
+
+def unknown_markers(experiment: Experiment, stages: list[Stage], chain: list[YamlFile]) -> list[Problem]:
+    """A data.chat_template's markers that a local model folder's vocabulary lacks and model.added_tokens
+    does not add (a hub model's vocabulary is known to preflight, which refuses the same)."""
+    vocabulary = chat_templates.folder_vocabulary(Path(experiment.model.name_or_path))
+    if vocabulary is None:
+        return []
+    for stage in stages:
+        if stage.data.chat_template is None or not templated(stage.data, experiment.model.kind):
+            continue
+        markers = chat_templates.markers(chat_templates.text(stage.data.chat_template))
+        if missing := [m for m in markers if m not in vocabulary and m not in experiment.model.added_tokens]:
+            file, line = where(chain, ("data", "chat_template"))
+            message = (
+                f"its markers {missing} are not tokens of {experiment.model.name_or_path}'s vocabulary: add "
+                f"them with model.added_tokens: {missing} (else each is learnt as several pieces and "
+                "generation has no end-of-turn token to stop at)"
+            )
+            return [Problem(file, "data.chat_template", message, line)]
+    return []
+
+
+def check_preference(experiment: Experiment, stages: list[Stage], chain: list[YamlFile]) -> list[Problem]:
+    """A DPO stage's chain, before anything is queued: preference pairs for it and only for it, a model
+    kind TRL's DPOTrainer trains here, and a `reference: previous` that has a previous stage."""
+    problems = []
+    for index, stage in enumerate(stages):
+        dpo, pairs = stage.train.method == "dpo", stage.data.format == PREFERENCE
+        why = None
+        if dpo and not pairs:
+            key = ("train", "method")
+            why = (
+                f"is dpo in stage {stage.name!r}, whose data is format: {stage.data.format}; DPO trains on "
+                "preference pairs: set data.format: preference ({prompt, chosen, rejected} per line)"
+            )
+        elif pairs and not dpo:
+            key = ("data", "format")
+            why = (
+                f"is preference in stage {stage.name!r}, an SFT stage (train.method: sft): pairs train only a "
+                "DPO stage: set train.method: dpo in that stage, or give it SFT data"
+            )
+        elif dpo and experiment.model.kind != "causal":
+            key = ("train", "method")
+            why = (
+                f"is dpo, but model.kind is {experiment.model.kind}: TRL's DPOTrainer trains causal models only "
+                "here (it has no seq2seq path; image-text pairs are not supported yet): use a causal model"
+            )
+        elif dpo and index == 0 and stage.train.preference.reference == "previous":
+            key = ("train", "dpo", "reference")
+            why = (
+                f"is previous, but stage {stage.name!r} is the first: there is no previous adapter to "
+                "compare against; use reference: base (the default for a first stage), or put an SFT stage "
+                "before it"
+            )
+        if why:
+            written = getattr(experiment.stages[index], key[0])
+            place = ("stages", index, *key) if key[1] in written else key
+            file, line = where(chain, place)
+            problems.append(Problem(file, ".".join(map(str, place)), why, line))
+    return problems
+
+
+def check_files(experiment: Experiment, stages: list[Stage], chain: list[YamlFile]) -> list[Problem]:
+    """Local data files, eval databases and model folders must exist; hub names are checked on the node."""
+    wanted: list[tuple[tuple, str, DataSpec | None]] = []
+    for index, stage in enumerate(stages):
+        for key in ("train", "eval"):
+            written_in_stage = key in experiment.stages[index].data
+            place = ("stages", index, "data", key) if written_in_stage else ("data", key)
+            wanted.append((place, getattr(stage.data, key), stage.data))
+    wanted.append((("eval", "db"), experiment.eval.db, None))
+    problems, seen = [], set()
+    for key, value, spec in wanted:
+        if value and not value.startswith("hf:") and value not in seen:
+            seen.add(value)
+            file, line = where(chain, key)
+            if not Path(value).is_file():
+                problems.append(Problem(file, ".".join(map(str, key)), f"file not found: {value}", line))
+            elif spec is not None:
+                problems += check_examples(Path(value), spec, ".".join(map(str, key)))
+            elif key == ("eval", "db"):
+                problems += unusable_db(value, file, line)
+    problems += missing_model_folder(("model", "name_or_path"), experiment.model.name_or_path, chain)
+    if "bertscore" in experiment.eval.metrics:
+        problems += missing_model_folder(("eval", "bertscore_model"), experiment.eval.bertscore_model, chain)
+    return problems
+
+
+def unusable_db(path: str, file: str, line: int | None) -> list[Problem]:
+    """eval.db must be SQLite with tables: on an empty file every gold query fails and nothing is scored."""
+    try:
+        check_database(path)
+    except (NotADatabaseError, OSError) as exc:
+        return [Problem(file, "eval.db", str(exc), line)]
+    return []
+
+
+def missing_model_folder(key: tuple, name: str, chain: list[YamlFile]) -> list[Problem]:
+    """A name that looks like a local path must be a folder; hub ids are checked on the node."""
+    if not _looks_local(name) or Path(name).is_dir():
+        return []
+    file, line = where(chain, key)
+    hint = " (the demo's tiny models are built by `python -m demo.tiny models`)" if "tiny" in name else ""
+    return [Problem(file, ".".join(key), f"local model folder not found: {name}{hint}", line)]
+
+
+_read: dict[tuple, TextSize | ExampleError | OSError | UnicodeDecodeError] = {}
+
+
+def read_examples(path: Path, spec: DataSpec) -> TextSize | ExampleError | OSError | UnicodeDecodeError:
+    """A data file's size, or its first problem. Each file is read once per command, however many
+    experiments share it and whether validation or the estimates ask first."""
+    try:
+        stat = path.stat()
+        fields = (spec.format, spec.prompt_template, *needed_fields(spec))  # the template's text counts too
+        version = (str(path.resolve()), stat.st_mtime_ns, stat.st_size, fields)
+        if version not in _read:
+            _read[version] = _read_once(path, spec)
+        return _read[version]
+    except OSError as exc:
+        return exc
+
+
+def check_examples(path: Path, spec: DataSpec, key: str) -> list[Problem]:
+    """Malformed lines, missing fields and empty files are found now, not hours later on a node."""
+    found = read_examples(path, spec)
+    if isinstance(found, ExampleError):
+        return [Problem(e.path, "", f"{e.message} (used as {key})", e.line) for e in found.errors]
+    if not isinstance(found, TextSize):
+        return [Problem(str(path), "", f"cannot be read ({found})")]
+    return []
+
+
+def _read_once(path: Path, spec: DataSpec) -> TextSize | ExampleError | OSError | UnicodeDecodeError:
+    try:
+        return check_file(path, spec)
+    except (ExampleError, OSError, UnicodeDecodeError) as exc:
+        return exc
+
+
+def _looks_local(name: str) -> bool:
+    return name.startswith(("/", "./", "../", "~")) or name.count("/") > 1 or Path(name).is_dir()
+
+
+def check_resources(experiment: Experiment, profile: ClusterProfile, chain: list[YamlFile]) -> list[Problem]:
+    # The eval job's own values only: what it leaves out is the training job's, checked once.
+    return (
+        over_node_limits(("resources",), experiment.resources, profile, chain)
+        + over_node_limits(("eval", "resources"), experiment.eval.resources, profile, chain)
+        + beyond_one_node(("resources",), experiment.resources, profile, chain)
+        + beyond_one_node(("eval", "resources"), experiment.eval.resources, profile, chain)
+        + eval_on_one_gpu(experiment, chain)
+    )
+
+
+def check_auto_time(experiment: Experiment, stages: list[Stage], chain: list[YamlFile]) -> list[Problem]:
+    """`time: auto` is the job's estimate plus a margin, and an estimate counts a local data file: an
+    `hf:` dataset is only fetched on the node."""
+    sources = {
+        ("resources", "time"): [s.data.train for s in stages],
+        ("eval", "resources", "time"): [
+            s.data.eval if experiment.eval.split == "eval" else s.data.train for s in stages
+        ],
+    }
+    problems = []
+    for key, used in sources.items():
+        section = experiment.resources if key[0] == "resources" else experiment.eval.resources
+        remote = sorted({source for source in used if source and source.startswith("hf:")})
+        if section.time == "auto" and remote:
+            file, line = where(chain, key)
+            message = (
+                f"auto needs a local data file to estimate from, but {remote[0]} is fetched on the node; "
+                "write a time (HH:MM:SS)"
+            )
+            problems.append(Problem(file, ".".join(key), message, line))
+    return problems
+
+
+def beyond_one_node(section: tuple, res, profile: ClusterProfile, chain: list[YamlFile]) -> list[Problem]:
+    """A training job may span nodes (one task per GPU on each, one DDP run), up to cluster.yaml's
+    max_nodes when it says; an eval job is one process on one GPU, so several nodes would sit idle."""
+    if res.nodes <= 1:
+        return []
+    file, line = where(chain, (*section, "nodes"))
+    if section != ("resources",):
+        message = (
+            f"asks for {res.nodes} nodes but an eval job runs one process on one GPU of one node; "
+            "leave eval.resources.nodes out"
+        )
+    elif profile.max_nodes is not None and res.nodes > profile.max_nodes:
+        message = (
+            f"asks for {res.nodes} nodes but this cluster has {profile.max_nodes} (configs/cluster.yaml "
+            f"max_nodes); ask {profile.max_nodes} or fewer, or more GPUs per node (resources.gpus, up to "
+            f"{profile.max_gpus_per_node})"
+        )
+    else:
+        return []
+    return [Problem(file, ".".join((*section, "nodes")), message, line)]
+
+
+def eval_on_one_gpu(experiment: Experiment, chain: list[YamlFile]) -> list[Problem]:
+    """Generation and scoring run as one process: more GPUs would sit idle in the queue and on the node."""
+    gpus = experiment.eval.resources.gpus
+    if gpus is None or gpus <= 1:
+        return []
+    file, line = where(chain, ("eval", "resources", "gpus"))
+    message = f"asks for {gpus} GPUs but an eval job runs one process on one GPU; use 0 or 1"
+    return [Problem(file, "eval.resources.gpus", message, line)]
+
+
+def over_node_limits(section: tuple, res, profile: ClusterProfile, chain: list[YamlFile]) -> list[Problem]:
+    problems = []
+    limits = [
+        ("gpus", res.gpus, profile.max_gpus_per_node, "GPUs"),
+        ("cpus", res.cpus, profile.max_cpus_per_node, "CPUs"),
+        ("mem_gb", res.mem_gb, profile.max_mem_gb_per_node, "GB of memory"),
+    ]
+    for key, asked, limit, unit in limits:
+        if asked is not None and asked > limit:
+            file, line = where(chain, (*section, key))
+            message = (
+                f"asks for {asked:g} {unit} but a node of this cluster has {limit:g} (configs/cluster.yaml)"
+            )
+            problems.append(Problem(file, ".".join((*section, key)), message, line))
+    return problems
+
+
+def check_names(
+    loaded: list[LoadedExperiment], selected: list[str] | None, written: set[str] = frozenset()
+) -> list[Problem]:
+    """Duplicate names, unknown `after:` targets, cycles, unknown --exp names (`written`: every name a
+    file gives; one that did not load has its own problem, and is no unknown name)."""
+    problems: list[Problem] = []
+    by_name: dict[str, LoadedExperiment] = {}
+    for item in loaded:
+        if item.name in by_name:
+            other = by_name[item.name].file
+            problems.append(Problem(str(item.file), "name", f"'{item.name}' is also the name in {other}"))
+        by_name[item.name] = item
+    sweeps: dict[str, Path] = {}
+    for item in loaded:
+        if item.sweep is not None and sweeps.setdefault(item.sweep.sweep, item.file) != item.file:
+            first = sweeps[item.sweep.sweep]
+            message = (
+                f"the sweep '{item.sweep.sweep}' is also defined in {first}: its points, --exp "
+                f"{item.sweep.sweep} and the report's table would mix both; rename one"
+            )
+            problems.append(Problem(str(item.file), "name", message))
+    for name in sweeps.keys() & by_name.keys():  # --exp and after: would mean both
+        message = f"'{name}' is also a sweep's name (in {sweeps[name]}): --exp {name} would mean both"
+        problems.append(Problem(str(by_name[name].file), "name", message))
+    for item in loaded:
+        for target in item.experiment.after:
+            if target not in by_name:
+                message = f"unknown experiment '{target}'" + did_you_mean(target, by_name)
+                problems.append(Problem(str(item.file), "after", message))
+    cycle = find_cycle({n: [t for t in e.experiment.after if t in by_name] for n, e in by_name.items()})
+    if cycle:
+        problems.append(
+            Problem(
+                str(by_name[cycle[0]].file), "after", "experiments wait on each other: " + " -> ".join(cycle)
+            )
+        )
+    for name in selected or []:
+        if name not in by_name and name not in written:
+            problems.append(
+                Problem(
+                    "command line", "--exp", f"no experiment named '{name}'" + did_you_mean(name, by_name)
+                )
+            )
+    return problems
+
+
+def find_cycle(graph: dict[str, list[str]]) -> list[str] | None:
+    """A dependency loop as a path that returns to its start, or None."""
+    state: dict[str, int] = {}
+
+    def visit(node: str, path: list[str]) -> list[str] | None:
+        state[node] = 1
+        for nxt in graph.get(node, []):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt) :] + [nxt]
+            if nxt not in state and (found := visit(nxt, [*path, nxt])):
+                return found
+        state[node] = 2
+        return None
+
+    for start in sorted(graph):
+        if start not in state and (found := visit(start, [start])):
+            return found
+    return None

@@ -1,0 +1,178 @@
+"""One experiment's config → a validated Experiment and its stages, or its problems at `file:line`.
+
+pydantic's errors become Problems blamed on the line that wrote the value (to_problem), a union's members
+folded into one problem per value; each stage is the experiment's data/train plus its own changes, validated
+in full (resolve_stages). LoadedExperiment is what loading gives (slurm/planning/experiments.py).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from pydantic import BaseModel, ValidationError
+
+from core.config import DataSpec, Experiment, StageSpec, TrainSpec
+from core.problems import Problem, did_you_mean
+from core.sweep import SweepMember, SweepSpec
+from core.yamlfile import YamlFile, deep_merge, where
+
+# Sections whose keys a "did you mean" can suggest from, by their place in the file; `sweep:` is validated on
+# its own, before its points are (core/sweep.py).
+SECTIONS: dict[str, type[BaseModel]] = {
+    name: info.annotation
+    for name, info in Experiment.model_fields.items()
+    if isinstance(info.annotation, type) and issubclass(info.annotation, BaseModel)
+} | {"sweep": SweepSpec}
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One stage, its data and train sections resolved (experiment values + the stage's changes)."""
+
+    name: str
+    data: DataSpec
+    train: TrainSpec
+
+
+@dataclass(frozen=True)
+class LoadedExperiment:
+    experiment: Experiment
+    file: Path
+    stages: tuple[Stage, ...]
+    sweep: SweepMember | None = None  # a point of the file's `sweep:` block
+
+    @property
+    def name(self) -> str:
+        return self.experiment.name
+
+
+def validate_experiment(raw: dict, chain: list[YamlFile]) -> tuple[Experiment | None, list[Problem]]:
+    try:
+        return Experiment.model_validate(raw), []
+    except ValidationError as exc:
+        return None, [to_problem(error, chain) for error in one_per_value(exc.errors())]
+
+
+# How pydantic names the member of a union (`int | Literal['auto']`) a failed check belongs to, at the end
+# of an error's place: `literal['auto']`, `function-after[...]`, `int`, `list[str]`, a model's name.
+UNION_MEMBER = re.compile(r"(literal|function-\w+|list|dict|tuple|set)\[.*|int|float|str|bool|none|[A-Z]\w*")
+
+
+def one_per_value(errors: list[dict]) -> list[dict]:
+    """pydantic's errors with a union's members folded into one error per value: `micro_batch: eight` is one
+    problem ("should be 'auto' or a valid integer"), not one per type it could have been. A member's own
+    message (a value_error, e.g. "true is a yes/no") says more than the others' "should be", and wins."""
+    folded: dict[tuple, list[dict]] = {}
+    for error in errors:
+        loc = tuple(error["loc"])
+        while loc and isinstance(loc[-1], str) and UNION_MEMBER.fullmatch(loc[-1]):
+            loc = loc[:-1]
+        folded.setdefault(loc, []).append({**error, "loc": loc})
+    return [merged(group) for group in folded.values()]
+
+
+def merged(group: list[dict]) -> dict:
+    if len(group) == 1:
+        return group[0]
+    own = [error for error in group if error["type"] in ("value_error", "assertion_error")]
+    if own:
+        return own[0]
+    wants = [error["msg"].removeprefix("Input should be ") for error in group]
+    return {**group[-1], "msg": "Input should be " + " or ".join(dict.fromkeys(wants))}
+
+
+def to_problem(error: dict, chain: list[YamlFile], prefix: tuple = ()) -> Problem:
+    key = (*prefix, *error["loc"])
+    file, line = where(chain, key)
+    kind, message = error["type"], error["msg"].removeprefix("Value error, ")
+    if kind == "extra_forbidden":
+        message = "unknown key" + (
+            NOT_A_KEY.get(str(key[-1])) or did_you_mean(str(key[-1]), known_keys(key[:-1]))
+        )
+    elif kind == "missing":
+        message = "is required but missing"
+    elif kind == "literal_error" and isinstance(error.get("input"), str):
+        choices = re.findall(r"'([^']*)'", str(error.get("ctx", {}).get("expected", "")))
+        message = f"{message} (got {error['input']!r}){did_you_mean(error['input'], choices)}"
+    elif kind == "finite_number":
+        message = f"must be a finite number, not {error['input']!r} (YAML reads .inf and .nan as numbers)"
+    elif "input" in error and kind not in ("value_error", "assertion_error"):
+        message = f"{message} (got {error['input']!r})"
+    return Problem(file, ".".join(map(str, key)), message, line)
+
+
+# Keys people reach for that the schema has no place for, and why.
+NOT_A_KEY = {
+    "init_from": (
+        ": a stage always starts from the adapter of the stage before it (the first from the base model), "
+        "so there is nothing to set; to start from another experiment's adapter, make its stages this "
+        "experiment's first ones"
+    ),
+}
+
+
+def known_keys(section: tuple) -> list[str]:
+    if not section:
+        return list(Experiment.model_fields)
+    model = SECTIONS.get(section[0])
+    if section[0] == "stages":
+        model = StageSpec if len(section) == 2 else SECTIONS.get(section[2]) if len(section) >= 3 else None
+    for part in section[1 if section[0] != "stages" else 3 :]:
+        field = model.model_fields.get(part) if model else None
+        annotation = getattr(field, "annotation", None)
+        model = next((a for a in getattr(annotation, "__args__", (annotation,)) if _is_model(a)), None)
+    return list(model.model_fields) if model else []
+
+
+def _is_model(value) -> bool:
+    return isinstance(value, type) and issubclass(value, BaseModel)
+
+
+def resolve_stages(
+    experiment: Experiment, raw: dict, chain: list[YamlFile]
+) -> tuple[list[Stage], list[Problem]]:
+    """Each stage = the experiment's data/train plus the stage's own changes, validated in full."""
+    stages, problems = [], []
+    for index, stage in enumerate(experiment.stages):
+        specs = {}
+        for section, model in (("data", DataSpec), ("train", TrainSpec)):
+            merged = deep_merge(raw.get(section) or {}, getattr(stage, section))
+            try:
+                specs[section] = model.model_validate(merged)
+            except ValidationError as exc:
+                for error in one_per_value(exc.errors()):
+                    # A mistake in the experiment's own section was reported already; report the stage's.
+                    if error["loc"] and error["loc"][0] in getattr(stage, section):
+                        problems.append(to_problem(error, chain, ("stages", index, section)))
+        if len(specs) == 2:
+            if specs["train"].early_stopping and not specs["data"].eval:
+                file, line = where(chain, ("train", "early_stopping"))
+                problems.append(
+                    Problem(
+                        file,
+                        "train.early_stopping",
+                        f"stops on the eval loss, but stage {stage.name!r} has no data.eval; "
+                        "add data.eval or remove early_stopping",
+                        line,
+                    )
+                )
+            stages.append(Stage(stage.name, specs["data"], specs["train"]))
+    return stages, problems + check_eval_split(experiment, stages, chain)
+
+
+def check_eval_split(experiment: Experiment, stages: list[Stage], chain: list[YamlFile]) -> list[Problem]:
+    """An evaluated stage needs data.eval, unless eval.split: train says to score on the training data:
+    scores on the training data must never pass for eval scores."""
+    spec = experiment.eval
+    if not spec.metrics or spec.split != "eval" or len(stages) != len(experiment.stages):
+        return []
+    evaluated = stages if spec.after_each_stage else stages[-1:]
+    missing = [stage.name for stage in evaluated if not stage.data.eval]
+    if not missing:
+        return []
+    file, line = where(chain, ("data", "eval"))
+    what = f"the eval job scores stage(s) {missing}, which have no data.eval"
+    hint = "add data.eval, or set `eval.split: train` to knowingly score on the training data"
+    return [Problem(file, "data.eval", f"{what}; {hint}", line)]
