@@ -30,8 +30,7 @@ from core.below import check as check_no_link
 from core.config import PruneJob, what_it_computes
 from core.files import append_json_line, finite_or_null, json_line, open_lock, read_jsonl, write_atomic
 from core.hashing import content_hash
-from core.layout import RUNGS
-from core.rundir import RunDir
+from core.rundir import RunDir, RunRoot
 
 RECORD_FIELDS = {
     "run": str,
@@ -147,7 +146,7 @@ def rung_name(rung: float) -> str:
 
 
 def rung_file(run_root: Path, sweep: str, rung: float) -> Path:
-    return Path(run_root) / RUNGS / sweep / f"{rung_name(rung)}.jsonl"
+    return RunRoot.of(run_root).rungs(sweep) / f"{rung_name(rung)}.jsonl"
 
 
 def rung_records(run_root: Path, sweep: str, rung: float) -> list[RungRecord]:
@@ -198,7 +197,7 @@ def judged(
 def archive_run_records(run_root: Path, sweep: str, run: str, archive: str) -> int:
     """Move `run`'s rows out of its sweep's rung files into RUN_ROOT/.rungs/SWEEP/ARCHIVE/ (its run folder
     was archived: --force), each file rewritten whole under its lock. Returns the rows moved."""
-    folder = Path(run_root) / RUNGS / sweep
+    folder = RunRoot.of(run_root).rungs(sweep)
     if not folder.is_dir() or folder.is_symlink():
         return 0
     moved = 0

@@ -18,6 +18,7 @@ PRUNED         a stage of a pruned sweep stopped at a rung: the rung, its loss a
 DONE           the config hash, written last: a stage with a matching DONE never runs again
 .writer.lock   the lock its one writer (a training or eval job's rank 0) holds for its life, and
 .writer.json   who holds it: host, pid, job id, since when (core/writer_lock.py)
+tb/, wandb/    the stage's TensorBoard events and W&B's folder (train/tracking.py)
 EXPORT_DONE    an export's identity, its files and self-check figures, written last (eval/export.py)
 
 Beside the stages, RUN_ROOT/EXP/origin.json says which config file and folder the experiment was launched
@@ -37,6 +38,7 @@ from pathlib import Path
 
 import yaml
 
+from core import layout
 from core.files import is_kind, read_json, read_text, warn_unreadable, write_atomic
 from core.hashing import IDENTITY
 from core.layout import ORIGIN
@@ -112,7 +114,70 @@ def in_folder(folder: str, name: str) -> str:
 
 def log_folder(log_root: str | Path, job_id: str) -> Path:
     """LOG_DIR/EXP/STAGE: a job's submitit folder (its logs, pickled call and result)."""
-    return Path(log_root) / job_id
+    return LogRoot.of(log_root).job(job_id)
+
+
+@dataclass(frozen=True)
+class RunRoot:
+    """RUN_ROOT: the experiments' folders and the files of the whole run root (core/layout.py names
+    them), by what they are, as RunDir names a stage folder's."""
+
+    path: Path
+
+    @classmethod
+    def of(cls, root: str | Path) -> RunRoot:
+        return cls(Path(root))
+
+    def experiment(self, name: str) -> Path:
+        """RUN_ROOT/EXP, an experiment's folder (its stages, evals, origin.json)."""
+        return self.path / name
+
+    def stage(self, job_id: str) -> RunDir:
+        """RUN_ROOT/EXP/STAGE, for a plan's job id EXP/STAGE."""
+        return RunDir(self.path / job_id)
+
+    @property
+    def speed_book(self) -> Path:
+        return self.path / layout.SPEED_BOOK
+
+    @property
+    def preflight_tokens(self) -> Path:
+        return self.path / layout.PREFLIGHT_TOKENS
+
+    @property
+    def preflight_splits(self) -> Path:
+        return self.path / layout.PREFLIGHT_SPLITS
+
+    @property
+    def launch_lock(self) -> Path:
+        return self.path / layout.LAUNCH_LOCK
+
+    def rungs(self, sweep: str) -> Path:
+        """RUN_ROOT/.rungs/SWEEP: a pruned sweep's records at each rung (core/pruning.py)."""
+        return self.path / layout.RUNGS / sweep
+
+
+@dataclass(frozen=True)
+class LogRoot:
+    """LOG_DIR: each job's submitit folder, the packed allocations' and the code snapshots."""
+
+    path: Path
+
+    @classmethod
+    def of(cls, root: str | Path) -> LogRoot:
+        return cls(Path(root))
+
+    def job(self, job_id: str) -> Path:
+        """LOG_DIR/EXP/STAGE: a job's submitit folder (its logs, pickled call and result)."""
+        return self.path / job_id
+
+    @property
+    def packs(self) -> Path:
+        """LOG_DIR/packs: the packed allocations' submitit folder."""
+        return self.path / layout.PACKS
+
+    def code_snapshot(self, digest: str) -> Path:
+        return self.path / layout.CODE_SNAPSHOTS / digest
 
 
 @dataclass(frozen=True)
@@ -202,6 +267,16 @@ class RunDir:
     @property
     def writer(self) -> Path:
         return self.path / ".writer.json"
+
+    @property
+    def tensorboard(self) -> Path:
+        """tb/: the stage's TensorBoard events (train/tracking.py)."""
+        return self.path / "tb"
+
+    @property
+    def wandb(self) -> Path:
+        """wandb/: W&B's own folder for the stage's run (train/tracking.py)."""
+        return self.path / "wandb"
 
     def read_progress(self) -> dict:
         return read_json(self.progress, {}, expected=dict, fields=PROGRESS_FIELDS)

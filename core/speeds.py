@@ -15,12 +15,9 @@ from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 from typing import get_args, get_type_hints
 
-from core import layout
 from core.config import TrainJob
 from core.files import append_json_line, read_jsonl, warn_unreadable
-from core.rundir import RunDir
-
-FILE = layout.SPEED_BOOK
+from core.rundir import RunDir, RunRoot
 
 
 @dataclass(frozen=True)
@@ -73,13 +70,13 @@ def book_of(job: TrainJob) -> Path | None:
     run_dir = Path(job.run_dir)
     if (run_dir.parent.name, run_dir.name) != (job.experiment, job.stage):
         return None
-    return RunDir(run_dir).run_root / FILE
+    return RunRoot.of(RunDir(run_dir).run_root).speed_book
 
 
 def eval_book_of(out_dir: str, experiment: str) -> Path | None:
     """RUN_ROOT/speeds.jsonl for an eval job in the plan's layout (RUN_ROOT/EXP/eval*), else None."""
     folder = Path(out_dir)
-    return RunDir(folder).run_root / FILE if folder.parent.name == experiment else None
+    return RunRoot.of(RunDir(folder).run_root).speed_book if folder.parent.name == experiment else None
 
 
 def append(book: Path, record: SpeedRecord | EvalSpeedRecord) -> None:

@@ -174,6 +174,8 @@ RUN_FOLDER_NAMES = {
     "predictions.partial.jsonl",
     "results.json",
     "DONE",
+    "tb",
+    "wandb",
 }
 
 
@@ -192,6 +194,33 @@ def test_only_the_run_folders_owner_spells_its_file_names():
                 if named:
                     spelt.add(f"{path.relative_to(ROOT)}:{node.lineno}: {constant.value}")
     assert sorted(spelt) == []
+
+
+ROOT_FILE_NAMES = {
+    "SPEED_BOOK",
+    "PREFLIGHT_TOKENS",
+    "PREFLIGHT_SPLITS",
+    "LAUNCH_LOCK",
+    "RUNGS",
+    "PACKS",
+    "CODE_SNAPSHOTS",
+}
+
+
+def test_only_the_roots_owner_joins_the_run_and_log_roots_files():
+    """core/rundir.py's RunRoot and LogRoot name the files and folders of the run root and the log root, as
+    RunDir does a stage folder's; a module joining `run_root / RUNGS` itself is a second owner (estimate.py
+    once joined the preflight books in five places, backends.py and usage.py LOG_DIR/packs each)."""
+    used = sorted(
+        f"{name}: {alias.name}"
+        for name, path in project_modules().items()
+        if name not in ("core.rundir", "core.layout") and name.split(".")[0] not in ("bench", "demo")
+        for node in ast.walk(ast.parse(path.read_text(), str(path)))
+        if isinstance(node, ast.ImportFrom) and node.module == "core.layout"
+        for alias in node.names
+        if alias.name in ROOT_FILE_NAMES
+    )
+    assert used == []
 
 
 def test_no_test_module_imports_another():

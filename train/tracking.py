@@ -37,7 +37,9 @@ def step_offset(job: TrainJob) -> int:
 def tracking_callbacks(job: TrainJob, resume_step: int | None) -> list:
     callbacks = []
     if "tensorboard" in job.tracking:
-        callbacks.append(StageTensorBoard(Path(job.run_dir) / "tb", step_offset(job), resume_step))
+        callbacks.append(
+            StageTensorBoard(RunDir(Path(job.run_dir)).tensorboard, step_offset(job), resume_step)
+        )
     if "wandb" in job.tracking:
         callbacks.append(stage_wandb(job))
     return callbacks
@@ -87,7 +89,7 @@ def wandb_run_id(job: TrainJob) -> str:
 
 def stage_wandb(job: TrainJob) -> WandbCallback:
     """HF's W&B callback; wandb.init reads these variables, so a requeued job finds its run again."""
-    folder = Path(job.run_dir) / "wandb"
+    folder = RunDir(Path(job.run_dir)).wandb
     folder.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("WANDB_PROJECT", WANDB_PROJECT)
     os.environ.update(

@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from core.problems import ConfigError, Problem
-from core.rundir import RunDir, current_job, mark_cancelled
+from core.rundir import RunDir, RunRoot, current_job, mark_cancelled
 from core.states import State
 from slurm.cluster.scheduler import cancel_rows
 from slurm.planning.plan import Plan, build_plan
@@ -97,17 +97,17 @@ def cancel_removed(request: LaunchRequest, profile) -> int:
     from slurm.cluster.scheduler import local_alive, scheduler_job
     from slurm.watching.status import query_slurm
 
-    gone = watched_of(request, profile, None, named=False).gone
+    gone, run_root = watched_of(request, profile, None, named=False).gone, RunRoot.of(profile.run_dir)
     records = {
         f"{name}/{stage.name}": record
         for name in gone
-        for stage in sorted(p for p in (Path(profile.run_dir) / name).iterdir() if p.is_dir())
+        for stage in sorted(p for p in run_root.experiment(name).iterdir() if p.is_dir())
         if (record := current_job(stage)) and not RunDir(stage).done.exists()
     }
     packed = sorted(job for job, record in records.items() if record.pack)
     live_slurm = query_slurm([r.job_id for r in records.values() if r.on_slurm])
     jobs = {
-        job: scheduler_job(profile.log_dir, job, record, Path(profile.run_dir) / job)
+        job: scheduler_job(profile.log_dir, job, record, run_root.stage(job).path)
         for job, record in records.items()
         if job not in packed
     }
@@ -121,7 +121,7 @@ def cancel_removed(request: LaunchRequest, profile) -> int:
     live = {job: handle for job, handle in jobs.items() if still_live(job)}
     for job in live:
         if records[job].local:
-            mark_cancelled(Path(profile.run_dir) / job, records[job].job_id)
+            mark_cancelled(run_root.stage(job).path, records[job].job_id)
     still = set(cancel_jobs(list(live.values())))
     done = [job for job, handle in live.items() if str(handle.job_id) not in still]
     out.print(

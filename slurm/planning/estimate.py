@@ -33,13 +33,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
 
-from core import layout
 from core.config import DataSpec, EvalJob, TrainJob, TrainSpec
 from core.examples import TextSize
 from core.files import is_kind, read_json, warn_unreadable, write_json_atomic
 from core.hashing import CACHE_KEY_CHARS, content_hash
 from core.names import TOKENIZER_FILES
-from core.speeds import FILE, EvalSpeedRecord, SpeedRecord, read_book, read_eval_book
+from core.rundir import RunRoot
+from core.speeds import EvalSpeedRecord, SpeedRecord, read_book, read_eval_book
 from core.split import Split, resolve
 from slurm.planning import guesses
 from slurm.planning.checks import read_examples
@@ -63,8 +63,6 @@ GUESSED_EVAL_FLOOR_S = 3600
 # "measured", "calibrated", "guess", "unknown"; a measured or calibrated row from another GPU model adds
 # " (scaled from MODEL)".
 Source = str
-TOKENS_FILE = layout.PREFLIGHT_TOKENS
-SPLITS_FILE = layout.PREFLIGHT_SPLITS
 
 
 @dataclass(frozen=True)
@@ -111,7 +109,7 @@ def exact_key(spec: TrainJob) -> str:
 def read_exact_tokens(run_root: str | Path) -> dict[str, DataTokens]:
     """Entries of another shape, or with no example or token (the estimates divide by both), are left
     out, the file named in a warning (core/files.py)."""
-    path = Path(run_root) / TOKENS_FILE
+    path = RunRoot.of(run_root).preflight_tokens
     kept = read_json(path, {}, expected=dict)
     found = {
         k: DataTokens(v["examples"], v["tokens"])
@@ -134,7 +132,7 @@ def record_exact_tokens(run_root: str | Path, counted: Iterable[tuple[TrainJob, 
     new = {exact_key(spec): {"examples": examples, "tokens": tokens} for spec, examples, tokens in counted}
     if new and any(book.get(k) != v for k, v in new.items()):
         os.makedirs(run_root, exist_ok=True)
-        write_json_atomic(Path(run_root) / TOKENS_FILE, book | new)
+        write_json_atomic(RunRoot.of(run_root).preflight_tokens, book | new)
 
 
 # ---- the batch split preflight chose (core/split.py), for the dry run and the estimate ------------------
@@ -151,7 +149,7 @@ def split_key(spec: TrainJob, gpu_mem_gb: float | None) -> str:
 
 def read_splits(run_root: str | Path) -> dict[str, Split]:
     """Preflight's splits by split_key; entries of another shape are left out, the file named."""
-    path = Path(run_root) / SPLITS_FILE
+    path = RunRoot.of(run_root).preflight_splits
     kept, found = read_json(path, {}, expected=dict), {}
     for key, value in kept.items():
         try:
@@ -169,7 +167,7 @@ def record_splits(run_root: str | Path, chosen: Iterable[tuple[TrainJob, float |
     new = {split_key(spec, gpu_mem): split for spec, gpu_mem, split in chosen}
     if new and any(book.get(k) != v for k, v in new.items()):
         os.makedirs(run_root, exist_ok=True)
-        write_json_atomic(Path(run_root) / SPLITS_FILE, book | new)
+        write_json_atomic(RunRoot.of(run_root).preflight_splits, book | new)
 
 
 def known_split(spec: TrainJob, splits: Mapping[str, Split], gpu_mem_gb: float | None) -> Split | None:
@@ -232,7 +230,7 @@ class Estimator:
 
     @classmethod
     def for_run_root(cls, run_root: str | Path) -> Estimator:
-        book = Path(run_root) / FILE
+        book = RunRoot.of(run_root).speed_book
         return cls(
             read_book(book),
             eval_book=read_eval_book(book),

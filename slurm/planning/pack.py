@@ -26,6 +26,7 @@ from pydantic import ValidationError
 from core.config import SLURM_TIMER_S, Resources
 from core.durations import slurm_seconds, slurm_time
 from core.problems import ConfigError, Problem
+from core.rundir import log_folder
 from slurm.cluster.profile import ClusterProfile
 from slurm.planning.plan import Basis, PlannedJob
 
@@ -248,6 +249,7 @@ class OutsideParent:
     kind: str  # afterok | afterany
     run_dir: str
     config_hash: str
+    job_kind: str = "train"  # train | eval | export: what "done" means for it (core/rundir.py is_done)
 
 
 @dataclass(frozen=True)
@@ -296,9 +298,9 @@ def unit_of(job: PlannedJob, log_root: str, outside: list[tuple[PlannedJob, str]
         spec=job.spec.model_dump(),
         config_hash=job.config_hash,
         run_dir=job.run_dir,
-        log_folder=f"{log_root}/{job.id}",
+        log_folder=str(log_folder(log_root, job.id)),
         seconds=unit_seconds(job),
         depends_on=tuple((d.job_id, d.kind) for d in job.depends_on),
-        outside=tuple(OutsideParent(p.id, kind, p.run_dir, p.config_hash) for p, kind in outside),
+        outside=tuple(OutsideParent(p.id, kind, p.run_dir, p.config_hash, p.kind) for p, kind in outside),
         gpus=job.resources.gpus,
     )

@@ -32,7 +32,7 @@ from core.hashing import content_hash
 from core.names import PREFERENCE
 from core.problems import ConfigError, Problem
 from core.pruning import definition_hash, expected_epochs
-from core.rundir import ADAPTER, CONFIG, done_hash, in_folder, run_folder
+from core.rundir import ADAPTER, CONFIG, in_folder, is_done, run_folder
 from slurm.cluster.profile import ClusterProfile
 from slurm.planning import guesses
 from slurm.planning.estimate import GUESSED_EVAL_FLOOR_S, Estimate, Estimator, auto_time_limit_s
@@ -307,7 +307,7 @@ def base_eval_job(loaded: LoadedExperiment, profile: ClusterProfile) -> PlannedJ
     if Path(job.run_dir).exists():
         return job
     old = legacy_base_eval_job(loaded, profile)
-    return old if done_hash(Path(old.run_dir)) == old.config_hash else job
+    return old if is_done(Path(old.run_dir), old.config_hash, old.kind) else job
 
 
 def legacy_base_eval_job(loaded: LoadedExperiment, profile: ClusterProfile) -> PlannedJob:

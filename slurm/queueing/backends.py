@@ -24,9 +24,8 @@ from core import below
 from core.config import Resources
 from core.devices import GPU_SHARES
 from core.files import stderr_into
-from core.layout import PACKS
 from core.problems import ConfigError
-from core.rundir import current_job, log_folder
+from core.rundir import LogRoot, current_job, log_folder
 from core.states import State, jobs_verdict, parent_verdict
 from slurm.cluster.local_gpus import GpuPool, VisibleGpus, gpus_needed, too_many_gpus
 from slurm.cluster.profile import ClusterProfile
@@ -99,7 +98,7 @@ class SlurmBackend:
 
     def pack_log_folder(self) -> Path:
         """The allocation's own log (which lane ran what, when); each unit logs where a job would."""
-        return Path(self.profile.log_dir) / PACKS
+        return LogRoot.of(self.profile.log_dir).packs
 
     def sbatch_parameters(self, job: PlannedJob, parents: list[tuple[str, str]]) -> dict:
         return sbatch_parameters(job.id, job.resources, job.tasks, parents, self.profile, self.code.folder)

@@ -14,13 +14,14 @@ from pathlib import Path
 from typing import Literal
 
 from core.files import warn_unreadable
-from core.layout import RUNGS, archive_folder
+from core.layout import archive_folder
 from core.problems import ConfigError, Problem
 from core.pruning import archive_run_records
 from core.rundir import (
     UNREADABLE,
     JobRecord,
     RunDir,
+    RunRoot,
     Submission,
     current_job,
     done_hash,
@@ -121,7 +122,7 @@ def refuse_crossing_backends(decisions: list[Decision], backend: str) -> None:
     }[foreign]
     problems = [
         Problem(
-            f"{parent.job.run_dir}/job.json",
+            str(RunDir.of(parent.job.run_dir).job),
             "",
             f"{d.job.id} needs {parent.job.id}, which {LIVE_AS[foreign]} {parent.scheduler_id}; {hint}",
         )
@@ -148,7 +149,7 @@ def adopt_unrecorded(plan: Plan, forget_missing: bool) -> list[str]:
     queued = queued_by_token()
     if queued is None and forget_missing:
         raise ConfigError(
-            [Problem(f"{job.run_dir}/job.json", "", unknown_if_queued(job)) for job, _ in intents]
+            [Problem(str(RunDir.of(job.run_dir).job), "", unknown_if_queued(job)) for job, _ in intents]
         )
     found = []
     for job, intent in intents:
@@ -163,7 +164,7 @@ def adopt_unrecorded(plan: Plan, forget_missing: bool) -> list[str]:
                 forget_intent(Path(job.run_dir))
         except OSError as exc:
             message = f"{job.id}'s job.json cannot be written ({exc}) to record SLURM job {job_id or '?'}: fix the folder, or scancel it"
-            raise ConfigError([Problem(f"{job.run_dir}/job.json", "", message)]) from None
+            raise ConfigError([Problem(str(RunDir.of(job.run_dir).job), "", message)]) from None
     return found
 
 
@@ -201,13 +202,13 @@ def refusal(job: PlannedJob, what: str, hint: str) -> Problem:
     foreign = foreign_done(run_dir, job.resources.tasks, parents, changed) if done_hash(run_dir) else None
     if foreign:  # a damaged or foreign DONE is no changed config: say so, and how to get past it
         why = f"{job.id}: {foreign}, so it is not known to have finished with this config"
-        return Problem(f"{run_dir}/DONE", "", f"{why}: remove that file to run the stage, or {hint}")
+        return Problem(str(RunDir(run_dir).done), "", f"{why}: remove that file to run the stage, or {hint}")
     if keys is None:
         unknown = f"{job.id} {what}, but its config.yaml is missing or unreadable: what changed is unknown"
-        return Problem(f"{run_dir}/config.yaml", "", f"{unknown}; {hint}")
+        return Problem(str(RunDir(run_dir).config), "", f"{unknown}; {hint}")
     keys = named_changes(job, keys)
     return Problem(
-        f"{job.run_dir}/config.yaml",
+        str(RunDir.of(job.run_dir).config),
         "",
         f"{job.id} {what} with another config (changed: {', '.join(keys)}); {hint}",
     )
@@ -250,4 +251,6 @@ def archive_rung_records(job: PlannedJob, stamp: str) -> None:
     try:
         archive_run_records(run_root, prune.sweep, job.experiment, archive_folder(job.experiment, stamp))
     except OSError as exc:
-        warn_unreadable(run_root / RUNGS / prune.sweep, f"cannot be archived ({exc})", "left as it is")
+        warn_unreadable(
+            RunRoot.of(run_root).rungs(prune.sweep), f"cannot be archived ({exc})", "left as it is"
+        )

@@ -30,7 +30,7 @@ from submitit.core.utils import JobPaths
 from core.devices import visible_devices
 from core.files import open_append, write_atomic
 from core.redact import redact_job_output
-from core.rundir import RunDir, done_hash, is_done, read_lane
+from core.rundir import RunDir, is_done, read_lane
 from core.states import State, lane_state, parent_verdict
 from slurm.planning.pack import Unit
 from slurm.queueing.jobs import StopRequest, _configure_logging
@@ -58,7 +58,7 @@ def outside_failed(unit: Unit) -> list[str]:
     return [
         parent.id
         for parent in unit.outside
-        if parent.kind == "afterok" and done_hash(Path(parent.run_dir)) != parent.config_hash
+        if parent.kind == "afterok" and not is_done(Path(parent.run_dir), parent.config_hash, parent.job_kind)
     ]
 
 

@@ -17,16 +17,14 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from core.files import open_lock
-from core.layout import LAUNCH_LOCK
-
-LOCK_NAME = LAUNCH_LOCK
+from core.rundir import RunRoot
 
 
 @contextmanager
 def launch_lock(run_root: Path, on_wait: Callable[[str], None]) -> Iterator[None]:
     """Hold the run root's launch lock; `on_wait(holder)` is called once if another launch has it."""
     run_root.mkdir(parents=True, exist_ok=True)
-    with open_lock(run_root / LOCK_NAME) as fh:
+    with open_lock(RunRoot.of(run_root).launch_lock) as fh:
         try:
             fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

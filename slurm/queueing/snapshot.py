@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from core.below import check
-from core.layout import CODE_SNAPSHOTS
+from core.rundir import LogRoot
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout: slurm/queueing/snapshot.py is two below it
 PACKAGES = ("core", "slurm", "train", "eval")  # pyproject.toml's packages, less demo/ (no job imports it)
@@ -36,7 +36,7 @@ class CodeSnapshot:
 
 def take_snapshot(log_dir: Path, root: Path = ROOT) -> CodeSnapshot:
     files = code_files(root)
-    lexical = log_dir / CODE_SNAPSHOTS / content_hash(root, files)
+    lexical = LogRoot.of(log_dir).code_snapshot(content_hash(root, files))
     # A link planted at `.code/` since the launch's check: refused here, immediately before the copy
     # (it would have been resolved, and jobs started from the code it points to).
     check(log_dir, lexical)

@@ -22,6 +22,7 @@ from rich.live import Live
 from core.config import Resources
 from core.problems import ConfigError
 from core.rundir import (
+    RunRoot,
     current_job,
     forget_intent,
     mark_cancelled,
@@ -135,7 +136,7 @@ def record_origins(plan: Plan, request: LaunchRequest, files: dict[str, str]) ->
     a launch."""
     for name, file in files.items():
         try:
-            record_origin(Path(plan.run_root) / name, Path(file), request.config_dir)
+            record_origin(RunRoot.of(plan.run_root).experiment(name), Path(file), request.config_dir)
         except OSError as exc:
             err.print(
                 f"[yellow]warning:[/] cannot record where {name} came from ({exc.strerror}): "

@@ -187,7 +187,7 @@ def job_status(
     common = {"scheduler_id": scheduler_id, "log_path": log_path, "backend": backend, **fields}
     done = done_hash(run_dir)
     if done == UNREADABLE:
-        return JobStatus(job, State.UNKNOWN, reason=f"{run_dir}/DONE cannot be read", **common)
+        return JobStatus(job, State.UNKNOWN, reason=f"{RunDir(run_dir).done} cannot be read", **common)
     if is_done(run_dir, job.config_hash, job.kind):
         pruned = RunDir(run_dir).read_pruned() if job.kind == "train" else {}
         if backend == "local" and submitted is not None:

@@ -21,8 +21,7 @@ from submitit.core.utils import JobPaths, pickle_load
 
 from core.devices import visible_devices
 from core.files import read_window
-from core.layout import PACKS
-from core.rundir import JobRecord, job_records, log_folder, read_lane
+from core.rundir import JobRecord, LogRoot, job_records, log_folder, read_lane
 from core.runs import JobUsage, PackUsage, PlanUsage
 from slurm.planning.pack import Unit
 from slurm.watching.status import Allocation, file_time, query_allocations, submitted_at
@@ -114,7 +113,7 @@ def pack_units(pack_id: str, log_root: str) -> list[tuple[str, Path]] | None:
     """(plan id, run folder) of every unit the allocation was given, from its own submission (units of
     experiments outside the report's plan take their share too); None when that file is gone."""
     try:
-        submission = pickle_load(JobPaths(Path(log_root) / PACKS, pack_id).submitted_pickle)
+        submission = pickle_load(JobPaths(LogRoot.of(log_root).packs, pack_id).submitted_pickle)
         return [(unit.id, Path(unit.run_dir)) for unit in map(Unit.of, submission.args[0])]
     except (OSError, EOFError, ValueError, ImportError, AttributeError, IndexError, KeyError, TypeError):
         return None
