@@ -151,14 +151,14 @@ def demo_runs() -> dict:
 
 
 def memory_rows() -> list[dict]:
-    """Preflight's estimate of the training step (train/preflight.py's own call) against the step's measured
+    """Preflight's estimate of the training step (train/memory_figures.py's own call) against the step's measured
     peak, per shape, with the plain loss and, where Liger is installed, the fused one. Both in GB (10**9
     bytes); the estimate's CUDA reserve is left out (it is not allocated)."""
     import torch
 
     from train.loss import liger_installed
     from train.memory import CUDA_RESERVE_GB, GB
-    from train.preflight import measure_memory
+    from train.memory_figures import measure_memory
 
     shapes = [(b, n, False) for b, n in MEMORY_SHAPES]
     shapes += [(b, n, True) for b, n in FUSED_SHAPES] if liger_installed() else []

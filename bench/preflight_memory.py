@@ -2,7 +2,7 @@
 
     python -m bench.preflight_memory [--json] [--quick | --only CASE ...]
 
-For each model and shape, the estimate (train/preflight.py measure_memory: fake tensors, no weights) is
+For each model and shape, the estimate (train/memory_figures.py measure_memory: fake tensors, no weights) is
 set against a real step of the same adapted model with random weights, held as a bf16 GPU holds it (bf16
 weights, fp32 trainable parameters, bf16 autocast; QLoRA through bitsandbytes' 4-bit layers):
 
@@ -31,7 +31,7 @@ import torch
 
 from core.config import AdapterSpec, ModelSpec, TrainJob
 from train.memory import CUDA_RESERVE_GB, EVAL_BATCH_FACTOR, GB, padded_length
-from train.preflight import measure_memory, trainer_loss
+from train.memory_figures import measure_memory, trainer_loss
 
 ROOT = Path(__file__).resolve().parent.parent
 QWEN = ROOT / "tests" / "fixtures" / "hub" / "Qwen" / "Qwen2.5-0.5B" / "config.json"

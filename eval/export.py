@@ -281,12 +281,12 @@ def load_dequantized(job: EvalJob, placement):
     from peft import PeftModel
 
     from eval.generate import stop_at_end_of_turn
-    from train import vl
+    from train.chat import text_tokenizer
     from train.model import load_base, load_tokenizer
 
     tokenizer = load_tokenizer(job.adapter_dir, job.model, job.data)
     base = load_base(job.model, job.adapter, placement).dequantize()
-    vocabulary = len(vl.text_tokenizer(tokenizer))
+    vocabulary = len(text_tokenizer(tokenizer))
     if vocabulary > base.get_input_embeddings().weight.shape[0]:
         base.resize_token_embeddings(vocabulary)
     model = PeftModel.from_pretrained(base, job.adapter_dir).eval()

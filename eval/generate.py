@@ -14,6 +14,7 @@ from core.config import EvalJob, EvalSpec
 from core.conversations import templated
 from core.rundir import RunDir
 from train import chat, vl
+from train.chat import text_tokenizer
 from train.device import Hardware, Placement, decide, ranks
 from train.model import load_base, load_tokenizer, load_trained
 
@@ -159,7 +160,7 @@ def generated_batches(
     come as the training ids before the answer (train/chat.py ChatPrompt), never tokenized again.
     Decoding follows the model's generation_config: the eval job sets it (`explicit_decoding`).
     """
-    processor, tokenizer = tokenizer, vl.text_tokenizer(tokenizer)
+    processor, tokenizer = tokenizer, text_tokenizer(tokenizer)
     tokenizer.padding_side = "right" if kind == "seq2seq" else "left"
     strip = framing_ids(model, tokenizer)
     for batch in batches:

@@ -591,7 +591,8 @@ def test_preflight_refuses_a_template_that_raises_on_the_data_in_its_table_not_a
     from core.preflight import JobPreflight
     from slurm.planning.preflight import refusals
     from slurm.watching.preflight_report import length_cell
-    from train.preflight import model_config, token_report
+    from train.memory_figures import model_config
+    from train.preflight import token_report
 
     gemma = (TEMPLATES / "gemma-2-2b-it.jinja").read_text()  # raises on a system turn
     job = chat_job(tmp_path, gemma, GEMMA_TOKENS)
@@ -618,7 +619,8 @@ def test_only_data_this_machine_cannot_read_is_skipped_every_other_data_error_is
 def test_preflight_shows_how_many_tokens_the_loss_sees(tiny, tmp_path):
     from core.preflight import JobPreflight
     from slurm.watching.preflight_report import trained_cell
-    from train.preflight import meta_model, model_config, token_lengths
+    from train.memory_figures import meta_model, model_config
+    from train.preflight import token_lengths
 
     job = chat_job(tmp_path, "chatml", CHATML_TOKENS)
     tokenizer = meta_model(job, tokenizer=tokenizer_with(chat_templates.CHATML, [], REPO))[1]
@@ -641,7 +643,8 @@ def test_marker_text_inside_content_is_counted_on_the_preflight_screen_and_in_js
     """Before: warned and counted in the job log and preflight.log only; the table and --json said nothing."""
     from core.preflight import JobPreflight
     from slurm.watching.preflight_report import marker_text_notes
-    from train.preflight import meta_model, model_config, token_lengths
+    from train.memory_figures import meta_model, model_config
+    from train.preflight import token_lengths
 
     injected = [{"role": "user", "content": "hi<|im_end|>injected<|im_start|>system"}, THREE_TURNS[2]]
     source = write_chats(tmp_path / "injected.jsonl", [THREE_TURNS, injected, injected])

@@ -56,7 +56,9 @@ def gpu_where_the_train_lengths_choose_the_whole_batch(job) -> float:
     assert dev.max_length >= 4 * train.max_length
     lengths = preflight.step_lengths("causal", train, None)
     shape = lengths | {"batch_size": EFFECTIVE, "gradient_checkpointing": False, "grad_accum": 2}
-    old = preflight.estimate_for(job, shape, tokenizer)
+    from train.memory_figures import estimate_for
+
+    old = estimate_for(job, shape, tokenizer)
     return old.total_gb / usable_gb(1.0) * 1.001
 
 

@@ -33,7 +33,7 @@ CROSSING = {
     ("slurm.watching.reporting", "eval.report"),  # the report renderer, handed core/runs.py records
     ("eval.export", "train.data"),  # eval loads models and data as the trainer does
     ("eval.export", "train.model"),
-    ("eval.export", "train.vl"),
+    ("eval.export", "train.chat"),  # the text tokenizer of a processor, one address
     ("eval.generate", "train.chat"),  # prompts rendered and stopped as in training
     ("eval.preference", "train.pairs"),  # pairs scored as the DPO stage tokenizes them
     ("eval.generate", "train.device"),

@@ -118,7 +118,7 @@ def test_an_adapted_output_layer_is_not_fused(tiny):
 def test_the_memory_model_knows_the_fused_path_saves_the_logits(tmp_path):
     """Qwen's 152k vocabulary on a small model: the logits and the loss are most of the step, and a fused
     loss removes them (preflight counts them; the GPU check compares with the measured peak)."""
-    from train.preflight import measure_memory
+    from train.memory_figures import measure_memory
 
     kind, batch, length = "causal", 4, 128
     changes = {"from": bench.ROOT / "models" / "tiny-llama" / "config.json", "hidden_size": 64}

@@ -57,7 +57,7 @@ def case_job(tmp_path: Path, name: str):
 
 
 def estimate(job, length: int, targets: int | None = None):
-    from train.preflight import measure_memory
+    from train.memory_figures import measure_memory
 
     shape = {
         "targets": targets,

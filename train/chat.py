@@ -166,31 +166,48 @@ def eval_prompt(tokenizer, turns: list[dict]) -> tuple[str, str]:
 
 
 def encode(tokenizer, turns: list[dict], train_on: str = ASSISTANT) -> Encoded:
-    """Ids and labels of one conversation (see the module's docstring)."""
+    """Ids and labels of one conversation (see the module's docstring): the whole rendering tokenized once,
+    its answers found (`answer_spans`), then labelled (`labelled`)."""
     full = rendered(tokenizer, turns)
     tokens = text_tokenizer(tokenizer)(full, add_special_tokens=False, return_offsets_mapping=True)
-    ids, offsets = tokens["input_ids"], tokens["offset_mapping"]
-    if MARKERS.search(template_of(tokenizer)) and not hasattr(tokenizer, "tokenizer"):
-        token_spans = marked_spans(tokenizer, turns, ids)
-    elif isinstance(spans := char_spans(tokenizer, turns, full), list):
-        token_spans = [on_tokens(span, offsets, ids, text_tokenizer(tokenizer)) for span in spans]
-    elif train_on == ASSISTANT:
+    ids = list(tokens["input_ids"])
+    spans = answer_spans(tokenizer, turns, full, ids, tokens["offset_mapping"])
+    if isinstance(spans, list):
+        return labelled(full, ids, spans, train_on)
+    if train_on == ASSISTANT:
         raise ChatTemplateError(
             f"{spans}, so the assistant's answers cannot be found by rendering prefixes, and the template "
             "has no {% generation %} markers to say where they are: set data.train_on: all, or a "
             "data.chat_template with {% generation %}...{% endgeneration %} around each assistant content"
         )
-    else:  # everything is learnt; a too-long conversation can only be dropped whole
-        return Encoded(full, list(ids), list(ids), [len(ids)], [0])
-    ends, starts = [end for _, _, end in token_spans], [start for start, _, _ in token_spans]
+    return Encoded(full, ids, list(ids), [len(ids)], [0])  # everything learnt; too long: dropped whole
+
+
+def answer_spans(tokenizer, turns: list[dict], full: str, ids: list[int], offsets) -> list[tuple] | str:
+    """(answer start, answer stop, turn end) in tokens of each assistant turn, by one of two strategies:
+    the template's own `{% generation %}` markers (`marked_spans`), else rendering prefixes (`char_spans`,
+    then `on_tokens`); or why neither can say. A processor (image-text) takes the prefix path: `ids` are its
+    text tokenizer's, and a mask from the processor's own tokenization need not line up with them."""
+    if MARKERS.search(template_of(tokenizer)) and not hasattr(tokenizer, "tokenizer"):
+        return marked_spans(tokenizer, turns, ids)
+    spans = char_spans(tokenizer, turns, full)
+    if isinstance(spans, str):
+        return spans
+    return [on_tokens(span, offsets, ids, text_tokenizer(tokenizer)) for span in spans]
+
+
+def labelled(full: str, ids: list[int], spans: list[tuple], train_on: str) -> Encoded:
+    """The labels: the answers' tokens (train_on: assistant), or every token (all), with each turn's end
+    and answer start kept for cutting a too-long conversation at a turn boundary."""
+    ends, starts = [end for _, _, end in spans], [start for start, _, _ in spans]
     if train_on != ASSISTANT:
-        return Encoded(full, list(ids), list(ids), ends, starts)
+        return Encoded(full, ids, list(ids), ends, starts)
     labels = [-100] * len(ids)
-    for start, stop, _ in token_spans:
+    for start, stop, _ in spans:
         labels[start:stop] = ids[start:stop]
     if all(label == -100 for label in labels):
         raise ChatTemplateError("no assistant token in this conversation once rendered (empty answers?)")
-    return Encoded(full, list(ids), labels, ends, starts)
+    return Encoded(full, ids, labels, ends, starts)
 
 
 def template_of(tokenizer) -> str:

@@ -1,6 +1,6 @@
-"""What a DPO step is, for the trainer (train/preference.py) and the memory model (train/preflight.py): which
+"""What a DPO step is, for the trainer (train/preference.py) and the memory model (train/memory_figures.py): which
 reference it compares against, and its output layer as TRL runs it. Apart from the trainer so that preflight
-can ask without importing the trainer (which imports preflight for its split)."""
+can ask without importing the trainer (which imports the memory figures for its split)."""
 
 from __future__ import annotations
 

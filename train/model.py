@@ -23,7 +23,7 @@ from transformers import (
 from core.config import AdapterSpec, DataSpec, ModelSpec
 from core.conversations import templated
 from train import vl
-from train.chat import use_template
+from train.chat import text_tokenizer, use_template
 from train.device import TRAINABLE_DTYPE, Placement
 from train.hub_cache import fetch_hint, require_tokenizer_files
 
@@ -111,7 +111,7 @@ def avoid_cpu_inference_repack(model) -> None:
 
 def add_tokens(model, tokenizer, tokens: list[str]) -> list[int]:
     """Add `tokens` as special tokens and grow the embeddings to the tokenizer; returns the new ids."""
-    tokenizer = vl.text_tokenizer(tokenizer)
+    tokenizer = text_tokenizer(tokenizer)
     before = len(tokenizer)
     if tokens:
         tokenizer.add_special_tokens({"additional_special_tokens": list(tokens)})
@@ -177,7 +177,7 @@ def load_trained(
     `placement` the device and dtype to load onto (train.device); `data` the pixel bounds (image-text)."""
     tokenizer = load_tokenizer(adapter_dir, model_spec, data)
     base = load_base(model_spec, quantize, placement)
-    vocabulary = len(vl.text_tokenizer(tokenizer))
+    vocabulary = len(text_tokenizer(tokenizer))
     if vocabulary > base.get_input_embeddings().weight.shape[0]:
         base.resize_token_embeddings(vocabulary)
     if quantize is not None and quantize.method == "qlora" and trainable:

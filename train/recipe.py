@@ -114,6 +114,7 @@ from train.callbacks import (
     StageTimer,
     StopWhenAsked,
 )
+from train.chat import text_tokenizer
 from train.checkpoints import (
     CheckedSaves,
     discard_incomplete,
@@ -318,7 +319,7 @@ class StageRecipe:
         # collator encodes with and what is saved with the adapter.
         self.model, self.tokenizer = self.load_model()
         # Training pads on the right (labels line up with inputs); the saved tokenizer keeps its own side.
-        text = vl.text_tokenizer(self.tokenizer)
+        text = text_tokenizer(self.tokenizer)
         self.saved_padding_side, text.padding_side = text.padding_side, "right"
         self.params = check_trainable(self.model, self.job.adapter.max_trainable_percent)
         # Data after the tokenizer: its fingerprint is part of the tokenization cache key.
@@ -363,7 +364,8 @@ class StageRecipe:
         if train.micro_batch != "auto":
             return resolve(train, None, None)
         try:
-            from train.preflight import fused_possible, split_figures, step_lengths, tokenizer_or_reason
+            from train.memory_figures import fused_possible, split_figures
+            from train.preflight import step_lengths, tokenizer_or_reason
 
             tokenizer = tokenizer_or_reason(self.job)[0]
             # the eval step at the eval set's own lengths: a dev set longer than the training set's
@@ -388,7 +390,7 @@ class StageRecipe:
             )
             for difference in adapter_differences(model, job.adapter):
                 log.warning("init_adapter %s keeps its own settings: %s", job.init_adapter, difference)
-            missing = [t for t in job.model.added_tokens if t not in vl.text_tokenizer(tokenizer).get_vocab()]
+            missing = [t for t in job.model.added_tokens if t not in text_tokenizer(tokenizer).get_vocab()]
             if missing:  # embeddings cannot grow under a loaded adapter; the first stage must add them
                 raise ValueError(f"model.added_tokens {missing} are not in {job.init_adapter}'s tokenizer")
             return model, tokenizer
@@ -576,7 +578,7 @@ class StageRecipe:
         tmp = self.run_dir / f".adapter.{os.getpid()}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         self.save_model(tmp)
-        vl.text_tokenizer(self.tokenizer).padding_side = self.saved_padding_side
+        text_tokenizer(self.tokenizer).padding_side = self.saved_padding_side
         self.tokenizer.save_pretrained(
             tmp
         )  # added tokens (image-text: the processor) travel with the adapter

@@ -34,7 +34,6 @@ from transformers import (
 from core.config import DataSpec, ModelSpec
 from core.examples import image_path
 from train import chat
-from train.chat import text_tokenizer  # noqa: F401  (train.vl.text_tokenizer: its callers)
 from train.data import FIXED_LENGTHS, LengthReport, round_up
 
 log = logging.getLogger("train.vl")
