@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 import launch
-from core.rundir import RunDir, job_records, mark_done
+from core.job_records import job_records
+from core.rundir import RunDir, mark_done
 from core.states import State
 from slurm.cluster.profile import load_profile
 from slurm.commands.cancel import without_shared_bases

@@ -15,7 +15,8 @@ from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokeni
 import launch
 from core import chat_templates
 from core.config import EvalJob
-from core.rundir import job_records, read_spec
+from core.job_records import job_records
+from core.rundir import read_spec
 from eval.generate import explicit_decoding, generate
 from tests.conftest import write_cluster_yaml
 from tests.helpers import demo_configs, tiny_sql_base

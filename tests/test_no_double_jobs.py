@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 import launch
-from core.rundir import job_records, pending_submission, record_intent, record_job
+from core.job_records import job_records, pending_submission, record_intent, record_job
 from slurm.cluster.scheduler import RecordedLocalJob, descendants, local_alive, parse_comments, stop_local
 from tests.conftest import squeue_ids
 from tests.helpers import alive, configs, holding_sbatch, record, start_launcher, wait_until

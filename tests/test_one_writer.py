@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 import launch
-from core.rundir import log_folder, record_job, write_spec
+from core.job_records import record_job
+from core.rundir import log_folder, write_spec
 from core.states import State
 from core.writer_lock import FolderHeld, hold_folder, holder, recorded_holder
 from slurm.cluster.scheduler import descendants, gone, local_failure

@@ -14,8 +14,9 @@ import pytest
 
 import launch
 from core.config import PruneJob
+from core.job_records import record_job
 from core.pruning import judged, rung_records
-from core.rundir import RunDir, record_job
+from core.rundir import RunDir
 from tests.conftest import squeue_ids, write_cluster_yaml
 from tests.helpers import plan_for, slurm_id, tiny_sql_base, wait_until
 from tests.train_helpers import make_job, sql_data

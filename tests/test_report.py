@@ -17,7 +17,7 @@ import submitit
 from submitit.core.utils import DelayedSubmission, JobPaths
 
 import launch
-from core.rundir import job_records, record_job
+from core.job_records import job_records, record_job
 from core.runs import BaseEval
 from core.states import State
 from eval.report import write_report

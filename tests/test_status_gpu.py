@@ -8,7 +8,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from core.rundir import JobRecord
+from core.job_records import JobRecord
 from core.states import State
 from slurm.cluster.profile import load_profile
 from slurm.planning.experiments import load_experiments

@@ -205,7 +205,7 @@ def test_a_local_jobs_elapsed_is_its_own_clock_not_blank(tmp_path):
     import os
     import time
 
-    from core.rundir import JobRecord
+    from core.job_records import JobRecord
     from slurm.cluster.scheduler import RecordedLocalJob
     from slurm.watching.status import local_elapsed
 
@@ -275,7 +275,7 @@ def test_a_local_eval_stopped_at_its_time_limit_says_so_with_the_limit_and_where
     """Before: "ended without a result (killed or cancelled)", though its log had the time-limit signal.
     The job's files as submitit lays them out: its log with the line slurm/queueing/jobs.py writes on USR2, no
     result; its pid is no live process."""
-    from core.rundir import JobRecord
+    from core.job_records import JobRecord
     from slurm.cluster.profile import load_profile
     from slurm.cluster.scheduler import RecordedLocalJob, reached_time_limit
     from slurm.planning.experiments import load_experiments

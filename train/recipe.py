@@ -98,8 +98,9 @@ from core import speeds
 from core.config import TrainJob, what_it_computes
 from core.files import json_line, read_json, read_jsonl, write_atomic, write_json_atomic
 from core.hashing import content_hash
+from core.job_records import job_records
 from core.preflight import trained_share
-from core.rundir import RunDir, job_records
+from core.rundir import RunDir
 from core.split import Split, kept_on_resume, refuse_unless_fits, resolve
 from train import data as data_lib
 from train import distributed, vl

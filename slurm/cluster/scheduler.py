@@ -26,7 +26,8 @@ from submitit.core.utils import pickle_load
 
 from core.config import ascii_int
 from core.files import read_window
-from core.rundir import JobRecord, current_job, log_folder, mark_cancelled
+from core.job_records import JobRecord, current_job, mark_cancelled
+from core.rundir import log_folder
 from core.writer_lock import holder
 from slurm.cluster.client import run_client
 
@@ -37,7 +38,7 @@ COMMENT_MARK = "slurm-lora"  # a job's SLURM comment: "slurm-lora TOKEN WHAT" (s
 # (slurm/queueing/jobs.py); SIGKILL is for what ignores both (a job started with SIGINT ignored, as a script's `&`
 # does, whose trainer is stuck in one long step).
 STOP_STEPS = ((signal.SIGINT, 10.0), (signal.SIGTERM, 30.0), (signal.SIGKILL, 10.0))
-RECORD_TIME = "%Y-%m-%dT%H:%M:%S"  # core/rundir.py TIME_STAMP
+RECORD_TIME = "%Y-%m-%dT%H:%M:%S"  # core/job_records.py TIME_STAMP
 
 
 class RecordedLocalJob(submitit.LocalJob):

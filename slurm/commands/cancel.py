@@ -7,8 +7,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from core.job_records import current_job, mark_cancelled
 from core.problems import ConfigError, Problem
-from core.rundir import RunDir, RunRoot, current_job, mark_cancelled
+from core.rundir import RunDir, RunRoot
 from core.states import State
 from slurm.cluster.scheduler import cancel_rows
 from slurm.planning.plan import Plan, build_plan

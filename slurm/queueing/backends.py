@@ -24,8 +24,9 @@ from core import below
 from core.config import Resources
 from core.devices import GPU_SHARES
 from core.files import stderr_into
+from core.job_records import current_job
 from core.problems import ConfigError
-from core.rundir import LogRoot, current_job, log_folder
+from core.rundir import LogRoot, log_folder
 from core.states import State, jobs_verdict, parent_verdict
 from slurm.cluster.local_gpus import GpuPool, VisibleGpus, gpus_needed, too_many_gpus
 from slurm.cluster.profile import ClusterProfile
@@ -109,7 +110,7 @@ class SlurmBackend:
 
 
 def job_comment(token: str, what: str) -> dict:
-    """The SLURM comment of a submission: its intent's token (core/rundir.py record_intent), by which the
+    """The SLURM comment of a submission: its intent's token (core/job_records.py record_intent), by which the
     next launch finds the job in the queue if this one dies before recording it, and what it runs, for
     people reading squeue. No token, no comment."""
     return {"comment": f"{COMMENT_MARK} {token} {' '.join(what.split())}"} if token else {}

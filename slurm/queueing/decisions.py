@@ -14,23 +14,11 @@ from pathlib import Path
 from typing import Literal
 
 from core.files import warn_unreadable
+from core.job_records import JobRecord, Submission, current_job, forget_intent, pending_submission, record_job
 from core.layout import archive_folder
 from core.problems import ConfigError, Problem
 from core.pruning import archive_run_records
-from core.rundir import (
-    UNREADABLE,
-    JobRecord,
-    RunDir,
-    RunRoot,
-    Submission,
-    current_job,
-    done_hash,
-    foreign_done,
-    forget_intent,
-    pending_submission,
-    record_job,
-    results_lost,
-)
+from core.rundir import UNREADABLE, RunDir, RunRoot, done_hash, foreign_done, results_lost
 from slurm.planning.plan import Plan, PlannedJob
 from slurm.watching.status import config_changes, named_changes, query_slurm
 

@@ -20,17 +20,9 @@ from pathlib import Path
 from rich.live import Live
 
 from core.config import Resources
+from core.job_records import current_job, forget_intent, mark_cancelled, record_intent, record_job
 from core.problems import ConfigError
-from core.rundir import (
-    RunRoot,
-    current_job,
-    forget_intent,
-    mark_cancelled,
-    record_intent,
-    record_job,
-    record_origin,
-    write_spec,
-)
+from core.rundir import RunRoot, record_origin, write_spec
 from core.states import NEVER_STARTS_MARK, State
 from slurm.planning.pack import pack_plan, pack_resources, unit_of
 from slurm.planning.plan import Plan, PlannedJob

@@ -12,14 +12,13 @@ from pathlib import Path
 from core.config import ascii_int, what_it_computes
 from core.durations import read_duration, slurm_time
 from core.files import read_window
+from core.job_records import JobRecord, current_job
 from core.pruning import decided_text
 from core.rundir import (
     PROGRESS_FIELDS,
     UNREADABLE,
-    JobRecord,
     RunDir,
     changed_keys,
-    current_job,
     done_hash,
     is_done,
     read_lane,

@@ -21,7 +21,8 @@ from submitit.core.utils import JobPaths, pickle_load
 
 from core.devices import visible_devices
 from core.files import read_window
-from core.rundir import JobRecord, LogRoot, job_records, log_folder, read_lane
+from core.job_records import JobRecord, job_records
+from core.rundir import LogRoot, log_folder, read_lane
 from core.runs import JobUsage, PackUsage, PlanUsage
 from slurm.planning.pack import Unit
 from slurm.watching.status import Allocation, file_time, query_allocations, submitted_at
