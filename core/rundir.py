@@ -333,7 +333,7 @@ def run_root_experiments(run_root: Path) -> dict[str, Origin | None]:
             record = read_json(origin, {}, expected=dict, fields={"file": str, "config_dir": str})
             has = {"file", "config_dir"} <= set(record)
             found[folder.name] = Origin(Path(record["file"]), Path(record["config_dir"])) if has else None
-        elif any((stage / "job.json").exists() for stage in folder.iterdir() if stage.is_dir()):
+        elif any(RunDir(stage).job.exists() for stage in folder.iterdir() if stage.is_dir()):
             found[folder.name] = None
     return found
 
