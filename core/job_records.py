@@ -163,7 +163,8 @@ def write_jobs(run_dir: Path, jobs: list[JobRecord], submitting: Submission | No
         "jobs": [r.to_json() for r in jobs],
         **({"submitting": submitting.to_json()} if submitting else {}),
     }
-    write_atomic(RunDir(run_dir).job, json.dumps(body, indent=1))
+    folder = RunDir(run_dir)
+    write_atomic(folder.job, json.dumps(body, indent=1), root=folder.run_root)
 
 
 def mark_cancelled(run_dir: Path, job_id: str | None = None) -> None:

@@ -314,7 +314,7 @@ def record_origin(experiment_dir: Path, file: Path, config_dir: Path) -> None:
     body = {"file": str(Path(file).resolve()), "config_dir": str(Path(config_dir).resolve())}
     path = Path(experiment_dir) / ORIGIN
     if read_json(path, {}, expected=dict) != body:
-        write_atomic(path, json.dumps(body, indent=1) + "\n")
+        write_atomic(path, json.dumps(body, indent=1) + "\n", root=Path(experiment_dir).parent)
 
 
 def run_root_experiments(run_root: Path) -> dict[str, Origin | None]:
@@ -347,7 +347,8 @@ def write_spec(run_dir: Path, spec: dict, code: dict | None = None) -> None:
     comments: provenance for people, invisible to every reader of the spec, so a new commit is never
     taken for a changed config (job.json holds the same facts per submission, for programs)."""
     header = "".join(f"# code.{key}: {value}\n" for key, value in (code or {}).items())
-    write_atomic(RunDir(run_dir).config, header + yaml.safe_dump(spec, sort_keys=False))
+    folder = RunDir(run_dir)
+    write_atomic(folder.config, header + yaml.safe_dump(spec, sort_keys=False), root=folder.run_root)
 
 
 def read_spec(run_dir: Path) -> dict | None:
@@ -407,7 +408,8 @@ def results_lost(run_dir: Path, config_hash: str, kind: str) -> bool:
 
 
 def mark_done(run_dir: Path, config_hash: str) -> None:
-    write_atomic(RunDir(run_dir).done, config_hash + "\n")
+    folder = RunDir(run_dir)
+    write_atomic(folder.done, config_hash + "\n", root=folder.run_root)
 
 
 def changed_keys(old: dict, new: dict, prefix: str = "") -> list[str]:

@@ -245,3 +245,28 @@ def test_a_relative_stage_folder_below_an_absolute_root_is_written_not_refused(t
     assert (tmp_path / "runs" / "one" / "train" / "lane.json").read_text() == "{}"
     with pytest.raises(ValueError):
         write_atomic(Path("elsewhere/lane.json"), "{}", root=tmp_path / "runs")
+
+
+def test_link_planted_at_a_stage_folder_gets_no_done_no_job_record_no_config_and_no_origin(tmp_path):
+    # Before: DONE, job.json, config.yaml and origin.json were written with a plain path: a stage (or an
+    # experiment) folder swapped for a link after the start check had them written where the link pointed.
+    from core.job_records import JobRecord, write_jobs
+    from core.rundir import mark_done, record_origin, write_spec
+
+    run_root, target = tmp_path / "runs", victim(tmp_path)
+    before = fingerprint(target)
+    (run_root / "exp").mkdir(parents=True)
+    (run_root / "exp" / "stage").symlink_to(target)
+    stage = run_root / "exp" / "stage"
+    writes = (
+        lambda: mark_done(stage, "0" * 64),
+        lambda: write_jobs(stage, [JobRecord(job_id="1", backend="local")]),
+        lambda: write_spec(stage, {"experiment": "exp"}),
+    )
+    for write in writes:
+        with pytest.raises(LinkBelowRoot, match="stage"):
+            write()
+    (run_root / "other").symlink_to(target)
+    with pytest.raises(LinkBelowRoot, match="other"):
+        record_origin(run_root / "other", tmp_path / "a.yaml", tmp_path)
+    assert fingerprint(target) == before

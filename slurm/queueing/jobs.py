@@ -177,7 +177,8 @@ def skipped_as_pruned(job) -> bool:
     if pruned.get("evaluate") is not False:
         return False
     Path(job.out_dir).mkdir(parents=True, exist_ok=True)
-    write_json_atomic(RunDir(Path(job.out_dir)).results, {"skipped": "pruned (prune.eval_pruned: false)"})
+    folder = RunDir(Path(job.out_dir))
+    write_json_atomic(folder.results, {"skipped": "pruned (prune.eval_pruned: false)"}, root=folder.run_root)
     return True
 
 
