@@ -151,6 +151,22 @@ class RunRoot:
     def launch_lock(self) -> Path:
         return self.path / layout.LAUNCH_LOCK
 
+    @property
+    def report(self) -> Path:
+        return self.path / layout.REPORT_MD
+
+    @property
+    def report_table(self) -> Path:
+        return self.path / layout.REPORT_CSV
+
+    @property
+    def loss_curves(self) -> Path:
+        return self.path / layout.LOSS_CURVES
+
+    def loss_plot(self, experiment: str) -> Path:
+        """RUN_ROOT/EXP/loss.png: the report's plot of one experiment."""
+        return self.experiment(experiment) / layout.EXPERIMENT_LOSS_PLOT
+
     def rungs(self, sweep: str) -> Path:
         """RUN_ROOT/.rungs/SWEEP: a pruned sweep's records at each rung (core/pruning.py)."""
         return self.path / layout.RUNGS / sweep

@@ -33,6 +33,7 @@ from pathlib import Path
 import yaml
 
 from core.files import write_atomic
+from core.rundir import RunRoot
 from core.runs import BaseEval, JobRun, PlanUsage
 from core.sweep import SweepMember
 from eval.report_plots import plot_losses
@@ -121,9 +122,10 @@ def write_report(
     md += ["## Jobs", "", to_markdown(list(job_rows.values()), list(JOB_COLUMNS)), ""]
     md += [totals_text(list(job_rows.values()), usage, gpu_hour_cost), ""]
     md += [f"![loss curves]({p.relative_to(run_root)})" for p in written[:1]]
-    write_atomic(run_root / "report.md", "\n".join(md) + "\n")
-    write_atomic(run_root / "report.csv", csv_text(rows, extra, sweeps, base_rows))
-    return [run_root / "report.md", run_root / "report.csv", *written]
+    root = RunRoot(run_root)
+    write_atomic(root.report, "\n".join(md) + "\n")
+    write_atomic(root.report_table, csv_text(rows, extra, sweeps, base_rows))
+    return [root.report, root.report_table, *written]
 
 
 def published_baselines(baselines: Path | list[Path] | None) -> dict[str, tuple[list[dict], str]]:

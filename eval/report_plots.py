@@ -10,6 +10,7 @@ from functools import partial
 from pathlib import Path
 
 from core.files import write_atomic_with
+from core.rundir import RunRoot
 from core.runs import JobRun
 from core.sweep import SweepMember
 from eval.report_rows import read_metrics
@@ -77,7 +78,7 @@ def plot_losses(
     series = {k: v for k, v in series.items() if v[0] or v[1]}
     if not series:
         return []
-    paths = [run_root / "loss_curves.png"]
+    paths = [RunRoot(run_root).loss_curves]
     fig, ax = plt.subplots(figsize=(9, 5))
     draw_all(ax, series, experiments, sweeps)
     banded = "; sweep points: mean of their seeds, band min–max" if sweeps.keys() & series.keys() else ""
@@ -93,7 +94,7 @@ def plot_losses(
             fig, ax = plt.subplots(figsize=(7, 4))
         draw(ax, name, train, evals, boundaries, label_stages=True)
         finish(ax, f"{name}: loss")
-        paths.append(run_root / name / "loss.png")
+        paths.append(RunRoot(run_root).loss_plot(name))
         paths[-1].parent.mkdir(parents=True, exist_ok=True)
         write_atomic_with(paths[-1], partial(fig.savefig, dpi=110, bbox_inches="tight"))
         plt.close(fig)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from core.names import REPORT_COLUMNS
 from core.pruning import latest_by_run, rung_records
-from core.rundir import RunDir, read_spec
+from core.rundir import RunDir, RunRoot, read_spec
 from core.runs import BaseEval
 from core.sweep import SweepMember
 from eval.report_rows import DELTA, PRUNED, UNCHANGED, split_marker, with_deltas
@@ -94,7 +94,7 @@ def pruning_lines(sweep: SweepMember, replicates: list[dict], run_root: Path) ->
     rows, spent, saved = [], {"gpu_hours": 0.0, "train_min": 0.0}, {"gpu_hours": 0.0, "train_min": 0.0}
     for row in replicates:
         name = row["experiment"]
-        stage = run_root / name / row["stages"]
+        stage = RunRoot(run_root).experiment(name) / row["stages"]
         note = RunDir(stage).read_pruned()
         share = unrun_share(stage, note)
         # Training minutes from the stage's own runtime: the row's are rounded to 0.01, and a tiny run's
