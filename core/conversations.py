@@ -108,6 +108,15 @@ def last_answer(turns: list[dict]) -> int:
     return max(i for i, turn in enumerate(turns) if turn["role"] == "assistant")
 
 
+def scored_turns(whole: list[dict], turns: str) -> list[list[dict]]:
+    """The conversation cut after each assistant turn the eval scores (eval.turns): its last only, or every
+    one. One answer is generated per cut: the eval's prompts (train/data.py) and the estimate's count of
+    them (slurm/planning/estimate.py) both come from here."""
+    if turns == "last":
+        return [whole]
+    return [whole[: i + 1] for i, turn in enumerate(whole) if turn["role"] == "assistant"]
+
+
 def problems(row: dict, spec: DataSpec) -> list[str]:
     """What is wrong with one example of a conversation format, each said with what was expected."""
     if spec.format == PREFERENCE:

@@ -24,7 +24,7 @@ import datasets
 
 from core import below, preferences
 from core.config import DataSpec
-from core.conversations import conversation, prompt_of, target_of, templated
+from core.conversations import conversation, prompt_of, scored_turns, target_of, templated
 from core.examples import check_file, check_rows, numbered_csv, numbered_jsonl
 from core.hashing import CACHE_KEY_CHARS, content_hash
 from core.names import PREFERENCE
@@ -81,13 +81,6 @@ def prompts_and_targets(
         for scored in scored_turns(whole, turns)
     ]
     return [prompt for prompt, _ in pairs], [reference for _, reference in pairs]
-
-
-def scored_turns(whole: list[dict], turns: str) -> list[list[dict]]:
-    """The conversation cut after each assistant turn the eval scores: its last only, or every one."""
-    if turns == "last":
-        return [whole]
-    return [whole[: i + 1] for i, turn in enumerate(whole) if turn["role"] == "assistant"]
 
 
 def preference_prompts(tokenizer, rows: list[dict], spec: DataSpec) -> tuple[list[str], list[str]]:
