@@ -54,6 +54,9 @@ class TextSize:
 
     examples: int
     chars: int  # prompt (template filled in) + target, summed over the examples
+    # Assistant turns of each conversation in file order (messages, sharegpt): the answers an eval with
+    # `eval.turns: all` generates for it (conversations.scored_turns); () for data of one answer an example.
+    answers: tuple[int, ...] = ()
 
 
 def needed_fields(spec: DataSpec) -> list[str]:
@@ -147,7 +150,11 @@ def numbered_lines(path: Path) -> Iterator[tuple[int, str]]:
 
 
 def text_size(rows: list[dict], spec: DataSpec) -> TextSize:
-    return TextSize(len(rows), sum(conversations.chars(row, spec) for row in rows))
+    chars = sum(conversations.chars(row, spec) for row in rows)
+    if spec.format not in ("messages", "sharegpt"):
+        return TextSize(len(rows), chars)
+    turns = (conversations.conversation(row, spec) for row in rows)
+    return TextSize(len(rows), chars, tuple(len(conversations.scored_turns(t, "all")) for t in turns))
 
 
 def check_rows(rows: list[tuple[int, dict]], spec: DataSpec, path: Path) -> None:

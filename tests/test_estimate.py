@@ -187,6 +187,71 @@ def test_an_eval_job_of_a_model_the_book_has_seen_is_estimated_from_its_eval_row
     assert estimate(spec(beams=4), 1).source == "guess"  # beam search is another cost: not this row
 
 
+def three_turn_chats(path: Path, conversations: int) -> Path:
+    """`conversations` chats of three exchanges each: three assistant turns apiece."""
+    turns = [{"role": role, "content": f"{role} {n}"} for n in range(3) for role in ("user", "assistant")]
+    path.write_text("".join(json.dumps({"messages": turns}) + "\n" for _ in range(conversations)))
+    return path
+
+
+def test_eval_turns_all_over_three_turn_chats_is_estimated_at_three_times_the_answers_of_last(tmp_path):
+    """Issue 38's leftover: under `eval.turns: all` the eval generates one answer per assistant turn, and
+    the estimate counted conversations: a 3-turn eval set was estimated at a third of its work, and its
+    `time: auto` limit was that short. eval.limit counts conversations, as the eval applies it (the first
+    N rows, each with all its turns: train/data.py prompts_and_targets)."""
+    chats = three_turn_chats(tmp_path / "chats.jsonl", 10)
+
+    def spec(turns, limit=None):
+        return EvalJob(
+            experiment="e",
+            stage="s",
+            model=MODEL,
+            adapter={},
+            data={"train": str(chats), "eval": str(chats), "format": "messages"},
+            eval={"turns": turns, "limit": limit, "batch_size": 4, "max_new_tokens": 50},
+            adapter_dir="a",
+            out_dir="o",
+        )
+
+    # The book's row: batches of answers (eval/job.py counts the batches of its prompts, one per answer);
+    # scoring 10 s for 5 x 4 = 20 answers, 0.5 s an answer.
+    row = EvalSpeedRecord(
+        model=MODEL["name_or_path"],
+        device_name="NVIDIA A100",
+        num_beams=1,
+        batch_size=4,
+        max_new_tokens=100,
+        batches=5,
+        startup_s=30.0,
+        decode_step_s=0.02,
+        scoring_s=10.0,
+        time=1.0,
+    )
+    measured = Estimator([], eval_book=[row])  # the real count: validation's read of the file
+    last, every = measured(spec("last", limit=4), 1), measured(spec("all", limit=4), 1)
+    assert last.source == every.source == "measured"
+    # last: 4 answers, 1 batch of 4 x 50 steps at 0.02 s, scoring 4 x 0.5 s
+    assert last.seconds == pytest.approx(30 + 1 * 50 * 0.02 + 4 * 0.5)  # 33 s
+    # all: 4 conversations x 3 turns = 12 answers (not 4: the limit counts conversations), 3 batches
+    assert every.seconds == pytest.approx(30 + 3 * 50 * 0.02 + 12 * 0.5)  # 39 s
+    assert every.seconds - 30 == pytest.approx(3 * (last.seconds - 30))  # the work beyond start-up, 3x
+    assert "4 examples in 1 batches" in last.basis
+    assert "12 answers (every assistant turn of 4 conversations) in 3 batches" in every.basis
+    # The whole file: 10 answers against 30, and the guess counts answers too.
+    assert "10 examples in 3 batches" in measured(spec("last"), 1).basis
+    assert (
+        "30 answers (every assistant turn of 10 conversations) in 8 batches" in measured(spec("all"), 1).basis
+    )
+    guessed = Estimator([])
+    step_s = guesses.decode_step_s(0.5e9, 1, 1)
+    guess_last, guess_all = guessed(spec("last", limit=4), 1), guessed(spec("all", limit=4), 1)
+    assert guess_last.source == guess_all.source == "guess"
+    assert guess_all.seconds - guess_last.seconds == pytest.approx((3 - 1) * 50 * step_s)
+    # Turns unknown (a count without them, as the speed book's size of an `hf:` set): one per conversation.
+    unknown = Estimator([], lambda source, data_spec: DataTokens(10, 1e3), eval_book=[row])(spec("all", 4), 1)
+    assert "4 conversations (assistant turns unknown: one answer each) in 1 batches" in unknown.basis
+
+
 def test_auto_limit_is_the_estimate_with_its_margin_rounded_up_and_capped():
     assert auto_time_limit_s(2000, 120, 86400) == 3300  # 2000 x 1.3 + 120 + 300 = 3020 → 3300
     assert auto_time_limit_s(2000, 120, 1200) == 1200

@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from core.config import DataSpec
+from core.config import DataSpec, EvalJob
 from eval.report_rows import turns_marker
+from slurm.planning.estimate import eval_answers, tokens_from_characters
 from tests.helpers import dry_run, experiment_folder
 from train import chat
 from train import data as data_lib
@@ -56,6 +57,33 @@ def test_turns_all_scores_the_first_answer_of_a_two_exchange_chat_which_last_nev
         '{"a": 1}',
         '{"b": 2}',
     ]
+
+
+@pytest.mark.parametrize("turns", ["last", "all"])
+@pytest.mark.parametrize("limit", [None, 1])
+def test_the_estimate_counts_the_answers_the_eval_generates_its_limit_on_conversations(
+    tokenizer, chats, turns, limit
+):
+    """The time estimate (torch-free, from validation's read of the file) counts what the eval job
+    generates: one answer per prompt of prompts_and_targets, eval.limit applied to conversations."""
+    source, spec = chats
+    job = EvalJob(
+        experiment="e",
+        stage="s",
+        model={"name_or_path": "org/m", "kind": "causal"},
+        adapter={},
+        data=spec,
+        eval={"turns": turns, "limit": limit},
+        adapter_dir="a",
+        out_dir="o",
+    )
+    prompts, _ = data_lib.prompts_and_targets(source, spec, tokenizer, "causal", limit, turns)
+    answers, _ = eval_answers(job, tokens_from_characters(source, spec))
+    assert (
+        answers
+        == len(prompts)
+        == {("last", None): 2, ("all", None): 3, ("last", 1): 1, ("all", 1): 2}[turns, limit]
+    )
 
 
 def test_the_report_says_which_turns_were_scored():

@@ -17,9 +17,13 @@ GPU models: a GPU job takes rows measured on its own GPU model (`gpu`: named by 
   the partition, guesses.gpu_model; unknown: the slowest model the rows ran on, where the job may land).
   Without such a row, a row of another model in guesses.GPUS is scaled by the ratio of their peaks (peak
   bf16 FLOP/s for training, memory bandwidth for decoding) and says so: "measured (scaled from H100)".
-Eval jobs: batches of the scored examples (eval.limit respected) x max_new_tokens decoding steps + start-up
-  + scoring, from the speed book's eval rows (every finished eval job writes one: "measured") when one has
-  this model and beam count on the job's kind of device, else guessed from the model's size.
+Eval jobs: batches of the answers to generate x max_new_tokens decoding steps + start-up + scoring. The
+  answers are those of the first eval.limit conversations (the eval's limit counts examples): one each, or
+  under `eval.turns: all` one per assistant turn (core/conversations.py scored_turns, as the eval's prompts
+  are made; counted in validation's read of a local file, else one per conversation, which the basis says).
+  Speeds from the speed book's eval rows, whose batches are batches of answers (every finished eval job
+  writes one: "measured") when one has this model and beam count on the job's kind of device, else
+  guessed from the model's size.
 A row written by `launch.py --calibrate` (a few dozen steps of an experiment's first stage on the real
   hardware: slurm/planning/plan.py calibration_plan) is used the same way and says "calibrated".
 """
@@ -69,6 +73,8 @@ Source = str
 class DataTokens:
     examples: int
     tokens: float  # prompt + target tokens, summed over the examples
+    # Assistant turns of each conversation, in file order (TextSize.answers); (): not conversations, or unknown
+    answers: tuple[int, ...] = ()
 
 
 TokenCounter = Callable[[str, DataSpec], DataTokens | None]
@@ -79,7 +85,9 @@ def tokens_from_characters(source: str, spec: DataSpec) -> DataTokens | None:
     if source.startswith("hf:"):
         return None
     size = read_examples(Path(source), spec)
-    return DataTokens(size.examples, size.chars / CHARS_PER_TOKEN) if isinstance(size, TextSize) else None
+    if not isinstance(size, TextSize):
+        return None
+    return DataTokens(size.examples, size.chars / CHARS_PER_TOKEN, size.answers)
 
 
 def exact_key(spec: TrainJob) -> str:
@@ -296,16 +304,16 @@ class Estimator:
         data = self.tokens(spec.source, spec.data, spec.model.name_or_path)
         if data is None:
             return Estimate(None, "unknown", f"{spec.source}: not a local file, not in the speed book")
-        examples = min(data.examples, spec.eval.limit or data.examples)
-        batches = math.ceil(examples / spec.eval.batch_size)
-        work = f"{examples} examples in {batches} batches x {spec.eval.max_new_tokens} new tokens"
+        answers, counted = eval_answers(spec, data)
+        batches = math.ceil(answers / spec.eval.batch_size)
+        work = f"{counted} in {batches} batches x {spec.eval.max_new_tokens} new tokens"
         found = nearest_eval_record(spec, gpus, self.eval_book, gpu)
         if found is not None:
             record, target = found
             scale, scaled = scaling(record.device_name, target, guesses.peak_bandwidth)
             # Per decoding step of a batch, scaled by the batch size (a decoding step's cost grows with it).
             step_s = record.decode_step_s * spec.eval.batch_size / record.batch_size / scale
-            scoring_s = record.scoring_s * examples / (record.batches * record.batch_size)  # per example
+            scoring_s = record.scoring_s * answers / (record.batches * record.batch_size)  # per answer
             seconds = record.startup_s + batches * spec.eval.max_new_tokens * step_s + scoring_s
             basis = (
                 f"{work} at {step_s:.3f} s/step from the speed book ({record.device_name}, batch "
@@ -320,6 +328,19 @@ class Estimator:
             f"{guesses.hardware_name(gpus, gpu)}"
         )
         return Estimate(seconds, "guess", basis)
+
+
+def eval_answers(spec: EvalJob, data: DataTokens) -> tuple[int, str]:
+    """(answers the eval generates, said for the basis), as train/data.py prompts_and_targets makes its
+    prompts: the first eval.limit examples (conversations), each its last assistant turn, or under
+    `eval.turns: all` each of its assistant turns (data.answers; unknown: one per conversation)."""
+    conversations = min(data.examples, spec.eval.limit or data.examples)
+    if spec.eval.turns != "all":
+        return conversations, f"{conversations} examples"
+    if not data.answers:
+        return conversations, f"{conversations} conversations (assistant turns unknown: one answer each)"
+    answers = sum(data.answers[:conversations])
+    return answers, f"{answers} answers (every assistant turn of {conversations} conversations)"
 
 
 def training_work(train: TrainSpec, data: DataTokens, processes: int) -> tuple[int, float]:
