@@ -13,9 +13,14 @@ import time
 from pathlib import Path
 
 import yaml
+from rich.console import Console
 
 from core.writer_lock import hold_folder
+from slurm.cluster.profile import load_profile
+from slurm.planning.experiments import load_experiments
+from slurm.planning.plan import build_plan
 from slurm.queueing.jobs import StageJob, this_job_id
+from slurm.watching.render import status_table
 from tests.conftest import write_cluster_yaml
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -365,3 +370,34 @@ def start_local_job(folder: Path, stage, run_dir: Path):
     executor.update_parameters(timeout_min=10)
     with working_directory(ROOT):  # the task imports tests.helpers from here
         return executor.submit(stage, {"run_dir": str(run_dir)}, "hash", str(run_dir.parent))
+
+
+STATUS_EXPERIMENT = """\
+name: {name}
+model: {{name_or_path: org/model, kind: causal}}
+data: {{train: {data}, input_field: q, target_field: a}}
+eval: {{metrics: []}}
+resources: {{mem_gb: 4, cpus: 1}}
+"""
+
+
+def first_stages(tmp_path: Path, names: list[str]) -> list:
+    """The train job of each experiment (one CPU stage each, STATUS_EXPERIMENT), in the order of `names`:
+    rows for --status's table, the scheduler's answer given by the test."""
+    configs = tmp_path / "configs"
+    configs.mkdir()
+    write_cluster_yaml(configs, tmp_path)
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"q": "x", "a": "y"}\n')
+    for name in names:
+        (configs / f"{name}.yaml").write_text(STATUS_EXPERIMENT.format(name=name, data=data))
+    profile, _ = load_profile(configs)
+    jobs = {job.experiment: job for job in build_plan(load_experiments(configs, profile), profile).jobs}
+    return [jobs[name] for name in names]
+
+
+def rendered_status(rows) -> str:
+    """--status's table of `rows`, as text 200 columns wide."""
+    console = Console(width=200, record=True)
+    console.print(status_table(rows))
+    return console.export_text()

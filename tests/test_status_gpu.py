@@ -6,44 +6,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from rich.console import Console
-
 from core.job_records import JobRecord
 from core.states import State
-from slurm.cluster.profile import load_profile
-from slurm.planning.experiments import load_experiments
-from slurm.planning.plan import build_plan
-from slurm.watching.render import status_table
 from slurm.watching.status import SchedulerInfo, job_status
-from tests.conftest import write_cluster_yaml
-
-EXPERIMENT = """\
-name: {name}
-model: {{name_or_path: org/model, kind: causal}}
-data: {{train: {data}, input_field: q, target_field: a}}
-eval: {{metrics: []}}
-resources: {{mem_gb: 4, cpus: 1}}
-"""
-
-
-def first_stages(tmp_path: Path, names: list[str]) -> list:
-    """The train job of each experiment, in the order of `names`."""
-    configs = tmp_path / "configs"
-    configs.mkdir()
-    write_cluster_yaml(configs, tmp_path)
-    data = tmp_path / "d.jsonl"
-    data.write_text('{"q": "x", "a": "y"}\n')
-    for name in names:
-        (configs / f"{name}.yaml").write_text(EXPERIMENT.format(name=name, data=data))
-    profile, _ = load_profile(configs)
-    jobs = {job.experiment: job for job in build_plan(load_experiments(configs, profile), profile).jobs}
-    return [jobs[name] for name in names]
-
-
-def rendered(rows) -> str:
-    console = Console(width=200, record=True)
-    console.print(status_table(rows))
-    return console.export_text()
+from tests.helpers import first_stages, rendered_status
 
 
 def test_running_jobs_show_gpu_use_from_progress_and_others_stay_blank(tmp_path):
@@ -65,8 +31,8 @@ def test_running_jobs_show_gpu_use_from_progress_and_others_stay_blank(tmp_path)
         for job, job_id in ((on_gpu, "1"), (on_cpu, "2"), (finished, "3"))
     ]
     assert (rows[0].gpu_util_percent, rows[0].gpu_mem_gb, rows[1].gpu_util_percent) == (87.4, 41.23, None)
-    lines = {line.split("│")[1].strip(): line for line in rendered(rows).splitlines() if "│" in line}
+    lines = {line.split("│")[1].strip(): line for line in rendered_status(rows).splitlines() if "│" in line}
     assert "87%" in lines["on-gpu/train"] and "41.2/85.5 GB" in lines["on-gpu/train"]
     assert "%" not in lines["on-cpu/train"] and "GB" not in lines["on-cpu/train"]
     assert "%" not in lines["finished/train"]  # a job that ended: its last samples are no longer news
-    assert "gpu mem" in rendered(rows)
+    assert "gpu mem" in rendered_status(rows)

@@ -1,7 +1,7 @@
 """The squeue/sacct parsers and the state table, on text recorded from the dev cluster (slurm-wlm 22.05.8).
 
-Recorded with the launcher's own formats (`squeue -h -u USER -o "%i|%T|%r|%M"`, `sacct -n -P -X -o
-JobID,State,Elapsed,ExitCode,Reason`) while these jobs ran: 460 failed (exit 3); 461 waited on it with
+Recorded with the launcher's formats of then (`squeue -h -u USER -o "%i|%T|%r|%M"`, `sacct -n -P -X -o
+JobID,State,Elapsed,ExitCode,Reason`; the nodes field came after, issue 39) while these jobs ran: 460 failed (exit 3); 461 waited on it with
 --kill-on-invalid-dep=no; 462 waited on it and was killed (kill_invalid_depend); 463 was requeued with
 `scontrol requeue`, ran again and was cancelled; 464 was held; 465 was a 3-task array. No cluster needed.
 
@@ -71,6 +71,44 @@ def test_sacct_states_reasons_and_exit_codes():
     assert info["461"] == SchedulerInfo(State.CANCELLED, "DependencyNeverSatisfied", "00:00:00", "0:0")
     assert info["462"].state is State.CANCELLED and info["462"].reason == "Dependency"
     assert info["465_2"].state is State.CANCELLED and info["465_2"].elapsed == "00:00:23"
+
+
+# Issue 39: the nodes a job holds or held, the last field of both formats (`squeue -o "%i|%T|%r|%M|%N"`,
+# `sacct -o JobID,State,Elapsed,ExitCode,Reason,NodeList`). Written as slurm-wlm 22.05.8 prints them (its
+# man pages: squeue's %N is empty while a job waits; sacct keeps "None assigned" for a job that never held
+# a node), with the two-node dev cluster's node names (n1, n2) and the one-node cluster's (vm).
+SQUEUE_WITH_NODES = """\
+470|RUNNING|None|1:02|n[1-2]
+471|RUNNING|None|0:30|vm
+472|PENDING|Resources|0:00|
+473|COMPLETING|None|2:10|n2
+"""
+SACCT_WITH_NODES = """\
+480|COMPLETED|00:04:10|0:0|None|n[1-2]
+481|FAILED|00:00:05|1:0|None|n1
+482|CANCELLED by 1000|00:00:00|0:0|Resources|None assigned
+483|TIMEOUT|00:10:00|0:0|None|vm
+"""
+
+
+def test_status_names_the_nodes_a_two_node_job_holds():
+    info = parse_squeue(SQUEUE_WITH_NODES)
+    assert info["470"] == SchedulerInfo(State.RUNNING, "", "1:02", nodes="n[1-2]")  # SLURM's own notation
+    assert info["471"].nodes == "vm" and info["473"].nodes == "n2"  # COMPLETING: the nodes not yet freed
+    assert info["472"] == SchedulerInfo(State.PENDING, "Resources", "0:00", nodes="")  # waits: holds none
+
+
+def test_status_names_the_nodes_an_ended_job_held_and_none_for_one_that_never_started():
+    info = parse_sacct(SACCT_WITH_NODES)
+    assert info["480"] == SchedulerInfo(State.COMPLETED, "", "00:04:10", "0:0", "n[1-2]")
+    assert info["481"].nodes == "n1" and info["483"].nodes == "vm"
+    assert info["482"].nodes == ""  # "None assigned": cancelled while it waited
+
+
+def test_lines_in_the_formats_before_the_nodes_read_as_before_with_no_nodes():
+    # A squeue/sacct wrapper that prints the old fields only: the same states, nodes "".
+    assert parse_squeue("7|RUNNING|None|0:14\n")["7"] == SchedulerInfo(State.RUNNING, "", "0:14", nodes="")
+    assert parse_sacct("8|FAILED|00:00:01|3:0|None\n")["8"].nodes == ""
 
 
 def test_squeues_parenthesised_reasons_and_null_read_like_its_plain_ones():

@@ -29,6 +29,7 @@ STATUS_PRIORITY = (
     "loss",
     "slurm id",
     "elapsed",
+    "nodes",  # where it runs or ran: kept over the GPU readings, dropped before the job's own figures
     "gpu",
     "gpu mem",
     "micro",
@@ -240,6 +241,7 @@ def status_table(rows: list[JobStatus], width: int = WIDE) -> Table:
         "state",
         "reason",
         "elapsed",
+        "nodes",
         "step",
         "loss",
         "eta",
@@ -261,6 +263,7 @@ def status_table(rows: list[JobStatus], width: int = WIDE) -> Table:
             f"[{style}]{row.state.value}[/]" if style else row.state.value,
             row.reason,
             row.elapsed,
+            row.nodes,  # SLURM's NodeList (`n[1-2]`); blank while pending, and for a local job (this machine)
             step,
             loss,
             eta,

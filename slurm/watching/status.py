@@ -36,6 +36,7 @@ class SchedulerInfo:
     reason: str = ""
     elapsed: str = ""
     exit_code: str = ""
+    nodes: str = ""  # SLURM's NodeList: the nodes the job holds or held (`n[1-2]`); "" before it starts
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,7 @@ class JobStatus:
     split: str | None = None  # progress.json: micro-batch x accumulation the trainer chose (core/split.py)
     log_path: str = ""
     backend: str = ""  # "slurm" or "local": what scheduler_id is (a SLURM job id or a local pid)
+    nodes: str = ""  # the SLURM nodes it holds or held (`n[1-2]`); "" pending, and for a local job
     stuck: bool = False  # queued in SLURM but waiting on a dependency that can never be satisfied
 
 
@@ -69,8 +71,11 @@ def query_slurm(job_ids: list[str]) -> dict[str, SchedulerInfo]:
     return {j: info[j] for j in job_ids if j in info}
 
 
-SQUEUE_FORMAT = "%i|%T|%r|%M"
-SACCT_FIELDS = "JobID,State,Elapsed,ExitCode,Reason"
+# The nodes come last (squeue's %N, sacct's NodeList): a line without them reads as before, nodes "".
+SQUEUE_FORMAT = "%i|%T|%r|%M|%N"
+SACCT_FIELDS = "JobID,State,Elapsed,ExitCode,Reason,NodeList"
+# What sacct keeps as the NodeList of a job that never held a node (pending, cancelled while queued).
+NO_NODES = ("None assigned", "(null)", "None")
 # What a job held: one line per attempt (-D: every requeue), the job's own line only (-X: no steps).
 SACCT_USAGE_FIELDS = "JobID,State,ElapsedRaw,AllocTRES"
 
@@ -132,20 +137,21 @@ def tres_gpus(tres: str) -> int:
 
 
 def parse_squeue(text: str) -> dict[str, SchedulerInfo]:
-    """`squeue -h -o SQUEUE_FORMAT` output → job id → state, reason, elapsed. Array tasks keep their `ID_TASK`."""
+    """`squeue -h -o SQUEUE_FORMAT` output → job id → state, reason, elapsed, nodes (empty while pending).
+    Array tasks keep their `ID_TASK`."""
     info = {}
-    for job_id, state, reason, elapsed in _rows(text, 4):
-        info[job_id] = SchedulerInfo(from_slurm(state), _reason(reason), elapsed)
+    for job_id, state, reason, elapsed, nodes in _rows(text, 5):
+        info[job_id] = SchedulerInfo(from_slurm(state), _reason(reason), elapsed, nodes=_nodes(nodes))
     return info
 
 
 def parse_sacct(text: str) -> dict[str, SchedulerInfo]:
-    """`sacct -n -P -X -o SACCT_FIELDS` output → job id → state, reason, elapsed, exit code."""
+    """`sacct -n -P -X -o SACCT_FIELDS` output → job id → state, reason, elapsed, exit code, nodes."""
     info = {}
-    for job_id, state, elapsed, exit_code, reason in _rows(text, 5):
+    for job_id, state, elapsed, exit_code, reason, nodes in _rows(text, 6):
         # A requeued job can be listed once per attempt (as `sacct --duplicates` does), oldest first:
         # the last line is the current one.
-        info[job_id] = SchedulerInfo(from_slurm(state), _reason(reason), elapsed, exit_code)
+        info[job_id] = SchedulerInfo(from_slurm(state), _reason(reason), elapsed, exit_code, _nodes(nodes))
     return info
 
 
@@ -155,6 +161,11 @@ def _rows(text: str, width: int) -> list[list[str]]:
         ([field.strip() for field in line.split("|")] + [""] * width)[:width] for line in text.splitlines()
     ]
     return [row for row in rows if row[0]]
+
+
+def _nodes(raw: str) -> str:
+    """A NodeList as SLURM writes it (`n[1-2]`, `vm`); `` for sacct's `None assigned` (never started)."""
+    return "" if raw in NO_NODES else raw
 
 
 def _reason(raw: str) -> str:
@@ -189,16 +200,18 @@ def job_status(
         return JobStatus(job, State.UNKNOWN, reason=f"{RunDir(run_dir).done} cannot be read", **common)
     if is_done(run_dir, job.config_hash, job.kind):
         pruned = RunDir(run_dir).read_pruned() if job.kind == "train" else {}
+        ended = SchedulerInfo(State.COMPLETED)
         if backend == "local" and submitted is not None:
-            elapsed = local_elapsed(submitted, record, running=False)
+            ended = SchedulerInfo(State.COMPLETED, elapsed=local_elapsed(submitted, record, running=False))
         else:
-            elapsed = scheduler.get(scheduler_id, SchedulerInfo(State.COMPLETED)).elapsed
+            ended = scheduler.get(scheduler_id, ended)
         return JobStatus(
             job,
             State.PRUNED if pruned else State.COMPLETED,
             reason=pruned_reason(pruned),
             **common,
-            elapsed=elapsed,
+            elapsed=ended.elapsed,
+            nodes=ended.nodes,
         )
     failed_parent = next(
         (
@@ -223,11 +236,18 @@ def job_status(
         if record.pack:
             info = packed_unit_info(run_dir, scheduler_id, info)
     state, reason = info.state, info.reason
+    # The nodes it holds or held; none while it waits (a requeued job's last nodes are not its next).
+    nodes = "" if state is State.PENDING else info.nodes
     if state is State.FAILED and job.tasks > 1 and log_path:
         reason = "; ".join(part for part in (reason, first_failed_rank(read_tail(log_path))) if part)
     if done and done != job.config_hash and not state.live:  # it finished with another config: no failure
         return JobStatus(
-            job, State.COMPLETED, reason=another_config(job, run_dir), elapsed=info.elapsed, **common
+            job,
+            State.COMPLETED,
+            reason=another_config(job, run_dir),
+            elapsed=info.elapsed,
+            nodes=nodes,
+            **common,
         )
     if state is State.PENDING and reason in NEVER_STARTS and never_starts(reason, job.resources):
         reason = f"{NEVER_STARTS_MARK}: {reason}"  # what it means: a line under the table (render.py)
@@ -236,7 +256,7 @@ def job_status(
         parent = failed_parent or "a parent"
         state = State.BLOCKED
         reason = f"parent {parent} {earlier[parent].state.value}" if failed_parent else "a parent failed"
-    return JobStatus(job, state, reason=reason, elapsed=info.elapsed, stuck=stuck, **common)
+    return JobStatus(job, state, reason=reason, elapsed=info.elapsed, stuck=stuck, nodes=nodes, **common)
 
 
 # srun's own line, in task 0's log (sbatch's output goes there), for each task of a step that ended badly.
@@ -290,27 +310,29 @@ def named_changes(job, keys: list[str]) -> list[str]:
 
 
 def packed_unit_info(run_dir: Path, pack_id: str, pack: SchedulerInfo) -> SchedulerInfo:
-    """A unit of a packed allocation: what its lane wrote (lane.json), within the allocation's state."""
+    """A unit of a packed allocation: what its lane wrote (lane.json), within the allocation's state; the
+    allocation's nodes once a lane of it took the unit (before, it holds none of its own)."""
     lane = read_lane(run_dir)
     if str(lane.get("pack_job")) != pack_id:
         lane = {}  # written by an earlier allocation
-    where = f"packed job {pack_id}"
+    where, held = f"packed job {pack_id}", ""
     if lane.get("lane") is not None:
-        where = f"lane {lane['lane']} (GPU {lane.get('gpu')}) of {where}"
+        where, held = f"lane {lane['lane']} (GPU {lane.get('gpu')}) of {where}", pack.nodes
     said = lane_state(lane.get("state"))  # None: the lane wrote nothing (yet), or a word unknown
     if said is State.FAILED:
-        return SchedulerInfo(State.FAILED, f"{lane.get('reason', '')} ({where})")
+        return SchedulerInfo(State.FAILED, f"{lane.get('reason', '')} ({where})", nodes=held)
     if said is State.BLOCKED:
         return SchedulerInfo(State.BLOCKED, lane.get("reason", "a parent failed"))
     if pack.state is State.RUNNING:
         if said is State.RUNNING:
-            return SchedulerInfo(State.RUNNING, where)
+            return SchedulerInfo(State.RUNNING, where, nodes=held)
         return SchedulerInfo(State.PENDING, f"waiting for a lane of packed job {pack_id}")
     if pack.state.live:
         return SchedulerInfo(State.PENDING, f"{pack.reason or 'queued'} ({where})")
     if pack.state is State.COMPLETED:
         return SchedulerInfo(State.FAILED, f"{where} ended without running it")
-    return SchedulerInfo(pack.state, f"{pack.reason or pack.state.value} ({where})", exit_code=pack.exit_code)
+    reason = f"{pack.reason or pack.state.value} ({where})"
+    return SchedulerInfo(pack.state, reason, exit_code=pack.exit_code, nodes=held)
 
 
 def _submitit_job(log_root: str, plan_id: str, record: JobRecord, run_dir: Path):
