@@ -130,3 +130,4 @@ def test_kill_9_of_the_rank_on_node_two_fails_the_job_at_once_naming_rank_and_no
     statuses = {s.job.id: s for s in plan_status(plan_for(folder=folder), load_profile(folder)[0].log_dir)}
     assert statuses["killed/train"].state.value == "FAILED"
     assert "rank 1 on n2: Killed" in statuses["killed/train"].reason
+    assert statuses["killed/train"].nodes == "n[1-2]"  # sacct's NodeList, as --status shows it
