@@ -12,9 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_loss_invariance import ROUNDING
-from tests.test_train_split import SAME_SUMS
-from tests.train_helpers import SQL, assert_same_adapter, make_job, read_jsonl
+from tests.train_helpers import ROUNDING, SAME_SUMS, SQL, assert_same_adapter, make_job, read_jsonl
 from train.stage import run_stage
 
 pytestmark = pytest.mark.slow  # trains for seconds: make test-fast leaves it out
