@@ -114,6 +114,68 @@ def test_exp_names_a_whole_sweep_or_one_point_and_after_a_sweep_waits_for_every_
     assert len(waits["depends_on"]) == 12  # every point's last job, not a dangling name
 
 
+DPO_SWEPT = """\
+name: beta
+model: {{name_or_path: org/model, kind: causal}}
+data: {{train: {pairs}, format: preference}}
+train:
+  method: dpo
+  dpo: {{beta: 0.1, loss_type: sigmoid, reference: base}}
+eval: {{metrics: []}}
+resources: {{mem_gb: 4, cpus: 1}}
+sweep:
+  grid:
+    train.dpo.beta: [{betas}]
+  seeds: [1, 2]
+"""
+
+
+def dpo_folder(tmp_path: Path, betas: str = "0.05, 0.1, 0.5") -> Path:
+    folder = tmp_path / "configs"
+    folder.mkdir()
+    write_cluster_yaml(folder, tmp_path)
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text('{"prompt": "x", "chosen": "y", "rejected": "z"}\n')
+    (folder / "beta.yaml").write_text(DPO_SWEPT.format(pairs=pairs, betas=betas))
+    return folder
+
+
+def test_a_beta_sweep_of_a_dpo_stage_plans_a_job_per_point_with_that_beta_and_its_own_hash(tmp_path):
+    """Issue 41: `train.dpo.beta` (a key inside the DPO block) is swept like any key. Caught: a point whose
+    job lost the swept beta (the block's written 0.1) or its DPO settings, or two points sharing a hash (one
+    run folder: the second would be taken for done)."""
+    folder = dpo_folder(tmp_path)
+    profile, _ = load_profile(folder)
+    loaded = load_experiments(folder, profile)
+    names = [e.name for e in loaded]
+    assert names == [f"beta-beta{b}-s{s}" for b in ("0.05", "0.1", "0.5") for s in (1, 2)]
+    for point in loaded:
+        beta, seed = point.sweep.values["train.dpo.beta"], point.sweep.seed
+        assert point.experiment.train.dpo.beta == beta and point.experiment.train.seed == seed
+    jobs = [job for job in plan_for(folder=folder).jobs if job.kind == "train"]
+    assert [job.experiment for job in jobs] == names
+    for job, point in zip(jobs, loaded, strict=True):
+        train = job.spec.train
+        assert (train.method, train.preference.beta, train.seed) == (
+            "dpo",
+            point.sweep.values["train.dpo.beta"],
+            point.sweep.seed,
+        )
+        assert (train.preference.loss_type, train.preference.reference) == ("sigmoid", "base")
+        assert job.spec.data.format == "preference"
+    assert len({job.config_hash for job in jobs}) == 6
+
+
+def test_a_bad_beta_in_a_dpo_sweep_is_refused_at_the_grids_line_naming_only_its_point(tmp_path, capsys):
+    """A beta of 0 (no preference signal: TRL would train on a constant loss) is refused by the DPO block's
+    own validation, per point, at the sweep's line; the good points are not blamed."""
+    folder = dpo_folder(tmp_path, betas="0.1, 0")
+    assert launch.main(["--all", "--dry-run", "--config-dir", str(folder)]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "beta.yaml:11: train.dpo.beta: Input should be greater than 0 (got 0)" in err
+    assert "(sweep point beta-beta0)" in err and "beta0.1" not in err
+
+
 def test_a_sweeps_name_taken_by_another_experiment_is_refused(tmp_path, capsys):
     # Before: --exp lr and after: [lr] meant the experiment and every point of the sweep at once.
     folder = folder_of(

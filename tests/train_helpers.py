@@ -19,6 +19,16 @@ ROOT = Path(__file__).resolve().parent.parent
 SQL = ROOT / "data" / "demo" / "sql"
 PROMPT = "{schema} | {question} | SQL: "
 
+# How far two splits of one effective batch may differ (tests/test_loss_invariance.py, test_train_split.py,
+# test_preference_split.py). Logged losses and gradient norms:
+# issue 20 asks for 1 % at step 1 and 5 % at the end. Split right, the three runs sum the same terms in
+# another order and agree to float rounding (1e-7 in fp32 on CPU), so the bound is far tighter: a mean of
+# per-batch means is only 0.6 % off in test_loss_invariance.py, because untrained tiny models lose about ln(vocab) per token
+# whatever its target's length, and 1 % would let it pass.
+ROUNDING = 1e-3
+# Adapters: fp32 sums in another order: 1e-6 apart; a changed effective batch or example order is far more.
+SAME_SUMS = 1e-4
+
 
 def sql_data(split: str = "easy", eval_split: str | None = None, **extra) -> dict:
     """A DataSpec (as a dict) over the demo text-to-SQL files: schema and question in every prompt."""

@@ -16,7 +16,9 @@ time-limit stop, early stopping, pruning, tracking, GPU telemetry, summary.json 
   copy of a PeftModel's adapter as "ref" when given no ref_model (trl 1.16 DPOTrainer.__init__); `base`, the
   base model with adapters disabled: TRL has no switch for it, so its "ref" copy is deleted, and TRL then
   disables the adapters for the reference forward (`use_adapter(model, None)`). Unset: previous after a
-  stage, base for a first one.
+  stage, base for a first one;
+- the accumulated loss: the mean over the optimizer step's pairs, whatever the split into micro-batches and
+  ranks (pair_weight), as an SFT step's is the mean over its target tokens (train/loss.py).
 """
 
 from __future__ import annotations
@@ -43,13 +45,60 @@ def dpo_trainer_class():
     from trl import DPOTrainer  # on the node only: the login node never imports TRL
 
     class PreferenceTrainer(ReproducibleSampling, DPOTrainer):
+        """DPOTrainer, its loss weighed per pair across the accumulation steps: see PairMeanLoss."""
+
+        loss_is_scaled_for_ga = True  # compute_loss divides by the step's pairs (PairMeanLoss)
+        step_pairs: int | None = None  # pairs in this optimizer step, all micro-batches and ranks
+
         def _prepare_dataset(self, dataset, *args, **kwargs):
             return dataset  # tokenized and fitted to max_length by us (module docstring)
+
+        def get_batch_samples(self, epoch_iterator, num_batches, device):
+            batches, items = super().get_batch_samples(epoch_iterator, num_batches, device)
+            self.step_pairs = pairs_in_step(self.accelerator, batches, device)
+            return batches, items
+
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            result = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+            if not self.model.training:  # eval: the batch's mean, as TRL gives it
+                return result
+            loss, outputs = result if return_outputs else (result, None)
+            loss = loss * pair_weight(inputs, self.step_pairs, self.accelerator.num_processes)
+            return (loss, outputs) if return_outputs else loss
 
         def _save_checkpoint(self, model, trial):
             Trainer._save_checkpoint(self, model, trial)  # no model card README in checkpoints/
 
     return PreferenceTrainer
+
+
+def pairs_in(batch) -> int:
+    return len(batch["input_ids"]) // 2  # TRL's collator stacks the chosen rows, then the rejected
+
+
+def pairs_in_step(accelerator, batches: list, device) -> int:
+    """The pairs of one optimizer step: its micro-batches on this rank, summed over the ranks."""
+    import torch
+
+    pairs = sum(pairs_in(batch) for batch in batches)
+    if accelerator.num_processes > 1:  # every rank asks at every step: a collective is safe
+        pairs = int(accelerator.gather(torch.tensor([pairs], device=device)).sum())
+    return pairs
+
+
+def pair_weight(inputs, step_pairs: int | None, ranks: int) -> float:
+    """PairMeanLoss: what a micro-batch's pair-mean loss is multiplied by so that the step's accumulated
+    loss and gradient are the mean over all of its pairs.
+
+    TRL's DPO loss is a mean over the micro-batch's pairs (one term per pair), and the Trainer divides it by
+    the step's count of micro-batches (loss_is_scaled_for_ga False): a mean of per-micro-batch means. That
+    equals the pair mean only when every micro-batch holds as many pairs; in an epoch's short last step
+    (7 pairs at micro-batch 2 x 2: micro-batches of 2 and 1) the lone pair weighed as much as two, and
+    `train.micro_batch` changed the gradient (9 % on the tiny model, tests/test_preference_split.py). So
+    each micro-batch weighs its pairs' share of the step; x ranks undoes DDP's mean of the gradients."""
+    if step_pairs is None:  # a step outside the training loop's batch gathering: its own mean
+        return 1.0
+    return pairs_in(inputs) * ranks / step_pairs
 
 
 class PreferenceRecipe(StageRecipe):
