@@ -176,6 +176,68 @@ def test_a_bad_beta_in_a_dpo_sweep_is_refused_at_the_grids_line_naming_only_its_
     assert "(sweep point beta-beta0)" in err and "beta0.1" not in err
 
 
+CURRICULUM_SWEPT = """\
+name: chain
+model: {{name_or_path: org/model, kind: causal}}
+data: {{train: {sft}}}
+train:
+  dpo: {{beta: 0.1, reference: previous}}
+eval: {{metrics: []}}
+resources: {{mem_gb: 4, cpus: 1}}
+stages:
+  - name: sft
+    data: {{train: {sft}, input_field: q, target_field: a}}
+  - name: dpo
+    data: {{train: {pairs}, format: preference}}
+    train: {{method: dpo}}
+sweep:
+  grid:
+    train.dpo.beta: [{betas}]
+"""
+
+
+def curriculum_folder(tmp_path: Path, betas: str) -> Path:
+    folder = dpo_folder(tmp_path)
+    (folder / "beta.yaml").unlink()
+    (tmp_path / "sft.jsonl").write_text('{"q": "x", "a": "y"}\n')
+    text = CURRICULUM_SWEPT.format(sft=tmp_path / "sft.jsonl", pairs=tmp_path / "pairs.jsonl", betas=betas)
+    (folder / "chain.yaml").write_text(text)
+    return folder
+
+
+def test_a_beta_sweep_reaches_the_dpo_stage_of_an_sft_then_dpo_curriculum_and_leaves_its_sft_stage_alone(
+    tmp_path,
+):
+    """Before: with stages sft then dpo, `train.dpo.beta` (the experiment's, as a sweep's keys are) was
+    inherited by the SFT stage and the whole experiment refused, with no line and advice that would have
+    turned the SFT stage into DPO: a beta sweep could not reach a curriculum's DPO stage at all."""
+    folder = curriculum_folder(tmp_path, "0.05, 0.5")
+    jobs = [job for job in plan_for(folder=folder).jobs if job.kind == "train"]
+    by_stage = {(job.experiment, job.stage): job.spec.train for job in jobs}
+    for beta in (0.05, 0.5):
+        sft, dpo = by_stage[(f"chain-beta{beta}", "sft")], by_stage[(f"chain-beta{beta}", "dpo")]
+        assert (sft.method, sft.dpo) == ("sft", None)
+        assert (dpo.method, dpo.preference.beta, dpo.preference.reference) == ("dpo", beta, "previous")
+
+
+def test_a_bad_beta_swept_over_a_curriculum_is_refused_once_at_the_grids_line(tmp_path, capsys):
+    folder = curriculum_folder(tmp_path, "0.1, 0")
+    assert launch.main(["--all", "--dry-run", "--config-dir", str(folder)]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert err.count("train.dpo.beta: Input should be greater than 0 (got 0)") == 1, err
+    assert "chain.yaml:16: train.dpo.beta" in err and "(sweep point chain-beta0)" in err
+
+
+def test_train_dpo_on_an_experiment_with_no_dpo_stage_is_still_refused(tmp_path, capsys):
+    folder = curriculum_folder(tmp_path, "0.1")
+    text = (folder / "chain.yaml").read_text().replace("    train: {method: dpo}\n", "")
+    (folder / "chain.yaml").write_text(
+        text.replace("format: preference", "input_field: prompt, target_field: chosen")
+    )
+    assert launch.main(["--all", "--dry-run", "--config-dir", str(folder)]) == 2
+    assert "is the preference objective's block" in " ".join(capsys.readouterr().err.split())
+
+
 def test_a_sweeps_name_taken_by_another_experiment_is_refused(tmp_path, capsys):
     # Before: --exp lr and after: [lr] meant the experiment and every point of the sweep at once.
     folder = folder_of(

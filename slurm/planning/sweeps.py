@@ -78,9 +78,10 @@ def same_runs(loaded: list[LoadedExperiment]) -> list[Problem]:
     for item in loaded:
         if item.sweep is None:
             continue
-        key = (
+        stages = [(s.name, s.data.model_dump(), s.train.model_dump()) for s in item.stages]
+        key = (  # the stages as resolved too: a train.dpo swept for a curriculum's DPO stage lives there only
             item.sweep.sweep,
-            json.dumps(item.experiment.model_dump(exclude={"name"}), sort_keys=True, default=str),
+            json.dumps([item.experiment.model_dump(exclude={"name"}), stages], sort_keys=True, default=str),
         )
         if key not in first:
             first[key] = item

@@ -50,9 +50,33 @@ class LoadedExperiment:
 
 def validate_experiment(raw: dict, chain: list[YamlFile]) -> tuple[Experiment | None, list[Problem]]:
     try:
-        return Experiment.model_validate(raw), []
+        return Experiment.model_validate(without_stages_dpo(raw)), []
     except ValidationError as exc:
         return None, [to_problem(error, chain) for error in one_per_value(exc.errors())]
+
+
+def for_dpo_stages(raw: dict) -> bool:
+    """A curriculum's own `train.dpo` is the options of its DPO stages, so that `train.dpo.beta` can be swept
+    (a sweep's keys are the experiment's): the experiment's method is not dpo, and a stage's is. It is then
+    validated in each DPO stage, and left out of the SFT stages (resolve_stages)."""
+    train, stages = raw.get("train"), raw.get("stages")
+    return (
+        isinstance(train, dict)
+        and "dpo" in train
+        and train.get("method", "sft") != "dpo"
+        and isinstance(stages, list)
+        and any(
+            isinstance(s, dict) and isinstance(s.get("train"), dict) and s["train"].get("method") == "dpo"
+            for s in stages
+        )
+    )
+
+
+def without_stages_dpo(raw: dict) -> dict:
+    """`raw` as the experiment's own sections are validated: a train.dpo written for its DPO stages left out."""
+    if not for_dpo_stages(raw):
+        return raw
+    return {**raw, "train": {k: v for k, v in raw["train"].items() if k != "dpo"}}
 
 
 # How pydantic names the member of a union (`int | Literal['auto']`) a failed check belongs to, at the end
@@ -134,18 +158,27 @@ def resolve_stages(
     experiment: Experiment, raw: dict, chain: list[YamlFile]
 ) -> tuple[list[Stage], list[Problem]]:
     """Each stage = the experiment's data/train plus the stage's own changes, validated in full."""
-    stages, problems = [], []
+    stages, problems, reported = [], [], set()
+    dpo_for_stages = for_dpo_stages(raw)
     for index, stage in enumerate(experiment.stages):
         specs = {}
         for section, model in (("data", DataSpec), ("train", TrainSpec)):
             merged = deep_merge(raw.get(section) or {}, getattr(stage, section))
+            if section == "train" and dpo_for_stages and merged.get("method", "sft") != "dpo":
+                merged.pop("dpo", None)  # the experiment's train.dpo is its DPO stages' (for_dpo_stages)
             try:
                 specs[section] = model.model_validate(merged)
             except ValidationError as exc:
                 for error in one_per_value(exc.errors()):
-                    # A mistake in the experiment's own section was reported already; report the stage's.
+                    # A mistake in the experiment's own section was reported already; report the stage's,
+                    # and once, at its own line, a mistake in a train.dpo written for the DPO stages.
                     if error["loc"] and error["loc"][0] in getattr(stage, section):
                         problems.append(to_problem(error, chain, ("stages", index, section)))
+                    elif section == "train" and dpo_for_stages and error["loc"][:1] == ("dpo",):
+                        problem = to_problem(error, chain, ("train",))
+                        if problem not in reported:
+                            reported.add(problem)
+                            problems.append(problem)
         if len(specs) == 2:
             if specs["train"].early_stopping and not specs["data"].eval:
                 file, line = where(chain, ("train", "early_stopping"))
