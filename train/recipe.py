@@ -188,7 +188,14 @@ class EpochSeededLengthSampler(LengthGroupedSampler):
     order, and its result drifts from the uninterrupted run's. Under DDP every rank draws this same order
     and accelerate deals its batches out round-robin (batch i to rank i mod N): each example of the epoch
     goes to one rank. When the epoch does not divide by the global batch, the last round is filled up
-    with the epoch's first examples (accelerate's even_batches, as DistributedSampler does)."""
+    with the epoch's first examples (accelerate's even_batches, as DistributedSampler does).
+
+    `batch_size` is the global batch (micro-batch x accumulation steps x ranks), which alone sets the
+    mega-batches the lengths are grouped in. The order then depends on the global batch only, not on its
+    split: optimizer step k takes micro-batches kNA..kNA+NA-1 of it, whether N ranks with A accumulation
+    steps each deal them out round-robin or one rank with NA steps takes them in turn, so both train on
+    the same examples (issue 39), all but a last round that the epoch does not fill: the ranks fill it up
+    as above, one rank takes the shorter one."""
 
     def __init__(self, *args, seed: int, **kwargs):
         super().__init__(*args, **kwargs)
@@ -215,7 +222,7 @@ class ReproducibleSampling:
         if self.args.train_sampling_strategy != "group_by_length":
             return super()._get_train_sampler(train_dataset)
         self.epoch_sampler = EpochSeededLengthSampler(
-            self.args.train_batch_size * self.args.gradient_accumulation_steps,
+            self.args.train_batch_size * self.args.gradient_accumulation_steps * self.args.world_size,
             lengths=dataset["length"],
             seed=self.args.seed,
         )
