@@ -128,7 +128,9 @@ def test_final_loss_matches_one_process_with_the_same_global_batch(two_ranks, ti
     expected = [r for r in read_jsonl(one / "metrics.jsonl") if "loss" in r]
     actual = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "loss" in r]
     assert [r["step"] for r in actual] == [r["step"] for r in expected] == list(range(1, STEPS + 1))
-    assert actual[-1]["loss"] == pytest.approx(expected[-1]["loss"], rel=0.02)
+    # Every step's loss, to fp32 rounding: the sampler draws by the global batch, so both take the same
+    # examples into each step (it drew by the per-rank batch once, and only the final loss agreed, to 2 %).
+    assert [r["loss"] for r in actual] == pytest.approx([r["loss"] for r in expected], rel=1e-4)
     assert json.loads((one / "summary.json").read_text())["world_size"] == 1
 
 
@@ -162,7 +164,7 @@ def test_qlora_trains_as_two_ranks_each_with_its_own_4_bit_base(tiny, tmp_path):
     expected = [r["loss"] for r in read_jsonl(one / "metrics.jsonl") if "loss" in r]
     actual = [r["loss"] for r in read_jsonl(run_dir / "metrics.jsonl") if "loss" in r]
     assert len(actual) == len(expected) == STEPS
-    assert actual[-1] == pytest.approx(expected[-1], rel=0.02)
+    assert actual == pytest.approx(expected, rel=1e-4)
 
 
 def test_a_stop_seen_by_one_rank_stops_both_at_one_checkpoint_and_resumes_exactly(two_ranks, tiny, tmp_path):
