@@ -22,7 +22,7 @@ import launch
 from slurm.cluster.rendezvous import rendezvous_port
 from tests.helpers import fault_experiment, job_pids, progress_step, slurm_id, submit, wait_until
 from tests.train_helpers import assert_every_step_logged_once, assert_same_adapter
-from train.checkpoints import step_of
+from train.checkpoints import latest_valid_checkpoint, step_of
 
 
 def task_log(tmp_path, job: str, rank: int) -> str:
@@ -107,21 +107,22 @@ def sacct_state(job_id: str) -> str:
     return done.stdout.strip()
 
 
-def test_kill_9_of_the_rank_on_node_two_fails_the_job_at_once_naming_rank_and_node(
+def test_kill_9_of_the_rank_on_node_two_fails_the_job_at_once_naming_rank_and_node_and_a_retry_resumes(
     repo_root, tmp_path, two_node_cluster, tiny, monkeypatch
 ):
     # A rank that dies (OOM killer, a node's fault) must not leave rank 0 waiting in its next all-reduce
-    # for the group's 30-minute timeout: srun --kill-on-bad-exit ends the step, the job FAILS.
+    # for the group's 30-minute timeout: srun --kill-on-bad-exit ends the step, the job FAILS; and
+    # --retry-failed resumes it from its last checkpoint on both nodes, losing no step and repeating none.
     from slurm.cluster.profile import load_profile
     from slurm.watching.status import plan_status
     from tests.helpers import plan_for
 
     monkeypatch.chdir(repo_root)
-    folder = fault_experiment(repo_root, tmp_path, "killed", epochs=8, save=1000, gpus=1, nodes=2)
+    folder = fault_experiment(repo_root, tmp_path, "killed", epochs=4, save=4, gpus=1, nodes=2)
     assert submit(folder) == 0
     run_dir = tmp_path / "runs" / "killed" / "train"
     job_id = slurm_id(tmp_path, "killed/train")
-    wait_until(lambda: progress_step(run_dir) >= 4, "training under way")
+    wait_until(lambda: latest_valid_checkpoint(run_dir / "checkpoints"), "a first checkpoint")
     pids = wait_until(lambda: (found := task_pids(job_id)).keys() >= {0, 1} and found, "both task pids")
     killed_at = time.monotonic()
     os.kill(pids[1], signal.SIGKILL)  # rank 1, on n2
@@ -131,3 +132,9 @@ def test_kill_9_of_the_rank_on_node_two_fails_the_job_at_once_naming_rank_and_no
     assert statuses["killed/train"].state.value == "FAILED"
     assert "rank 1 on n2: Killed" in statuses["killed/train"].reason
     assert statuses["killed/train"].nodes == "n[1-2]"  # sacct's NodeList, as --status shows it
+    checkpoint = step_of(latest_valid_checkpoint(run_dir / "checkpoints"))
+    assert launch.main(["--retry-failed", "--config-dir", str(folder), "--backend", "slurm", "--wait"]) == 0
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert (summary["world_size"], summary["global_step"]) == (2, 4 * 15)
+    assert step_of(Path(summary["resumed_from"])) >= checkpoint
+    assert_every_step_logged_once(run_dir, summary["global_step"])
