@@ -50,6 +50,7 @@ SCORE_KEYS = (
     "preference_accuracy",
     "preference_margin",
 )
+PREFERENCE_SCORES = ("preference_accuracy", "preference_margin")  # written when the eval data are pairs
 # The scores each metric of `eval.metrics` writes into results.json (eval/metrics.py, eval/sql.py).
 SCORES_OF = {
     "rouge": ("rouge_1", "rouge_2", "rouge_l"),

@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import torch
 
-PREFERENCE_SCORES = ("preference_accuracy", "preference_margin")
-
 
 def answer_logp(model, prompt_ids: list[int], answer_ids: list[int]) -> float:
     """The summed log-probability of `answer_ids` after `prompt_ids`."""

@@ -70,8 +70,7 @@ def test_the_base_row_on_preference_pairs_has_the_chosen_answers_share_and_margi
 
 
 def test_the_report_has_a_column_for_each_preference_score():
-    from core.names import REPORT_COLUMNS
-    from eval.preference import PREFERENCE_SCORES
+    from core.names import PREFERENCE_SCORES, REPORT_COLUMNS
     from eval.report_rows import COLUMNS, SCORE_COLUMNS
 
     for key in PREFERENCE_SCORES:

@@ -238,6 +238,29 @@ def test_train_dpo_on_an_experiment_with_no_dpo_stage_is_still_refused(tmp_path,
     assert "is the preference objective's block" in " ".join(capsys.readouterr().err.split())
 
 
+def test_a_dpo_sweep_may_select_on_the_preference_scores_its_eval_writes(tmp_path, capsys):
+    """Before: `select: {metric: preference_accuracy}` was refused as "not a score this sweep's eval computes",
+    though the eval of a DPO stage's pairs writes it; a sweep could not pick its best beta by it. An SFT
+    sweep still cannot (its eval writes none)."""
+    folder = dpo_folder(tmp_path)
+    text = (folder / "beta.yaml").read_text()
+    selecting = text + "  select: {metric: preference_accuracy, mode: max}\n"
+    (folder / "beta.yaml").write_text(selecting)
+    assert launch.main(["--all", "--dry-run", "--config-dir", str(folder)]) == 0
+    capsys.readouterr()
+    sft = selecting.replace("  method: dpo\n", "").replace(
+        "  dpo: {beta: 0.1, loss_type: sigmoid, reference: base}\n", ""
+    )
+    sft = sft.replace("train.dpo.beta", "train.learning_rate").replace(
+        "format: preference", "input_field: prompt, target_field: chosen"
+    )
+    (folder / "beta.yaml").write_text(sft.replace("[0.05, 0.1, 0.5]", "[1.0e-4, 2.0e-4]"))
+    assert launch.main(["--all", "--dry-run", "--config-dir", str(folder)]) == 2
+    assert "'preference_accuracy' is not a score this sweep's eval computes" in " ".join(
+        capsys.readouterr().err.split()
+    )
+
+
 def test_a_sweeps_name_taken_by_another_experiment_is_refused(tmp_path, capsys):
     # Before: --exp lr and after: [lr] meant the experiment and every point of the sweep at once.
     folder = folder_of(

@@ -36,7 +36,7 @@ def checked(
         check_files(experiment, stages, chain)
         + check_resources(experiment, profile, chain)
         + check_auto_time(experiment, stages, chain)
-        + check_select(experiment, member, chain)
+        + check_select(experiment, stages, member, chain)
         + check_prune(experiment, stages, member, chain)
         + check_kind(experiment, chain)
         + check_chat_template(experiment, stages, chain)

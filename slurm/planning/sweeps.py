@@ -11,7 +11,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from core.config import Experiment
-from core.names import REPORT_COLUMNS, SCORES_OF
+from core.names import PREFERENCE_SCORES, REPORT_COLUMNS, SCORES_OF
 from core.problems import Problem
 from core.sweep import Sweep, SweepError, SweepMember, expand, nested, source_of
 from core.yamlfile import YamlFile, deep_merge, where
@@ -98,12 +98,17 @@ def same_runs(loaded: list[LoadedExperiment]) -> list[Problem]:
     return found
 
 
-def check_select(experiment: Experiment, member: SweepMember | None, chain: list[YamlFile]) -> list[Problem]:
+def check_select(
+    experiment: Experiment, stages: list[Stage], member: SweepMember | None, chain: list[YamlFile]
+) -> list[Problem]:
     """A sweep's `select.metric` must be a score its eval computes (or eval_loss): else the report would
-    say "none yet" for ever."""
+    say "none yet" for ever. An eval of preference pairs (the last stage's data, as in a DPO stage) also
+    scores preference_accuracy and preference_margin (eval/preference.py)."""
     if member is None or member.select is None:
         return []
     scores = [score for metric in experiment.eval.metrics for score in SCORES_OF[metric]]
+    if stages and stages[-1].data.format == "preference":
+        scores += PREFERENCE_SCORES
     known = ["eval_loss", *scores, *(REPORT_COLUMNS[score] for score in scores)]
     if member.select.metric in known:
         return []
