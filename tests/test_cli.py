@@ -154,6 +154,33 @@ def test_force_archives_the_eval_of_a_rerun_stage_too_its_results_kept(
 
 
 @pytest.mark.slow
+def test_a_local_relaunch_reads_each_experiment_file_once_report_included(
+    repo_root, tmp_path, tiny, monkeypatch, capsys
+):
+    """Issue 42: a relaunch validated its folder, loaded it again for what the run root holds that the folder
+    no longer has, and a run ending here loaded it once or twice more for its report (a slow folder of many
+    sweeps paid each time, and an edit between the loads could make them disagree)."""
+    from slurm.planning import experiments
+
+    monkeypatch.chdir(repo_root)
+    folder = configs(tmp_path, repo_root, quick={})
+    argv = ["--all", "--config-dir", str(folder), "--backend", "local", "--no-preflight"]
+    assert launch.main(argv) == 0
+    reads: list[str] = []
+    load = experiments.load_with_overrides
+    monkeypatch.setattr(
+        experiments, "load_with_overrides", lambda path, *a: reads.append(path.name) or load(path, *a)
+    )
+    capsys.readouterr()
+    assert launch.main(argv) == 0  # nothing to run; the report is written again
+    assert "Report: " in capsys.readouterr().out
+    files = sorted(
+        p.name for p in folder.glob("*.yaml") if not p.name.startswith("_") and p.name != "cluster.yaml"
+    )
+    assert sorted(reads) == files
+
+
+@pytest.mark.slow
 def test_status_calls_a_stage_finished_with_another_config_completed_not_failed(
     repo_root, tmp_path, tiny, monkeypatch, capsys
 ):

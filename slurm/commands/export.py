@@ -23,7 +23,7 @@ def export(request: LaunchRequest, profile) -> int:
         list(request.experiments) if request.experiments else None
     )
     overrides = parse_overrides(list(request.overrides))
-    experiments, others, _, _ = load_selected(request.config_dir, profile, overrides, names)
+    experiments, others, *_ = load_selected(request.config_dir, profile, overrides, names)
     for problem in others:
         err.print(f"[yellow]warning:[/] {problem}", highlight=False, soft_wrap=True)
     files = {e.name: str(e.file) for e in experiments}

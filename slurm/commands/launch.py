@@ -19,7 +19,7 @@ from slurm.queueing.submit import submit
 from slurm.watching.preflight_report import run_preflight
 from slurm.watching.render import edges_text, err, out, packing_text, plan_table, totals_text
 from slurm.watching.reporting import written_report
-from slurm.watching.watched import removed_from, removed_text
+from slurm.watching.watched import FolderLoad, removed_from, removed_text
 
 # A job's state in a dry run, as a relaunch would decide it (slurm/queueing/decisions.py weigh).
 DRY_RUN_STATES = {
@@ -34,10 +34,12 @@ DRY_RUN_STATES = {
 
 @dataclass(frozen=True)
 class Loaded:
-    """The experiments a launch names, validated, and their plan."""
+    """The experiments a launch names, validated, and their plan; `folder`: the config folder as loaded
+    (its path → what load_watchable_experiments would give), for the report of a run that ends here."""
 
     experiments: list[LoadedExperiment]
     plan: Plan
+    folder: dict[Path, FolderLoad]
 
     @property
     def files(self) -> dict[str, str]:
@@ -48,9 +50,8 @@ def loaded(request: LaunchRequest, profile) -> Loaded:
     """Load and validate (every problem at once, ConfigError), plan; say what the run root holds that the
     folder no longer has."""
     overrides = parse_overrides(list(request.overrides))
-    experiments, others, names, broken = load_selected(
-        request.config_dir, profile, overrides, request.experiments
-    )
+    selection = load_selected(request.config_dir, profile, overrides, request.experiments)
+    experiments, others, names, broken, _ = selection
     for problem in others:
         err.print(
             f"[yellow]warning:[/] {problem}",
@@ -62,7 +63,7 @@ def loaded(request: LaunchRequest, profile) -> Loaded:
         plan = calibration_plan(plan, request.calibrate_steps)
     if removed := removed_from(Path(profile.run_dir), request.config_dir, names, broken):
         err.print(removed_text(removed, Path(profile.run_dir)), highlight=False, soft_wrap=True)
-    return Loaded(experiments, plan)
+    return Loaded(experiments, plan, {request.config_dir.resolve(): selection.as_watched()})
 
 
 def launch(request: LaunchRequest, profile) -> int:
@@ -70,7 +71,7 @@ def launch(request: LaunchRequest, profile) -> int:
     (local, or --wait) with every job completed ends with the comparison the user ran it for."""
     run, code = submitted(request, profile)
     if code == 0 and (request.wait or request.backend == "local"):
-        written = written_report(profile, request)
+        written = written_report(profile, request, loaded=run.folder)  # the folder, not loaded again
         out.print(f"All {len(run.plan.jobs)} job(s) completed. Report: {written[0]}", highlight=False)
     return code
 

@@ -83,12 +83,17 @@ def load_experiments(
 class Selection(NamedTuple):
     """What a launch loads of its folder, once: the experiments it selects, the problems of files they do
     not need (warnings), every experiment name the folder gives (each file's name, each sweep point's, loaded
-    or not), and the files that did not load whole."""
+    or not), the files that did not load whole, and every experiment that loaded (selected or not)."""
 
     experiments: list[LoadedExperiment]
     warnings: list[Problem]
     names: set[str]
     broken: set[Path]
+    loaded: list[LoadedExperiment]
+
+    def as_watched(self) -> tuple[list[LoadedExperiment], list[Problem], set[str], set[Path]]:
+        """The folder as load_watchable_experiments gives it: watching a launched folder reads it from here."""
+        return self.loaded, self.warnings, self.names, self.broken
 
 
 def load_selected(
@@ -136,7 +141,7 @@ def load_selected(
         raise ConfigError(errors + warnings)
     broken = {path for path, found in problems_of.items() if any(not p.warning for p in found)}
     given = set(written) | {e.name for e in loaded}
-    return Selection([e for e in loaded if chosen(e, names)], warnings, given, broken)
+    return Selection([e for e in loaded if chosen(e, names)], warnings, given, broken, loaded)
 
 
 def sorted_out(

@@ -14,20 +14,23 @@ from core.yamlfile import find_inherited
 from slurm.planning.plan import Plan, build_plan
 from slurm.planning.request import LaunchRequest
 from slurm.watching.status import plan_status
-from slurm.watching.watched import Watched, watched_of
+from slurm.watching.watched import FolderLoad, Watched, watched_of
 
 
-def written_report(profile, request: LaunchRequest, held: Watched | None = None) -> list[Path]:
+def written_report(
+    profile, request: LaunchRequest, held: Watched | None = None, loaded: dict[Path, FolderLoad] | None = None
+) -> list[Path]:
     """Every experiment the run root holds (`held`, when the caller loaded them already) and, with a named
-    --config-dir, that folder's experiments not run yet."""
+    --config-dir, that folder's experiments not run yet; `loaded`: config folders the caller loaded already
+    (a launch's own), not loaded again."""
     from eval.report import BaselinesError, write_report
     from slurm.watching.usage import plan_usage
 
-    held = held or watched_of(request, profile, None, named=False)
+    held = held or watched_of(request, profile, None, named=False, loaded=loaded)
     experiments = {e.name: e for e in held.experiments}
     folders = dict(held.folders)
     if request.config_dir_named:
-        named = watched_of(request, profile, None)
+        named = watched_of(request, profile, None, loaded=loaded)
         experiments.update({e.name: e for e in named.experiments if e.name not in experiments})
         folders.update({k: v for k, v in named.folders.items() if k not in folders})
     plan = build_plan(list(experiments.values()), profile)

@@ -20,6 +20,10 @@ from slurm.planning.request import LaunchRequest
 from slurm.planning.validation import LoadedExperiment
 from slurm.watching.render import err, out
 
+# A config folder as loaded (slurm/planning/experiments.py load_watchable_experiments): its experiments,
+# the problems of the others, every name its files give, the files that did not load whole.
+FolderLoad = tuple[list[LoadedExperiment], list[Problem], set[str], set[Path]]
+
 
 @dataclass(frozen=True)
 class Watched:
@@ -35,11 +39,14 @@ def watched_experiments(
     config_dir_named: bool,
     overrides: dict | None = None,
     names: list[str] | None = None,
+    loaded_already: dict[Path, FolderLoad] | None = None,
 ) -> Watched:
     """With `config_dir_named`, that folder's experiments (those not run yet too); without, every
     experiment the run root holds, each from the folder it was launched from (one launched before origins
-    were recorded: from `config_dir`, if it has it). `names` (--exp) narrows either."""
+    were recorded: from `config_dir`, if it has it). `names` (--exp) narrows either. `loaded_already`: the
+    folders a caller loaded (a launch, its own), read from there instead of loaded again."""
     held = run_root_experiments(run_root)
+    already = loaded_already or {}
     here = config_dir.resolve()
     if config_dir_named:
         folders = [here]
@@ -54,7 +61,9 @@ def watched_experiments(
     for folder in folders:
         if not folder.is_dir():
             continue  # its experiments are gone (below)
-        found, problems, names_given, broken = load_watchable_experiments(folder, overrides, frozenset(held))
+        found, problems, names_given, broken = already.get(folder) or load_watchable_experiments(
+            folder, overrides, frozenset(held)
+        )
         warnings += problems
         written |= names_given
         unsure |= broken
@@ -63,7 +72,7 @@ def watched_experiments(
                 loaded.append(experiment)
                 came_from[experiment.name] = folder
     if here not in folders and here.is_dir():  # what the folder looked at has is never gone
-        names_here, broken_here = present_in(here, overrides, frozenset(held))
+        names_here, broken_here = present_in(here, overrides, frozenset(held), already.get(here))
         written |= names_here
         unsure |= broken_here
     known = {e.name for e in loaded}
@@ -112,11 +121,14 @@ def launched_from_any(origin: Origin, files: set[Path]) -> bool:
 
 
 def present_in(
-    config_dir: Path, overrides: dict | None, held: frozenset[str] = frozenset()
+    config_dir: Path,
+    overrides: dict | None,
+    held: frozenset[str] = frozenset(),
+    loaded: FolderLoad | None = None,
 ) -> tuple[set[str], set[Path]]:
     """The experiments `config_dir` has (a sweep's points by name), the names its files give, and the files
-    that do not load whole."""
-    found, _, names, broken = load_watchable_experiments(config_dir, overrides, held)
+    that do not load whole; from `loaded` when the caller has the folder loaded already."""
+    found, _, names, broken = loaded or load_watchable_experiments(config_dir, overrides, held)
     return {e.name for e in found} | names, broken
 
 
@@ -177,9 +189,15 @@ def warned(request: LaunchRequest, profile) -> Watched:
     return watched
 
 
-def watched_of(request: LaunchRequest, profile, names, named: bool | None = None) -> Watched:
+def watched_of(
+    request: LaunchRequest,
+    profile,
+    names,
+    named: bool | None = None,
+    loaded: dict[Path, FolderLoad] | None = None,
+) -> Watched:
     """`named` (default: whether --config-dir was given) looks at that folder alone, else at every folder
-    the run root's experiments came from."""
+    the run root's experiments came from; `loaded`: folders the caller loaded already."""
     overrides = parse_overrides(list(request.overrides))
     named = request.config_dir_named if named is None else named
-    return watched_experiments(Path(profile.run_dir), request.config_dir, named, overrides, names)
+    return watched_experiments(Path(profile.run_dir), request.config_dir, named, overrides, names, loaded)
