@@ -12,15 +12,10 @@ from core.problems import ConfigError
 from core.speeds import EvalSpeedRecord, SpeedRecord, book_of, read_book
 from slurm.cluster.profile import load_profile
 from slurm.planning import guesses
-from slurm.planning.estimate import (
-    DataTokens,
-    Estimator,
-    auto_time_limit_s,
-    read_exact_tokens,
-    record_exact_tokens,
-)
+from slurm.planning.estimate import Estimator, auto_time_limit_s
 from slurm.planning.experiments import load_experiments
 from slurm.planning.plan import estimated_again
+from slurm.planning.preflight_books import DataTokens, read_exact_tokens, record_exact_tokens
 from tests.helpers import plan_for, sized, write_experiments
 
 MODEL = {"name_or_path": "org/some-model-0.5B", "kind": "causal"}

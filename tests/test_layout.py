@@ -11,9 +11,9 @@ from core.rundir import write_spec
 from core.speeds import book_of, eval_book_of
 from eval.report import write_report
 from slurm.cluster.profile import load_profile
-from slurm.planning.estimate import record_exact_tokens
 from slurm.planning.experiments import load_experiments
 from slurm.planning.plan import build_plan, calibration_plan
+from slurm.planning.preflight_books import record_exact_tokens
 from slurm.queueing.decisions import archive_stale
 from slurm.queueing.lock import launch_lock
 from slurm.queueing.snapshot import take_snapshot

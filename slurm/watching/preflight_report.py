@@ -9,8 +9,8 @@ import json
 from core.preflight import trained_share
 from core.problems import ConfigError
 from core.split import label as split_label
-from slurm.planning.estimate import record_exact_tokens, record_splits
 from slurm.planning.plan import Plan
+from slurm.planning.preflight_books import record_exact_tokens, record_splits
 from slurm.watching.render import err, fit, out
 
 
