@@ -11,7 +11,9 @@ from __future__ import annotations
 
 # RUN_ROOT/: files of the whole run root.
 SPEED_BOOK = "speeds.jsonl"  # core/speeds.py
-PREFLIGHT_TOKENS = "preflight-tokens.json"  # slurm/planning/preflight_books.py, through core/rundir.py RunRoot
+PREFLIGHT_TOKENS = (
+    "preflight-tokens.json"  # slurm/planning/preflight_books.py, through core/rundir.py RunRoot
+)
 PREFLIGHT_SPLITS = "preflight-splits.json"  # slurm/planning/preflight_books.py
 REPORT_MD = "report.md"  # eval/report.py
 REPORT_CSV = "report.csv"  # eval/report.py
