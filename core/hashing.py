@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from pathlib import Path
 
 IDENTITY_CHARS = 16  # a config hash (DONE, job.json), an eval's and an export's identity
 CACHE_KEY_CHARS = 20  # preflight's cache, the token counts and splits book, the tokenized-data cache
@@ -21,3 +22,13 @@ def content_hash(value, chars: int = IDENTITY_CHARS) -> str:
     """The first `chars` hex digits of the SHA-256 of `value`'s JSON (sort_keys, default=str)."""
     text = json.dumps(value, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:chars]
+
+
+def file_fingerprint(path: str | Path) -> str:
+    """SHA-256 of a file's content: a copy hits a cache keyed by it, an edit within the same second does not
+    (a modification time would). The token cache and preflight's cache key a local data file by it."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()

@@ -9,6 +9,9 @@ Torch-free and standard library only: the experiment schema (core/config.py) imp
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 # RUN_ROOT/: files of the whole run root.
 SPEED_BOOK = "speeds.jsonl"  # core/speeds.py
 PREFLIGHT_TOKENS = (
@@ -108,3 +111,9 @@ def taken_stage_name(name: str) -> str | None:
     if ARCHIVE_INFIX in folded:
         return f"the archives of run folders (RUN_ROOT/EXP/STAGE{ARCHIVE_INFIX}DATE)"
     return None
+
+
+def cache_root() -> Path:
+    """LORA_CACHE_DIR: the token cache (`tokenized/`), preflight's results and log (`preflight/`), shared by
+    the login node and the jobs (a folder the nodes share, on a cluster)."""
+    return Path(os.environ.get("LORA_CACHE_DIR", Path.home() / ".cache" / "lora-pipeline"))

@@ -181,7 +181,7 @@ def finished(tmp_path_factory, repo_root, tiny) -> Iterator[Path]:
 
 
 def cache_entry() -> Path:
-    from train.data import cache_root
+    from core.layout import cache_root
 
     (entry,) = (cache_root() / "preflight").glob("*.json")  # the one training stage's
     return entry

@@ -160,6 +160,7 @@ def test_link_planted_at_a_job_log_folder_gets_no_controller_log(tmp_path):
 def test_link_planted_below_the_token_cache_gets_no_tokenized_dataset(tmp_path, monkeypatch):
     import datasets
 
+    from core.layout import cache_root
     from train import data as data_lib
 
     monkeypatch.setenv("LORA_CACHE_DIR", str(tmp_path / "cache"))
@@ -169,7 +170,7 @@ def test_link_planted_below_the_token_cache_gets_no_tokenized_dataset(tmp_path, 
     before = fingerprint(target)
     with pytest.raises(LinkBelowRoot, match="tokenized"):
         data_lib.save_atomic(
-            datasets.Dataset.from_dict({"input_ids": [[1, 2]]}), data_lib.cache_root() / "tokenized" / "k"
+            datasets.Dataset.from_dict({"input_ids": [[1, 2]]}), cache_root() / "tokenized" / "k"
         )
     assert fingerprint(target) == before
 

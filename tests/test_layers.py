@@ -28,7 +28,6 @@ CROSSING = {
     ("slurm.queueing.jobs", "eval.job"),
     ("slurm.queueing.jobs", "eval.export"),
     ("slurm.planning.preflight", "train.preflight"),  # login-node preflight (torch on a cache miss only)
-    ("slurm.planning.preflight", "train.data"),
     ("slurm.planning.preflight", "train.hub_cache"),
     ("slurm.watching.reporting", "eval.report"),  # the report renderer, handed core/runs.py records
     ("eval.export", "train.data"),  # eval loads models and data as the trainer does

@@ -26,7 +26,8 @@ from core import below, preferences
 from core.config import DataSpec
 from core.conversations import conversation, prompt_of, scored_turns, target_of, templated
 from core.examples import check_file, check_rows, numbered_csv, numbered_jsonl
-from core.hashing import CACHE_KEY_CHARS, content_hash
+from core.hashing import CACHE_KEY_CHARS, content_hash, file_fingerprint
+from core.layout import cache_root
 from core.names import PREFERENCE
 from train import chat
 
@@ -186,15 +187,7 @@ def source_fingerprint(source: str) -> str:
     dataset's own fingerprint."""
     if source.startswith("hf:"):
         return load_hf(source)._fingerprint
-    digest = hashlib.sha256()
-    with open(source, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("LORA_CACHE_DIR", Path.home() / ".cache" / "lora-pipeline"))
+    return file_fingerprint(source)
 
 
 def cache_key(source: str, spec: DataSpec, tokenizer, kind: str) -> str:

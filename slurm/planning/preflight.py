@@ -21,13 +21,14 @@ from pathlib import Path
 
 from pydantic import TypeAdapter, ValidationError
 
+from core import hashing
 from core.config import TrainJob, kind_mismatch
 from core.files import read_json, stderr_into, warn_unreadable, write_json_atomic
 from core.hashing import CACHE_KEY_CHARS, content_hash
+from core.layout import cache_root
 from core.names import TOKENIZER_FILES
 from core.preflight import JobPreflight
 from core.problems import Problem
-from train import data as data_lib
 from train import hub_cache
 from train.hub_cache import (
     fetch_command,
@@ -43,7 +44,7 @@ CACHE_VERSION = 6  # bump whenever what a preflight computes changes
 # ---- the cache ----------------------------------------------------------------------------------------
 @lru_cache(maxsize=256)
 def file_fingerprint(source: str) -> str:
-    return source if source.startswith("hf:") else data_lib.source_fingerprint(source)
+    return source if source.startswith("hf:") else hashing.file_fingerprint(source)
 
 
 def tokenizer_identity(spec) -> str:
@@ -100,7 +101,7 @@ def cached_preflight(job: TrainJob, gpu_mem_gb: float | None, log: Path | None =
     """From the disk cache when nothing it depends on changed; the job name is this job's. A result whose
     token lengths were skipped for want of tokenizer files is kept (their arrival changes the key); one
     skipped for an `hf:` dataset is not (its arrival does not), so the next launch has the lengths."""
-    path = data_lib.cache_root() / "preflight" / f"{cache_key(job, gpu_mem_gb)}.json"
+    path = cache_root() / "preflight" / f"{cache_key(job, gpu_mem_gb)}.json"
     name = f"{job.experiment}/{job.stage}"
     kept = read_json(path, expected=dict)  # None when missing or unreadable (named in a warning)
     if kept is not None and kept.keys() == JOB_PREFLIGHT_FIELDS and (found := cached_result(kept, path)):
@@ -118,7 +119,7 @@ def keep(path: Path, result: JobPreflight) -> None:
     """The result in the preflight cache, reached from the cache root without following a link planted
     below it (core/below.py); launches in parallel may write it, each write whole."""
     try:
-        write_json_atomic(path, result.as_json(), root=data_lib.cache_root())
+        write_json_atomic(path, result.as_json(), root=cache_root())
     except OSError as exc:  # a cache: the next launch computes it again
         why = f"cannot be written ({exc.strerror}{': ' + exc.filename if exc.filename else ''})"
         warn_unreadable(path, why, "the next launch computes it again")
@@ -145,7 +146,7 @@ JOB_PREFLIGHT_FIELDS = {f.name for f in fields(JobPreflight)}
 
 def preflight_log() -> Path:
     """LORA_CACHE_DIR/preflight/preflight.log, beside the results it was printed while computing."""
-    return data_lib.cache_root() / "preflight" / "preflight.log"
+    return cache_root() / "preflight" / "preflight.log"
 
 
 @contextmanager
@@ -157,7 +158,7 @@ def library_output_into(log: Path | None):
         yield
         return
 
-    with stderr_into(log, data_lib.cache_root()), contextlib.redirect_stdout(sys.stderr):
+    with stderr_into(log, cache_root()), contextlib.redirect_stdout(sys.stderr):
         yield
 
 
@@ -240,7 +241,7 @@ def cache_problem(exc: OSError) -> Problem | None:
     for any other file. Before: a link at preflight.log read "the config of MODEL is neither a local folder
     nor in the Hugging Face cache"."""
     name = exc.filename and Path(os.path.abspath(exc.filename))
-    root = Path(os.path.abspath(data_lib.cache_root()))
+    root = Path(os.path.abspath(cache_root()))
     if not name or not name.is_relative_to(root):
         return None
     what = "is a symbolic link" if os.path.islink(name) or exc.errno == errno.ELOOP else exc.strerror
