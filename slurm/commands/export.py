@@ -35,7 +35,7 @@ def export(request: LaunchRequest, profile) -> int:
         refuse_too_many_gpus(plan.jobs, files)
     if request.preflight:  # what is not trained yet is checked as a launch checks it
         run_preflight(plan, files, profile, show=False, as_json=False)
-    code = submit(plan, profile, request, None, files)
+    code = submit(plan, profile, **request.submission, files=files)
     exports = [j for j in plan.jobs if j.kind == "export"]
     gguf = request.export_format == "gguf"
     if code == 0 and (request.backend == "local" or request.wait):

@@ -91,7 +91,8 @@ def submitted(request: LaunchRequest, profile) -> tuple[Loaded, int]:
     """Load, plan, check, submit (slurm/queueing/submit.py): what a launch and a calibration share."""
     run = loaded(request, profile)
     pack = requested_pack(request, profile)
-    return run, submit(checked(run, request, profile), profile, request, pack, run.files)
+    plan = checked(run, request, profile)
+    return run, submit(plan, profile, **request.submission, pack=pack, files=run.files)
 
 
 def checked(run: Loaded, request: LaunchRequest, profile) -> Plan:

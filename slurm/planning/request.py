@@ -93,6 +93,17 @@ class LaunchRequest:
     def submits(self) -> bool:
         return self.action in SUBMITTING
 
+    @property
+    def submission(self) -> dict:
+        """What slurm/queueing/submit.py submit reads of the request, as its keyword arguments."""
+        return {
+            "backend": self.backend,
+            "config_dir": self.config_dir,
+            "force": self.force,
+            "retry_failed": self.action == "retry_failed",
+            "wait_for_jobs": self.wait,
+        }
+
 
 def action_of(args) -> Action:
     named = [flag for flag in ACTION_FLAGS if getattr(args, flag, None) not in (None, False)]

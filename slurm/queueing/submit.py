@@ -26,7 +26,6 @@ from core.rundir import RunRoot, record_origin, write_spec
 from core.states import NEVER_STARTS_MARK, State
 from slurm.planning.pack import pack_plan, pack_resources, unit_of
 from slurm.planning.plan import Plan, PlannedJob
-from slurm.planning.request import LaunchRequest
 from slurm.queueing.decisions import (
     Decision,
     adopt_unrecorded,
@@ -65,13 +64,21 @@ class Interrupted(LaunchError):
 def submit(
     plan: Plan,
     profile,
-    request: LaunchRequest,
-    pack: tuple[int, str] | None = None,
+    *,
+    backend: str,
+    config_dir: Path,
+    force: bool = False,
+    retry_failed: bool = False,
+    wait_for_jobs: bool = False,
+    pack: tuple[int, str, str] | None = None,
     files: dict[str, str] | None = None,
 ) -> int:
     """Decide and submit under the run root's launch lock (a second launch waits, then finds the jobs
-    queued); a local run keeps it until its jobs end. --wait follows SLURM jobs after letting it go.
-    `files`: each experiment's YAML, recorded as its origin (watching finds it there)."""
+    queued); a local run keeps it until its jobs end. `wait_for_jobs` (--wait) follows SLURM jobs after
+    letting it go. `backend`: slurm or local; `force`: rerun what finished with another config;
+    `retry_failed`: only the failed jobs and what follows them; `pack`: (GPUs, budget, basis) of one
+    allocation; `files`: each experiment's YAML, recorded with `config_dir` as its origin (watching finds it
+    there)."""
     from slurm.queueing.lock import launch_lock
     from slurm.queueing.snapshot import take_snapshot
 
@@ -79,22 +86,22 @@ def submit(
         err.print(waiting_text(profile.run_dir, holder), highlight=False, soft_wrap=True)
 
     with launch_lock(Path(profile.run_dir), waiting):
-        decisions = launch_decisions(plan, profile, request)
+        decisions = launch_decisions(plan, profile, backend, force, retry_failed)
         todo = [d for d in decisions if d.action == "submit"]
         skipped = {d.job.id: SKIPPED[d.action] for d in decisions if d.action != "submit"}
-        record_origins(plan, request, files or {})
+        record_origins(plan, config_dir, files or {})
         # A local job an earlier launch left running is waited for here, as if this launch had started it.
-        adopting = request.backend == "local" and any(d.action == "running" for d in decisions)
+        adopting = backend == "local" and any(d.action == "running" for d in decisions)
         if not todo and not adopting:
             out.print(plan_table(plan, skipped, out.width))
             out.print("Nothing to submit: every job is done, already queued or still running.")
-        elif request.backend == "local":
+        elif backend == "local":
             return run_here(plan, profile, decisions, take_snapshot(Path(profile.log_dir)))
         elif pack:
             queue_pack(plan, profile, decisions, skipped, pack, take_snapshot(Path(profile.log_dir)), files)
         else:
             queue(plan, profile, decisions, skipped, take_snapshot(Path(profile.log_dir)), files)
-    return wait(plan, profile) if request.wait and request.backend == "slurm" else 0
+    return wait(plan, profile) if wait_for_jobs and backend == "slurm" else 0
 
 
 def waiting_text(run_dir: str, holder: str) -> str:
@@ -108,27 +115,27 @@ def waiting_text(run_dir: str, holder: str) -> str:
     )
 
 
-def launch_decisions(plan: Plan, profile, request: LaunchRequest) -> list[Decision]:
+def launch_decisions(plan: Plan, profile, backend: str, force: bool, retry_failed: bool) -> list[Decision]:
     """What this launch does with each job (under the lock): adopt what a killed launch queued, decide,
     narrow to the failed jobs and what follows them with --retry-failed, refuse backend crossings."""
     for line in adopt_unrecorded(plan, forget_missing=True):
         err.print(line, highlight=False, soft_wrap=True)
-    decisions = decide(plan, force=request.force)
-    if request.action == "retry_failed":
+    decisions = decide(plan, force=force)
+    if retry_failed:
         failed = {
             r.job.id for r in plan_status(plan, profile.log_dir) if r.state.failed or r.state is State.UNKNOWN
         }
         decisions = hold_all_but(decisions, with_dependents(plan, failed))
-    refuse_crossing_backends(decisions, request.backend)
+    refuse_crossing_backends(decisions, backend)
     return decisions
 
 
-def record_origins(plan: Plan, request: LaunchRequest, files: dict[str, str]) -> None:
+def record_origins(plan: Plan, config_dir: Path, files: dict[str, str]) -> None:
     """Each experiment's YAML and folder (origin.json): a convenience for watching, never a reason to stop
     a launch."""
     for name, file in files.items():
         try:
-            record_origin(RunRoot.of(plan.run_root).experiment(name), Path(file), request.config_dir)
+            record_origin(RunRoot.of(plan.run_root).experiment(name), Path(file), config_dir)
         except OSError as exc:
             err.print(
                 f"[yellow]warning:[/] cannot record where {name} came from ({exc.strerror}): "
