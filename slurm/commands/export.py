@@ -8,9 +8,9 @@ from core.rundir import RunDir
 from slurm.planning.experiments import load_selected, parse_overrides
 from slurm.planning.plan import build_plan, with_exports
 from slurm.planning.request import LaunchRequest
-from slurm.queueing.submit import submit
+from slurm.queueing.submit import submit, wait
 from slurm.watching.preflight_report import run_preflight
-from slurm.watching.render import err, out
+from slurm.watching.render import err, out, plan_table
 
 
 def export(request: LaunchRequest, profile) -> int:
@@ -35,7 +35,14 @@ def export(request: LaunchRequest, profile) -> int:
         refuse_too_many_gpus(plan.jobs, files)
     if request.preflight:  # what is not trained yet is checked as a launch checks it
         run_preflight(plan, files, profile, show=False, as_json=False)
-    code = submit(plan, profile, **request.submission, files=files)
+    done = submit(plan, profile, **request.submission, files=files)
+    if done.shown:
+        out.print(plan_table(plan, done.shown, out.width))
+    for line in done.said:
+        out.print(line, highlight=False, soft_wrap=True)
+    code = (
+        wait(plan, profile) if done.code == 0 and request.wait and request.backend == "slurm" else done.code
+    )
     exports = [j for j in plan.jobs if j.kind == "export"]
     gguf = request.export_format == "gguf"
     if code == 0 and (request.backend == "local" or request.wait):

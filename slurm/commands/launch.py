@@ -15,7 +15,7 @@ from slurm.planning.plan import Plan, build_plan, calibration_plan, estimated_ag
 from slurm.planning.request import LaunchRequest
 from slurm.planning.validation import LoadedExperiment
 from slurm.queueing.decisions import weigh
-from slurm.queueing.submit import submit
+from slurm.queueing.submit import submit, wait
 from slurm.watching.preflight_report import run_preflight
 from slurm.watching.render import edges_text, err, out, packing_text, plan_table, totals_text
 from slurm.watching.reporting import written_report
@@ -92,7 +92,14 @@ def submitted(request: LaunchRequest, profile) -> tuple[Loaded, int]:
     run = loaded(request, profile)
     pack = requested_pack(request, profile)
     plan = checked(run, request, profile)
-    return run, submit(plan, profile, **request.submission, pack=pack, files=run.files)
+    done = submit(plan, profile, **request.submission, pack=pack, files=run.files)
+    if done.shown:
+        out.print(plan_table(plan, done.shown, out.width))
+    for line in done.said:
+        out.print(line, highlight=False, soft_wrap=True)
+    return run, wait(
+        plan, profile
+    ) if done.code == 0 and request.wait and request.backend == "slurm" else done.code
 
 
 def checked(run: Loaded, request: LaunchRequest, profile) -> Plan:

@@ -101,7 +101,6 @@ class LaunchRequest:
             "config_dir": self.config_dir,
             "force": self.force,
             "retry_failed": self.action == "retry_failed",
-            "wait_for_jobs": self.wait,
         }
 
 

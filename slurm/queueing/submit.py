@@ -15,6 +15,7 @@ import os
 import threading
 import time
 from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 
 from rich.live import Live
@@ -35,7 +36,7 @@ from slurm.queueing.decisions import (
     refuse_crossing_backends,
     with_dependents,
 )
-from slurm.watching.render import err, out, packing_text, plan_table, problem_lines, status_table
+from slurm.watching.render import err, out, packing_text, problem_lines, status_table
 from slurm.watching.status import plan_status
 
 SKIPPED = {
@@ -47,6 +48,17 @@ SKIPPED = {
 
 
 POLL_S = float(os.environ.get("LAUNCH_POLL_S", "5"))
+
+
+@dataclass(frozen=True)
+class Submitted:
+    """What a launch did, for its command to show: each job's state for the plan table (`shown`: the
+    skipped ones' words, `submitted ID`, `packed in ID`; empty after a local run, which showed its own
+    progress) and the lines under it; `code`: a local run's outcome (1: a job did not finish)."""
+
+    shown: dict[str, str]
+    said: tuple[str, ...] = ()
+    code: int = 0
 
 
 class LaunchError(Exception):
@@ -69,13 +81,13 @@ def submit(
     config_dir: Path,
     force: bool = False,
     retry_failed: bool = False,
-    wait_for_jobs: bool = False,
     pack: tuple[int, str, str] | None = None,
     files: dict[str, str] | None = None,
-) -> int:
+) -> Submitted:
     """Decide and submit under the run root's launch lock (a second launch waits, then finds the jobs
-    queued); a local run keeps it until its jobs end. `wait_for_jobs` (--wait) follows SLURM jobs after
-    letting it go. `backend`: slurm or local; `force`: rerun what finished with another config;
+    queued); a local run keeps it until its jobs end. What was queued is the command's to show, and --wait
+    follows SLURM jobs (`wait`) after the lock is let go. `backend`: slurm or local; `force`: rerun what
+    finished with another config;
     `retry_failed`: only the failed jobs and what follows them; `pack`: (GPUs, budget, basis) of one
     allocation; `files`: each experiment's YAML, recorded with `config_dir` as its origin (watching finds it
     there)."""
@@ -93,15 +105,16 @@ def submit(
         # A local job an earlier launch left running is waited for here, as if this launch had started it.
         adopting = backend == "local" and any(d.action == "running" for d in decisions)
         if not todo and not adopting:
-            out.print(plan_table(plan, skipped, out.width))
-            out.print("Nothing to submit: every job is done, already queued or still running.")
-        elif backend == "local":
-            return run_here(plan, profile, decisions, take_snapshot(Path(profile.log_dir)))
-        elif pack:
-            queue_pack(plan, profile, decisions, skipped, pack, take_snapshot(Path(profile.log_dir)), files)
-        else:
-            queue(plan, profile, decisions, skipped, take_snapshot(Path(profile.log_dir)), files)
-    return wait(plan, profile) if wait_for_jobs and backend == "slurm" else 0
+            return Submitted(
+                skipped, ("Nothing to submit: every job is done, already queued or still running.",)
+            )
+        if backend == "local":
+            return Submitted({}, (), run_here(plan, profile, decisions, take_snapshot(Path(profile.log_dir))))
+        if pack:
+            return queue_pack(
+                plan, profile, decisions, skipped, pack, take_snapshot(Path(profile.log_dir)), files
+            )
+        return queue(plan, profile, decisions, skipped, take_snapshot(Path(profile.log_dir)), files)
 
 
 def waiting_text(run_dir: str, holder: str) -> str:
@@ -145,17 +158,17 @@ def record_origins(plan: Plan, config_dir: Path, files: dict[str, str]) -> None:
             )
 
 
-def queue(plan: Plan, profile, decisions, skipped: dict[str, str], code, files) -> None:
+def queue(plan: Plan, profile, decisions, skipped: dict[str, str], code, files) -> Submitted:
     from slurm.queueing.backends import SlurmBackend
 
     refuse_never_starting([d.job for d in decisions if d.action == "submit"], files, profile)
     ids = submit_to_slurm(decisions, SlurmBackend(profile, Path.cwd(), code))
     states = {d.job.id: f"submitted {ids[d.job.id]}" for d in decisions if d.action == "submit"}
-    out.print(plan_table(plan, {**skipped, **states}, out.width))
-    out.print(f"Submitted {len(states)} job(s). Watch: squeue --me, python launch.py --status, --tail EXP")
+    watch = f"Submitted {len(states)} job(s). Watch: squeue --me, python launch.py --status, --tail EXP"
+    return Submitted({**skipped, **states}, (watch,))
 
 
-def queue_pack(plan: Plan, profile, decisions, skipped: dict[str, str], pack, code, files) -> None:
+def queue_pack(plan: Plan, profile, decisions, skipped: dict[str, str], pack, code, files) -> Submitted:
     from slurm.queueing.backends import SlurmBackend
 
     todo = [d.job for d in decisions if d.action == "submit"]
@@ -165,13 +178,11 @@ def queue_pack(plan: Plan, profile, decisions, skipped: dict[str, str], pack, co
     refuse_never_starting(todo, files, profile, pack=resources)
     ids = submit_pack(decisions, SlurmBackend(profile, Path.cwd(), code), resources)
     states = {job.id: f"packed in {ids[job.id]}" for job in todo}
-    out.print(plan_table(plan, {**skipped, **states}, out.width))
-    out.print(packing_text(packing), highlight=False, soft_wrap=True)
-    out.print(
+    watch = (
         f"Submitted {len(todo)} job(s) as one allocation ({ids[todo[0].id]}: {resources.gpus} GPU(s), "
-        f"{resources.time}). Watch: python launch.py --status, --tail EXP",
-        highlight=False,
+        f"{resources.time}). Watch: python launch.py --status, --tail EXP"
     )
+    return Submitted({**skipped, **states}, (packing_text(packing), watch))
 
 
 def refuse_never_starting(jobs, files, profile, pack=None) -> None:
