@@ -239,6 +239,10 @@ class RunDir:
     def adapter(self) -> Path:
         return self.path / ADAPTER
 
+    def adapter_staging(self, pid: int) -> Path:
+        """Where a process writes the adapter before renaming it into place (one per writer, hidden)."""
+        return self.path / f".{ADAPTER}.{pid}.tmp"
+
     @property
     def summary(self) -> Path:
         return self.path / "summary.json"

@@ -94,7 +94,7 @@ def pruning_lines(sweep: SweepMember, replicates: list[dict], run_root: Path) ->
     rows, spent, saved = [], {"gpu_hours": 0.0, "train_min": 0.0}, {"gpu_hours": 0.0, "train_min": 0.0}
     for row in replicates:
         name = row["experiment"]
-        stage = RunRoot(run_root).experiment(name) / row["stages"]
+        stage = RunRoot(run_root).stage(f"{name}/{row['stages']}").path
         note = RunDir(stage).read_pruned()
         share = unrun_share(stage, note)
         # Training minutes from the stage's own runtime: the row's are rounded to 0.01, and a tiny run's

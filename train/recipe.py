@@ -583,7 +583,7 @@ class StageRecipe:
 
     def write_adapter(self) -> None:
         adapter_dir = RunDir(self.run_dir).adapter
-        tmp = self.run_dir / f".adapter.{os.getpid()}.tmp"
+        tmp = RunDir(self.run_dir).adapter_staging(os.getpid())
         shutil.rmtree(tmp, ignore_errors=True)
         self.save_model(tmp)
         text_tokenizer(self.tokenizer).padding_side = self.saved_padding_side
