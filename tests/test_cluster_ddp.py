@@ -46,7 +46,7 @@ def task_pids(job_id: str) -> dict[int, int]:
     return pids
 
 
-def test_two_nodes_train_the_adapter_of_one_node_with_two_gpus_and_usr2_to_one_rank_stops_both_and_requeues(
+def test_two_nodes_train_the_adapter_of_one_node_with_two_gpus_through_usr2_to_one_rank_and_a_scontrol_requeue(
     repo_root, tmp_path, two_node_cluster, tiny, monkeypatch, capsys
 ):
     monkeypatch.chdir(repo_root)
@@ -67,8 +67,22 @@ def test_two_nodes_train_the_adapter_of_one_node_with_two_gpus_and_usr2_to_one_r
     # its handler, a user's `kill`) must not leave the other rank, on the other node, waiting in its next
     # all-reduce: both stop at one checkpoint and the job requeues.
     os.kill(pids[1], signal.SIGUSR2)  # rank 1 only, on n2
+    stopped = step_of(
+        wait_until(lambda: latest_valid_checkpoint(run_dir / "checkpoints"), "the stop's checkpoint")
+    )
+    # Resumed on both nodes (new task processes, past the checkpoint), it is requeued by hand mid-run: the
+    # second run resumes too, and no optimizer step is lost or taken twice across the three.
+    wait_until(
+        lambda: (
+            (found := task_pids(job_id)).keys() >= {0, 1}
+            and set(found.values()).isdisjoint(pids.values())
+            and progress_step(run_dir) >= stopped + 2
+        ),
+        "the resumed run training on both nodes",
+    )
+    subprocess.run(["scontrol", "requeue", job_id], check=True)
     assert submit(folder, "--wait") == 0  # the requeued job resumes and completes: no hang
-    assert slurm_id(tmp_path, "requeued/train") == job_id  # same SLURM job, second run
+    assert slurm_id(tmp_path, "requeued/train") == job_id  # same SLURM job, its third run
 
     for name in ("requeued", "straight"):
         summary = json.loads((tmp_path / "runs" / name / "train" / "summary.json").read_text())
@@ -76,7 +90,7 @@ def test_two_nodes_train_the_adapter_of_one_node_with_two_gpus_and_usr2_to_one_r
         assert summary["global_step"] == 8 * 15  # 240 examples / (8 x 2) a step, 8 epochs
     summary = json.loads((run_dir / "summary.json").read_text())
     resumed = step_of(Path(summary["resumed_from"]))
-    assert 4 <= resumed < 8 * 15  # the one checkpoint both ranks stopped at (save_every_steps is 1000)
+    assert 4 <= stopped <= resumed < 8 * 15  # the checkpoint both ranks stopped at, or one saved after it
     assert_every_step_logged_once(run_dir, summary["global_step"])
     assert_same_adapter(tmp_path / "runs" / "straight" / "train", run_dir, relative=1e-4)
 
