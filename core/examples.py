@@ -9,7 +9,7 @@ from __future__ import annotations
 import csv
 import json
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from core import conversations
@@ -57,6 +57,9 @@ class TextSize:
     # Assistant turns of each conversation in file order (messages, sharegpt): the answers an eval with
     # `eval.turns: all` generates for it (conversations.scored_turns); () for data of one answer an example.
     answers: tuple[int, ...] = ()
+    # Preference pairs: the line of the first whose prompt is a conversation (a list of turns), rendered with
+    # the model's chat template when data.chat_template names none; None: every prompt is text.
+    conversation_line: int | None = None
 
 
 def needed_fields(spec: DataSpec) -> list[str]:
@@ -224,4 +227,8 @@ def check_file(path: Path, spec: DataSpec) -> TextSize:
     else:
         rows = numbered_csv(path) if suffix == ".csv" else numbered_jsonl(path)
     check_rows(rows, spec, path)
-    return text_size([row for _, row in rows], spec)
+    size = text_size([row for _, row in rows], spec)
+    if spec.format == "preference":
+        turns = next((number for number, row in rows if isinstance(row.get("prompt"), list)), None)
+        size = replace(size, conversation_line=turns)
+    return size

@@ -69,7 +69,34 @@ def check_chat_template(experiment: Experiment, stages: list[Stage], chain: list
     if lacking and chat_templates.folder_has_template(Path(name)) is False:
         file, line = where(chain, ("data", "format"))
         return [Problem(file, "data.format", no_template_message(name, lacking[0].data.format), line)]
-    return unknown_markers(experiment, stages, chain)
+    return conversation_pairs_without_template(experiment, stages) + unknown_markers(
+        experiment, stages, chain
+    )
+
+
+def conversation_pairs_without_template(experiment: Experiment, stages: list[Stage]) -> list[Problem]:
+    """Preference pairs whose prompt is a conversation are rendered with the model's chat template when
+    data.chat_template names none: a local model folder without one is refused here, at the first such pair
+    (it was refused only on the node, after the queue). A hub model's template is known to preflight."""
+    name = experiment.model.name_or_path
+    problems = []
+    for stage in stages:
+        if stage.data.format != PREFERENCE or stage.data.chat_template is not None:
+            continue
+        for source in (stage.data.train, stage.data.eval):
+            if not source or source.startswith("hf:") or not Path(source).is_file():
+                continue
+            size = read_examples(Path(source), stage.data)
+            line = size.conversation_line if isinstance(size, TextSize) else None
+            if line is not None and chat_templates.folder_has_template(Path(name)) is False:
+                message = (
+                    f"this pair's prompt is a conversation, rendered with the model's chat template, and {name} "
+                    "has none (a base model): set data.chat_template (chatml, llama-3, or inline Jinja; its "
+                    "markers need model.added_tokens if the vocabulary lacks them), or write the prompts as text"
+                )
+                problems.append(Problem(f"{source}:{line}", "prompt", message))
+                break
+    return problems
 
 
 def unknown_markers(experiment: Experiment, stages: list[Stage], chain: list[YamlFile]) -> list[Problem]:
