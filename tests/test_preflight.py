@@ -293,7 +293,7 @@ def test_the_shipped_experiments_preflight_offline_from_fixture_configs(repo_roo
         "hf download b-mc2/sql-create-context --repo-type dataset",
     ]
     assert done.stderr.count("  hf download rajpurkar/squad --repo-type dataset\n") == 1
-    assert took < 60, f"preflight of {len(results)} jobs took {took:.0f}s"
+    print(f"preflight of {len(results)} jobs took {took:.0f}s")  # a figure, not a bound: bench/ holds speed
     # Skipped for want of tokenizer files, which would change the key: kept, so a relaunch is torch-free.
     code = (
         f"import sys, launch; rc = launch.main({argv!r}); sys.exit(10 + rc if 'torch' in sys.modules else rc)"
