@@ -383,17 +383,17 @@ def slurm_duration_or_auto(value: str | int) -> str:
         raise ValueError(f"{exc}, or be 'auto' (the plan sets it from the job's estimate)") from None
 
 
+NODE_RANGE = re.compile(r"\s*(\d+)\s*-\s*(\d+)\s*")
+
+
 def whole_nodes(value):
-    """`resources.nodes`: a whole number. SLURM's `min-max` (an elastic job that runs on what it gets) is
-    refused by name, not as "not an integer": its global-batch sampler is not built."""
-    if isinstance(value, str) and re.fullmatch(r"\s*\d+\s*-\s*\d+\s*", value):
-        low, high = (int(part) for part in value.split("-"))
+    """`resources.nodes`: a whole number, or SLURM's `min-max` (an elastic job, read into `nodes` = max and
+    `min_nodes` = min by Resources before this runs); a range left here is malformed, and said so."""
+    if isinstance(value, str) and (found := NODE_RANGE.fullmatch(value)):
+        low, high = (int(part) for part in found.groups())
         if low > high:
             raise ValueError(f"the range {value!r} starts above its end; write min-max with min <= max")
-        raise ValueError(
-            f"a range of nodes ({value!r}: start on what SLURM gives, elastic) is not supported yet; "
-            f"write one number of nodes, e.g. {high}"
-        )
+        raise ValueError(f"the range {value!r} starts at {low} nodes; a job runs on 1 node at least")
     return value
 
 
@@ -412,6 +412,10 @@ class Resources(Section):
     # nodes x gpus ranks (slurm/cluster/rendezvous.py: where they meet).
     gpus: Annotated[Int, Field(ge=0)] = 1
     nodes: Annotated[Int, BeforeValidator(whole_nodes), Field(ge=1)] = 1
+    # `nodes: 1-2` (SLURM's --nodes=min-max): elastic, the job starts on what SLURM gives and may come back
+    # on fewer nodes after a requeue; read as nodes 2 (what the global batch, GPU-hours and the budget count)
+    # and min_nodes 1. Left out at None, so every fixed-size job keeps its spec.
+    min_nodes: Annotated[Int, Field(ge=1)] | None = Field(None, exclude_if=lambda value: value is None)
     # "auto": the plan sets it from the job's estimate (slurm/planning/estimate.py); every consumer sees a time.
     time: SlurmTimeOrAuto = "04:00:00"
     mem_gb: Annotated[Float, Field(gt=0)] = 32
@@ -423,6 +427,23 @@ class Resources(Section):
     signal_delay_s: Annotated[Int, Field(ge=10)] = 120
     max_requeues: Annotated[Int, Field(ge=0)] = 3
     mail: list[MailType] = Field(default_factory=list, description="sbatch --mail-type, e.g. [END, FAIL]")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _node_range(cls, values):
+        """`nodes: 1-2` → nodes 2, min_nodes 1; a malformed range is left to `whole_nodes`, which names it."""
+        if isinstance(values, dict) and isinstance(values.get("nodes"), str):
+            found = NODE_RANGE.fullmatch(values["nodes"])
+            low, high = (int(part) for part in found.groups()) if found else (0, 0)
+            if 1 <= low <= high:
+                values = {**values, "nodes": high, "min_nodes": low if low < high else None}
+        return values
+
+    @model_validator(mode="after")
+    def _min_nodes_at_most_nodes(self):
+        if self.min_nodes is not None and self.min_nodes > self.nodes:
+            raise ValueError(f"min_nodes {self.min_nodes} is above nodes {self.nodes}; write nodes: min-max")
+        return self
 
     @model_validator(mode="after")
     def _signal_inside_the_limit(self):
@@ -461,10 +482,21 @@ class Resources(Section):
         """The GPUs the job holds on all its nodes: what GPU-hours and a per-user GPU cap count."""
         return self.gpus * self.nodes
 
+    @property
+    def elastic(self) -> bool:
+        """`nodes: min-max` with min < max: the job runs on as many nodes as SLURM gives, its math at max."""
+        return self.min_nodes is not None and self.min_nodes < self.nodes
+
+    @property
+    def node_count(self) -> str:
+        """What sbatch --nodes gets: `2`, or `1-2` for an elastic job."""
+        return f"{self.min_nodes}-{self.nodes}" if self.elastic else str(self.nodes)
+
     def placement(self) -> str:
-        """`2 nodes x 4 GPUs`, `4 GPUs`, `CPU`: how the dry run and --json say where a job runs."""
+        """`2 nodes x 4 GPUs`, `1-2 nodes x 4 GPUs`, `4 GPUs`, `CPU`: how the dry run and --json say where a
+        job runs."""
         gpus = f"{self.gpus} GPU{'s' if self.gpus != 1 else ''}" if self.gpus else "CPU"
-        return f"{self.nodes} nodes x {gpus}" if self.nodes > 1 else gpus
+        return f"{self.node_count} nodes x {gpus}" if self.nodes > 1 else gpus
 
 
 # An eval job's limit when it scores an `hf:` dataset (fetched on the node: nothing to estimate from) and
@@ -485,6 +517,23 @@ class EvalResources(Resources):
     mem_gb: Annotated[Float, Field(gt=0)] | None = None
     cpus: Annotated[Int, Field(ge=1)] | None = None
     mail: list[MailType] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _node_range(cls, values):
+        """`nodes: 1-2` → nodes 2, min_nodes 1; a malformed range is left to `whole_nodes`, which names it."""
+        if isinstance(values, dict) and isinstance(values.get("nodes"), str):
+            found = NODE_RANGE.fullmatch(values["nodes"])
+            low, high = (int(part) for part in found.groups()) if found else (0, 0)
+            if 1 <= low <= high:
+                values = {**values, "nodes": high, "min_nodes": low if low < high else None}
+        return values
+
+    @model_validator(mode="after")
+    def _min_nodes_at_most_nodes(self):
+        if self.min_nodes is not None and self.min_nodes > self.nodes:
+            raise ValueError(f"min_nodes {self.min_nodes} is above nodes {self.nodes}; write nodes: min-max")
+        return self
 
     @model_validator(mode="after")
     def _signal_inside_the_limit(self):
@@ -741,6 +790,10 @@ class TrainJob(Section):
     # A point of a pruned sweep (left out of the spec, and so of its hash, otherwise): part of what it
     # computes, since a run may stop at a rung.
     prune: PruneJob | None = Field(None, exclude_if=lambda value: value is None)
+    # An elastic job's (`nodes: min-max`) ranks at its largest size, where its global batch is set: on fewer,
+    # each rank accumulates more (core/split.py elastic_accumulation). None: the ranks it runs on. Left out
+    # of its identity, which counts those ranks already (slurm/planning/plan.py make_job).
+    global_ranks: Annotated[Int, Field(ge=1)] | None = Field(None, exclude_if=lambda value: value is None)
 
     @model_validator(mode="after")
     def _early_stopping_has_eval_data(self):
@@ -753,7 +806,12 @@ class TrainJob(Section):
 # Keys that change how a stage runs, not what it computes: left out of its identity (slurm/planning/plan.py) and of
 # the "changed config" comparisons, so changing them reruns nothing.
 # prune.eval_pruned decides only whether a pruned run's eval runs (its eval job reads the run's PRUNED note).
-HOW_IT_RUNS = {"tracking": True, "train": {"micro_batch"}, "prune": {"measured_under", "runs", "eval_pruned"}}
+HOW_IT_RUNS = {
+    "tracking": True,
+    "global_ranks": True,
+    "train": {"micro_batch"},
+    "prune": {"measured_under", "runs", "eval_pruned"},
+}
 
 
 def what_it_computes(spec: dict) -> dict:

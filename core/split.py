@@ -157,6 +157,18 @@ def kept_on_resume(recorded: object, effective: int, world_size: int) -> tuple[S
     return split, ""
 
 
+def elastic_accumulation(grad_accum: int, most: int, now: int) -> int | None:
+    """A rank's accumulation steps when a job whose global batch is set at `most` nodes (or ranks) runs on
+    `now`: grad_accum x most / now, so that micro-batch x accumulation x ranks stays the global batch
+    (`nodes: min-max`, an elastic job). None when that is not whole: the range is refused at validation
+    (slurm/planning/checks.py check_elastic), and a job that got such a size fails at its start.
+
+        elastic_accumulation(1, 2, 1) == 2;  elastic_accumulation(2, 3, 2) == 3;  elastic_accumulation(1, 3, 2) is None
+    """
+    steps, left = divmod(grad_accum * most, now)
+    return steps if left == 0 and steps >= 1 else None
+
+
 def usable_gb(gpu_gb: float) -> float:
     """The part of a GPU's (free) memory a split may plan to fill."""
     return gpu_gb * (1 - HEADROOM)

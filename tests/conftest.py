@@ -77,6 +77,9 @@ def two_node_cluster(two_node_state, monkeypatch, request, tmp_path) -> Path:
         print(explain_jobs(tmp_path))
     if ids := squeue_ids(under=tmp_path):
         subprocess.run(["scancel", *sorted(ids)], check=False)
+    # A test that drained n2 (an elastic job sent back to fewer nodes) gives it back, failed or not;
+    # SLURM refuses this for a node that is not drained, harmlessly.
+    subprocess.run(["scontrol", "update", "NodeName=n2", "State=RESUME"], capture_output=True, check=False)
 
 
 @pytest.fixture(scope="session")

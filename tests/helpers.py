@@ -140,7 +140,7 @@ def fault_experiment(
     extra="",
     evaluation="{metrics: []}",
     gpus=1,
-    nodes=1,
+    nodes: int | str = 1,
 ) -> Path:
     """configs/ under tmp with one FAULT_EXPERIMENT, `name`.yaml, added to what it holds; `extra` is YAML
     appended to it (stages, say)."""
@@ -159,9 +159,9 @@ def fault_experiment(
         extra=extra,
         eval=evaluation,
         gpus=gpus,
-        nodes=nodes,
+        nodes=nodes if isinstance(nodes, int) else f'"{nodes}"',  # `1-2`: an elastic job
         # The two-node dev cluster's partition across both (its default one is its first node alone).
-        partition="partition: multi, " if nodes > 1 else "",
+        partition="partition: multi, " if nodes != 1 else "",
     )
     (folder / f"{name}.yaml").write_text(text)
     return folder

@@ -4,7 +4,8 @@ two_node_cluster): one SLURM task per (fake) GPU on each node, one DDP run over 
 The trainer's side (each example once across the ranks, the loss of one process with the same global
 batch, a stop seen by one rank) is tested with two local processes in tests/test_train_ddp.py; here the
 same run goes through sbatch, submitit's task environment, the rendezvous at the first node's address
-and SLURM's own requeue and signals. The one-node shape (1 node x 2 GPUs) is the reference it is held to.
+and SLURM's own requeue and signals, and an elastic job (`nodes: 1-2`) that SLURM sends back to one node
+goes on with twice the accumulation. The one-node shape (1 node x 2 GPUs) is the reference it is held to.
 """
 
 from __future__ import annotations
@@ -19,8 +20,18 @@ from pathlib import Path
 from submitit.core.utils import JobPaths
 
 import launch
+from slurm.cluster.profile import load_profile
 from slurm.cluster.rendezvous import rendezvous_port
-from tests.helpers import fault_experiment, job_pids, progress_step, slurm_id, submit, wait_until
+from slurm.watching.status import plan_status
+from tests.helpers import (
+    fault_experiment,
+    job_pids,
+    plan_for,
+    progress_step,
+    slurm_id,
+    submit,
+    wait_until,
+)
 from tests.train_helpers import assert_every_step_logged_once, assert_same_adapter
 from train.checkpoints import latest_valid_checkpoint, step_of
 
@@ -46,18 +57,19 @@ def task_pids(job_id: str) -> dict[int, int]:
     return pids
 
 
-def test_two_nodes_train_the_adapter_of_one_node_with_two_gpus_through_usr2_to_one_rank_and_a_scontrol_requeue(
+def test_an_elastic_job_trains_the_adapter_of_one_node_with_two_gpus_through_usr2_a_requeue_and_a_lost_node(
     repo_root, tmp_path, two_node_cluster, tiny, monkeypatch, capsys
 ):
     monkeypatch.chdir(repo_root)
-    # 2 nodes x 1 GPU (stopped mid-run, requeued) against 1 node x 2 GPUs (straight): the same world size and
-    # global batch, so the same examples in each step and the same adapter (LoRA dropout 0, fp32).
-    folder = fault_experiment(repo_root, tmp_path, "requeued", epochs=8, save=1000, gpus=1, nodes=2)
+    # `nodes: 1-2` x 1 GPU (stopped mid-run, requeued twice, the second time onto one node) against 1 node x
+    # 2 GPUs (straight): the same global batch throughout, so the same examples in each step and the same
+    # adapter (LoRA dropout 0, fp32).
+    folder = fault_experiment(repo_root, tmp_path, "requeued", epochs=8, save=1000, gpus=1, nodes="1-2")
     fault_experiment(repo_root, tmp_path, "straight", epochs=8, save=1000, gpus=2)
     assert launch.main(["--all", "--config-dir", str(folder), "--dry-run", "--json"]) == 0
     planned = {job["id"]: job for job in json.loads(capsys.readouterr().out)["jobs"]}
     assert (planned["requeued/train"]["tasks"], planned["requeued/train"]["effective_batch"]) == (2, 16)
-    assert planned["requeued/train"]["placement"] == "2 nodes x 1 GPU"
+    assert planned["requeued/train"]["placement"] == "1-2 nodes x 1 GPU"
     assert submit(folder) == 0
     run_dir = tmp_path / "runs" / "requeued" / "train"
     job_id = slurm_id(tmp_path, "requeued/train")
@@ -70,8 +82,10 @@ def test_two_nodes_train_the_adapter_of_one_node_with_two_gpus_through_usr2_to_o
     stopped = step_of(
         wait_until(lambda: latest_valid_checkpoint(run_dir / "checkpoints"), "the stop's checkpoint")
     )
-    # Resumed on both nodes (new task processes, past the checkpoint), it is requeued by hand mid-run: the
-    # second run resumes too, and no optimizer step is lost or taken twice across the three.
+    # Resumed on both nodes (new task processes, past the checkpoint), it then loses n2 (drained, as an
+    # admin takes a failing node out) and is requeued by hand mid-run: the third run gets n1 alone, goes on
+    # from the last checkpoint with each step's examples accumulated on one rank, and no optimizer step is
+    # lost or taken twice across the three.
     wait_until(
         lambda: (
             (found := task_pids(job_id)).keys() >= {0, 1}
@@ -80,19 +94,29 @@ def test_two_nodes_train_the_adapter_of_one_node_with_two_gpus_through_usr2_to_o
         ),
         "the resumed run training on both nodes",
     )
+    subprocess.run(["scontrol", "update", "NodeName=n2", "State=DRAIN", "Reason=elastic-test"], check=True)
     subprocess.run(["scontrol", "requeue", job_id], check=True)
-    assert submit(folder, "--wait") == 0  # the requeued job resumes and completes: no hang
+    assert submit(folder, "--wait") == 0  # the requeued job resumes on one node and completes: no hang
     assert slurm_id(tmp_path, "requeued/train") == job_id  # same SLURM job, its third run
+    statuses = {s.job.id: s for s in plan_status(plan_for(folder=folder), load_profile(folder)[0].log_dir)}
+    assert statuses["requeued/train"].nodes == "n1"  # what the last run got, as --status shows it
 
-    for name in ("requeued", "straight"):
+    for name, ranks in (("requeued", 1), ("straight", 2)):
         summary = json.loads((tmp_path / "runs" / name / "train" / "summary.json").read_text())
-        assert (summary["world_size"], summary["rank_devices"]) == (2, ["cpu", "cpu"])
+        assert (summary["world_size"], summary["rank_devices"]) == (ranks, ["cpu"] * ranks)
         assert summary["global_step"] == 8 * 15  # 240 examples / (8 x 2) a step, 8 epochs
     summary = json.loads((run_dir / "summary.json").read_text())
+    assert (summary["split"]["micro_batch"], summary["split"]["grad_accum"]) == (
+        8,
+        2,
+    )  # twice the accumulation
     resumed = step_of(Path(summary["resumed_from"]))
     assert 4 <= stopped <= resumed < 8 * 15  # the checkpoint both ranks stopped at, or one saved after it
     assert_every_step_logged_once(run_dir, summary["global_step"])
     assert_same_adapter(tmp_path / "runs" / "straight" / "train", run_dir, relative=1e-4)
+    assert "elastic: 1 of 2 ranks, so each rank accumulates 1 x 2 / 1 = 2 steps" in task_log(
+        tmp_path, "requeued/train", 0
+    )
 
     # One log per task, each on its own node; rank 0's node and address are said in every task's log.
     port = rendezvous_port(job_id)
@@ -127,9 +151,6 @@ def test_kill_9_of_the_rank_on_node_two_fails_the_job_at_once_naming_rank_and_no
     # A rank that dies (OOM killer, a node's fault) must not leave rank 0 waiting in its next all-reduce
     # for the group's 30-minute timeout: srun --kill-on-bad-exit ends the step, the job FAILS; and
     # --retry-failed resumes it from its last checkpoint on both nodes, losing no step and repeating none.
-    from slurm.cluster.profile import load_profile
-    from slurm.watching.status import plan_status
-    from tests.helpers import plan_for
 
     monkeypatch.chdir(repo_root)
     folder = fault_experiment(repo_root, tmp_path, "killed", epochs=4, save=4, gpus=1, nodes=2)

@@ -119,6 +119,70 @@ def test_a_two_node_job_is_two_nodes_x_gpus_ranks_and_counts_every_nodes_gpu_hou
     assert "2 nodes x 4 gpu" in capsys.readouterr().out
 
 
+def test_an_elastic_job_counts_its_largest_size_and_reaches_sbatch_as_a_range(tmp_path, capsys):
+    """`nodes: 1-2` is planned, budgeted and hashed as 2 nodes (its global batch is theirs at every size)
+    and reaches sbatch as --nodes=1-2: submitit's own `nodes` is an integer, and a `2` there would make
+    SLURM wait for two nodes, losing what the range is for."""
+    from slurm.cluster.profile import load_profile
+    from slurm.queueing.backends import SlurmBackend
+    from slurm.queueing.snapshot import CodeSnapshot
+
+    shape = '{{gpus: 1, nodes: {nodes}, cpus: 8, mem_gb: 32, time: "01:00:00", partition: multi}}'
+    folder = write_experiments(tmp_path, stretchy=sized("stretchy", shape.format(nodes='"1-2"')))
+    plan = plan_for(["train.batch_size=2"], ["stretchy"], folder=folder)
+    train = plan.job("stretchy/train")
+    assert (train.tasks, train.effective_batch, train.resources.total_gpus) == (2, 4, 2)
+    assert (train.resources.placement(), train.spec.global_ranks) == ("1-2 nodes x 1 GPU", 2)
+    assert plan.job("stretchy/eval").resources.nodes == 1
+    elastic = (folder / "stretchy.yaml").read_text()
+    (folder / "stretchy.yaml").write_text(elastic.replace('nodes: "1-2"', "nodes: 2"))
+    as_fixed = plan_for(["train.batch_size=2"], ["stretchy"], folder=folder).job("stretchy/train")
+    assert as_fixed.spec.global_ranks is None and "global_ranks" not in as_fixed.spec.model_dump()
+    assert as_fixed.config_hash == train.config_hash  # the same math: a range added later reruns nothing
+    profile, _ = load_profile(folder)
+    backend = SlurmBackend(profile, tmp_path, CodeSnapshot(tmp_path, None, None))
+    params = backend.sbatch_parameters(train, [])
+    # No --ntasks-per-node on the allocation (cons_tres would then always give the minimum, one node):
+    # each node's CPUs as one task's, and srun starts a task per GPU on every node the job got.
+    assert params["additional_parameters"]["nodes"] == "1-2" and "ntasks_per_node" not in params
+    assert params["cpus_per_task"] == 8
+    assert {"--ntasks-per-node=1", "--cpus-per-task=8", "--kill-on-bad-exit=1"} <= set(params["srun_args"])
+    assert "nodes" not in backend.sbatch_parameters(as_fixed, [])["additional_parameters"]
+    import launch
+
+    (folder / "stretchy.yaml").write_text(elastic)
+    capsys.readouterr()
+    assert launch.main(["--all", "--config-dir", str(folder), "--dry-run"]) == 0
+    assert "1-2 nodes x 1 gpu" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("accum", "most", "now", "expected"),
+    [(1, 2, 2, 1), (1, 2, 1, 2), (2, 3, 2, 3), (1, 3, 2, None), (4, 4, 3, None), (3, 4, 3, 4), (1, 8, 4, 2)],
+)
+def test_an_elastic_jobs_ranks_accumulate_what_keeps_its_global_batch(accum, most, now, expected):
+    """Hand-computed: accum x most / now, or None where that is not whole (batch 8, accum 1, 3 nodes: on 2,
+    each rank would take 1.5 steps, and the global batch could not stay 24)."""
+    from core.split import elastic_accumulation
+
+    assert elastic_accumulation(accum, most, now) == expected
+
+
+def test_an_elastic_job_on_fewer_ranks_accumulates_more_and_a_fixed_one_is_left_alone(tmp_path):
+    from train.recipe import at_world_size
+
+    shape = '{gpus: 1, nodes: "1-2", cpus: 8, mem_gb: 32, time: "01:00:00", partition: multi}'
+    folder = write_experiments(tmp_path, stretchy=sized("stretchy", shape))
+    job = plan_for(["train.batch_size=2"], ["stretchy"], folder=folder).job("stretchy/train").spec
+    assert at_world_size(job, 2) is job
+    shrunk = at_world_size(job, 1)
+    assert (shrunk.train.batch_size, shrunk.train.grad_accum) == (2, 2 * job.train.grad_accum)
+    with pytest.raises(ValueError, match="cannot share grad_accum"):
+        at_world_size(job.model_copy(update={"global_ranks": 3}), 2)
+    fixed = job.model_copy(update={"global_ranks": None})
+    assert at_world_size(fixed, 1) is fixed
+
+
 def test_a_multi_node_job_is_never_a_lane_of_a_one_node_pack(tmp_path):
     from core.problems import ConfigError
     from slurm.cluster.profile import load_profile
@@ -154,9 +218,14 @@ def test_the_local_backend_refuses_two_nodes_and_says_how_to_run_them_on_one_mac
             "greater than or equal to 1",
         ),
         (
-            '{gpus: 1, nodes: "1-2", cpus: 1, mem_gb: 1, time: "00:05:00"}',
+            '{gpus: 1, nodes: "1-3", cpus: 1, mem_gb: 1, time: "00:05:00"}',
             "resources.nodes",
-            "not supported yet",
+            "on 2 node(s) each rank would accumulate 1 x 3 / 2 = 1.5 steps; make train.grad_accum a multiple of 2",
+        ),
+        (
+            '{gpus: 1, nodes: "0-2", cpus: 1, mem_gb: 1, time: "00:05:00"}',
+            "resources.nodes",
+            "a job runs on 1 node at least",
         ),
         (
             '{gpus: 1, nodes: "3-2", cpus: 1, mem_gb: 1, time: "00:05:00"}',
@@ -169,7 +238,13 @@ def test_the_local_backend_refuses_two_nodes_and_says_how_to_run_them_on_one_mac
             "this cluster has 2",
         ),
     ],
-    ids=["zero", "a range", "a range upside down", "more than the cluster has"],
+    ids=[
+        "zero",
+        "a range whose sizes do not divide",
+        "a range from 0",
+        "a range upside down",
+        "more than the cluster has",
+    ],
 )
 def test_a_bad_nodes_value_is_named_at_its_line_before_anything_is_queued(
     tmp_path, capsys, resources, where, said

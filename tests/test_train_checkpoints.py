@@ -9,16 +9,25 @@ from pathlib import Path
 
 import pytest
 
-from train.checkpoints import MARKER, commit, discard_incomplete, latest_valid_checkpoint, rotate
+from train.checkpoints import (
+    MARKER,
+    commit,
+    discard_incomplete,
+    latest_valid_checkpoint,
+    rotate,
+    set_aside_unresumable,
+)
 
 
-def fake_checkpoint(folder: Path, step: int, committed: bool = True) -> Path:
+def fake_checkpoint(
+    folder: Path, step: int, committed: bool = True, world_size: int = 1, global_batch: int = 8
+) -> Path:
     checkpoint = folder / f"checkpoint-{step}"
     checkpoint.mkdir(parents=True)
     (checkpoint / "trainer_state.json").write_text(json.dumps({"global_step": step}))
     (checkpoint / "adapter_model.safetensors").write_bytes(b"weights")
     if committed:
-        commit(checkpoint, world_size=1)
+        commit(checkpoint, world_size, global_batch)
     return checkpoint
 
 
@@ -28,6 +37,27 @@ def test_newest_committed_checkpoint_wins(tmp_path):
     (tmp_path / "checkpoint-15.tmp").mkdir()  # not a checkpoint name
     assert latest_valid_checkpoint(tmp_path) == tmp_path / "checkpoint-15"
     assert latest_valid_checkpoint(tmp_path / "missing") is None
+
+
+def test_an_elastic_job_continues_checkpoints_of_another_world_size_with_its_global_batch_only(tmp_path):
+    """A fixed-size job sets aside checkpoints of another world size (their steps counted another global
+    batch); an elastic one continues them when they took its global batch (2 ranks x 8 = 1 rank x 16)
+    and sets aside only those that took another (a run of the same folder before nodes became a range)."""
+    fixed, elastic, other = (
+        tmp_path / "fixed" / "checkpoints",
+        tmp_path / "elastic" / "checkpoints",
+        tmp_path / "other" / "checkpoints",
+    )
+    for folder in (fixed, elastic):
+        fake_checkpoint(folder, 4, world_size=2, global_batch=16)
+    fake_checkpoint(other, 4, world_size=2, global_batch=8)
+    assert set_aside_unresumable(fixed, world_size=1) == fixed.with_name("checkpoints.world-2")
+    assert set_aside_unresumable(elastic, world_size=1, elastic_batch=16) is None
+    assert latest_valid_checkpoint(elastic) == elastic / "checkpoint-4"
+    assert set_aside_unresumable(other, world_size=1, elastic_batch=16) == other.with_name(
+        "checkpoints.world-2"
+    )
+    assert set_aside_unresumable(elastic, world_size=2) is None  # its own world size: kept as before
 
 
 def test_torn_newest_checkpoints_are_skipped_with_a_warning(tmp_path, caplog):

@@ -218,3 +218,25 @@ def test_a_checkpoint_of_two_ranks_is_not_resumed_by_one(tiny, tmp_path):
     assert steps == list(range(1, 2 * STEPS + 1))  # the 2-rank curve is not mixed into this one's
     kept = checkpoints(run_dir / "checkpoints.world-2")
     assert [step_of(c) for c in kept] == [4] and is_valid(kept[0])
+
+
+def test_an_elastic_stage_stopped_on_two_ranks_goes_on_on_one_with_twice_the_accumulation(
+    tiny, tmp_path, two_ranks
+):
+    """`nodes: 1-2` requeued onto one node: the fixed-size rule above would start over (the run was lost),
+    and a plain resume would take half the global batch from the checkpoint on. The elastic job continues
+    the 2-rank checkpoint on one rank accumulating twice, and trains the uninterrupted 2-rank adapter."""
+    straight, _ = two_ranks
+    run_dir = tmp_path / "stage"
+    stopped = run_two_ranks(tiny, run_dir, stop_after={0: 3})
+    assert [r["outcome"] for r in stopped] == ["interrupted", "interrupted"]
+    elastic = job(tiny, run_dir, batch_size=4).model_copy(update={"global_ranks": 2})
+    assert run_stage(elastic) == "completed"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["resumed_from"].endswith("checkpoint-4")
+    assert (summary["world_size"], summary["global_step"]) == (1, STEPS)
+    assert (summary["split"]["micro_batch"], summary["split"]["grad_accum"]) == (4, 2)
+    assert not (run_dir / "checkpoints.world-2").exists()
+    steps = [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl") if "loss" in r]
+    assert steps == list(range(1, STEPS + 1))
+    assert_same_adapter(straight, run_dir)

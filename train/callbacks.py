@@ -141,7 +141,10 @@ class CommitCheckpoints(TrainerCallback):
         distributed.barrier()
         if state.is_world_process_zero:
             folder = Path(args.output_dir)
-            commit(folder / f"checkpoint-{state.global_step}", args.world_size)
+            global_batch = (
+                args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
+            )
+            commit(folder / f"checkpoint-{state.global_step}", args.world_size, global_batch)
             rotate(folder, keep={Path(state.best_model_checkpoint)} if state.best_model_checkpoint else set())
         distributed.barrier()
 

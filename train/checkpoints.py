@@ -44,40 +44,57 @@ class CheckedSaves:
         return super()._save_checkpoint(model, trial)
 
 
-def commit(checkpoint: Path, world_size: int) -> None:
+def commit(checkpoint: Path, world_size: int, global_batch: int) -> None:
     """Flush the checkpoint's files to disk, then write the marker: after this it is safe to resume from.
-    The marker records how many ranks wrote it (see `set_aside_other_world_size`)."""
+    The marker records how many ranks wrote it and the examples each optimizer step took (see
+    `set_aside_unresumable`)."""
     check_below_run_root(checkpoint)
     for path in checkpoint.rglob("*"):
         if path.is_file():
             fsync_path(path)
-    write_atomic(checkpoint / MARKER, json.dumps({"world_size": world_size}) + "\n")
+    record = {"world_size": world_size, "global_batch": global_batch}
+    write_atomic(checkpoint / MARKER, json.dumps(record) + "\n")
 
 
-def world_size_of(checkpoint: Path) -> int | None:
-    """The ranks that wrote a committed checkpoint; None for a marker older than this record ("ok")."""
+def marked(checkpoint: Path, key: str) -> int | None:
+    """What a committed checkpoint's marker records under `key` (world_size, global_batch); None for a
+    marker older than that record ("ok")."""
     try:
         record = json.loads((checkpoint / MARKER).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
-    return record.get("world_size") if isinstance(record, dict) else None
+    return record.get(key) if isinstance(record, dict) else None
 
 
-def set_aside_other_world_size(folder: Path, world_size: int) -> Path | None:
-    """Move checkpoints written by another number of ranks to `checkpoints.world-N` (kept, not deleted).
-    They cannot be resumed: the optimizer steps already taken counted another global batch, the schedule
-    another number of steps, and each rank's RNG state belongs to a rank that may not exist now. The plan
-    gives such a stage a new identity (slurm/planning/plan.py), so it starts over; this makes the trainer agree."""
-    found = {world_size_of(c) for c in checkpoints(Path(folder)) if is_valid(c)} - {None, world_size}
+def set_aside_unresumable(folder: Path, world_size: int, elastic_batch: int | None = None) -> Path | None:
+    """Move checkpoints this run cannot continue to `checkpoints.world-N` (kept, not deleted).
+
+    A fixed-size job continues only checkpoints of its own number of ranks: the optimizer steps already
+    taken counted another global batch, the schedule another number of steps, and each rank's RNG state
+    belongs to a rank that may not exist now. The plan gives such a stage a new identity
+    (slurm/planning/plan.py), so it starts over; this makes the trainer agree.
+    An elastic job (`nodes: min-max`, `elastic_batch` its global batch) keeps that batch at every world size
+    (core/split.py elastic_accumulation) and indexes its sampler by it, so it continues any checkpoint that
+    took the same global batch, on as many ranks as it got; only the RNG state of ranks that are gone is
+    lost (LoRA dropout: equal in distribution; with dropout 0, the same adapter)."""
+
+    def unresumable(checkpoint: Path) -> bool:
+        if elastic_batch is not None and (taken := marked(checkpoint, "global_batch")) is not None:
+            return taken != elastic_batch
+        return marked(checkpoint, "world_size") not in (None, world_size)
+
+    found = [c for c in checkpoints(Path(folder)) if is_valid(c) and unresumable(c)]
     if not found:
         return None
-    aside = Path(folder).with_name(f"{Path(folder).name}.world-{max(found)}")
+    sizes = sorted({marked(c, "world_size") for c in found} - {None})
+    aside = Path(folder).with_name(f"{Path(folder).name}.world-{max(sizes, default=0)}")
     while aside.exists():
         aside = aside.with_name(aside.name + "+")
     log.warning(
-        "checkpoints in %s were written by %s rank(s), this run has %d: starting over; they are kept in %s",
+        "checkpoints in %s were written by %s rank(s)%s, this run has %d: starting over; they are kept in %s",
         folder,
-        "/".join(map(str, sorted(found))),
+        "/".join(map(str, sizes)),
+        "" if elastic_batch is None else f" with another global batch than this job's {elastic_batch}",
         world_size,
         aside,
     )

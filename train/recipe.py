@@ -101,7 +101,7 @@ from core.hashing import content_hash
 from core.job_records import job_records
 from core.preflight import trained_share
 from core.rundir import RunDir
-from core.split import Split, kept_on_resume, refuse_unless_fits, resolve
+from core.split import Split, elastic_accumulation, kept_on_resume, refuse_unless_fits, resolve
 from train import data as data_lib
 from train import distributed, vl
 from train.callbacks import (
@@ -120,7 +120,7 @@ from train.checkpoints import (
     CheckedSaves,
     discard_incomplete,
     latest_valid_checkpoint,
-    set_aside_other_world_size,
+    set_aside_unresumable,
     step_of,
 )
 from train.device import current as current_placement
@@ -287,6 +287,32 @@ class Seq2SeqStageTrainer(CheckedSaves, OutputAtTargets, TokenMeanEval, Reproduc
     pass
 
 
+def at_world_size(job: TrainJob, world_size: int) -> TrainJob:
+    """The job as this run takes it on `world_size` ranks. An elastic job (`nodes: min-max`) keeps the
+    global batch of its largest size: each rank accumulates grad_accum x global_ranks / world_size steps
+    (core/split.py elastic_accumulation), so that the steps, the schedule and the examples in each step (the
+    sampler groups by the global batch) are the same whatever SLURM gave it. Any other job: as it is."""
+    if job.global_ranks is None or job.global_ranks == world_size:
+        return job
+    accum = elastic_accumulation(job.train.grad_accum, job.global_ranks, world_size)
+    if accum is None:  # validation refuses such a range; a job run by hand may still get here
+        raise ValueError(
+            f"this elastic job's global batch is set at {job.global_ranks} ranks, and {world_size} ranks "
+            f"cannot share grad_accum {job.train.grad_accum} x {job.global_ranks} in whole steps"
+        )
+    log.info(
+        "elastic: %d of %d ranks, so each rank accumulates %d x %d / %d = %d steps (global batch %d)",
+        world_size,
+        job.global_ranks,
+        job.train.grad_accum,
+        job.global_ranks,
+        world_size,
+        accum,
+        job.train.batch_size * job.train.grad_accum * job.global_ranks,
+    )
+    return job.model_copy(update={"train": job.train.model_copy(update={"grad_accum": accum})})
+
+
 class StageRecipe:
     """One stage: setup() builds model, data and Trainer; train() runs or resumes; save() writes the adapter
     and summary. The module docstring maps each feature to its config key."""
@@ -299,6 +325,7 @@ class StageRecipe:
         for warning in self.placement.warnings:
             log.warning("%s", warning)
         distributed.join(self.placement)  # before setup: preparing the run directory needs a barrier
+        self.job = at_world_size(job, self.placement.world_size)
         log.info(
             "rank %d of %d on %s (%s)",
             distributed.rank(),
@@ -314,7 +341,10 @@ class StageRecipe:
         # directory; the others wait, then all resume from the same checkpoint.
         if distributed.is_main():
             discard_incomplete(RunDir(self.run_dir).checkpoints)
-            if set_aside_other_world_size(RunDir(self.run_dir).checkpoints, self.placement.world_size):
+            elastic_batch = self.global_batch if self.job.global_ranks else None
+            if set_aside_unresumable(
+                RunDir(self.run_dir).checkpoints, self.placement.world_size, elastic_batch
+            ):
                 self.forget_metrics_after(0)  # the old run's curve is not this one's
         distributed.barrier()
         self.resume_from = latest_valid_checkpoint(RunDir(self.run_dir).checkpoints)
@@ -434,6 +464,11 @@ class StageRecipe:
     def steps_per_epoch(self) -> int:
         """Optimizer steps per epoch, as the Trainer counts them: a last, shorter accumulation still steps."""
         return self.job.train.steps_per_epoch(len(self.train_set), self.placement.world_size)
+
+    @property
+    def global_batch(self) -> int:
+        """Examples per optimizer step, every rank's: the job's, at any world size it runs on."""
+        return self.job.train.batch_size * self.job.train.grad_accum * self.placement.world_size
 
     def evaluating(self) -> bool:
         return self.eval_set is not None and self.job.train.eval_every_epochs is not None

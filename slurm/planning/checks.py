@@ -6,6 +6,7 @@ model's kind and chat template, a DPO stage's chain; and across the folder's exp
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from core import chat_templates
@@ -16,6 +17,7 @@ from core.examples import ExampleError, TextSize, check_file, needed_fields
 from core.files import read_json
 from core.names import PREFERENCE
 from core.problems import Problem, did_you_mean
+from core.split import elastic_accumulation
 from core.sweep import SweepMember
 from core.yamlfile import YamlFile, where
 from slurm.cluster.profile import ClusterProfile
@@ -35,6 +37,7 @@ def checked(
     return stages, found + (
         check_files(experiment, stages, chain)
         + check_resources(experiment, profile, chain)
+        + check_elastic(experiment, stages, chain)
         + check_auto_time(experiment, stages, chain)
         + check_select(experiment, stages, member, chain)
         + check_prune(experiment, stages, member, chain)
@@ -251,6 +254,35 @@ def check_resources(experiment: Experiment, profile: ClusterProfile, chain: list
         + beyond_one_node(("eval", "resources"), experiment.eval.resources, profile, chain)
         + eval_on_one_gpu(experiment, chain)
     )
+
+
+def check_elastic(experiment: Experiment, stages: list[Stage], chain: list[YamlFile]) -> list[Problem]:
+    """`nodes: min-max`: the global batch is the one at max nodes, kept at every size the job may get, so
+    each rank's accumulation steps at every node count of the range must be whole (core/split.py
+    elastic_accumulation); else the experiment is refused, naming the sizes that do not divide."""
+    res = experiment.resources
+    if not res.elastic:
+        return []
+    problems = []
+    for stage in stages:
+        accum = stage.train.grad_accum
+        uneven = [
+            n for n in range(res.min_nodes, res.nodes) if elastic_accumulation(accum, res.nodes, n) is None
+        ]
+        if not uneven:
+            continue
+        # grad_accum x max / n is whole for every n of the range exactly when grad_accum is a multiple of this
+        fits = math.lcm(*(n // math.gcd(n, res.nodes) for n in range(res.min_nodes, res.nodes + 1)))
+        file, line = where(chain, ("resources", "nodes"))
+        sizes = " or ".join(f"{n}" for n in uneven)
+        message = (
+            f"nodes {res.node_count} keeps the global batch of {res.nodes} nodes (grad_accum {accum} there"
+            f"{'' if len(stages) == 1 else f', stage {stage.name}'}), but on {sizes} node(s) each rank would "
+            f"accumulate {accum} x {res.nodes} / {uneven[0]} = {accum * res.nodes / uneven[0]:g} steps; "
+            f"make train.grad_accum a multiple of {fits} (every size then divides), or narrow the range"
+        )
+        problems.append(Problem(file, "resources.nodes", message, line))
+    return problems
 
 
 def check_auto_time(experiment: Experiment, stages: list[Stage], chain: list[YamlFile]) -> list[Problem]:

@@ -506,6 +506,7 @@ def experiment_jobs(
             run_dir=run_folder(profile.run_dir, exp.name, stage.name),
             tracking=exp.tracking,
             prune=pruning_of(loaded),
+            global_ranks=resources.tasks if resources.elastic else None,
         )
         spec = with_definition(spec, loaded)
         deps = [Dependency(previous.id, "afterok")] if previous else list(first_deps)

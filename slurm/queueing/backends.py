@@ -128,7 +128,8 @@ def sbatch_parameters(
     params = {
         "job_name": name,
         "time": res.timeout_min,
-        # submitit's `nodes` is an integer: a fixed count is all it can say (a min-max range is refused).
+        # submitit's `nodes` is an integer; an elastic job's `min-max` reaches sbatch through
+        # additional_parameters below, whose keys replace submitit's own.
         "nodes": res.nodes,
         # One task per GPU on each node (DDP); `cpus` is each node's, split over its tasks.
         "ntasks_per_node": per_node,
@@ -136,7 +137,8 @@ def sbatch_parameters(
         "mem": f"{int(res.mem_gb * 1024)}M",
         "signal_delay_s": res.signal_delay_s,
         "stderr_to_stdout": True,  # one log per job: what --tail follows
-        "additional_parameters": {"open-mode": "append"},  # a requeued run adds to the log, not erase it
+        # A requeued run adds to the log, not erase it.
+        "additional_parameters": {"open-mode": "append"} | ({"nodes": res.node_count} if res.elastic else {}),
         # Run in the user's directory, as they expect; after the offline switches, so a setup line may
         # override them.
         "setup": [*offline_setup(profile), *profile.setup],
@@ -144,6 +146,17 @@ def sbatch_parameters(
         # moves to the user's directory (workdir) before it reads any data path.
         "srun_args": [f"--chdir={code_folder}"],
     }
+    if res.elastic:
+        # With --ntasks-per-node, SLURM (cons_tres) gives a min-max job its minimum whenever that holds its
+        # tasks: always one node. Without it, as many nodes as it can without delaying the start. So the
+        # allocation asks each node's CPUs as one task's, and the step (srun) starts one task per GPU on
+        # every node it got, each with its share of the CPUs (tests/test_cluster_ddp.py).
+        del params["ntasks_per_node"]
+        params["cpus_per_task"] = res.cpus
+        params["srun_args"] += [
+            f"--ntasks-per-node={per_node}",
+            f"--cpus-per-task={max(1, res.cpus // per_node)}",
+        ]
     if tasks > 1:
         # A rank that fails ends the job at once; the others would wait in their next all-reduce
         # until the process group's timeout (10-30 minutes of idle GPUs).

@@ -102,7 +102,7 @@ STATE_STYLE = {
 
 def resources_text(job: PlannedJob) -> str:
     res = job.resources
-    gpus = f"{res.nodes} nodes x {res.gpus} gpu" if res.nodes > 1 else f"{res.gpus} gpu"
+    gpus = f"{res.node_count} nodes x {res.gpus} gpu" if res.nodes > 1 else f"{res.gpus} gpu"
     parts = [gpus, f"{res.cpus} cpu", f"{res.mem_gb:g}G", res.time]
     parts += [value for value in (res.partition, res.constraint) if value]
     return " ".join(parts)
