@@ -14,12 +14,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.train_helpers import SQL, StopAfter, assert_same_adapter, make_job, read_jsonl
+from tests.train_helpers import SQL, StopAfter, assert_same_adapter, make_job, one_torch_thread, read_jsonl
 from train.checkpoints import latest_valid_checkpoint, step_of
 from train.stage import run_stage
 
 BETA = 0.1
 PAIRS = 8  # one batch: the first step's logged means are over exactly these pairs
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    with one_torch_thread():
+        yield
 
 
 @pytest.fixture(scope="module", params=["lora", "qlora"])
@@ -90,9 +96,9 @@ def first_row(run_dir: Path) -> dict:
 @pytest.fixture(scope="module")
 def previous_run(tiny, sft_stage, tmp_path_factory) -> Path:
     """A DPO stage after the SFT one, reference: previous: its first step is the trap's step; LoRA's runs on
-    to 4 steps for the curriculum and resume tests (QLoRA's 4-bit CPU kernels are slow: one step)."""
+    to 3 steps for the curriculum and resume tests (QLoRA's 4-bit CPU kernels are slow: one step)."""
     run_dir = tmp_path_factory.mktemp("dpo-previous") / "dpo"
-    steps = 4 if sft_stage[0] == "lora" else 1
+    steps = 3 if sft_stage[0] == "lora" else 1
     assert run_stage(dpo_job(tiny, run_dir, sft_stage, "previous", max_steps=steps)) == "completed"
     return run_dir
 
@@ -143,7 +149,7 @@ def logged(run_dir: Path, key: str) -> list[float]:
 @pytest.mark.parametrize("sft_stage", ["lora"], indirect=True)
 def test_dpo_after_sft_lowers_its_loss_and_raises_its_reward_accuracy_on_the_demo_pairs(previous_run):
     losses, accuracies = logged(previous_run, "loss"), logged(previous_run, "rewards/accuracies")
-    assert len(losses) == 4 and losses[-1] < losses[0] - 0.01, losses
+    assert len(losses) == 3 and losses[-1] < losses[0] - 0.01, losses
     assert accuracies[-1] > accuracies[0], accuracies
     assert logged(previous_run, "rewards/margins")[-1] > 0
 
@@ -152,14 +158,14 @@ def test_dpo_after_sft_lowers_its_loss_and_raises_its_reward_accuracy_on_the_dem
 @pytest.mark.parametrize("sft_stage", ["lora"], indirect=True)
 def test_a_dpo_stage_stopped_mid_way_resumes_to_the_same_adapter(tiny, tmp_path, sft_stage, previous_run):
     straight, interrupted = previous_run, tmp_path / "interrupted"
-    job = dpo_job(tiny, interrupted, sft_stage, "previous", max_steps=4)
+    job = dpo_job(tiny, interrupted, sft_stage, "previous", max_steps=3)
     assert run_stage(job, StopAfter(1)) == "interrupted"
     assert step_of(latest_valid_checkpoint(interrupted / "checkpoints")) == 2
     assert run_stage(job) == "completed"
 
     assert_same_adapter(straight, interrupted)
     steps = [row["step"] for row in read_jsonl(interrupted / "metrics.jsonl") if "loss" in row]
-    assert steps == [1, 2, 3, 4]  # none lost, none twice
+    assert steps == [1, 2, 3]  # none lost, none twice
     assert logged(interrupted, "rewards/margins") == pytest.approx(
         logged(straight, "rewards/margins"), abs=1e-5
     )

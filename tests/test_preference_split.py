@@ -12,10 +12,25 @@ from pathlib import Path
 
 import pytest
 
-from tests.train_helpers import ROUNDING, SAME_SUMS, SQL, assert_same_adapter, make_job, read_jsonl
+from tests.train_helpers import (
+    ROUNDING,
+    SAME_SUMS,
+    SQL,
+    assert_same_adapter,
+    make_job,
+    one_torch_thread,
+    read_jsonl,
+)
 from train.stage import run_stage
 
 pytestmark = pytest.mark.slow  # trains for seconds: make test-fast leaves it out
+PAIRS = 7  # at an effective batch of 4: a full step of 4 pairs, then a short last step of 3
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    with one_torch_thread():
+        yield
 
 
 def pairs_file(folder: Path, count: int) -> str:
@@ -49,37 +64,44 @@ def figures(run_dir: Path) -> dict:
     return {"loss": [r["loss"] for r in rows], "grad_norm": [r["grad_norm"] for r in rows]}
 
 
-def assert_same_training(split: Path, written: Path) -> None:
+def assert_same_step(split: Path, written: Path, step: int) -> None:
+    """The split run logs the written run's loss and gradient norm at `step` (0: the full first step of 4
+    pairs, 1: the short last one of 3)."""
     ran, wrote = figures(split), figures(written)
     print(split.name, json.dumps(ran), written.name, json.dumps(wrote))  # pytest -s: the figures
     assert len(ran["loss"]) == len(wrote["loss"]) == 2
-    assert ran["loss"] == pytest.approx(wrote["loss"], rel=ROUNDING), (ran, wrote)
-    assert ran["grad_norm"] == pytest.approx(wrote["grad_norm"], rel=ROUNDING), (ran, wrote)
-    assert_same_adapter(split, written, relative=SAME_SUMS)
+    assert ran["loss"][step] == pytest.approx(wrote["loss"][step], rel=ROUNDING), (ran, wrote)
+    assert ran["grad_norm"][step] == pytest.approx(wrote["grad_norm"][step], rel=ROUNDING), (ran, wrote)
 
 
 @pytest.fixture(scope="module")
-def written(tiny, tmp_path_factory) -> dict[int, Path]:
-    """The written split, 4 x 1, over 8 pairs (two full steps) and over 7 (the last step holds 3 pairs)."""
-    folder = tmp_path_factory.mktemp("dpo-written")
-    return {n: dpo_run(tiny, folder / f"4x1-{n}", pairs_file(folder, n), 4) for n in (8, 7)}
+def runs(tiny, tmp_path_factory) -> dict[int, Path]:
+    """One epoch over PAIRS pairs by micro-batch: the written split 4 x 1 (steps of 4 and 3 pairs), 2 x 2
+    (micro-batches of 2 and 2, then 2 and 1) and 1 x 4 (four of 1, then three)."""
+    folder = tmp_path_factory.mktemp("dpo-split")
+    pairs = pairs_file(folder, PAIRS)
+    return {
+        micro_batch: dpo_run(tiny, folder / f"{micro_batch}x", pairs, micro_batch)
+        for micro_batch in (4, 2, 1)
+    }
 
 
 @pytest.mark.parametrize("micro_batch", [2, 1])
-def test_a_dpo_step_split_into_micro_batches_is_not_scaled_by_its_accumulation_steps(
-    tiny, tmp_path, written, micro_batch
-):
-    """8 pairs, 2 steps of 4: 2 x 2 and 1 x 4 against 4 x 1. A DPO loss summed over the micro-batches
+def test_a_dpo_step_split_into_micro_batches_is_not_scaled_by_its_accumulation_steps(runs, micro_batch):
+    """The first step, 4 pairs: 2 x 2 and 1 x 4 against 4 x 1. A DPO loss summed over the micro-batches
     without dividing by their count would train on 2x (4x) the gradient and log 2x (4x) the loss."""
-    split = dpo_run(tiny, tmp_path / f"{micro_batch}-8", pairs_file(tmp_path, 8), micro_batch)
+    split = runs[micro_batch]
     ran = json.loads((split / "summary.json").read_text())["split"]
     assert (ran["micro_batch"], ran["grad_accum"], ran["how"]) == (micro_batch, 4 // micro_batch, "asked")
-    assert_same_training(split, written[8])
+    assert_same_step(split, runs[4], 0)
 
 
-def test_a_short_last_dpo_step_weighs_each_pair_alike_not_each_micro_batch(tiny, tmp_path, written):
-    """7 pairs at 2 x 2: the last step's micro-batches hold 2 pairs and 1. Its loss must be the mean over
-    its 3 pairs, as the written 4 x 1 computes it in one batch; a mean of the two micro-batches' means
-    gives the lone pair the weight of two."""
-    split = dpo_run(tiny, tmp_path / "2x2-7", pairs_file(tmp_path, 7), 2)
-    assert_same_training(split, written[7])
+@pytest.mark.parametrize("micro_batch", [2, 1])
+def test_a_short_last_dpo_step_weighs_each_pair_alike_not_each_micro_batch(runs, micro_batch):
+    """The last step, 3 pairs: at 2 x 2 its micro-batches hold 2 pairs and 1, at 1 x 4 it has 3 of its 4.
+    Its loss must be the mean over its 3 pairs, as the written 4 x 1 computes it in one batch; a mean of
+    the two micro-batches' means gives the lone pair the weight of two (dividing by 4 micro-batches, each
+    pair 3/4 of its weight). The adapter after both steps is the written split's."""
+    split = runs[micro_batch]
+    assert_same_step(split, runs[4], 1)
+    assert_same_adapter(split, runs[4], relative=SAME_SUMS)

@@ -4,6 +4,7 @@ launching tests compare too. Everything runs offline on the CPU."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -67,6 +68,21 @@ def make_job(tiny, run_dir: Path, kind: str = "causal", *, model=None, adapter=N
         | train,
         run_dir=str(run_dir),
     )
+
+
+@contextlib.contextmanager
+def one_torch_thread():
+    """torch in this process on one CPU thread, as test_cluster_faults.py times its training: the tiny
+    model's matrices are too small to share, and on a loaded 2-core machine two OpenMP threads wait on each
+    other at every op (a QLoRA forward pass 10x slower). Runs compared with each other run alike."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 class StopAfter(threading.Event):
