@@ -54,6 +54,9 @@ log = logging.getLogger(__name__)
 
 PROBE_GRACE_S = 1.0  # a reader's test holds the lock for microseconds (milliseconds over NFS)
 REQUEUE_WAIT_S = 150.0  # above NFSv4's default 90 s lease, for a requeue after its node died
+# Rank 0 records itself right after it locks; another rank that probes in between waits this long for the
+# record before it takes the holder for another job's.
+RECORD_GRACE_S = 10.0
 RETRY_S = 0.05
 UNSUPPORTED = {errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP}
 HOLDER_FIELDS = {"host": str, "pid": int, "job_id": str, "since": str}
@@ -123,7 +126,12 @@ def hold_folder(folder: Path, job_id: str | None = None, rank: int = 0) -> Itera
     Raises FolderHeld naming the holder."""
     folder = Path(folder)
     if rank != 0:
-        other = holder(folder)
+        other, started = holder(folder), time.monotonic()
+        # Locked but not yet recorded: most likely this job's rank 0 between its lock and its record (seen
+        # on the two-node dev cluster: rank 1 of a requeued run refused its own job's folder).
+        while other is not None and not other.pid and time.monotonic() - started < RECORD_GRACE_S:
+            time.sleep(RETRY_S)
+            other = holder(folder)
         if other is not None and (job_id is None or other.job_id != job_id):
             raise held(folder, other)
         yield

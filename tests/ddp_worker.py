@@ -41,9 +41,15 @@ def main(job_path: str, out_path: str, stop_after: str | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format=f"rank {rank} %(levelname)s %(name)s: %(message)s")
     job = TrainJob.model_validate(json.loads(Path(job_path).read_text()))
     stop = StopAfter(int(stop_after)) if stop_after else threading.Event()
-    recipe, seen = StageRecipe(job, stop), []
-    recipe.setup()
-    record_examples(recipe, seen)
+    if job.train.method == "dpo":  # as train/stage.py picks it; its pairs are not recorded
+        from train.preference import PreferenceRecipe
+
+        recipe, seen = PreferenceRecipe(job, stop), []
+        recipe.setup()
+    else:
+        recipe, seen = StageRecipe(job, stop), []
+        recipe.setup()
+        record_examples(recipe, seen)
     outcome = recipe.train()
     if outcome == "completed":
         recipe.save()

@@ -81,6 +81,34 @@ def test_second_trainer_in_same_folder_refused_naming_holder(tmp_path):
             assert holder(folder).pid == first.pid
 
 
+def test_another_rank_waits_for_rank_0s_record_instead_of_refusing_its_own_jobs_folder(tmp_path, monkeypatch):
+    """Rank 0 locks, then records itself; rank 1 probing in between saw "a process that has not said who it
+    is yet", took it for another job and failed the run (rank 1 of a requeued two-node job). It waits for
+    the record now; a holder that never records itself is still refused, after the grace."""
+    import core.writer_lock as writer_lock
+
+    folder = tmp_path / "runs" / "exp" / "train"
+    with held_by_another_process(folder, "111"):
+        record = writer_lock.holder_path(folder).read_text()
+        writer_lock.holder_path(folder).unlink()  # locked, not yet recorded
+        assert holder(folder).pid == 0
+
+        def rank_0_records(seconds):  # the first wait: rank 0 writes its record meanwhile
+            writer_lock.holder_path(folder).write_text(record)
+
+        monkeypatch.setattr(writer_lock.time, "sleep", rank_0_records)
+        with hold_folder(folder, "111", rank=1):
+            assert holder(folder).job_id == "111"
+        writer_lock.holder_path(folder).unlink()
+        monkeypatch.setattr(writer_lock.time, "sleep", lambda seconds: None)
+        monkeypatch.setattr(writer_lock, "RECORD_GRACE_S", 0.05)
+        with (
+            pytest.raises(FolderHeld, match="has not said who it is yet"),
+            hold_folder(folder, "111", rank=1),
+        ):
+            pytest.fail("a holder that never said who it is was taken for this job's rank 0")
+
+
 def test_lock_released_when_holder_killed(tmp_path):
     folder = tmp_path / "runs" / "exp" / "train"
     with held_by_another_process(folder, "111") as first:

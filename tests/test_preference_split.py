@@ -20,6 +20,7 @@ from tests.train_helpers import (
     make_job,
     one_torch_thread,
     read_jsonl,
+    run_ranks,
 )
 from train.stage import run_stage
 
@@ -39,9 +40,9 @@ def pairs_file(folder: Path, count: int) -> str:
     return str(path)
 
 
-def dpo_run(tiny, run_dir: Path, pairs: str, micro_batch: int | str):
-    """One epoch over `pairs` at an effective batch of 4 (batch_size 4 x grad_accum 1 as written)."""
-    job = make_job(
+def dpo_job(tiny, run_dir: Path, pairs: str, micro_batch: int | str, batch_size: int = 4):
+    """One epoch over `pairs` at an effective batch of 4 per rank (batch_size 4 x grad_accum 1 as written)."""
+    return make_job(
         tiny,
         run_dir,
         data={"train": pairs, "format": "preference", "order": "file"},
@@ -49,13 +50,16 @@ def dpo_run(tiny, run_dir: Path, pairs: str, micro_batch: int | str):
         dpo={"beta": 0.1, "reference": "base"},
         max_steps=None,
         epochs=1,
-        batch_size=4,
+        batch_size=batch_size,
         grad_accum=1,
         micro_batch=micro_batch,
         learning_rate=5e-3,  # large enough that a wrongly weighted pair moves the adapter measurably
         precision="fp32",
     )
-    assert run_stage(job) == "completed"
+
+
+def dpo_run(tiny, run_dir: Path, pairs: str, micro_batch: int | str) -> Path:
+    assert run_stage(dpo_job(tiny, run_dir, pairs, micro_batch)) == "completed"
     return run_dir
 
 
@@ -105,3 +109,16 @@ def test_a_short_last_dpo_step_weighs_each_pair_alike_not_each_micro_batch(runs,
     split = runs[micro_batch]
     assert_same_step(split, runs[4], 1)
     assert_same_adapter(split, runs[4], relative=SAME_SUMS)
+
+
+def test_a_dpo_step_on_two_ranks_is_the_step_of_one_rank_with_the_whole_batch(runs, tiny, tmp_path):
+    """DDP averages the ranks' gradients: each rank's micro-batch must weigh its pairs' share of the step's
+    pairs summed over all ranks, times the ranks, or 2 ranks of 2 pairs train on half (or twice) the
+    gradient of one rank of 4. The first, full step against the written 4 x 1 on one process (the short
+    last step differs by design: its last round is filled up with the epoch's first pair)."""
+    pairs = pairs_file(tmp_path, PAIRS)
+    job = dpo_job(tiny, tmp_path / "2-ranks", pairs, micro_batch=2, batch_size=2)
+    assert [rank["outcome"] for rank in run_ranks(job, 2)] == ["completed", "completed"]
+    summary = json.loads((tmp_path / "2-ranks" / "summary.json").read_text())
+    assert (summary["world_size"], summary["split"]["micro_batch"]) == (2, 2)
+    assert_same_step(tmp_path / "2-ranks", runs[4], 0)
