@@ -6,6 +6,7 @@ the distributed environment the SLURM wrapper exports).
 Runs the stage exactly as run_stage does, recording which training examples this rank's batches held
 (the examples carry their index through a wrapped collator), and writes {"outcome", "seen"} to OUT.json.
 STOP_AFTER sets this rank's stop flag after that many step ends, as SLURM's signal reaching only it would.
+DDP_WORKER_SLOW_TOKENIZING_S (env) makes rank 1 wait that long before it reads and tokenizes its data.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import logging
 import os
 import sys
 import threading
+import time
 from pathlib import Path
 
 from core.config import TrainJob
@@ -41,6 +43,15 @@ def main(job_path: str, out_path: str, stop_after: str | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format=f"rank {rank} %(levelname)s %(name)s: %(message)s")
     job = TrainJob.model_validate(json.loads(Path(job_path).read_text()))
     stop = StopAfter(int(stop_after)) if stop_after else threading.Event()
+    slow_s = float(os.environ.get("DDP_WORKER_SLOW_TOKENIZING_S", "0"))
+    if slow_s and rank == "1":  # the seam of a rank slow to prepare: a first tokenization on a slow disk
+        load_split = StageRecipe.load_split
+
+        def slowly(self, source, split):
+            time.sleep(slow_s)
+            return load_split(self, source, split)
+
+        StageRecipe.load_split = slowly
     if job.train.method == "dpo":  # as train/stage.py picks it; its pairs are not recorded
         from train.preference import PreferenceRecipe
 

@@ -16,7 +16,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.train_helpers import ROOT, SQL, assert_same_adapter, make_job, read_jsonl, sql_data
+from tests.train_helpers import (
+    ROOT,
+    SQL,
+    assert_same_adapter,
+    make_job,
+    read_jsonl,
+    sql_data,
+    start_ranks,
+)
 from train.checkpoints import checkpoints, is_valid, step_of
 from train.recipe import run_stage
 
@@ -240,3 +248,26 @@ def test_an_elastic_stage_stopped_on_two_ranks_goes_on_on_one_with_twice_the_acc
     steps = [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl") if "loss" in r]
     assert steps == list(range(1, STEPS + 1))
     assert_same_adapter(straight, run_dir)
+
+
+def test_a_rank_slow_to_tokenize_past_the_preparation_timeout_fails_naming_it_and_what_it_was_doing(
+    tiny, tmp_path
+):
+    """Issue 39 (3): rank 0 waits for rank 1 at the first collective after tokenizing; past the preparation
+    timeout torch says only that a receive timed out (the NCCL watchdog trap, LLaMA-Factory #2424). Rank 0
+    must fail naming rank 1, its node and what it was still doing. The seam (said): tests/ddp_worker.py
+    holds rank 1 for 120 s before it tokenizes."""
+    started = start_ranks(
+        job(tiny, tmp_path / "stage", batch_size=4),
+        env={"LORA_PREPARE_TIMEOUT_S": "5", "DDP_WORKER_SLOW_TOKENIZING_S": "120"},
+    )
+    (rank_0, out), (rank_1, _) = started
+    try:
+        assert rank_0.wait(timeout=TIMEOUT_S) != 0
+        assert rank_1.poll() is None  # still "tokenizing": rank 0 did not wait for it
+    finally:
+        for process, _ in started:
+            process.kill()
+    said = out.with_suffix(".log").read_text()
+    assert "rank 0 on " in said and "waited 5 s (LORA_PREPARE_TIMEOUT_S) at the ranks' free memory" in said
+    assert f"rank 1 on {socket.gethostname()} was still reading and tokenizing " in said, said[-2000:]

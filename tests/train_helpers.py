@@ -132,16 +132,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(job, ranks: int = 2, timeout_s: float = 180) -> list[dict]:
-    """Run `job` (a TrainJob) as `ranks` processes on gloo, with the environment the SLURM wrapper exports
-    (tests/ddp_worker.py); each rank's {"outcome", "seen"}. A hang fails the test at the timeout."""
+def start_ranks(job, ranks: int = 2, env: dict | None = None) -> list[tuple[subprocess.Popen, Path]]:
+    """Start `job` (a TrainJob) as `ranks` processes on gloo, with the environment the SLURM wrapper exports
+    (tests/ddp_worker.py) and `env` on top; each rank's process and the file it writes its result to. Its
+    log goes to that file's name with .log."""
     run_dir = Path(job.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     job_path = run_dir.parent / f"{run_dir.name}.job.json"
     job_path.write_text(job.model_dump_json())
     port, started = free_port(), []
     for rank in range(ranks):
-        env = os.environ | {
+        rank_env = os.environ | {
             "RANK": str(rank),
             "LOCAL_RANK": str(rank),
             "WORLD_SIZE": str(ranks),
@@ -151,7 +152,15 @@ def run_ranks(job, ranks: int = 2, timeout_s: float = 180) -> list[dict]:
         }
         out = run_dir.parent / f"{run_dir.name}.rank{rank}.json"
         command = [sys.executable, "-m", "tests.ddp_worker", str(job_path), str(out)]
-        started.append((subprocess.Popen(command, cwd=ROOT, env=env), out))
+        with out.with_suffix(".log").open("w") as log:
+            started.append((subprocess.Popen(command, cwd=ROOT, env=rank_env | (env or {}), stderr=log), out))
+    return started
+
+
+def run_ranks(job, ranks: int = 2, timeout_s: float = 180) -> list[dict]:
+    """Run `job` as `ranks` processes (start_ranks); each rank's {"outcome", "seen"}. A hang fails the
+    test at the timeout."""
+    started = start_ranks(job, ranks)
     try:
         codes = [process.wait(timeout=timeout_s) for process, _ in started]
     finally:

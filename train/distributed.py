@@ -2,9 +2,11 @@
 
     join(placement)        # init the process group from RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT (env://)
     is_main()              # rank 0 writes the run directory; the others only train
-    barrier()              # wait until every rank got here (e.g. a checkpoint is committed)
+    barrier(at)            # wait until every rank got here (e.g. a checkpoint is committed)
+    doing(what)            # what this rank does now (tokenizing X): a rank left waiting past the
+                           # preparation timeout names it (PreparationTimeout), not torch's bare timeout
     any_rank(flag)         # True on every rank when it is True on any: a stop is collective
-    gather(value)          # every rank's value, in rank order (on every rank)
+    gather(value, at)      # every rank's value, in rank order (on every rank)
     leave()                # all ranks meet at the end of the stage
 
 With one process (WORLD_SIZE unset or 1) each of these is the trivial local answer, so the recipe reads
@@ -17,6 +19,8 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import time
+from contextlib import contextmanager
 from datetime import timedelta
 
 import torch
@@ -39,6 +43,15 @@ class JoinError(RuntimeError):
     """The ranks did not form their group within JOIN_TIMEOUT_S: the message names who and where."""
 
 
+class PreparationTimeout(RuntimeError):
+    """A rank waited at a collective past PREPARE_TIMEOUT_S: the message names the ranks that had not come,
+    their nodes, and what each was still doing (`doing`), instead of gloo's or NCCL's bare timeout."""
+
+
+# The rendezvous store, where each rank says what it is doing (`doing`); None with one process.
+_store: dist.Store | None = None
+
+
 def join(placement: Placement) -> None:
     """Join the process group of this run when there is more than one process (idempotent)."""
     if placement.world_size <= 1 or dist.is_initialized():
@@ -59,9 +72,11 @@ def join(placement: Placement) -> None:
         f" on {os.environ['GLOO_SOCKET_IFNAME']}" if "GLOO_SOCKET_IFNAME" in os.environ else "",
         JOIN_TIMEOUT_S,
     )
+    global _store
+    _store = joined_store(placement.world_size)
     dist.init_process_group(
         backend=placement.backend,
-        store=joined_store(placement.world_size),
+        store=_store,
         rank=int(os.environ["RANK"]),
         world_size=placement.world_size,
         timeout=timedelta(seconds=PREPARE_TIMEOUT_S),
@@ -104,9 +119,52 @@ def is_main() -> bool:
     return rank() == 0
 
 
-def barrier() -> None:
+def doing(what: str) -> None:
+    """Say what this rank is doing now (loading the model, tokenizing a file): a rank left waiting for it
+    past PREPARE_TIMEOUT_S names it (`waited_for`). One store write; not for every training step."""
+    if active() and _store is not None:
+        _store.set(f"doing/{rank()}", f"{socket.gethostname()}\t{time.time():.0f}\t{what}")
+
+
+def waited_for(at: str, world_size: int, now: float | None = None) -> str:
+    """Who a rank waiting at `at` waited for: each rank not at `at`, its node and what it said it was doing."""
+    now = time.time() if now is None else now
+    _store.set_timeout(timedelta(seconds=5))  # rank 0 hosts the store; a rank that is gone answers nothing
+    late = []
+    for other in range(world_size):
+        key = f"doing/{other}"
+        try:
+            said = _store.get(key).decode() if _store.check([key]) else ""
+        except (RuntimeError, OSError):
+            said = ""
+        host, since, what = (said.split("\t", 2) + ["?", "?", "?"])[:3] if said else ("?", "?", "?")
+        if what != f"waiting at {at}":
+            spent = f" (for {now - float(since):.0f} s)" if since.isdigit() else ""
+            late.append(f"rank {other} on {host} was still {what if said else 'starting'}{spent}")
+    return "; ".join(late) or "every rank had come (a rank may have ended)"
+
+
+@contextmanager
+def collective(at: str):
+    """A collective of the preparation, `at` what: past PREPARE_TIMEOUT_S it fails naming the late ranks
+    and what they were doing, where torch says only that a receive timed out."""
+    doing(f"waiting at {at}")
+    try:
+        yield
+    except RuntimeError as exc:
+        if "timed out" not in str(exc).lower() and "timeout" not in str(exc).lower():
+            raise
+        raise PreparationTimeout(
+            f"rank {rank()} on {socket.gethostname()} waited {PREPARE_TIMEOUT_S} s (LORA_PREPARE_TIMEOUT_S) at "
+            f"{at}: {waited_for(at, dist.get_world_size())}. Raise LORA_PREPARE_TIMEOUT_S above the longest "
+            "preparation (a first tokenization of a large file), or tokenize once before (the cache is shared)"
+        ) from None
+
+
+def barrier(at: str = "a barrier") -> None:
     if active():
-        dist.barrier()
+        with collective(at):
+            dist.barrier()
 
 
 def any_rank(flag: bool) -> bool:
@@ -119,12 +177,13 @@ def any_rank(flag: bool) -> bool:
     return bool(value.item())
 
 
-def gather(value) -> list:
+def gather(value, at: str = "a gather") -> list:
     """Every rank's (picklable) value, in rank order."""
     if not active():
         return [value]
     values = [None] * dist.get_world_size()
-    dist.all_gather_object(values, value)
+    with collective(at):
+        dist.all_gather_object(values, value)
     return values
 
 

@@ -346,7 +346,7 @@ class StageRecipe:
                 RunDir(self.run_dir).checkpoints, self.placement.world_size, elastic_batch
             ):
                 self.forget_metrics_after(0)  # the old run's curve is not this one's
-        distributed.barrier()
+        distributed.barrier("the run folder, tidied by rank 0")
         self.resume_from = latest_valid_checkpoint(RunDir(self.run_dir).checkpoints)
         if self.resume_from:
             log.info("resuming from %s", self.resume_from)
@@ -355,22 +355,27 @@ class StageRecipe:
         set_seed(self.job.train.seed)  # before the adapter exists: LoRA's initial weights are drawn from it
         # The processor of an image-text model stands where a text model's tokenizer does: it is what the
         # collator encodes with and what is saved with the adapter.
+        distributed.doing(f"loading {self.job.model.name_or_path}")
         self.model, self.tokenizer = self.load_model()
         # Training pads on the right (labels line up with inputs); the saved tokenizer keeps its own side.
         text = text_tokenizer(self.tokenizer)
         self.saved_padding_side, text.padding_side = text.padding_side, "right"
         self.params = check_trainable(self.model, self.job.adapter.max_trainable_percent)
         # Data after the tokenizer: its fingerprint is part of the tokenization cache key.
+        distributed.doing(f"reading and tokenizing {self.job.data.train}")
         self.train_set, self.lengths = self.load_split(self.job.data.train, "train")
         self.eval_set = self.eval_lengths = None
         if self.job.data.eval:  # sorted: similar lengths pad little, and a loss-only eval has no order
+            distributed.doing(f"reading and tokenizing {self.job.data.eval}")
             self.eval_set, self.eval_lengths = self.load_split(self.job.data.eval, "eval")
             self.eval_set = self.eval_set.sort("length")
         # The split after the lengths (the memory model needs them) and before the Trainer (it runs it).
         self.split = self.choose_split()
         log.info("batch split: %s", self.split.describe())
         # Every rank's GPU, so that rank 0 can watch them all (one node: NVML sees each of them).
-        self.gpu_uuids = [uuid for uuid in distributed.gather(gpu_uuid(self.placement)) if uuid]
+        self.gpu_uuids = [
+            uuid for uuid in distributed.gather(gpu_uuid(self.placement), "the ranks' GPUs") if uuid
+        ]
         self.trainer = self.build_trainer()
 
     def choose_split(self) -> Split:
@@ -396,7 +401,7 @@ class StageRecipe:
 
     def fresh_split(self) -> Split:
         train = self.job.train
-        memory_gb = split_memory_gb(distributed.gather(free_gpu_gb(self.placement)))
+        memory_gb = split_memory_gb(distributed.gather(free_gpu_gb(self.placement), "the ranks' free memory"))
         if memory_gb is None:
             return resolve(train, None, None, "on a CPU the split is the one written")
         if train.micro_batch != "auto":
