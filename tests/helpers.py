@@ -92,6 +92,15 @@ def tiny_sql_base(folder: Path) -> Path:
     return path
 
 
+def first_examples(split: str, count: int, to: Path) -> Path:
+    """The first `count` examples of the demo's SQL `split` (easy, dev, ...), in `to`: a test whose
+    assertions are about what ran, not what was learned, trains and scores on a few."""
+    to.parent.mkdir(parents=True, exist_ok=True)
+    lines = (ROOT / "data" / "demo" / "sql" / f"{split}.jsonl").read_text().splitlines(keepends=True)
+    to.write_text("".join(lines[:count]))
+    return to
+
+
 # The tiny SQL experiment with its model and epochs chosen: a few seconds of local training.
 TINY_SQL_EXPERIMENT = """\
 name: {name}

@@ -1,6 +1,9 @@
-"""A sweep of 2 learning rates x 2 ranks x 3 seeds, one YAML, run for real (locally, and on the dev
-cluster): twelve trainings, a report of four points with mean ± std over three seeds and a marked best, a
-relaunch that queues nothing, and a learning rate removed from the file listed as six removed points."""
+"""A sweep run for real, one YAML, locally and on the dev cluster: a report of one row per point with mean ±
+std over its seeds and a marked best, a relaunch that queues nothing, and a learning rate removed from the
+file listed as removed points. Locally 2 learning rates x 2 ranks x 2 seeds (eight trainings, a report of
+four points over two swept keys); on the cluster 2 learning rates x 1 rank x 2 seeds (four jobs: what SLURM
+adds is the queue, not the grid). Two seeds are all a mean ± sample std needs; each training is two steps
+on 32 examples, scored on 16, since no assertion looks at what was learned, only at what ran and was kept."""
 
 from __future__ import annotations
 
@@ -11,29 +14,49 @@ import pytest
 
 import launch
 from tests.conftest import squeue_ids, write_cluster_yaml
-from tests.helpers import tiny_sql_base, wait_until
+from tests.helpers import first_examples, tiny_sql_base, wait_until
 
 SWEEP = """\
 name: sweep
 inherits: _tiny-sql.yaml
 adapter: {{max_trainable_percent: 40}}
-data: {{eval: {root}/data/demo/sql/dev.jsonl}}
+data: {{train: {train}, eval: {eval}}}
 train: {{epochs: 1, batch_size: 16, eval_every_epochs: 1}}
 sweep:
   grid:
     train.learning_rate: [{rates}]
-    adapter.rank: [4, 8]
-  seeds: [1, 2, 3]
+    adapter.rank: [{ranks}]
+  seeds: [{seeds}]
   select: {{metric: eval_loss, mode: min}}
 """
+SEEDS = 2
+# What the local test launches and the cluster test's smaller sweep, both trained on a few examples (the
+# cancel tests keep sweep_folder's defaults: twelve points on the whole demo split, queued for minutes).
+LOCAL = {"ranks": "4, 8", "seeds": "1, 2", "few_examples": True}
+CLUSTER = {"ranks": "4", "seeds": "1, 2", "few_examples": True}
 
 
-def sweep_folder(tmp: Path, repo_root: Path, rates: str = "1.0e-3, 3.0e-3") -> Path:
+def sweep_folder(
+    tmp: Path,
+    repo_root: Path,
+    rates: str = "1.0e-3, 3.0e-3",
+    ranks: str = "4, 8",
+    seeds: str = "1, 2, 3",
+    few_examples: bool = False,
+) -> Path:
+    """The sweep's configs under tmp; `few_examples`: trained on 32 examples (two steps of 16) and scored
+    on 16 (one batch), else on the demo's easy split (85) and dev split (48)."""
     folder = tmp / "configs"
     folder.mkdir(exist_ok=True)
     write_cluster_yaml(folder, tmp, local_parallel_jobs=2)
     tiny_sql_base(folder)
-    (folder / "sweep.yaml").write_text(SWEEP.format(root=repo_root, rates=rates))
+    train, dev = (repo_root / "data" / "demo" / "sql" / f"{split}.jsonl" for split in ("easy", "dev"))
+    if few_examples:
+        train = first_examples("easy", 32, tmp / "data" / "train.jsonl")
+        dev = first_examples("dev", 16, tmp / "data" / "dev.jsonl")
+    (folder / "sweep.yaml").write_text(
+        SWEEP.format(train=train, eval=dev, rates=rates, ranks=ranks, seeds=seeds)
+    )
     return folder
 
 
@@ -42,17 +65,18 @@ def sweep_table(report: str) -> list[str]:
     return [line for line in section.splitlines() if line.startswith("| lr")]
 
 
-def check_the_report_and_the_removed_points(tmp: Path, repo_root: Path, folder: Path, capsys) -> None:
+def check_the_report_and_the_removed_points(tmp: Path, repo_root: Path, folder: Path, capsys, shape) -> None:
+    ranks = len(shape["ranks"].split(","))  # two learning rates, each point trained with SEEDS seeds
     rows = sweep_table((tmp / "runs" / "report.md").read_text())
-    assert len(rows) == 4  # one row per point, its three seeds collapsed
-    assert all("3/3 done" in row and "±" in row for row in rows), rows
+    assert len(rows) == 2 * ranks  # one row per point, its seeds collapsed
+    assert all(f"{SEEDS}/{SEEDS} done" in row and "±" in row for row in rows), rows
     assert sum("✓" in row for row in rows) == 1  # the best point by eval_loss, marked once
-    sweep_folder(tmp, repo_root, rates="1.0e-3")  # one learning rate removed from the file
+    sweep_folder(tmp, repo_root, rates="1.0e-3", **shape)  # one learning rate removed from the file
     capsys.readouterr()
     assert launch.main(["--all", "--dry-run", "--config-dir", str(folder)]) == 0
     said = " ".join(capsys.readouterr().err.split())
     removed = re.search(r"holds (\d+) experiment\(s\) launched from this folder that it no longer has", said)
-    assert removed and removed.group(1) == "6", said
+    assert removed and removed.group(1) == str(ranks * SEEDS), said
     assert "sweep-lr0.003-r4-s1" in said and "sweep-lr0.001-r4-s1" not in said
     assert launch.main(["--status"]) == 0  # from tmp: the run root holds them
     assert "also holds sweep-lr0.003-r4-s1" in " ".join(capsys.readouterr().out.split())
@@ -63,29 +87,29 @@ def test_a_sweep_runs_locally_reports_mean_and_spread_and_relaunches_nothing(
     repo_root, tmp_path, tiny, monkeypatch, capsys
 ):
     monkeypatch.chdir(tmp_path)
-    folder = sweep_folder(tmp_path, repo_root)
+    folder = sweep_folder(tmp_path, repo_root, **LOCAL)
     (tmp_path / "configs" / "experiments").mkdir()  # the default folder of a plain --status
     assert launch.main(["--all", "--config-dir", str(folder), "--backend", "local"]) == 0
-    assert "All 12 job(s) completed" in capsys.readouterr().out
+    assert "All 8 job(s) completed" in capsys.readouterr().out
     assert launch.main(["--all", "--config-dir", str(folder), "--backend", "local"]) == 0
     assert "Nothing to submit" in capsys.readouterr().out
-    check_the_report_and_the_removed_points(tmp_path, repo_root, folder, capsys)
+    check_the_report_and_the_removed_points(tmp_path, repo_root, folder, capsys, LOCAL)
 
 
 def test_a_sweep_runs_on_the_cluster_and_a_relaunch_queues_nothing(
     repo_root, tmp_path, tiny, slurm_cluster, monkeypatch, capsys
 ):
     monkeypatch.chdir(tmp_path)
-    folder = sweep_folder(tmp_path, repo_root)
+    folder = sweep_folder(tmp_path, repo_root, **CLUSTER)
     (tmp_path / "configs" / "experiments").mkdir()
     argv = ["--all", "--config-dir", str(folder), "--backend", "slurm", "--no-preflight"]
     assert launch.main([*argv, "--wait"]) == 0
-    assert "Submitted 12 job(s)" in capsys.readouterr().out
+    assert "Submitted 4 job(s)" in capsys.readouterr().out
     leaving = squeue_ids(under=tmp_path)  # ended, perhaps still COMPLETING when --wait returns
     assert launch.main(argv) == 0
     assert "Nothing to submit" in capsys.readouterr().out and squeue_ids(under=tmp_path) <= leaving
     assert launch.main(["--report", "--config-dir", str(folder)]) == 0
-    check_the_report_and_the_removed_points(tmp_path, repo_root, folder, capsys)
+    check_the_report_and_the_removed_points(tmp_path, repo_root, folder, capsys, CLUSTER)
 
 
 def test_cancel_removed_stops_the_queued_points_a_sweep_no_longer_has_and_only_those(
