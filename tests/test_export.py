@@ -6,6 +6,7 @@ merge that loses the adapter fails with the figures."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import peft
@@ -82,6 +83,15 @@ def stage(tiny, tmp_path_factory):
         return made[name]
 
     return get
+
+
+def copied_export(out_dir: Path, tmp_path: Path) -> Path:
+    """A copy of the module's finished export folder (its files, marker and launcher files) under tmp_path:
+    what exported_to(stage_dir, a fresh folder) would have left there, without exporting again (the
+    identity it is skipped by is the stage's and the settings', never the folder's path)."""
+    copy = tmp_path / "export"
+    shutil.copytree(out_dir, copy)
+    return copy
 
 
 def eval_prompts() -> list[str]:
@@ -184,7 +194,7 @@ def test_the_card_holds_the_self_check_figures_training_settings_and_the_eval_ta
     assert (generation["max_new_tokens"], generation["num_beams"], generation["do_sample"]) == (16, 1, False)
 
 
-def test_a_second_export_is_skipped_and_the_job_folders_own_files_are_left_alone(stage):
+def test_a_second_export_is_skipped_and_the_job_folders_own_files_are_left_alone(stage, tmp_path):
     stage_dir, out_dir, first = stage("seq2seq-lora")
     weights = (out_dir / "model.safetensors").stat().st_mtime_ns
     again = exported_to(stage_dir, out_dir)
@@ -194,13 +204,16 @@ def test_a_second_export_is_skipped_and_the_job_folders_own_files_are_left_alone
     )
     assert (out_dir / "model.safetensors").stat().st_mtime_ns == weights
     assert {name: (out_dir / name).read_text() for name in LAUNCHER_FILES} == LAUNCHER_FILES
-    assert not exported_to(stage_dir, out_dir, check_prompts=4).skipped  # other settings: exported again
+    # Other settings: exported again, the job folder's own files still left alone. On a copy of the
+    # folder, so the module's export stays the one every other test reads.
+    other = copied_export(out_dir, tmp_path)
+    assert not exported_to(stage_dir, other, check_prompts=4).skipped
+    assert {name: (other / name).read_text() for name in LAUNCHER_FILES} == LAUNCHER_FILES
 
 
 def test_a_killed_export_is_redone_and_its_stale_files_removed_never_taken_for_done(stage, tmp_path):
-    stage_dir, _, _ = stage("seq2seq-lora")
-    out_dir = tmp_path / "export"
-    exported_to(stage_dir, out_dir)
+    stage_dir, module_export, _ = stage("seq2seq-lora")
+    out_dir = copied_export(module_export, tmp_path)  # a finished export, as exported_to leaves it
     done = json.loads(RunDir(out_dir).export_done.read_text())
     # Killed while moving a new export in (one that had a GGUF file), and once while still writing one.
     (out_dir / "model.gguf").write_text("half")
@@ -273,11 +286,16 @@ def test_gguf_runs_the_converter_in_llama_cpp_dir_by_hand_and_names_the_command_
     out_dir = tmp_path / "export"
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
     monkeypatch.delenv("LLAMA_CPP_DIR", raising=False)
-    missing = export_stage(stage_dir, out_dir, check_prompts=4, gguf=True)  # asked for, no converter yet
+    # Asked for, no converter yet. The check decodes as CHECK (16 tokens), not EvalSpec's default 128 (this
+    # test is about the converter: the same export, 8 times fewer decoding steps); so does main, below.
+    missing = export_stage(stage_dir, out_dir, eval_spec=CHECK, check_prompts=4, gguf=True)
     assert missing.gguf is None and missing.gguf_command.startswith(f"python {export.CONVERTER_PLACEHOLDER} ")
     monkeypatch.setenv("LLAMA_CPP_DIR", str(fake_llama_cpp(tmp_path)))
+    eval_job = export.check_job(stage_dir, tmp_path / "eval", CHECK, check_prompts=8)  # the eval job's spec
+    write_spec(tmp_path / "eval", eval_job.model_dump())
     capsys.readouterr()  # what training printed, when this test trained the stage
-    assert export.main([str(stage_dir), str(out_dir), "--gguf", "--check-prompts", "4"]) == 0
+    by_hand = [str(stage_dir), str(out_dir), "--gguf", "--check-prompts", "4"]
+    assert export.main([*by_hand, "--eval-config", str(RunDir(tmp_path / "eval").config)]) == 0
     converted = (out_dir / "model.gguf").read_text()
     assert converted.startswith("GGUF ") and "--outtype f32" in converted
     assert "`model.gguf` was made by llama.cpp's converter" in (out_dir / "README.md").read_text()
