@@ -36,10 +36,10 @@ def test_scontrol_requeue_mid_run_resumes_to_the_same_adapter(
     repo_root, tmp_path, slurm_cluster, tiny, monkeypatch
 ):
     # Two identical experiments run side by side on the cluster (same CPU count, so the same arithmetic);
-    # only one of them is requeued mid-run.
+    # only one of them is requeued mid-run: at its first checkpoint (step 8) of 150, mid-epoch.
     monkeypatch.chdir(repo_root)
-    folder = fault_experiment(repo_root, tmp_path, "requeued", epochs=16, save=8)
-    fault_experiment(repo_root, tmp_path, "straight", epochs=16, save=8)
+    folder = fault_experiment(repo_root, tmp_path, "requeued", epochs=5, save=8)
+    fault_experiment(repo_root, tmp_path, "straight", epochs=5, save=8)
     assert submit(folder) == 0
     run_dir = tmp_path / "runs" / "requeued" / "train"
     job_id = slurm_id(tmp_path, "requeued/train")
@@ -56,7 +56,7 @@ def test_scontrol_requeue_mid_run_resumes_to_the_same_adapter(
     assert_same_adapter(tmp_path / "runs" / "straight" / "train", run_dir)
 
 
-def training_steps_per_second(tiny, run_dir: Path, steps: int = 300) -> float:
+def training_steps_per_second(tiny, run_dir: Path, steps: int = 100) -> float:
     """This machine's speed on the time-limit test's training, measured here as the job will run it (one CPU
     thread, same model, data, batch, logging and checkpointing), so its length can be set in seconds."""
     import torch
@@ -77,16 +77,20 @@ def training_steps_per_second(tiny, run_dir: Path, steps: int = 300) -> float:
 
 
 def test_time_limit_is_survived_by_repeated_requeues(repo_root, tmp_path, slurm_cluster, tiny, monkeypatch):
-    # A 1-minute limit and training that needs two and a half minutes of compute on this machine. SLURM's USR2
-    # comes 10 to 40 s before the limit (it checks limits every 30 s and signals early rather than late), so
-    # an allocation trains for at most ~45 s after start-up: at least three allocations, two requeues, each
-    # resuming from the checkpoint the previous one saved, until the job completes.
+    # A 1-minute limit and training that needs two minutes of compute on this machine. SLURM's USR2 comes 10 to
+    # 40 s before the limit (it checks limits every 30 s and signals early rather than late); a requeued
+    # allocation starts about 16 s after the tick that signalled the last one, so it is signalled 44 s
+    # after its start, and the first one at most 50 s after its. Less their start-up (Python imports: 20 to
+    # 30 s on a loaded 2-core machine, a few on an idle one), two allocations train for at most ~85 s
+    # together: at least three allocations, two requeues, each resuming from the checkpoint the previous
+    # one saved, until the job completes. Each allocation costs a minute of wall time whatever it trains,
+    # so the compute is kept near that bound (x1.4: the job may run faster than it was measured).
     monkeypatch.chdir(repo_root)
     per_epoch = steps_per_epoch(repo_root)
-    # The faster of two measurements: one taken while something else loaded the machine would make the
-    # job too short to need two requeues once that load is gone.
+    # The faster of two measurements (each 100 steps, ~10 s): one taken while something else loaded the
+    # machine would make the job too short to need two requeues once that load is gone.
     speed = max(training_steps_per_second(tiny, tmp_path / f"calibration-{k}") for k in (1, 2))
-    epochs = math.ceil(150 * speed / per_epoch)
+    epochs = math.ceil(120 * speed / per_epoch)
     folder = fault_experiment(
         repo_root,
         tmp_path,
@@ -145,7 +149,8 @@ def test_killed_job_with_a_torn_checkpoint_resumes_from_the_last_valid_one(
     repo_root, tmp_path, slurm_cluster, tiny, monkeypatch
 ):
     monkeypatch.chdir(repo_root)
-    folder = fault_experiment(repo_root, tmp_path, "killed", epochs=30, save=8)
+    # Killed at its first checkpoint (step 8) of 150.
+    folder = fault_experiment(repo_root, tmp_path, "killed", epochs=5, save=8)
     assert submit(folder) == 0
     run_dir = tmp_path / "runs" / "killed" / "train"
     job_id = slurm_id(tmp_path, "killed/train")
