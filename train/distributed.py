@@ -146,19 +146,29 @@ def waited_for(at: str, world_size: int, now: float | None = None) -> str:
 
 @contextmanager
 def collective(at: str):
-    """A collective of the preparation, `at` what: past PREPARE_TIMEOUT_S it fails naming the late ranks
-    and what they were doing, where torch says only that a receive timed out."""
-    doing(f"waiting at {at}")
-    try:
-        yield
-    except RuntimeError as exc:
-        if "timed out" not in str(exc).lower() and "timeout" not in str(exc).lower():
-            raise
-        raise PreparationTimeout(
-            f"rank {rank()} on {socket.gethostname()} waited {PREPARE_TIMEOUT_S} s (LORA_PREPARE_TIMEOUT_S) at "
-            f"{at}: {waited_for(at, dist.get_world_size())}. Raise LORA_PREPARE_TIMEOUT_S above the longest "
-            "preparation (a first tokenization of a large file), or tokenize once before (the cache is shared)"
-        ) from None
+    """A collective of the preparation, `at` what. The ranks first meet in the rendezvous store (each sets
+    its arrival key, then waits for everyone's), so past PREPARE_TIMEOUT_S it fails naming the late ranks
+    and what they were doing, whatever the backend: gloo says only that a receive timed out, and NCCL's
+    watchdog tears the process down. The collective itself then runs with every rank there."""
+    if active() and _store is not None:
+        doing(f"waiting at {at}")
+        _arrivals[at] = _arrivals.get(at, 0) + 1  # every rank calls the same collectives in the same order
+        keys = [f"arrived/{at}/{_arrivals[at]}/{other}" for other in range(dist.get_world_size())]
+        _store.set(keys[rank()], "1")
+        try:
+            _store.wait(keys, timedelta(seconds=PREPARE_TIMEOUT_S))
+        except RuntimeError:  # the store's own timeout (DistStoreError)
+            raise PreparationTimeout(
+                f"rank {rank()} on {socket.gethostname()} waited {PREPARE_TIMEOUT_S} s (LORA_PREPARE_TIMEOUT_S) "
+                f"at {at}: {waited_for(at, dist.get_world_size())}. Raise LORA_PREPARE_TIMEOUT_S above the "
+                "longest preparation (a first tokenization of a large file), or tokenize once before (the cache "
+                "is shared)"
+            ) from None
+    yield
+
+
+# How many times this rank reached each collective: the generation in its arrival keys.
+_arrivals: dict[str, int] = {}
 
 
 def barrier(at: str = "a barrier") -> None:
