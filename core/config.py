@@ -518,23 +518,6 @@ class EvalResources(Resources):
     cpus: Annotated[Int, Field(ge=1)] | None = None
     mail: list[MailType] | None = None
 
-    @model_validator(mode="before")
-    @classmethod
-    def _node_range(cls, values):
-        """`nodes: 1-2` → nodes 2, min_nodes 1; a malformed range is left to `whole_nodes`, which names it."""
-        if isinstance(values, dict) and isinstance(values.get("nodes"), str):
-            found = NODE_RANGE.fullmatch(values["nodes"])
-            low, high = (int(part) for part in found.groups()) if found else (0, 0)
-            if 1 <= low <= high:
-                values = {**values, "nodes": high, "min_nodes": low if low < high else None}
-        return values
-
-    @model_validator(mode="after")
-    def _min_nodes_at_most_nodes(self):
-        if self.min_nodes is not None and self.min_nodes > self.nodes:
-            raise ValueError(f"min_nodes {self.min_nodes} is above nodes {self.nodes}; write nodes: min-max")
-        return self
-
     @model_validator(mode="after")
     def _signal_inside_the_limit(self):
         return self if self.time is None else Resources._signal_inside_the_limit(self)
