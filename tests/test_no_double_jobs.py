@@ -128,8 +128,17 @@ def test_ctrl_c_of_a_local_launcher_stops_its_job_with_a_sentence_and_status_say
 ):
     monkeypatch.chdir(repo_root)
     folder = configs(tmp_path, repo_root, long={"epochs": 500}, next={})
-    # Its own session: a terminal's Ctrl-C is a SIGINT to the whole foreground process group.
-    launcher = start_launcher(folder, tmp_path / "launcher.log", "--backend", "local", start_new_session=True)
+    # Its own session: a terminal's Ctrl-C is a SIGINT to the whole foreground process group. SIGINT set to
+    # its default as a terminal's foreground process has it: a suite started in the background (`make test
+    # &`, nohup) has it ignored, inherited by every child, and the launcher would never see the Ctrl-C.
+    launcher = start_launcher(
+        folder,
+        tmp_path / "launcher.log",
+        "--backend",
+        "local",
+        start_new_session=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     try:
         wait_until((tmp_path / "runs" / "long" / "train" / "progress.json").exists, "the job to train")
         pid = record(tmp_path, "long/train")["job_id"]
