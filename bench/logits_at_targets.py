@@ -1,7 +1,7 @@
 """The output layer at the target positions only, against logits at every position: one training step of
 the Qwen2.5-0.5B shape on the prompt-heavy data shape, A B A B in one process. Prints figures.
 
-    python -m bench.logits_at_targets [--layers 24] [--pairs 2] [--batch 2] [--json]
+    python -m bench.logits_at_targets [--layers 24] [--pairs 2] [--batch 2] [--profile] [--json]
 
 A step is what the trainer's compute_loss and backward do: the adapted model's forward (LoRA r16 on every
 linear layer, random weights, fp32 on a CPU, bf16 autocast on a GPU), the trainer's loss (train/loss.py
@@ -10,6 +10,8 @@ a tuned HF Trainer computes them (its model's own loss takes every position's lo
 `output_at_targets`, as our trainer runs it. The batch: `--batch` examples of a 240-token prompt and a
 30-token answer (bench/gpu_throughput.py's data shape: ~89 % of the positions carry no label). Untimed
 warm-up of each path first, then the pairs alternate; the median of each, their spread and the ratio.
+`--profile`: then one more step of each path under torch.profiler, its costliest operators by own time, to
+say where a step's time goes when the ratio falls short of the FLOPs' prediction.
 """
 
 from __future__ import annotations
@@ -72,6 +74,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--pairs", type=int, default=2)
     parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--profile", action="store_true")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     placement = current("auto")
@@ -110,9 +113,32 @@ def main(argv: list[str] | None = None) -> dict:
             f"{name:11s} step {figures['median']:.3f} s (min {figures['min']:.3f}, max {figures['max']:.3f})"
         )
     print(f"logits everywhere / at the targets only, pair by pair: {result['speedup_pairwise']}")
+    if args.profile:
+        result["profile"] = {
+            name: profiled(lambda at=at: step(model, loss, ids, labels, at, autocast), placement.cuda)
+            for name, at in (("everywhere", False), ("at_targets", True))
+        }
     if args.json:
         print(json.dumps(result))
     return result
+
+
+def profiled(run, cuda: bool, top: int = 8) -> list[dict]:
+    """The `top` operators of one `run()` by their own time (ms), each with its share of the step, printed."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
+    with profile(activities=activities) as prof:
+        run()
+    attr = "self_device_time_total" if cuda else "self_cpu_time_total"
+    events = sorted(prof.key_averages(), key=lambda e: getattr(e, attr), reverse=True)
+    total = sum(getattr(e, attr) for e in events) or 1
+    rows = [
+        {"op": e.key, "ms": round(getattr(e, attr) / 1e3, 1), "share": round(getattr(e, attr) / total, 3)}
+        for e in events[:top]
+    ]
+    print(f"{round(total / 1e3)} ms in all: " + ", ".join(f"{r['op']} {r['share']:.0%}" for r in rows))
+    return rows
 
 
 if __name__ == "__main__":

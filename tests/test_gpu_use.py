@@ -16,9 +16,10 @@ from types import SimpleNamespace
 import pytest
 
 from tests.train_helpers import make_job, read_jsonl
+from train import distributed
 from train.callbacks import RunDirectoryLog
 from train.device import current
-from train.gpu_use import GpuSampler, Reading, summarize
+from train.gpu_use import GpuSampler, JobGpus, Reading, encode, summarize, summarize_nodes, watch_plan
 from train.recipe import run_stage
 
 GIB = 2**30
@@ -84,6 +85,82 @@ class FakeSampler:
         return self.batches.pop(0)
 
 
+def test_each_nodes_first_rank_watches_its_own_nodes_gpus_not_rank_0_all_of_them():
+    # Two nodes of two GPUs. Rank 0 once watched every rank's GPU; NVML on n1 cannot see n2's, so n2 went
+    # unwatched (and its UUIDs were logged as "not sampled").
+    where = [("n1", "GPU-a"), ("n1", "GPU-b"), ("n2", "GPU-c"), ("n2", "GPU-d")]
+    assert watch_plan(where, 0) == (["GPU-a", "GPU-b"], {2: "n2"})
+    assert watch_plan(where, 1) == ([], {})
+    assert watch_plan(where, 2) == (["GPU-c", "GPU-d"], {})
+    assert watch_plan(where, 3) == ([], {})
+    # One node: rank 0 watches all, nobody posts (the rows stay as they were).
+    assert watch_plan(where[:2], 0) == (["GPU-a", "GPU-b"], {})
+    # A CPU run on two nodes: nothing to watch, nothing to collect at each row.
+    assert watch_plan([("n1", None), ("n2", None)], 0) == ([], {})
+
+
+def test_a_rows_gpu_fields_cover_every_node_and_name_each_one():
+    # n2's GPU is the fullest (60 GiB): one node's peak would hide it.
+    fields = summarize_nodes({"n1": [SAMPLES[0][:1]], "n2": [SAMPLES[1][1:]]})
+    assert fields["gpu_util_percent"] == 80.0 and fields["gpu_mem_gb"] == 64.42  # (90 + 70) / 2; 60 GiB
+    assert fields["gpu_nodes"] == {"n1": summarize([SAMPLES[0][:1]]), "n2": summarize([SAMPLES[1][1:]])}
+    assert "gpu_nodes" not in summarize_nodes({"n1": SAMPLES})  # one node: the row is as it always was
+    assert summarize_nodes({"n1": [], "n2": []}) == {}  # no samples yet: no fields, not an idle GPU
+
+
+@pytest.fixture
+def store(monkeypatch):
+    """A real rendezvous store (torch's TCPStore) hosted by this process, as rank 0 hosts it in a job."""
+    import socket
+
+    from torch.distributed import TCPStore
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    monkeypatch.setattr(distributed, "_store", TCPStore("127.0.0.1", port, 1, is_master=True))
+    monkeypatch.setattr(distributed, "_posted", {})
+    monkeypatch.setattr(distributed, "_collected", {})
+    return distributed._store
+
+
+def test_another_nodes_samples_reach_rank_0s_rows_through_the_store_each_once(tmp_path, store):
+    # The other node's first rank is played by a sampler thread posting through the real store; its reader
+    # is recorded readings (no NVML here). Each sample must reach one row, never two, and leave the store.
+    readings, allowed, posted = iter(SAMPLES), threading.Semaphore(0), threading.Semaphore(0)
+
+    def read():  # one reading each time the test allows one; past the third, NVML "fails"
+        assert allowed.acquire(timeout=5)
+        return next(readings)
+
+    def post(sample):
+        distributed.post("gpu_use", encode(sample))
+        posted.release()
+
+    remote = GpuSampler(read, interval_s=0.01, keep=post)
+    gpus = JobGpus(
+        "n1", FakeSampler([[SAMPLES[0]], [], []]), {0: "n2"}, lambda r: distributed.collect("gpu_use", r)
+    )
+    callback = RunDirectoryLog(tmp_path, gpus)
+    callback.on_train_begin(None, SimpleNamespace(global_step=0, num_input_tokens_seen=0), None)
+    remote.start()
+    for _ in range(2):
+        allowed.release()
+        assert posted.acquire(timeout=5)
+    log_step(callback, 1, {"loss": 2.0})
+    allowed.release()
+    assert posted.acquire(timeout=5)
+    allowed.release()  # the fourth read finds no reading: the sampler ends
+    remote.stop()
+    log_step(callback, 2, {"loss": 1.9})
+    log_step(callback, 3, {"loss": 1.8})
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    assert rows[0]["gpu_nodes"] == {"n1": summarize([SAMPLES[0]]), "n2": summarize(SAMPLES[:2])}
+    assert rows[1]["gpu_nodes"] == {"n1": {}, "n2": summarize(SAMPLES[2:])}
+    assert "gpu_util_percent" not in rows[2]  # nothing new from either node
+    assert not store.check(["gpu_use/0/1"]) and not store.check(["gpu_use/0/3"])
+
+
 def log_step(callback: RunDirectoryLog, step: int, logs: dict) -> None:
     args = SimpleNamespace(train_batch_size=8, gradient_accumulation_steps=1, world_size=1)
     state = SimpleNamespace(global_step=step, epoch=step / 10, num_input_tokens_seen=100 * step, max_steps=10)
@@ -92,7 +169,7 @@ def log_step(callback: RunDirectoryLog, step: int, logs: dict) -> None:
 
 
 def test_rows_carry_the_gpu_use_since_the_last_row_and_progress_keeps_the_latest(tmp_path):
-    callback = RunDirectoryLog(tmp_path, FakeSampler([SAMPLES[:2], [], SAMPLES[2:]]))
+    callback = RunDirectoryLog(tmp_path, FakeSampler([{"n1": SAMPLES[:2]}, {"n1": []}, {"n1": SAMPLES[2:]}]))
     state = SimpleNamespace(global_step=0, num_input_tokens_seen=0)
     callback.on_train_begin(None, state, None)
     log_step(callback, 1, {"loss": 2.0})

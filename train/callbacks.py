@@ -21,7 +21,7 @@ from core.pruning import RungRecord, decided_text, judged, mark_pruned, rung_rec
 from core.rundir import RunDir
 from train import distributed
 from train.checkpoints import commit, rotate
-from train.gpu_use import GpuSampler, summarize
+from train.gpu_use import JobGpus, summarize_nodes
 
 log = logging.getLogger("train.callbacks")
 
@@ -33,13 +33,14 @@ PREFERENCE_METRICS = ("rewards/", "logps/")
 class RunDirectoryLog(TrainerCallback):
     """`metrics.jsonl` (one row per log step, eval rows too) and `progress.json` (what --status shows).
     Written by rank 0 only; the loss it logs is already the mean over the ranks (the Trainer gathers it).
-    With a GPU sampler, each row carries the GPU use since the previous row, and progress.json the latest."""
+    Each row carries the GPU use since the previous row (`job_gpus`: every node's samples; none on a CPU),
+    and progress.json the latest."""
 
-    def __init__(self, run_dir: Path, gpu_sampler: GpuSampler | None = None, split: str | None = None):
+    def __init__(self, run_dir: Path, job_gpus: JobGpus | None = None, split: str | None = None):
         self.run_dir = run_dir
         self.split = split  # how the batch is split (core/split.py Split.describe), for --status
-        self.gpu_sampler = gpu_sampler
-        self.gpu_use: dict[str, float] = {}  # the latest summary: progress.json keeps it between samples
+        self.job_gpus = job_gpus
+        self.gpu_use: dict = {}  # the latest summary: progress.json keeps it between samples
         self.last_time: float | None = None
         self.last_tokens = 0
         self.last_step = 0
@@ -75,7 +76,7 @@ class RunDirectoryLog(TrainerCallback):
                 state.global_step,
             )
         row |= {k: v for k, v in logs.items() if k.startswith("eval_")}
-        gpu_use = summarize(self.gpu_sampler.drain()) if self.gpu_sampler else {}
+        gpu_use = summarize_nodes(self.job_gpus.drain()) if self.job_gpus else {}
         self.gpu_use = gpu_use or self.gpu_use
         if len(row) > 3:
             row |= gpu_use

@@ -7,6 +7,8 @@
                            # preparation timeout names it (PreparationTimeout), not torch's bare timeout
     any_rank(flag)         # True on every rank when it is True on any: a stop is collective
     gather(value, at)      # every rank's value, in rank order (on every rank)
+    post(topic, text)      # hand rank 0 a text without waiting on anyone (another node's GPU samples);
+    collect(topic, ranks)  # rank 0: what those ranks posted since its last collect
     leave()                # all ranks meet at the end of the stage
 
 With one process (WORLD_SIZE unset or 1) each of these is the trivial local answer, so the recipe reads
@@ -195,6 +197,40 @@ def gather(value, at: str = "a gather") -> list:
     with collective(at):
         dist.all_gather_object(values, value)
     return values
+
+
+def post(topic: str, text: str) -> None:
+    """Append `text` to this rank's list under `topic` in the rendezvous store, for rank 0 to `collect`: a
+    one-way channel that waits on nobody, unlike a collective, so a thread may post while the ranks train.
+    Each rank is the only writer of its list: the text first, then the count that makes it visible."""
+    if _store is None:
+        return
+    key = f"{topic}/{rank()}"
+    _posted[key] = _posted.get(key, 0) + 1
+    _store.set(f"{key}/{_posted[key]}", text)
+    _store.add(f"{key}/count", 1)
+
+
+def collect(topic: str, ranks: list[int]) -> dict[int, list[str]]:
+    """Rank 0: what each of `ranks` posted under `topic` since the last collect, oldest first; the texts
+    read are deleted from the store (a job of days posts thousands)."""
+    if _store is None:
+        return {}
+    texts: dict[int, list[str]] = {}
+    for other in ranks:
+        key = f"{topic}/{other}"
+        count = _store.add(f"{key}/count", 0)
+        unread = range(_collected.get(key, 0) + 1, count + 1)
+        texts[other] = [_store.get(f"{key}/{n}").decode() for n in unread]
+        for n in unread:
+            _store.delete_key(f"{key}/{n}")
+        _collected[key] = count
+    return texts
+
+
+# How many texts this rank posted under each key, and how many rank 0 collected.
+_posted: dict[str, int] = {}
+_collected: dict[str, int] = {}
 
 
 def leave() -> None:

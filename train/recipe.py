@@ -75,6 +75,7 @@ import logging
 import math
 import os
 import shutil
+import socket
 import threading
 import time
 from dataclasses import replace
@@ -125,7 +126,7 @@ from train.checkpoints import (
 )
 from train.device import current as current_placement
 from train.device import free_gpu_gb, fused_loss_possible, gpu_uuid, split_memory_gb
-from train.gpu_use import GpuSampler
+from train.gpu_use import GpuSampler, JobGpus, encode, watch_plan
 from train.loss import TargetTokenLoss, liger_installed, liger_linear_cross_entropy
 from train.memory import EVAL_BATCH_FACTOR
 from train.model import (
@@ -372,10 +373,10 @@ class StageRecipe:
         # The split after the lengths (the memory model needs them) and before the Trainer (it runs it).
         self.split = self.choose_split()
         log.info("batch split: %s", self.split.describe())
-        # Every rank's GPU, so that rank 0 can watch them all (one node: NVML sees each of them).
-        self.gpu_uuids = [
-            uuid for uuid in distributed.gather(gpu_uuid(self.placement), "the ranks' GPUs") if uuid
-        ]
+        # Every rank's node and GPU: each node's first rank watches its node's GPUs (NVML sees only those).
+        self.gpus_where = distributed.gather(
+            (socket.gethostname(), gpu_uuid(self.placement)), "the ranks' GPUs"
+        )
         self.trainer = self.build_trainer()
 
     def choose_split(self) -> Split:
@@ -535,10 +536,16 @@ class StageRecipe:
         args = self.training_arguments()
         self.stopper = StopWhenAsked(self.stop)
         self.clock = RuntimeClock(self.resume_from)
-        self.gpu_sampler = GpuSampler.for_gpus(self.gpu_uuids) if distributed.is_main() else None
+        watched, posting = watch_plan(self.gpus_where, distributed.rank())
+        node = self.gpus_where[distributed.rank()][0]
+        post = None if distributed.is_main() else lambda sample: distributed.post("gpu_use", encode(sample))
+        self.gpu_sampler = GpuSampler.for_gpus(watched, keep=post)
+        job_gpus = JobGpus(
+            node, self.gpu_sampler, posting, lambda ranks: distributed.collect("gpu_use", ranks)
+        )
         # Order matters: the clock writes into a checkpoint before CommitCheckpoints seals it.
         callbacks = [
-            RunDirectoryLog(self.run_dir, self.gpu_sampler, self.split.short()),
+            RunDirectoryLog(self.run_dir, job_gpus, self.split.short()),
             self.clock,
             CommitCheckpoints(),
             self.stopper,
