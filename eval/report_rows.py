@@ -10,6 +10,7 @@ import math
 from pathlib import Path
 
 from core.files import read_jsonl
+from core.layout import EVAL, eval_folder
 from core.names import REPORT_COLUMNS
 from core.rundir import METRICS_FIELDS, RunDir
 from core.runs import BaseEval, JobRun
@@ -106,14 +107,38 @@ def held(job: JobRun) -> dict:
 def experiment_row(jobs: list[JobRun], experiment: str, job_rows: dict[str, dict]) -> dict:
     """`jobs`: the experiment's; `job_rows`: job_row of every job, by job id."""
     train_jobs = [j for j in jobs if j.kind == "train"]
+    eval_job = next((j for j in jobs if j.id == f"{experiment}/{EVAL}"), None)
+    return scores_row(experiment, jobs, train_jobs, eval_job, job_rows)
+
+
+def stage_rows(jobs: list[JobRun], experiment: str, job_rows: dict[str, dict]) -> list[dict]:
+    """The experiment's earlier stages that were evaluated (eval.after_each_stage), each as the
+    experiment's row would read had its curriculum ended there: `EXP @ STAGE`, the scores of that stage's
+    eval job (eval-STAGE), the training up to that stage. An SFT -> DPO curriculum's SFT row."""
+    train_jobs = [j for j in jobs if j.kind == "train"]
+    rows = []
+    for done, stage_job in enumerate(train_jobs[:-1], start=1):
+        eval_id = f"{experiment}/{eval_folder(stage_job.stage, last=False)}"
+        eval_job = next((j for j in jobs if j.id == eval_id), None)
+        if eval_job is not None:
+            upto = train_jobs[:done]
+            label = f"{experiment} @ {stage_job.stage}"
+            rows.append(scores_row(label, [*upto, eval_job], upto, eval_job, job_rows))
+    return rows
+
+
+def scores_row(
+    label: str, jobs: list[JobRun], train_jobs: list[JobRun], eval_job: JobRun | None, job_rows: dict
+) -> dict:
+    """A row of the report's table: `train_jobs` (and `jobs`, for the status and GPU-hours), scored by
+    `eval_job`'s results."""
     first = train_jobs[0]
     summaries = [j.summary for j in train_jobs]
     runtime_s = sum(s.get("train_runtime_s") or 0 for s in summaries)
     losses = [s["best_eval_loss"] for s in summaries if s.get("best_eval_loss") is not None]
-    eval_job = next((j for j in jobs if j.id == f"{experiment}/eval"), None)
     results = read_results(eval_job.run_dir) if eval_job else {}
     row = {
-        "experiment": experiment,
+        "experiment": label,
         "status": status_text(jobs, bool(results)),
         "model": first.model,
         "method": first.method,
@@ -280,7 +305,8 @@ def with_deltas(columns: list[str], rows: list[dict]) -> list[str]:
 def scored_rows(
     jobs: list[JobRun], tasks: dict, base_evals: dict[str, BaseEval], gpu_hour_cost: float | None
 ) -> tuple[list[dict], dict[str, list[dict]], dict[str, dict]]:
-    """(each experiment's row with its Δs and cost, each task's base rows, each job's row by its id)."""
+    """(each experiment's row with its Δs and cost, each task's base rows, each job's row by its id, each
+    experiment's evaluated earlier stages' rows with their Δs against its base)."""
     state_of = {j.id: j.state for j in jobs}
     # Only experiments with a training job get a row: a base-model eval job is a plan job of its own
     # (experiment "baselines"), with no adapter to describe; it shows as its own row via base_evals.
@@ -295,15 +321,26 @@ def scored_rows(
         for base in base_evals.values()
         if not base.left_out
     }
+    stages = {
+        row["experiment"]: [
+            stage | {"task": row["task"]}
+            for stage in stage_rows(
+                [j for j in jobs if j.experiment == row["experiment"]], row["experiment"], job_rows
+            )
+        ]
+        for row in rows
+    }
     for row in rows:
         if row["experiment"] in base_evals:
             base = base_evals[row["experiment"]]
-            row.update(deltas(row, None if base.left_out else scored[base.job_id]))
+            for scored_row in [*stages[row["experiment"]], row]:
+                scored_row.update(deltas(scored_row, None if base.left_out else scored[base.job_id]))
     bases = {task: task_base_rows(task, rows, base_evals, scored) for task in tasks_of(rows)}
     if gpu_hour_cost is not None:
-        for row in rows + [b for task_bases in bases.values() for b in task_bases]:
+        earlier = [stage for rows_of_stages in stages.values() for stage in rows_of_stages]
+        for row in rows + earlier + [b for task_bases in bases.values() for b in task_bases]:
             row["cost"] = round(row["gpu_hours"] * gpu_hour_cost, 2) if row["gpu_hours"] is not None else None
-    return rows, bases, job_rows
+    return rows, bases, job_rows, stages
 
 
 def present_columns(rows: list[dict]) -> list[str]:

@@ -148,6 +148,14 @@ def test_an_elastic_job_counts_its_largest_size_and_reaches_sbatch_as_a_range(tm
     assert params["cpus_per_task"] == 8
     assert {"--ntasks-per-node=1", "--cpus-per-task=8", "--kill-on-bad-exit=1"} <= set(params["srun_args"])
     assert "nodes" not in backend.sbatch_parameters(as_fixed, [])["additional_parameters"]
+    # Four GPUs a node: srun starts four tasks on each node the job got, each with a quarter of its CPUs (a
+    # task per node would leave three GPUs idle; the node's CPUs per task would oversubscribe them 4x).
+    (folder / "stretchy.yaml").write_text(elastic.replace("gpus: 1", "gpus: 4"))
+    wide = plan_for(["train.batch_size=2"], ["stretchy"], folder=folder).job("stretchy/train")
+    assert (wide.tasks, wide.resources.placement(), wide.spec.global_ranks) == (8, "1-2 nodes x 4 GPUs", 8)
+    params = backend.sbatch_parameters(wide, [])
+    assert (params["cpus_per_task"], params["gpus_per_node"]) == (8, 4) and "ntasks_per_node" not in params
+    assert {"--ntasks-per-node=4", "--cpus-per-task=2"} <= set(params["srun_args"])
     import launch
 
     (folder / "stretchy.yaml").write_text(elastic)

@@ -671,6 +671,42 @@ def test_delta_is_the_adapters_score_minus_the_bases_not_the_reverse(tmp_path):
     assert (rows["good"]["delta_exact_match"], rows["good"]["delta_bleu"]) == ("0.25", "-0.1")
 
 
+def test_an_earlier_stage_scored_after_it_has_its_row_above_the_experiments_with_its_own_delta(tmp_path):
+    # Before: eval.after_each_stage scored the first stage of a curriculum (the SFT of SFT -> DPO), and the
+    # report showed only the last stage's row: base, SFT and DPO could not be read side by side.
+    plan, base = with_base_job(plan_of(tmp_path, "good"), "good/eval", "abc123")
+    last = plan.job("good/eval")
+    out_dir = str(Path(plan.run_root) / "good" / "eval-one")
+    after_one = dataclasses.replace(
+        last, id="good/eval-one", stage="eval-one", spec=last.spec.model_copy(update={"out_dir": out_dir})
+    )
+    plan = dataclasses.replace(plan, jobs=(*plan.jobs, after_one))
+    write_scores(base.out_dir, exact_match=0.5, bleu=0.3)
+    write_scores(out_dir, exact_match=0.6, bleu=0.25)
+    write_scores(tmp_path / "runs" / "good" / "eval", exact_match=0.75, bleu=0.2)
+    runs = tmp_path / "runs"
+
+    write_report(job_runs(plan), runs, base_evals={"good": base})
+
+    _, base_line, one, both = table_of((runs / "report.md").read_text())
+    assert base_line.startswith("| base (no adapter) |")
+    assert (
+        one.startswith("| good @ one | ")
+        and "| one |" in one
+        and one.endswith("| 0.6 | +0.1 | 0.25 | -0.05 |")
+    )
+    assert (
+        both.startswith("| good | ")
+        and "| one → two |" in both
+        and both.endswith("| 0.75 | +0.25 | 0.2 | -0.1 |")
+    )
+    rows = [r for r in csv.DictReader((runs / "report.csv").open()) if r["experiment"].startswith("good")]
+    assert [(r["experiment"], r["delta_exact_match"]) for r in rows] == [
+        ("good @ one", "0.1"),
+        ("good", "0.25"),
+    ]
+
+
 def test_experiments_sharing_a_base_are_compared_with_it_and_another_base_model_gets_its_own_row(tmp_path):
     plan_of(tmp_path, "a", "b")
     configs = tmp_path / "configs"

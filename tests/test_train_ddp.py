@@ -155,9 +155,14 @@ def test_one_rank_with_twice_the_accumulation_trains_the_adapter_of_two_ranks(tw
     assert_same_adapter(straight, one, relative=1e-4)
 
 
-def test_qlora_trains_as_two_ranks_each_with_its_own_4_bit_base(tiny, tmp_path):
+def test_qlora_trains_as_two_ranks_and_an_elastic_qlora_stage_goes_on_on_one_with_the_same_losses(
+    tiny, tmp_path
+):
     """Each rank loads the 4-bit base onto its own device (device_map {"": local device}) and the ranks
-    train as one: the same losses as one process with the global batch, not 2x the batch on one device."""
+    train as one: the same losses as one process with the global batch, not 2x the batch on one device.
+    The one process is an elastic QLoRA stage (`nodes: 1-2`) stopped at step 4 on two ranks and continued
+    on one accumulating twice: its own 4-bit base, re-quantized on one rank, must take the steps the
+    uninterrupted two ranks took (a resume that lost the 2-rank global batch, or started over, would not)."""
     run_dir = tmp_path / "qlora"
     ranks = run_two_ranks(tiny, run_dir, method="qlora")
     assert [r["outcome"] for r in ranks] == ["completed", "completed"]
@@ -167,12 +172,18 @@ def test_qlora_trains_as_two_ranks_each_with_its_own_4_bit_base(tiny, tmp_path):
         ["cpu", "cpu"],
         STEPS,
     )
-    one = tmp_path / "one"
-    assert run_stage(job(tiny, one, batch_size=8, method="qlora")) == "completed"
-    expected = [r["loss"] for r in read_jsonl(one / "metrics.jsonl") if "loss" in r]
-    actual = [r["loss"] for r in read_jsonl(run_dir / "metrics.jsonl") if "loss" in r]
-    assert len(actual) == len(expected) == STEPS
-    assert actual == pytest.approx(expected, rel=1e-4)
+    elastic = tmp_path / "elastic"
+    stopped = run_two_ranks(tiny, elastic, stop_after={0: 3}, method="qlora")
+    assert [r["outcome"] for r in stopped] == ["interrupted", "interrupted"]
+    on_one = job(tiny, elastic, batch_size=4, method="qlora").model_copy(update={"global_ranks": 2})
+    assert run_stage(on_one) == "completed"
+    summary = json.loads((elastic / "summary.json").read_text())
+    assert summary["resumed_from"].endswith("checkpoint-4") and summary["world_size"] == 1
+    assert (summary["split"]["micro_batch"], summary["split"]["grad_accum"]) == (4, 2)
+    expected = [(r["step"], r["loss"]) for r in read_jsonl(run_dir / "metrics.jsonl") if "loss" in r]
+    actual = [(r["step"], r["loss"]) for r in read_jsonl(elastic / "metrics.jsonl") if "loss" in r]
+    assert [step for step, _ in actual] == [step for step, _ in expected] == list(range(1, STEPS + 1))
+    assert [loss for _, loss in actual] == pytest.approx([loss for _, loss in expected], rel=1e-4)
 
 
 def test_a_stop_seen_by_one_rank_stops_both_at_one_checkpoint_and_resumes_exactly(two_ranks, tiny, tmp_path):
