@@ -18,7 +18,8 @@ time-limit stop, early stopping, pruning, tracking, GPU telemetry, summary.json 
   disables the adapters for the reference forward (`use_adapter(model, None)`). Unset: previous after a
   stage, base for a first one;
 - the accumulated loss: the mean over the optimizer step's pairs, whatever the split into micro-batches and
-  ranks (pair_weight), as an SFT step's is the mean over its target tokens (train/loss.py).
+  ranks (pair_weight), as an SFT step's is the mean over its target tokens (train/loss.py); and TRL's logged
+  per-pair figures (rewards/*, logps/*) the mean over the logged pairs (weigh_by_pairs).
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ def dpo_trainer_class():
 
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
             result = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+            weigh_by_pairs(self._metrics["train" if self.model.training else "eval"], pairs_in(inputs))
             if not self.model.training:  # eval: the batch's mean, as TRL gives it
                 return result
             loss, outputs = result if return_outputs else (result, None)
@@ -70,6 +72,20 @@ def dpo_trainer_class():
             Trainer._save_checkpoint(self, model, trial)  # no model card README in checkpoints/
 
     return PreferenceTrainer
+
+
+# TRL's logged figures that are means over a micro-batch's pairs (trl 1.16 DPOTrainer.compute_loss).
+PER_PAIR = ("rewards/", "logps/")
+
+
+def weigh_by_pairs(metrics: dict[str, list[float]], pairs: int) -> None:
+    """TRL appends each micro-batch's mean of a per-pair figure once and logs the mean of those means, so a
+    short micro-batch (an epoch's last: 2 pairs, then 1) weighed as much as a full one, and the logged
+    rewards moved with `train.micro_batch`. The latest mean counted once per pair of its micro-batch makes
+    the logged figure the mean over the logged pairs (every rank's micro-batch holds as many)."""
+    for key, values in metrics.items():
+        if key.startswith(PER_PAIR) and values:
+            values.extend([values[-1]] * (pairs - 1))
 
 
 def pairs_in(batch) -> int:
