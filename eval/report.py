@@ -98,8 +98,12 @@ def write_report(
     extra = [b | {"task": task} for task in groups if task in published for b in published[task][0]]
     plain = [r for r in rows if r["experiment"] not in sweeps]  # sweep points get their sweep's table
     base_rows = [b for task in groups for b in bases[task]]
-    # Each experiment's evaluated earlier stages just above it (base, SFT, DPO read top to bottom).
-    staged = [line for r in plain for line in [*stages[r["experiment"]], r]]
+    # Each experiment's evaluated earlier stages just above it (base, SFT, DPO read top to bottom); a sweep
+    # point's are left out with it (its sweep's table has none).
+    in_order = [
+        line for r in rows for line in [*([] if r["experiment"] in sweeps else stages[r["experiment"]]), r]
+    ]
+    staged = [line for line in in_order if line["experiment"] not in sweeps]
     columns = with_deltas(present_columns(staged + base_rows), staged)
     extra_columns = sorted({k for r in extra for k in r} - set(columns) - {"name", "task"})
     run_root.mkdir(parents=True, exist_ok=True)
@@ -126,9 +130,6 @@ def write_report(
     md += [f"![loss curves]({p.relative_to(run_root)})" for p in written[:1]]
     root = RunRoot(run_root)
     write_atomic(root.report, "\n".join(md) + "\n")
-    in_order = [
-        line for r in rows for line in [*([] if r["experiment"] in sweeps else stages[r["experiment"]]), r]
-    ]
     write_atomic(root.report_table, csv_text(in_order, extra, sweeps, base_rows))
     return [root.report, root.report_table, *written]
 

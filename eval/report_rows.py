@@ -304,7 +304,7 @@ def with_deltas(columns: list[str], rows: list[dict]) -> list[str]:
 
 def scored_rows(
     jobs: list[JobRun], tasks: dict, base_evals: dict[str, BaseEval], gpu_hour_cost: float | None
-) -> tuple[list[dict], dict[str, list[dict]], dict[str, dict]]:
+) -> tuple[list[dict], dict[str, list[dict]], dict[str, dict], dict[str, list[dict]]]:
     """(each experiment's row with its Δs and cost, each task's base rows, each job's row by its id, each
     experiment's evaluated earlier stages' rows with their Δs against its base)."""
     state_of = {j.id: j.state for j in jobs}
@@ -312,10 +312,8 @@ def scored_rows(
     # (experiment "baselines"), with no adapter to describe; it shows as its own row via base_evals.
     experiments = list(dict.fromkeys(j.experiment for j in jobs if j.kind == "train"))
     job_rows = {j.id: job_row(j) for j in jobs}
-    rows = [
-        experiment_row([j for j in jobs if j.experiment == name], name, job_rows) | {"task": tasks.get(name)}
-        for name in experiments
-    ]
+    jobs_of = {name: [j for j in jobs if j.experiment == name] for name in experiments}
+    rows = [experiment_row(jobs_of[name], name, job_rows) | {"task": tasks.get(name)} for name in experiments]
     scored = {  # each base eval's row, by its job id: one job may serve many experiments
         base.job_id: base_row(base, state_of.get(base.job_id), job_rows)
         for base in base_evals.values()
@@ -324,9 +322,7 @@ def scored_rows(
     stages = {
         row["experiment"]: [
             stage | {"task": row["task"]}
-            for stage in stage_rows(
-                [j for j in jobs if j.experiment == row["experiment"]], row["experiment"], job_rows
-            )
+            for stage in stage_rows(jobs_of[row["experiment"]], row["experiment"], job_rows)
         ]
         for row in rows
     }
