@@ -152,7 +152,7 @@ def tiny_vl_processor(texts: list[str]):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast, Qwen2VLImageProcessorPil
 
-    from train.vl import ImageOnlyQwen2_5_VLProcessor
+    from train.vl_processor import ImageOnlyQwen2_5_VLProcessor
 
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -88,7 +90,11 @@ def tiny() -> dict[str, Path]:
     repo's models/ folder (the demo configs point there; built once, kept while its stamp matches)."""
     from demo.tiny import build_tiny_models
 
-    return build_tiny_models(ROOT / "models")
+    (ROOT / "models").mkdir(exist_ok=True)
+    # pytest-xdist's workers each ask for them at once: one builds, the others then find them up to date.
+    with open(ROOT / "models" / ".build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return build_tiny_models(ROOT / "models")
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -117,6 +123,21 @@ def repository_left_alone():
     yield
     written = sorted(str(path.relative_to(ROOT)) for path in listing() - before)
     assert not written, f"tests wrote into the repository: {written[:10]}"
+
+
+# The whole suite's budget on CI's quiet 2-core machine (README "Tests": what each feature may add to it and
+# how a change measures its share). Printed against the wall time at the end of every run of `make test`.
+SUITE_BUDGET_MIN = 33
+_STARTED = time.monotonic()
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    if hasattr(config, "workerinput"):  # an xdist worker: the controller prints the run's line
+        return
+    wall = time.monotonic() - _STARTED
+    terminalreporter.write_line(
+        f"wall time {int(wall // 60)}:{int(wall % 60):02d}; the whole suite's budget on CI: {SUITE_BUDGET_MIN}:00"
+    )
 
 
 def pytest_collection_modifyitems(config, items):

@@ -4,6 +4,7 @@ same plan on the local backend. Tiny models, real transformers/peft training on 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +19,11 @@ from tests.helpers import DEMO_JOBS, demo_configs, record, slurm_id
 from tests.train_helpers import assert_same_curve, logged_losses, tensorboard_losses
 
 TOKEN = "hf_NotARealTokenForTheDemoJobs"
+
+
+def imported_modules(log: str) -> set[str]:
+    """The modules a process imported, from the lines PYTHONPROFILEIMPORTTIME makes it print."""
+    return set(re.findall(r"^import time:\s+\d+ \|\s+\d+ \|\s*(\S+)$", log, flags=re.M))
 
 
 def scontrol_dependency(job_id: str) -> str:
@@ -113,6 +119,7 @@ def test_demo_on_the_dev_cluster(repo_root, tmp_path, slurm_cluster, tiny, capsy
 @pytest.mark.slow
 def test_demo_runs_locally_without_slurm(repo_root, tmp_path, tiny, monkeypatch, experiments, capsys):
     monkeypatch.chdir(repo_root)
+    monkeypatch.setenv("PYTHONPROFILEIMPORTTIME", "1")  # every job lists what it imports, in its log
     config_dir = demo_configs(repo_root, tmp_path)
     # Two job slots: were `after:` (afterany) ignored, chain-second/train would start beside chain-first/train.
     write_cluster_yaml(config_dir.parent, tmp_path, local_parallel_jobs=2)
@@ -132,6 +139,23 @@ def test_demo_runs_locally_without_slurm(repo_root, tmp_path, tiny, monkeypatch,
     second_pid = record(tmp_path, "chain-second/train")["job_id"]
     second_call = JobPaths(tmp_path / "logs" / "chain-second" / "train", second_pid).submitted_pickle
     assert first_end < second_call.stat().st_mtime_ns
+
+    # A LoRA job imports what its stage uses (train/libraries.py): not bitsandbytes (peft would load it, and
+    # torch's compiler with it), TRL or the VL processor; an eval job not the training recipe either.
+    for plan_id in ("chain-first/train", "chain-first/eval"):
+        (log,) = (tmp_path / "logs" / plan_id).glob("*_log.out")
+        imported = imported_modules(log.read_text())
+        assert "train.stage" in imported or "eval.job" in imported  # the listing is there to read
+        # A package's submodules are listed only when it loaded: the hidden one's failed import is listed too.
+        loaded = {
+            m for m in imported if m.startswith(("bitsandbytes.", "trl.", "transformers.models.qwen2_5_vl."))
+        }
+        assert not loaded and "train.vl_processor" not in imported
+    assert "train.recipe" not in imported_modules(log.read_text())  # the eval job's
+    # The CPU it spent before its first step is logged and kept (bench/job_start.py reads it).
+    summary = json.loads((tmp_path / "runs" / "chain-first" / "train" / "summary.json").read_text())
+    (train_log,) = (tmp_path / "logs" / "chain-first" / "train").glob("*_log.out")
+    assert summary["startup_cpu_s"] > 0 and "first step:" in train_log.read_text()
 
     # Each eval job timed itself into the speed book: the next plan estimates eval jobs from it.
     eval_rows = read_eval_book(tmp_path / "runs" / "speeds.jsonl")

@@ -25,6 +25,7 @@ ALLOWED = {
 CROSSING = {
     ("launch", "slurm.cli"),  # the door
     ("slurm.queueing.jobs", "train.stage"),  # a job's entry points, run on the node
+    ("slurm.queueing.jobs", "train.libraries"),  # what a job may import, decided before it imports it
     ("slurm.queueing.jobs", "eval.job"),
     ("slurm.queueing.jobs", "eval.export"),
     ("slurm.planning.preflight", "train.preflight"),  # login-node preflight (torch on a cache miss only)

@@ -115,7 +115,7 @@ def test_tiny_qwen_vl_reloads_through_the_auto_classes_and_generates_from_an_ima
 
     from core.config import ModelSpec
     from train.chat import rendered, with_image
-    from train.vl import load_processor
+    from train.vl_processor import load_processor
 
     processor = load_processor(str(built["tiny-qwen-vl"]), ModelSpec(name_or_path="x", kind="image-text"))
     model = AutoModelForImageTextToText.from_pretrained(built["tiny-qwen-vl"])

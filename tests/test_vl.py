@@ -20,7 +20,7 @@ SHAPES = Path(__file__).resolve().parent.parent / "data" / "demo" / "shapes"
 
 @pytest.fixture(scope="module")
 def processor(tiny):
-    from train.vl import load_processor
+    from train.vl_processor import load_processor
 
     return load_processor(str(tiny["tiny-qwen-vl"]), ModelSpec(name_or_path="x", kind="image-text"))
 
@@ -285,7 +285,8 @@ def test_the_shipped_shapes_regenerate_byte_for_byte_and_dev_shares_no_image_wit
 def test_pixel_bounds_set_the_image_tokens_and_travel_with_the_saved_processor(tiny, tmp_path):
     from PIL import Image
 
-    from train.vl import image_tokens, load_processor
+    from train.vl import image_tokens
+    from train.vl_processor import load_processor
 
     image = tmp_path / "big.png"
     Image.new("RGB", (112, 112), "white").save(image)
@@ -316,7 +317,8 @@ def test_a_stock_qwen_processor_loads_its_image_part_where_torchvision_is_missin
     from PIL import Image
     from transformers import Qwen2_5_VLProcessor
 
-    from train.vl import ImageOnlyQwen2_5_VLProcessor, image_tokens, load_processor
+    from train.vl import image_tokens
+    from train.vl_processor import ImageOnlyQwen2_5_VLProcessor, load_processor
 
     stock = tmp_path / "stock"
     shutil.copytree(tiny["tiny-qwen-vl"], stock)

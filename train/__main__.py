@@ -21,8 +21,11 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from core.config import TrainJob
     from core.writer_lock import FolderHeld, hold_folder
+    from train.libraries import hide, unused_libraries
 
-    job = TrainJob.model_validate(yaml.safe_load(Path(argv[0]).read_text()))
+    spec = yaml.safe_load(Path(argv[0]).read_text())
+    hide(unused_libraries(spec))  # before peft is imported (train/libraries.py)
+    job = TrainJob.model_validate(spec)
     try:
         with hold_folder(Path(job.run_dir)):  # before torch loads: a refusal comes at once
             outcome = train(job)

@@ -8,6 +8,7 @@ import json
 import logging
 import math
 import os
+import resource
 import threading
 import time
 from datetime import datetime, timezone
@@ -329,10 +330,21 @@ class StageTimer(TrainerCallback):
         self.first_step: int | None = None
         self.last_step = 0
         self.startup_s = 0.0
+        self.startup_cpu_s: float | None = None  # this process's CPU (user + sys) before its first step
         self.stepping_s = 0.0
         self.eval_s: list[float] = []
         self.save_s: list[float] = []
         self.last_event = time.time()
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if self.startup_cpu_s is None:
+            self.startup_cpu_s = process_cpu_s()
+            # What every start (and requeue) of a job costs before it trains: imports, loading, tokenizing.
+            log.info(
+                "first step: %.2f s of CPU (user + sys) spent by this process before it, %.2f s wall",
+                self.startup_cpu_s,
+                time.time() - process_started_at(),
+            )
 
     def on_step_end(self, args, state, control, **kwargs):
         now = time.time()
@@ -357,6 +369,12 @@ class StageTimer(TrainerCallback):
     @property
     def steps_timed(self) -> int:
         return self.last_step - (self.first_step if self.first_step is not None else self.last_step)
+
+
+def process_cpu_s() -> float:
+    """CPU seconds (user + sys) this process has used so far, all its threads, none of its children."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def process_started_at() -> float:

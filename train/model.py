@@ -44,7 +44,9 @@ def load_tokenizer(source: str, spec: ModelSpec, data: DataSpec | None = None):
     """The tokenizer; for image-text the processor (tokenizer + image processor, with data's pixel bounds).
     Conversations' chat template is set on it here (train/chat.py), so it is saved with the adapter."""
     if spec.kind == "image-text":
-        tokenizer = vl.load_processor(source, spec, data)
+        from train.vl_processor import load_processor  # Qwen's processors: image-text jobs only
+
+        tokenizer = load_processor(source, spec, data)
     else:
         revision = spec.revision if source == spec.name_or_path else None
         with fetch_hint(source, revision):

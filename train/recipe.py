@@ -692,6 +692,9 @@ class StageRecipe:
             "init_adapter": self.job.init_adapter,
             "resumed_from": str(self.resume_from) if self.resume_from else None,
             "num_input_tokens_seen": state.num_input_tokens_seen,
+            # this process's start-up (the last one's, after a requeue): wall and CPU to its first step
+            "startup_s": round(self.timer.startup_s, 2),
+            "startup_cpu_s": self.timer.startup_cpu_s and round(self.timer.startup_cpu_s, 2),
             "split": self.split.as_json(),  # the micro-batch, accumulation and checkpointing that ran, and why
             **self.method_summary(),
         }

@@ -30,6 +30,7 @@ from slurm.cluster.rendezvous import (
     same_on_every_node,
     tasks_per_node,
 )
+from train.libraries import hide, unused_libraries
 
 log = logging.getLogger("slurm.queueing.jobs")
 
@@ -59,6 +60,7 @@ class StageJob(submitit.helpers.Checkpointable):
         # The GPUs SLURM or the local backend gave this task, as it got them (torch renumbers them).
         log.info("CUDA_VISIBLE_DEVICES=%s", os.environ.get("CUDA_VISIBLE_DEVICES", "(not set)"))
         _use_allocated_cpus()  # before torch is imported
+        hide(unused_libraries(spec))  # before peft is imported: a LoRA job never loads bitsandbytes
         folder = Path(spec.get("run_dir") or spec["out_dir"])
         refuse_links_in(folder)
         if not self.holds_folder:
