@@ -217,11 +217,15 @@ def run(args) -> int:
     import yaml
     from pydantic import ValidationError
 
+    from train.libraries import hide, unused_libraries
+
     try:
-        job = EvalJob.model_validate(yaml.safe_load(args.config.read_text(encoding="utf-8")))
+        spec = yaml.safe_load(args.config.read_text(encoding="utf-8"))
+        job = EvalJob.model_validate(spec)
     except (OSError, yaml.YAMLError, ValidationError) as exc:
         print(f"error: {args.config}: not an eval job's config.yaml ({exc})", file=sys.stderr)
         return 2
+    hide(unused_libraries(spec))  # before peft is imported, as a job does (train/libraries.py)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from eval.score import UnscoredError
 

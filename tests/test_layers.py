@@ -40,6 +40,7 @@ CROSSING = {
     ("eval.generate", "train.model"),
     ("eval.generate", "train.vl"),
     ("eval.job", "train.callbacks"),
+    ("eval.job", "train.libraries"),  # `python -m eval generate` hides what the job would
     ("eval.job", "train.data"),
 }
 

@@ -19,8 +19,7 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-
-import datasets
+from typing import TYPE_CHECKING
 
 from core import below, preferences
 from core.config import DataSpec
@@ -31,6 +30,9 @@ from core.layout import cache_root
 from core.names import PREFERENCE
 from train import chat
 
+if TYPE_CHECKING:  # imported where used: an eval job reads prompts without loading datasets
+    import datasets
+
 log = logging.getLogger("train.data")
 FIXED_LENGTHS = (128, 256, 512, 1024, 2048)
 CACHE_VERSION = 3  # bump whenever encode() changes what it produces: old cache entries are then ignored
@@ -39,6 +41,8 @@ CACHE_VERSION = 3  # bump whenever encode() changes what it produces: old cache 
 # ---- rows and prompts ---------------------------------------------------------------------------------
 def load_hf(source: str) -> datasets.Dataset:
     """`hf:NAME:SPLIT` or `hf:NAME:CONFIG:SPLIT` (split defaults to train); honours HF_DATASETS_OFFLINE."""
+    import datasets
+
     parts = source[3:].split(":")
     name, config = parts[0], parts[1] if len(parts) == 3 else None
     return datasets.load_dataset(name, config, split=parts[-1] if len(parts) > 1 else "train")
@@ -209,6 +213,8 @@ def cache_key(source: str, spec: DataSpec, tokenizer, kind: str) -> str:
 
 def tokenized(source: str, spec: DataSpec, tokenizer, kind: str) -> datasets.Dataset:
     """The tokenized examples of one file, from the disk cache when nothing that matters changed."""
+    import datasets  # here, not at the top: an eval job reads prompts through this module without it
+
     key = cache_key(source, spec, tokenizer, kind)
     folder = cache_root() / "tokenized" / key
     if templated(

@@ -18,13 +18,15 @@ from __future__ import annotations
 import logging
 import re
 from pathlib import Path
-
-import datasets
+from typing import TYPE_CHECKING
 
 from core.config import DataSpec
 from core.examples import image_path
 from train import chat
 from train.data import FIXED_LENGTHS, LengthReport, round_up
+
+if TYPE_CHECKING:  # imported where used: an eval job reads prompts without loading datasets
+    import datasets
 
 log = logging.getLogger("train.vl")
 
@@ -52,6 +54,8 @@ def examples(source: str, spec: DataSpec, processor, limit: int | None = None) -
     """One row per example: text (the conversation through the processor's chat template, one image
     placeholder in its first user turn), input_ids and labels of that text (answers only, train/chat.py),
     image (absolute path), length (text + image tokens) and target_length (labelled tokens)."""
+    import datasets
+
     from train.data import read_rows, turns_of
 
     rows = read_rows(source, spec)[:limit]
