@@ -31,13 +31,15 @@ cluster:
 cluster-down:
 	bash slurm/dev-cluster/down.sh $(STATE)
 
-test: venv cluster
-	SLURM_DEV_STATE=$(STATE) $(PY) -m pytest -q
+# Two pytest-xdist workers: the cluster tests in order on one (tests/conftest.py groups them), the rest on
+# the other and on the first when it is free. The tiny models are built before the workers start.
+test: venv models/.built cluster
+	SLURM_DEV_STATE=$(STATE) $(PY) -m pytest -q -n 2 --dist loadgroup
 
-# The developer's loop, under two minutes: every test that needs no SLURM cluster and trains or launches
-# for less than a couple of seconds (the `slow` ones, end-to-end runs, DDP, resumes, run in make test).
-test-fast: venv
-	$(PY) -m pytest -q -m "not cluster and not slow" -p no:cacheprovider
+# The developer's loop, under two minutes: every test that needs no SLURM cluster and takes under a second
+# (`slow` marks the rest: end-to-end runs, DDP, resumes, anything over 1 s in --durations=0; make test runs them).
+test-fast: venv models/.built
+	$(PY) -m pytest -q -n 2 -m "not cluster and not slow" -p no:cacheprovider
 
 lint: venv
 	$(PY) -m ruff check . && $(PY) -m ruff format --check .

@@ -140,11 +140,17 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     )
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups (--dist loadgroup)
 def pytest_collection_modifyitems(config, items):
-    """`cluster` marks every test that needs the dev SLURM cluster: `make test-fast` leaves them out."""
+    """`cluster` marks every test that needs the dev SLURM cluster: `make test-fast` leaves them out.
+
+    Under pytest-xdist (`make test`: two workers) every cluster test is in one group, so one worker runs
+    them in order, one at a time, as they were written to run (a test counts the node's free GPUs, waits on
+    SLURM's whole-minute limits, times its own job), while the other worker runs the rest beside it."""
     for item in items:
         if {"slurm_cluster", "two_node_cluster"} & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.cluster)
+            item.add_marker(pytest.mark.xdist_group("cluster"))
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)

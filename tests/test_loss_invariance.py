@@ -163,5 +163,10 @@ def test_the_adapter_does_not_depend_on_the_split_nor_on_the_ranks(splits):
     to the rounding while one rank took another rank's examples would still differ here."""
     kind, figures = splits
     reference = Path(figures["8x1"]["adapter"])
+    # Under transformers 5.25 (5.24 held 1e-4) one coordinate of the VL adapter's 16,384, layer 0's
+    # v_proj lora_A[4, 1], ends 1.3e-4 apart between the splits while every other agrees within 1e-6: its
+    # gradient is at rounding level, and Adam's m/sqrt(v) turns rounding into a step. Taking another rank's
+    # examples moves every tensor by ~1e-2, far past either bound.
+    relative = 2e-4 if kind == "image-text" else 1e-4
     for split in figures.values():
-        assert_same_adapter(reference, Path(split["adapter"]), relative=1e-4)
+        assert_same_adapter(reference, Path(split["adapter"]), relative=relative)

@@ -1,0 +1,125 @@
+"""What a job's start costs, in CPU seconds (user + sys): figures, not a test (issue 47's targets).
+
+    python -m bench.job_start                    # 3 runs of each figure; medians
+    python -m bench.job_start --against DIR      # interleaved with the checkout at DIR (e.g. a worktree of an
+                                                 # earlier commit, sharing this venv), paired run by run
+
+Figures, each in fresh processes, as a job or a user pays them:
+- imports: what a LoRA training job imports before it does anything (slurm.queueing.jobs, train.stage),
+  with what the checkout hides from such a job (train/libraries.py, where it exists);
+- first step: the CPU a tiny LoRA training job spent before its first step (summary.json `startup_cpu_s`,
+  logged at that step; "n/a" for a checkout that does not record it). Target <= 5 s;
+- launch: `launch.py --exp sql-t5-lora --config-dir configs/demo --backend local --wait` on 32 training rows,
+  1 epoch, 4 eval prompts: the launcher and every process under it (its jobs, their submitit controllers).
+  Target <= 13 s.
+Measure on a quiet machine (README "Tests": load < 0.5 at the start). The demo's tiny models must be built
+(`python -m demo.tiny models`) in each checkout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+IMPORTS = """\
+try:
+    from train.libraries import hide, unused_libraries
+    hide(unused_libraries({"adapter": {"method": "lora"}}))
+except ImportError:
+    pass
+import slurm.queueing.jobs, train.stage
+"""
+
+
+def children_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def cpu_of(argv: list[str], cwd: Path) -> float:
+    """CPU seconds of a command and of every process under it that was waited for (a job's controller
+    waits for its task, the launcher for its controllers)."""
+    before = children_cpu_s()
+    done = subprocess.run(argv, cwd=cwd, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"{' '.join(argv)} failed in {cwd}:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
+    return children_cpu_s() - before
+
+
+def import_cpu_s(checkout: Path) -> float:
+    return cpu_of([sys.executable, "-c", IMPORTS], checkout)
+
+
+def launch_cpu_s(checkout: Path) -> tuple[float, float | None]:
+    """(the launch's CPU with its children, the training job's CPU before its first step)."""
+    with tempfile.TemporaryDirectory(prefix="job-start-") as tmp:
+        folder = Path(tmp)
+        configs = folder / "configs"
+        shutil.copytree(checkout / "configs" / "demo", configs)
+        shutil.copy(checkout / "configs" / "base.yaml", configs)
+        (configs / "cluster.yaml").write_text(f"run_dir: {folder / 'runs'}\nlog_dir: {folder / 'logs'}\n")
+        rows = (checkout / "data" / "demo" / "sql" / "train.jsonl").read_text().splitlines()[:32]
+        (folder / "train.jsonl").write_text("\n".join(rows) + "\n")
+        argv = [sys.executable, "launch.py", "--exp", "sql-t5-lora", "--config-dir", str(configs)]
+        argv += ["--backend", "local", "--wait", f"data.train={folder / 'train.jsonl'}"]
+        argv += ["train.epochs=1", "eval.limit=4"]
+        cpu = cpu_of(argv, checkout)
+        summary = json.loads((folder / "runs" / "sql-t5-lora" / "train" / "summary.json").read_text())
+        return cpu, summary.get("startup_cpu_s")
+
+
+def measure(checkout: Path) -> dict[str, float | None]:
+    launched, first_step = launch_cpu_s(checkout)
+    return {"imports": import_cpu_s(checkout), "first step": first_step, "launch": launched}
+
+
+def median(values: list) -> float | None:
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known else None
+
+
+def text(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.2f}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.job_start", description=__doc__.splitlines()[0])
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--against", type=Path, help="another checkout, measured in turn with this one")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    checkouts = {"this": ROOT} | ({"against": args.against.resolve()} if args.against else {})
+    runs: dict[str, list[dict]] = {name: [] for name in checkouts}
+    for _ in range(args.repeat):
+        for name, checkout in checkouts.items():  # interleaved: a drift in the machine's speed hits both
+            runs[name].append(measure(checkout))
+    figures = {
+        name: {key: median([run[key] for run in rows]) for key in rows[0]} for name, rows in runs.items()
+    }
+    if args.json:
+        print(json.dumps({"runs": runs, "medians": figures}, indent=1))
+        return 0
+    print(f"CPU seconds (user + sys), median of {args.repeat}:")
+    for key in ("imports", "first step", "launch"):
+        line = f"  {key:<11} " + "  ".join(f"{name} {text(figures[name][key])}" for name in checkouts)
+        if args.against:
+            pairs = [
+                a[key] / b[key]
+                for a, b in zip(runs["this"], runs["against"], strict=True)
+                if a[key] is not None and b[key]
+            ]
+            line += f"  (this/against, pair by pair: {' '.join(f'{p:.2f}' for p in pairs) or 'n/a'})"
+        print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
