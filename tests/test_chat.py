@@ -382,6 +382,7 @@ def test_chatml_on_a_local_folder_without_its_markers_is_refused_by_the_dry_run(
     )
 
 
+@pytest.mark.slow
 def test_a_hub_model_without_a_template_is_refused_by_preflight_once_its_tokenizer_is_here(tiny, tmp_path):
     """The login node knows a hub model's tokenizer once preflight fetched it: it is refused then, before
     anything is queued, not on the node after hours in the queue."""

@@ -242,6 +242,7 @@ def test_a_dry_run_after_the_run_shows_what_a_relaunch_would_do_and_only_what_is
     assert "REFUSED" in out and "a launch would refuse" in err and "train.learning_rate" in err
 
 
+@pytest.mark.slow
 def test_watching_shows_what_the_run_root_holds_not_only_the_default_config_folder(
     repo_root, tmp_path, tiny, monkeypatch, capsys
 ):

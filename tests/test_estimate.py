@@ -343,6 +343,7 @@ def test_dry_run_json_has_estimates_limits_makespan_and_gpu_hours(tmp_path, caps
     )
 
 
+@pytest.mark.slow
 def test_a_finished_stage_appends_a_speed_book_row_the_next_plan_uses(tiny, tmp_path):
     from tests.train_helpers import make_job, sql_data
     from train.recipe import run_stage

@@ -124,6 +124,7 @@ def test_malformed_json_line_names_file_and_line(repo_root, tmp_path):
     assert_user_error(run_score(repo_root, *args), f"{pred}:2:", "not valid JSON")
 
 
+@pytest.mark.slow
 def test_row_without_the_field_and_duplicate_ids(repo_root, tmp_path):
     args = pair_files(tmp_path, {1: "a"}, {1: "a"})
     ref = tmp_path / "ref.jsonl"
@@ -133,6 +134,7 @@ def test_row_without_the_field_and_duplicate_ids(repo_root, tmp_path):
     assert_user_error(run_score(repo_root, *args), f"{ref}:1:", '"reference"')
 
 
+@pytest.mark.slow
 def test_metric_mistakes(repo_root, tmp_path):
     args = pair_files(tmp_path, {1: "a"}, {1: "a"})
     assert_user_error(run_score(repo_root, *args, "--metrics", "sql_exec"), "--metrics", "needs --db")
@@ -143,6 +145,7 @@ def test_metric_mistakes(repo_root, tmp_path):
     )
 
 
+@pytest.mark.slow
 def test_database_mistakes(repo_root, tmp_path):
     args = [*pair_files(tmp_path, {1: "SELECT 1"}, {1: "SELECT 1"}), "--metrics", "sql_exec", "--db"]
     missing = tmp_path / "absent.sqlite"

@@ -120,6 +120,7 @@ def reloaded(out_dir: Path, kind: str):
 
 
 @pytest.mark.parametrize("name", ["causal-lora", "seq2seq-lora"])
+@pytest.mark.slow
 def test_the_export_loads_without_peft_and_generates_as_the_adapter_on_its_base(tiny, stage, name):
     stage_dir, out_dir, result = stage(name)
     kind = STAGES[name][0]
@@ -136,6 +137,7 @@ def test_the_export_loads_without_peft_and_generates_as_the_adapter_on_its_base(
     assert (result.agreement, result.skipped) == (1.0, False) and result.max_logit_diff < 1e-5
 
 
+@pytest.mark.slow
 def test_a_qlora_export_is_merged_into_the_4bit_weights_it_trained_on_and_predicts_as_its_eval(tiny, stage):
     # Before: merged into the original unquantized weights, which the adapter never saw; a tiny QLoRA
     # model so exported agreed with its own eval on 2 of 8 prompts.
@@ -279,6 +281,7 @@ def fake_llama_cpp(tmp_path: Path) -> Path:
     return folder
 
 
+@pytest.mark.slow
 def test_gguf_runs_the_converter_in_llama_cpp_dir_by_hand_and_names_the_command_without_one(
     stage, tmp_path, monkeypatch, capsys
 ):

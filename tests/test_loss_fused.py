@@ -115,6 +115,7 @@ def test_an_adapted_output_layer_is_not_fused(tiny):
     assert "output layer" in fusable(new_adapter(base, spec, "causal"))
 
 
+@pytest.mark.slow
 def test_the_memory_model_knows_the_fused_path_saves_the_logits(tmp_path):
     """Qwen's 152k vocabulary on a small model: the logits and the loss are most of the step, and a fused
     loss removes them (preflight counts them; the GPU check compares with the measured peak)."""

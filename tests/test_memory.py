@@ -218,6 +218,7 @@ def test_qlora_7b_weights_count_what_prepare_model_for_kbit_training_holds(tmp_p
     assert 7.6 < weights < 7.8, weights
 
 
+@pytest.mark.slow
 def test_a_dpo_step_is_estimated_as_two_sequences_per_pair_with_the_reference_forward(tiny, tmp_path):
     """TRL's own DPO step (chosen and rejected as one batch of 8 sequences, the reference forward while the
     policy's activations are alive, the backward) on 4 pairs of 64 tokens with 16-token answers, measured
@@ -237,6 +238,7 @@ def test_a_dpo_step_is_estimated_as_two_sequences_per_pair_with_the_reference_fo
     assert (as_sft.train_gb - CUDA_RESERVE_GB) * GB < 0.9 * actual["train"]  # the gap this closes
 
 
+@pytest.mark.slow
 def test_preflight_judges_a_dpo_stage_at_its_pairs_lengths_instead_of_refusing_its_data(tiny, tmp_path):
     """Before: preflight counted a pair's labels, which pairs do not have ("Column 'labels' doesn't
     exist"): the stage's data read as refused and its memory was never judged."""

@@ -150,6 +150,7 @@ def test_a_job_refuses_a_link_planted_in_its_folder_after_its_launch(tmp_path):
         refuse_links_in(stage)
 
 
+@pytest.mark.slow
 def test_the_links_wandb_and_submitit_make_themselves_are_no_planted_links(tmp_path):
     # Found by the suite: submitit keeps .submission_file_UUID.sh in every SLURM job's log folder, and a
     # real offline W&B run leaves latest-run, debug.log and its logs' debug-core.log (to W&B's own cache).

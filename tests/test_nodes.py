@@ -317,6 +317,7 @@ def free_port() -> int:
     ],
     ids=["unreachable master", "a rank that never joins"],
 )
+@pytest.mark.slow
 def test_a_group_that_cannot_form_fails_within_the_join_timeout_naming_rank_and_address(
     monkeypatch, rank, address, said
 ):

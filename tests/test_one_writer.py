@@ -66,6 +66,7 @@ def held_by_another_process(folder: Path, job_id: str):
         child.wait()
 
 
+@pytest.mark.slow
 def test_second_trainer_in_same_folder_refused_naming_holder(tmp_path):
     folder = tmp_path / "runs" / "exp" / "train"
     with held_by_another_process(folder, "111") as first:
@@ -138,6 +139,7 @@ def test_kill9_of_local_job_pid_leaves_no_orphan_trainer(tmp_path):
                 os.kill(pid, signal.SIGKILL)
 
 
+@pytest.mark.slow
 def test_status_retry_and_cancel_see_a_live_trainer_whose_controller_was_killed(tmp_path, capsys):
     # The orphan is a job as older code (or a system without PR_SET_PDEATHSIG) leaves it: a real task
     # under a real controller killed with SIGKILL, holding its folder, with nothing to end it.
@@ -175,6 +177,7 @@ def test_status_retry_and_cancel_see_a_live_trainer_whose_controller_was_killed(
             os.kill(task, signal.SIGKILL)
 
 
+@pytest.mark.slow
 def test_a_trainer_started_by_hand_in_a_held_folder_refuses_naming_the_holder(tmp_path, tiny, capsys):
     import yaml
 

@@ -367,6 +367,7 @@ def test_an_eval_scoring_model_that_could_not_be_fetched_refuses_the_launch(
     assert not (tmp_path / "runs" / "scored").exists()
 
 
+@pytest.mark.slow
 def test_a_model_config_missing_here_is_refused_with_the_command_that_fetches_it(repo_root, tmp_path):
     env = os.environ | {"HF_HUB_CACHE": str(hub_cache(tmp_path / "hub")), "LORA_CACHE_DIR": str(tmp_path)}
     command = [sys.executable, "launch.py", "--exp", "qwen-random", "--preflight", "model.revision=v2.0"]
@@ -415,6 +416,7 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", CASES)
+@pytest.mark.slow
 def test_preflight_counts_what_the_trainer_counts(case, tiny, tmp_path):
     """Added-token rows, a full modules_to_save layer, a 4-bit base: the trainer's setup counts the same."""
     from tests.train_helpers import make_job, model_spec

@@ -447,6 +447,7 @@ def md_line(report: str, start: str) -> str:
     return next(line for line in report.splitlines() if line.startswith(start))
 
 
+@pytest.mark.slow
 def test_a_sweep_is_one_row_per_point_with_mean_and_sample_std_of_its_seeds_and_the_best_marked(tmp_path):
     # Before: every replicate was its own row of the task's table, six rows to compare by eye.
     plan, sweeps = sweep_plan(tmp_path)
@@ -498,6 +499,7 @@ def test_a_point_with_a_failed_seed_says_2_of_3_done_and_is_not_selected_on_a_me
     assert "Replicates not complete: lr-lr3e-04-r8-s3 (missing: one FAILED, eval BLOCKED)." in report
 
 
+@pytest.mark.slow
 def test_a_sweep_is_never_selected_on_a_test_split(tmp_path):
     # No `seeds:`: each point is one run, its cells the value itself (no ± of one number).
     plan, sweeps = sweep_plan(tmp_path, ", select: {metric: exact_match, mode: max}")
@@ -533,6 +535,7 @@ def test_a_sweep_is_never_selected_on_a_test_split(tmp_path):
     assert "✓" not in report and "none marked: the selection cannot be made on the training data" in report
 
 
+@pytest.mark.slow
 def test_report_csv_keeps_each_seeds_row_with_its_sweep_point_seed_and_swept_values(tmp_path):
     plan, sweeps = sweep_plan(tmp_path)
     runs = tmp_path / "runs"
@@ -804,6 +807,7 @@ def test_a_baselines_eval_job_without_a_train_job_does_not_crash_the_report(tmp_
     assert "| baselines/abc123 | COMPLETED |" in report  # the job itself is in the job table
 
 
+@pytest.mark.slow
 def test_a_sweep_points_delta_is_the_mean_of_its_seeds_minus_the_base(tmp_path):
     plan, sweeps = sweep_plan(tmp_path)
     plan, base = with_base_job(plan, "plain/eval", "abc123")
@@ -842,6 +846,7 @@ def test_a_sweep_points_delta_is_the_mean_of_its_seeds_minus_the_base(tmp_path):
         ", seeds: [1, 2, 3], select: {metric: exact_match, mode: max}",
     ],
 )
+@pytest.mark.slow
 def test_a_point_whose_score_is_nan_is_never_marked_best(tmp_path, more):
     """Before: min() over the means kept a NaN met first (a NaN compares false with everything): a point
     whose loss diverged to NaN was marked best."""

@@ -21,6 +21,7 @@ from train.recipe import run_stage
 from train.tracking import StageTensorBoard, wandb_run_id
 
 
+@pytest.mark.slow
 def test_tensorboard_is_on_by_default_and_equals_metrics_jsonl(tiny, tmp_path):
     run_dir = tmp_path / "run"
     assert run_stage(make_job(tiny, run_dir, max_steps=6)) == "completed"
@@ -54,6 +55,7 @@ def test_a_resumed_run_hides_the_steps_the_interrupted_one_logged_after_its_chec
     ]
 
 
+@pytest.mark.slow
 def test_an_interrupted_and_resumed_stage_shows_each_step_once(tiny, tmp_path):
     run_dir = tmp_path / "run"
     job = make_job(tiny, run_dir, max_steps=10, save_every_steps=4)
@@ -63,6 +65,7 @@ def test_an_interrupted_and_resumed_stage_shows_each_step_once(tiny, tmp_path):
     assert [step for step, _ in tensorboard_losses(run_dir)] == list(range(1, 11))
 
 
+@pytest.mark.slow
 def test_a_curriculum_continues_one_step_axis(tiny, tmp_path):
     first, second = tmp_path / "part1", tmp_path / "part2"
     assert run_stage(make_job(tiny, first, max_steps=3)) == "completed"

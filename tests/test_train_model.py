@@ -62,6 +62,7 @@ def test_full_embedding_matrices_are_refused_naming_them(tiny, tmp_path):
 
 
 @pytest.mark.parametrize("kind", ["causal", "seq2seq"])
+@pytest.mark.slow
 def test_added_token_round_trip_in_the_one_load_order(tiny, tmp_path, kind):
     spec = ModelSpec(**model_spec(tiny, kind, added_tokens=["<sql>"]))
     assert run_stage(make_job(tiny, tmp_path, kind, model=spec.model_dump(), max_steps=4)) == "completed"

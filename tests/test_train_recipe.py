@@ -23,6 +23,7 @@ from train.recipe import StageRecipe, run_stage
 TRAIN_ROW = {"step", "epoch", "loss", "learning_rate", "grad_norm", "tokens_per_s", "samples_per_s", "time"}
 
 
+@pytest.mark.slow
 def test_short_run_learns_and_writes_the_run_directory(tiny, tmp_path):
     job = make_job(tiny, tmp_path, max_steps=30, logging_steps=5)
     assert run_stage(job) == "completed"
@@ -79,6 +80,7 @@ def lora_tensors(model) -> dict[str, torch.Tensor]:
     }
 
 
+@pytest.mark.slow
 def test_stage_two_continues_stage_one_adapter(tiny, tmp_path):
     assert run_stage(make_job(tiny, tmp_path / "one")) == "completed"
     stage_one = load_file(str(tmp_path / "one" / "adapter" / "adapter_model.safetensors"))
@@ -98,6 +100,7 @@ def test_stage_two_continues_stage_one_adapter(tiny, tmp_path):
     assert any(not torch.equal(stage_two[k], stage_one[k]) for k in stage_one)  # and it kept training
 
 
+@pytest.mark.slow
 def test_seq2seq_eval_early_stopping_keeps_best_and_newest(tiny, tmp_path):
     job = make_job(
         tiny,
@@ -121,6 +124,7 @@ def test_seq2seq_eval_early_stopping_keeps_best_and_newest(tiny, tmp_path):
     assert {step_of(c) for c in checkpoints(tmp_path / "checkpoints")} == {summary["global_step"], best_step}
 
 
+@pytest.mark.slow
 def test_evals_fall_on_epoch_ends_with_gradient_accumulation(tiny, tmp_path):
     # 240 examples in batches of 8: 30 batches an epoch; 4 per step: 7 full steps and a last one of 2
     # batches, which the Trainer still takes. Epoch ends at steps 8 and 16, not 7 and 14.
