@@ -3,6 +3,7 @@
     python -m bench.job_start                    # 3 runs of each figure; medians
     python -m bench.job_start --against DIR      # interleaved with the checkout at DIR (e.g. a worktree of an
                                                  # earlier commit, sharing this venv), paired run by run
+    python -m bench.job_start --imports          # what each library adds to a job's imports
 
 Figures, each in fresh processes, as a job or a user pays them:
 - imports: what a LoRA training job imports before it does anything (slurm.queueing.jobs, train.stage),
@@ -37,6 +38,41 @@ except ImportError:
     pass
 import slurm.queueing.jobs, train.stage
 """
+
+
+# What each library adds to a job's imports, in the order a job meets them (each step's CPU seconds over the
+# steps before it, in one fresh process). The first step hides bitsandbytes as a LoRA job does; BITSANDBYTES
+# measures what `import peft` costs where it is not hidden (a QLoRA job, or this project before issue 47).
+STEPS = {
+    "torch": "import torch",
+    "transformers.modeling_utils": "import transformers.modeling_utils",
+    "peft": "import peft",
+    "datasets (training jobs only)": "import datasets",
+    "transformers.trainer (training jobs only)": "import transformers.trainer",
+    "eval metrics (rouge-score, sacrebleu)": "import eval.metrics",
+    "trl (DPO only)": "import trl",
+    "Qwen-VL processors (image-text only)": "import train.vl_processor",
+}
+BREAKDOWN = """import json, resource, sys
+def cpu():
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+if {hide!r}:
+    sys.modules["bitsandbytes"] = None
+figures, last = {{}}, cpu()
+for name, code in {steps!r}.items():
+    exec(code)
+    figures[name], last = cpu() - last, cpu()
+print(json.dumps(figures))
+"""
+
+
+def import_breakdown(checkout: Path, hide: bool = True) -> dict[str, float]:
+    code = BREAKDOWN.format(hide=hide, steps=STEPS)
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=checkout, capture_output=True, text=True, check=True
+    )
+    return json.loads(done.stdout.splitlines()[-1])
 
 
 def children_cpu_s() -> float:
@@ -95,7 +131,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--against", type=Path, help="another checkout, measured in turn with this one")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--imports", action="store_true", help="only what each library adds to the imports")
     args = parser.parse_args(argv)
+    if args.imports:
+        return print_breakdown(args.repeat)
     checkouts = {"this": ROOT} | ({"against": args.against.resolve()} if args.against else {})
     runs: dict[str, list[dict]] = {name: [] for name in checkouts}
     for _ in range(args.repeat):
@@ -118,6 +157,17 @@ def main(argv: list[str] | None = None) -> int:
             ]
             line += f"  (this/against, pair by pair: {' '.join(f'{p:.2f}' for p in pairs) or 'n/a'})"
         print(line)
+    return 0
+
+
+def print_breakdown(repeat: int) -> int:
+    hidden = [import_breakdown(ROOT) for _ in range(repeat)]
+    shown = [import_breakdown(ROOT, hide=False) for _ in range(repeat)]
+    print(f"CPU seconds each import adds, in this order, median of {repeat}:")
+    for name in STEPS:
+        print(f"  {name:<40} {median([run[name] for run in hidden]):.2f}")
+    peft_with = median([run["peft"] for run in shown])
+    print(f"  {'peft where bitsandbytes is not hidden':<40} {peft_with:.2f}")
     return 0
 
 
