@@ -131,6 +131,7 @@ SUITE_BUDGET_MIN = 33
 _STARTED = time.monotonic()
 
 
+@pytest.hookimpl(trylast=True)  # after the 30 slowest tests, just above pytest's closing line
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if hasattr(config, "workerinput"):  # an xdist worker: the controller prints the run's line
         return

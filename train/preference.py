@@ -24,6 +24,7 @@ time-limit stop, early stopping, pruning, tracking, GPU telemetry, summary.json 
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from pathlib import Path
@@ -34,7 +35,7 @@ from train import chat
 from train.dpo_step import reference_of
 from train.model import max_positions, trainable_in_fp32
 from train.pairs import encoded_pairs, fitted, lengths_of
-from train.recipe import ReproducibleSampling, StageRecipe, one_gpu_per_process
+from train.recipe import StageRecipe, one_gpu_per_process, stage_trainer
 
 log = logging.getLogger("train.preference")
 REFERENCE_ADAPTER = "ref"  # the name TRL gives its frozen copy of the policy's adapter
@@ -42,11 +43,13 @@ POLICY_ADAPTER = "default"
 
 
 # ---- the trainer ----------------------------------------------------------------------------------
+@functools.cache
 def dpo_trainer_class():
     from trl import DPOTrainer  # on the node only: the login node never imports TRL
 
-    class PreferenceTrainer(ReproducibleSampling, DPOTrainer):
-        """DPOTrainer, its loss weighed per pair across the accumulation steps: see PairMeanLoss."""
+    class PairMeanDPO:
+        """DPOTrainer's pieces of ours: its loss weighed per pair across the accumulation steps (see
+        PairMeanLoss); composed with what every stage's trainer needs by train/recipe.py stage_trainer."""
 
         loss_is_scaled_for_ga = True  # compute_loss divides by the step's pairs (PairMeanLoss)
         step_pairs: int | None = None  # pairs in this optimizer step, all micro-batches and ranks
@@ -71,7 +74,7 @@ def dpo_trainer_class():
         def _save_checkpoint(self, model, trial):
             Trainer._save_checkpoint(self, model, trial)  # no model card README in checkpoints/
 
-    return PreferenceTrainer
+    return stage_trainer("PreferenceTrainer", DPOTrainer, PairMeanDPO)
 
 
 # TRL's logged figures that are means over a micro-batch's pairs (trl 1.16 DPOTrainer.compute_loss).
@@ -119,6 +122,10 @@ def pair_weight(inputs, step_pairs: int | None, ranks: int) -> float:
 
 class PreferenceRecipe(StageRecipe):
     """A StageRecipe whose step is TRL's DPO step; see the module docstring."""
+
+    @staticmethod
+    def trainer_classes() -> tuple[type, ...]:
+        return (dpo_trainer_class(),)
 
     pairs_prompt_cut = pairs_dropped = 0
 

@@ -280,12 +280,16 @@ class OutputAtTargets:
             return super().compute_loss(model, inputs, *args, **kwargs)
 
 
-class CausalTrainer(CheckedSaves, OutputAtTargets, TokenMeanEval, ReproducibleSampling, Trainer):
-    pass
+def stage_trainer(name: str, library_trainer: type, *method_pieces: type) -> type:
+    """A method's trainer class, composed here so that no method can miss a piece every stage needs (issue
+    48): the checked saves outermost, so that a method's own `_save_checkpoint` (DPO's skips TRL's model card)
+    runs inside the check, never around it; then the method's own pieces; then reproducible sampling over the
+    library's trainer. The time-limit stop is a callback every recipe adds (StageRecipe.build_trainer)."""
+    return type(name, (CheckedSaves, *method_pieces, ReproducibleSampling, library_trainer), {})
 
 
-class Seq2SeqStageTrainer(CheckedSaves, OutputAtTargets, TokenMeanEval, ReproducibleSampling, Seq2SeqTrainer):
-    pass
+CausalTrainer = stage_trainer("CausalTrainer", Trainer, OutputAtTargets, TokenMeanEval)
+Seq2SeqStageTrainer = stage_trainer("Seq2SeqStageTrainer", Seq2SeqTrainer, OutputAtTargets, TokenMeanEval)
 
 
 def at_world_size(job: TrainJob, world_size: int) -> TrainJob:
@@ -565,6 +569,11 @@ class StageRecipe:
         self.timer = StageTimer()  # last: a save's time includes committing the checkpoint
         callbacks.append(self.timer)
         return self.make_trainer(args, callbacks)
+
+    @staticmethod
+    def trainer_classes() -> tuple[type, ...]:
+        """Every trainer class this recipe may build (tests/test_job_imports.py holds each to its pieces)."""
+        return CausalTrainer, Seq2SeqStageTrainer
 
     def make_trainer(self, args: TrainingArguments, callbacks: list[TrainerCallback]) -> Trainer:
         trainer_class = Seq2SeqStageTrainer if self.job.model.kind == "seq2seq" else CausalTrainer

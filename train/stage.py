@@ -1,6 +1,6 @@
 """The trainer's entry point for a job (slurm/queueing/jobs.py, `python -m train`): the stage's recipe for its
-`train.method`, run through the one life cycle (train/recipe.py run_stage). SFT: StageRecipe; DPO:
-PreferenceRecipe (train/preference.py, which imports TRL, so only a DPO job loads it)."""
+`train.method`, run through the one life cycle (train/recipe.py run_stage). The methods' table is `recipe_of`:
+SFT: StageRecipe; DPO: PreferenceRecipe (train/preference.py, which imports TRL, so only a DPO job loads it)."""
 
 from __future__ import annotations
 
@@ -11,11 +11,18 @@ from core.config import TrainJob
 from train import recipe
 
 
+def recipe_of(method: str) -> type[recipe.StageRecipe]:
+    """The recipe of a `train.method` (every value the schema allows has one: tests/test_job_imports.py)."""
+    if method == "dpo":
+        from train.preference import PreferenceRecipe
+
+        return PreferenceRecipe
+    if method == "sft":
+        return recipe.StageRecipe
+    raise ValueError(f"train.method {method!r} has no recipe")
+
+
 def run_stage(
     job: TrainJob, stop: threading.Event | None = None
 ) -> Literal["completed", "pruned", "interrupted"]:
-    if job.train.method == "dpo":
-        from train.preference import PreferenceRecipe
-
-        return recipe.run_stage(job, stop, PreferenceRecipe)
-    return recipe.run_stage(job, stop)
+    return recipe.run_stage(job, stop, recipe_of(job.train.method))
