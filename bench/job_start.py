@@ -38,8 +38,8 @@ hide(unused_libraries({"adapter": {"method": "lora"}}))
 
 
 # What each library adds to a job's imports, in the order a job meets them (each step's CPU seconds over the
-# steps before it, in one fresh process). The first step hides bitsandbytes as a LoRA job does; BITSANDBYTES
-# measures what `import peft` costs where it is not hidden (a QLoRA job, or this project before issue 47).
+# steps before it, in one fresh process), bitsandbytes hidden as a LoRA job hides it; with hide=False, what
+# `import peft` costs where it is not hidden (a QLoRA job, or this project before issue 47).
 STEPS = {
     "torch": "import torch",
     "transformers.modeling_utils": "import transformers.modeling_utils",
@@ -50,12 +50,11 @@ STEPS = {
     "trl (DPO only)": "import trl",
     "Qwen-VL processors (image-text only)": "import train.vl_processor",
 }
-BREAKDOWN = """import json, resource, sys
+BREAKDOWN = """import json, resource
 def cpu():
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return usage.ru_utime + usage.ru_stime
-if {hide!r}:
-    sys.modules["bitsandbytes"] = None
+{hide}
 figures, last = {{}}, cpu()
 for name, code in {steps!r}.items():
     exec(code)
@@ -65,7 +64,7 @@ print(json.dumps(figures))
 
 
 def import_breakdown(checkout: Path, hide: bool = True) -> dict[str, float]:
-    code = BREAKDOWN.format(hide=hide, steps=STEPS)
+    code = BREAKDOWN.format(hide=HIDE if hide else "", steps=STEPS)
     done = subprocess.run(
         [sys.executable, "-c", code], cwd=checkout, capture_output=True, text=True, check=True
     )

@@ -142,20 +142,22 @@ def test_demo_runs_locally_without_slurm(repo_root, tmp_path, tiny, monkeypatch,
 
     # A LoRA job imports what its stage uses (train/libraries.py): not bitsandbytes (peft would load it, and
     # torch's compiler with it), TRL or the VL processor; an eval job not the training recipe either.
-    for plan_id in ("chain-first/train", "chain-first/eval"):
-        (log,) = (tmp_path / "logs" / plan_id).glob("*_log.out")
-        imported = imported_modules(log.read_text())
-        assert "train.stage" in imported or "eval.job" in imported  # the listing is there to read
+    logs = {}
+    for job in ("train", "eval"):
+        (log,) = (tmp_path / "logs" / "chain-first" / job).glob("*_log.out")  # one log: one job start
+        logs[job] = log.read_text()
+    for job, entry in (("train", "train.stage"), ("eval", "eval.job")):
+        imported = imported_modules(logs[job])
+        assert entry in imported  # the listing is there to read
         # A package's submodules are listed only when it loaded: the hidden one's failed import is listed too.
         loaded = {
             m for m in imported if m.startswith(("bitsandbytes.", "trl.", "transformers.models.qwen2_5_vl."))
         }
         assert not loaded and "train.vl_processor" not in imported
-    assert "train.recipe" not in imported_modules(log.read_text())  # the eval job's
+    assert "train.recipe" not in imported_modules(logs["eval"])
     # The CPU it spent before its first step is logged and kept (bench/job_start.py reads it).
     summary = json.loads((tmp_path / "runs" / "chain-first" / "train" / "summary.json").read_text())
-    (train_log,) = (tmp_path / "logs" / "chain-first" / "train").glob("*_log.out")
-    assert summary["startup_cpu_s"] > 0 and "first step:" in train_log.read_text()
+    assert summary["startup_cpu_s"] > 0 and "first step:" in logs["train"]
 
     # Each eval job timed itself into the speed book: the next plan estimates eval jobs from it.
     eval_rows = read_eval_book(tmp_path / "runs" / "speeds.jsonl")

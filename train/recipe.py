@@ -572,7 +572,7 @@ class StageRecipe:
 
     @staticmethod
     def trainer_classes() -> tuple[type, ...]:
-        """Every trainer class this recipe may build (tests/test_job_imports.py holds each to its pieces)."""
+        """Every trainer class this recipe may build (tests/test_trainers.py holds each to its pieces)."""
         return CausalTrainer, Seq2SeqStageTrainer
 
     def make_trainer(self, args: TrainingArguments, callbacks: list[TrainerCallback]) -> Trainer:
@@ -703,7 +703,7 @@ class StageRecipe:
             "num_input_tokens_seen": state.num_input_tokens_seen,
             # this process's start-up (the last one's, after a requeue): wall and CPU to its first step
             "startup_s": round(self.timer.startup_s, 2),
-            "startup_cpu_s": self.timer.startup_cpu_s and round(self.timer.startup_cpu_s, 2),
+            "startup_cpu_s": None if self.timer.startup_cpu_s is None else round(self.timer.startup_cpu_s, 2),
             "split": self.split.as_json(),  # the micro-batch, accumulation and checkpointing that ran, and why
             **self.method_summary(),
         }
