@@ -27,6 +27,7 @@ def test_only_a_plain_lora_job_gives_up_bitsandbytes_so_qlora_never_loses_it(spe
     assert unused_libraries(spec) == hidden
 
 
+@pytest.mark.slow  # a fresh process importing peft: ~4 s
 def test_a_hidden_library_looks_uninstalled_to_peft_and_transformers_in_a_fresh_process():
     """The mechanism train/libraries.py relies on, in the libraries as installed: find_spec answers None
     (peft's and transformers' availability checks), and peft then imports without it."""
