@@ -140,6 +140,23 @@ class AdapterSpec(Section):
         return self
 
 
+# The one rule for what a stage inherits (slurm/planning/validation.py inherited_section): a stage's data and
+# train are the experiment's, changed by its own keys, except the experiment's keys that the stage's format
+# or method does not read, which are the other stages' (`--dry-run` lists them per stage). A key here is read
+# by these formats (data) or methods (train) only; DataSpec and TrainSpec refuse it elsewhere. data.train and
+# data.eval are files written in the experiment's format: a stage of another format reads neither.
+KEYS_OF_FORMATS = {
+    "input_field": {"fields"},
+    "target_field": {"fields"},
+    "prompt_template": {"fields"},
+    "messages_field": {"messages", "sharegpt"},
+    "train_on": {"messages", "sharegpt", "alpaca"},
+    "chat_template": {"messages", "sharegpt", "alpaca", PREFERENCE},
+}
+FILES_OF_A_FORMAT = ("train", "eval")
+KEYS_OF_METHODS = {"dpo": {"dpo"}}
+
+
 class DataSpec(Section):
     """Where examples come from and how they become tokens. Paths are local files or `hf:NAME:SPLIT`."""
 

@@ -142,7 +142,8 @@ def dry_run(request: LaunchRequest, profile) -> int:
     """The plan, each job in the state a relaunch would give it (done, queued, still running, refused,
     or planned: to be submitted), with the makespan and GPU-hours of what is left and, for a pack, the
     lanes of what is left. Reads the run folders and asks squeue once (only if some job was queued)."""
-    plan = loaded(request, profile).plan
+    run = loaded(request, profile)
+    plan = run.plan
     pack = requested_pack(request, profile)
     decisions, refusals = weigh(plan, force=request.force)
     states = {d.job.id: d.action if d.action != "submit" else "planned" for d in decisions}
@@ -151,8 +152,12 @@ def dry_run(request: LaunchRequest, profile) -> int:
     if pack and left.jobs:
         gpus, budget, basis = pack
         packing = pack_plan(list(left.jobs), gpus, budget, profile, basis)
+    left_out = {
+        f"{e.name}/{s.name}": list(s.left_out) for e in run.experiments for s in e.stages if s.left_out
+    }
     if request.as_json:
         extra = {"packing": packing.to_json()} if packing else {}
+        extra |= {"inherited_keys_left_out": left_out} if left_out else {}
         print(json.dumps({**plan.to_json(states), **extra}, indent=1))
         return 0
     shown = {
@@ -167,6 +172,14 @@ def dry_run(request: LaunchRequest, profile) -> int:
     if packing:
         out.print(packing_text(packing), highlight=False, soft_wrap=True)
     out.print(edges_text(plan), highlight=False)
+    for stage, keys in left_out.items():
+        out.print(
+            f"{stage} does not inherit the experiment's {', '.join(keys)}: its data.format or train.method "
+            "does not read them (they are the other stages')",
+            markup=False,
+            highlight=False,
+            soft_wrap=True,
+        )
     for problem in refusals:
         err.print(f"[yellow]a launch would refuse:[/] {problem}", highlight=False, soft_wrap=True)
     return 0

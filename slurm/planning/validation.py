@@ -8,12 +8,20 @@ in full (resolve_stages). LoadedExperiment is what loading gives (slurm/planning
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from pydantic import BaseModel, ValidationError
 
-from core.config import DataSpec, Experiment, StageSpec, TrainSpec
+from core.config import (
+    FILES_OF_A_FORMAT,
+    KEYS_OF_FORMATS,
+    KEYS_OF_METHODS,
+    DataSpec,
+    Experiment,
+    StageSpec,
+    TrainSpec,
+)
 from core.problems import Problem, did_you_mean
 from core.sweep import SweepMember, SweepSpec
 from core.yamlfile import YamlFile, deep_merge, where
@@ -34,6 +42,8 @@ class Stage:
     name: str
     data: DataSpec
     train: TrainSpec
+    # The experiment's keys this stage does not inherit, dotted (inherited_section): --dry-run lists them.
+    left_out: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -157,42 +167,76 @@ def _is_model(value) -> bool:
 def resolve_stages(
     experiment: Experiment, raw: dict, chain: list[YamlFile]
 ) -> tuple[list[Stage], list[Problem]]:
-    """Each stage = the experiment's data/train plus the stage's own changes, validated in full."""
+    """Each stage = the experiment's data/train as the stage inherits them (inherited_section) plus the
+    stage's own changes, validated as the whole experiment is: every check of every section, those across
+    keys too. A stage is planned, or the launch is refused with its problem; never dropped in silence."""
     stages, problems, reported = [], [], set()
-    dpo_for_stages = for_dpo_stages(raw)
+    base = without_stages_dpo(raw)
     for index, stage in enumerate(experiment.stages):
-        specs = {}
-        for section, model in (("data", DataSpec), ("train", TrainSpec)):
-            merged = deep_merge(raw.get(section) or {}, getattr(stage, section))
-            if section == "train" and dpo_for_stages and merged.get("method", "sft") != "dpo":
-                merged.pop("dpo", None)  # the experiment's train.dpo is its DPO stages' (for_dpo_stages)
-            try:
-                specs[section] = model.model_validate(merged)
-            except ValidationError as exc:
-                for error in one_per_value(exc.errors()):
-                    # A mistake in the experiment's own section was reported already; report the stage's,
-                    # and once, at its own line, a mistake in a train.dpo written for the DPO stages.
-                    if error["loc"] and error["loc"][0] in getattr(stage, section):
-                        problems.append(to_problem(error, chain, ("stages", index, section)))
-                    elif section == "train" and dpo_for_stages and error["loc"][:1] == ("dpo",):
-                        problem = to_problem(error, chain, ("train",))
-                        if problem not in reported:
-                            reported.add(problem)
-                            problems.append(problem)
-        if len(specs) == 2:
-            if specs["train"].early_stopping and not specs["data"].eval:
-                file, line = where(chain, ("train", "early_stopping"))
-                problems.append(
-                    Problem(
-                        file,
-                        "train.early_stopping",
-                        f"stops on the eval loss, but stage {stage.name!r} has no data.eval; "
-                        "add data.eval or remove early_stopping",
-                        line,
-                    )
-                )
-            stages.append(Stage(stage.name, specs["data"], specs["train"]))
+        resolved, left_out = {}, []
+        for section in ("data", "train"):
+            inherited, dropped = inherited_section(section, raw.get(section) or {}, getattr(stage, section))
+            resolved[section] = deep_merge(inherited, getattr(stage, section))
+            left_out += [f"{section}.{key}" for key in dropped]
+        try:
+            whole = Experiment.model_validate({**base, **resolved})
+        except ValidationError as exc:
+            for problem in stage_problems(exc.errors(), index, stage, chain):
+                if problem not in reported:  # an inherited key's mistake, once for all its stages
+                    reported.add(problem)
+                    problems.append(problem)
+            continue
+        if whole.train.early_stopping and not whole.data.eval:
+            file, line = where(chain, ("train", "early_stopping"))
+            message = (
+                f"stops on the eval loss, but stage {stage.name!r} has no data.eval{inherits_no_eval(left_out)}; "
+                "add data.eval or remove early_stopping"
+            )
+            problems.append(Problem(file, "train.early_stopping", message, line))
+        stages.append(Stage(stage.name, whole.data, whole.train, tuple(left_out)))
     return stages, problems + check_eval_split(experiment, stages, chain)
+
+
+def inherited_section(section: str, experiments: dict, stages: dict) -> tuple[dict, list[str]]:
+    """The experiment's `section` as a stage that writes `stages` there inherits it, and the keys left out:
+    those its format (data) or method (train) does not read (core/config.py KEYS_OF_FORMATS)."""
+    if section == "data":
+        own_format = experiments.get("format", "fields")
+        reads = stages.get("format", own_format)
+        unread = {key for key, formats in KEYS_OF_FORMATS.items() if reads not in formats}
+        unread |= set(FILES_OF_A_FORMAT) if reads != own_format else set()
+    else:
+        reads = stages.get("method", experiments.get("method", "sft"))
+        unread = {key for key, methods in KEYS_OF_METHODS.items() if reads not in methods}
+    dropped = [key for key in experiments if key in unread and key not in stages]
+    return {k: v for k, v in experiments.items() if k not in dropped}, dropped
+
+
+def inherits_no_eval(left_out: list[str] | tuple[str, ...]) -> str:
+    """Why a stage has no data.eval when the experiment has one: it was written for another format."""
+    if "data.eval" not in left_out:
+        return ""
+    return " (it does not inherit the experiment's data.eval, a file of the experiment's data.format)"
+
+
+def stage_problems(errors: list[dict], index: int, stage: StageSpec, chain: list[YamlFile]) -> list[Problem]:
+    """A stage's errors, each at the line that wrote it: the stage's own key; an inherited key (the
+    experiment's, valid there: train.dpo is validated in the DPO stages only); else (a check across keys,
+    some the stage's, some inherited) the stage's section, naming the stage."""
+    problems = []
+    for error in one_per_value(errors):
+        loc = tuple(error["loc"])
+        section = loc[0] if loc and loc[0] in ("data", "train") else None
+        if section and len(loc) > 1 and loc[1] in getattr(stage, section):
+            problems.append(to_problem(error, chain, ("stages", index)))
+        elif section and len(loc) > 1:
+            problems.append(to_problem(error, chain))
+        else:
+            place = ("stages", index, section) if section and getattr(stage, section) else ("stages", index)
+            problem = to_problem({**error, "loc": ()}, chain, place)
+            message = f"in stage {stage.name!r}, with what it inherits from the experiment: {problem.message}"
+            problems.append(replace(problem, message=message))
+    return problems
 
 
 def check_eval_split(experiment: Experiment, stages: list[Stage], chain: list[YamlFile]) -> list[Problem]:
@@ -202,10 +246,11 @@ def check_eval_split(experiment: Experiment, stages: list[Stage], chain: list[Ya
     if not spec.metrics or spec.split != "eval" or len(stages) != len(experiment.stages):
         return []
     evaluated = stages if spec.after_each_stage else stages[-1:]
-    missing = [stage.name for stage in evaluated if not stage.data.eval]
-    if not missing:
+    lacking = [stage for stage in evaluated if not stage.data.eval]
+    if not lacking:
         return []
     file, line = where(chain, ("data", "eval"))
-    what = f"the eval job scores stage(s) {missing}, which have no data.eval"
+    what = f"the eval job scores stage(s) {[s.name for s in lacking]}, which have no data.eval"
+    what += inherits_no_eval(lacking[0].left_out)
     hint = "add data.eval, or set `eval.split: train` to knowingly score on the training data"
     return [Problem(file, "data.eval", f"{what}; {hint}", line)]
