@@ -83,8 +83,10 @@ SPECIALS = {"bos_token": "<s>", "eos_token": "</s>"}
 
 def behaves(texts: dict[tuple[int, bool], str]) -> None:
     """What a template may do (README, chat data): (1) its generation prompt extends the conversation so far
-    (the turn header the model is given, never learnt); (2) each assistant content lies in its turn, between
-    the generation prompt and the end of that turn, where the labels fall. The eos token once at a
+    (the turn header the model is given, never learnt), or, with no generation prompt by design (Mistral's:
+    `[/INST]` ends the user's turn and the answer follows it), the answer follows the conversation so far
+    with nothing of the template's between; (2) each assistant content lies in its turn, between the
+    generation prompt and the end of that turn, where the labels fall. The eos token once at a
     conversation's end (Phi-3's) is allowed. A template whose earlier turns render differently once later
     turns follow (Qwen3's) is judged by the trainer instead (train/chat.py)."""
     full = texts[(len(PROBE), False)].removesuffix(SPECIALS["eos_token"])
@@ -92,12 +94,19 @@ def behaves(texts: dict[tuple[int, bool], str]) -> None:
         so_far = texts[(index, False)].removesuffix(SPECIALS["eos_token"])
         prompt = texts[(index, True)]
         through = texts[(index + 1, False)].removesuffix(SPECIALS["eos_token"])
-        if not (prompt.startswith(so_far) and len(prompt) > len(so_far)):
+        extends = prompt.startswith(so_far) and len(prompt) > len(so_far)
+        answer_follows = (
+            prompt == so_far
+            and through.startswith(prompt)
+            and through[len(prompt) :].lstrip().startswith(PROBE[index]["content"])
+        )
+        if not (extends or answer_follows):
             raise ValueError(
                 "the chat template has no add_generation_prompt branch (with it, the conversation so far "
-                f"renders as {prompt[-40:]!r}, without it as {so_far[-40:]!r}): the assistant's turn header "
-                "would be learnt as part of the answer and the eval would prompt without it; end the template "
-                "with {% if add_generation_prompt %}<the assistant turn's header>{% endif %}"
+                f"renders as {prompt[-40:]!r}, without it as {so_far[-40:]!r}) and the assistant's turn "
+                f"starts with the template's own text ({through[len(so_far) :][:40]!r}): that header would be "
+                "learnt as part of the answer and the eval would prompt without it; end the template with "
+                "{% if add_generation_prompt %}<the assistant turn's header>{% endif %}"
             )
         stable = full.startswith(prompt) and full.startswith(through)
         if stable and PROBE[index]["content"] not in full[len(prompt) : len(through)]:
@@ -118,28 +127,68 @@ def text(value: str) -> str:
     return value if is_jinja(value) else NAMED[value]
 
 
+# The most a model folder's tokenizer files may hold when the launcher reads them (Gemma-3's tokenizer.json
+# is 33 MB, the largest met): a link to /dev/zero there filled the login node's memory (M4).
+MAX_TOKENIZER_BYTES = 64 * 10**6
+
+
+def read_folder_json(path: Path) -> dict | None:
+    """A model folder's JSON file, bounded (core/files.py read_regular); None when missing, unreadable,
+    over the bound or not an object: then what it would say is not known here, and preflight judges."""
+    from core.files import read_regular
+
+    try:
+        value = json.loads(read_regular(path, MAX_TOKENIZER_BYTES))
+    except (OSError, ValueError, RecursionError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
 def folder_vocabulary(folder: Path) -> set[str] | None:
     """The tokens of a local model folder's tokenizer.json (its vocabulary and added tokens); None when it
     is no local folder or has no readable tokenizer.json."""
+    spec = read_folder_json(folder / "tokenizer.json")
     try:
-        spec = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))
         vocabulary = spec["model"]["vocab"]
         if not isinstance(vocabulary, dict):  # a Unigram list of pieces: not read here, preflight judges it
             return None
         return set(vocabulary) | {token["content"] for token in spec.get("added_tokens") or []}
-    except (OSError, ValueError, KeyError, TypeError):
+    except (KeyError, TypeError):
         return None
+
+
+def folder_template(folder: Path) -> str | None:
+    """A local model folder's own chat template ('' when it carries none); None when it is no local folder
+    (a hub id, known only on the node) or its template cannot be read here (preflight reads it)."""
+    from core.files import read_regular
+
+    if not folder.is_dir():
+        return None
+    jinja = folder / TEMPLATE_FILES[0]
+    if jinja.is_file():
+        try:
+            return read_regular(jinja, MAX_TOKENIZER_BYTES).decode("utf-8")
+        except (OSError, UnicodeDecodeError):
+            return None
+    for name in (TEMPLATE_FILES[1], "tokenizer_config.json"):
+        if not (folder / name).exists():
+            continue
+        config = read_folder_json(folder / name)
+        if config is None:
+            return None
+        template = config.get("chat_template")
+        if isinstance(template, list):  # several named templates: the one transformers uses by default
+            template = next(
+                (t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"),
+                None,
+            )
+        if isinstance(template, str) and template:
+            return template
+    return ""
 
 
 def folder_has_template(folder: Path) -> bool | None:
     """Does a local model folder carry a chat template? None when it is no local folder (a hub id, known
-    only on the node)."""
-    if not folder.is_dir():
-        return None
-    if any((folder / name).is_file() for name in TEMPLATE_FILES):
-        return True
-    config = folder / "tokenizer_config.json"
-    try:
-        return bool(json.loads(config.read_text(encoding="utf-8")).get("chat_template"))
-    except (OSError, ValueError, AttributeError):
-        return False
+    only on the node), or when its files cannot be read here."""
+    template = folder_template(folder)
+    return None if template is None else bool(template)

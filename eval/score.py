@@ -253,7 +253,7 @@ def run(args: argparse.Namespace) -> int:
     except ScoreError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    Console(width=max(100, Console().width)).print(results_table(results))
+    Console(width=max(100, Console(markup=False).width), markup=False).print(results_table(results))
     try:
         fail_if_unscored(results)  # after --out is written: it says which metric is missing and why
     except UnscoredError as exc:

@@ -13,7 +13,7 @@ from slurm.cluster.profile import load_profile
 from slurm.commands import cancel, export, launch, report, sync, watch
 from slurm.planning.request import LaunchRequest, action_of, nothing_done, request_from
 from slurm.queueing.submit import LaunchError
-from slurm.watching.render import err
+from slurm.watching.render import err, error, warning
 
 # What a read-only, full or hand-altered run folder raises where a command writes (the report, the launch
 # lock, a job's record): a sentence naming the file, exit 1, never a traceback.
@@ -53,22 +53,24 @@ def run(args) -> int:
         if exc.errno not in WRITE_REFUSALS and not isinstance(exc, NotARegularFile):
             raise
         err.print(
-            f"[red]error:[/] cannot write {exc.filename or 'a file'} ({exc.strerror}): its folder is read-only or full, "
-            "or a folder (a FIFO, a device) stands where this file belongs; fix that and run the command again",
+            error(
+                f"cannot write {exc.filename or 'a file'} ({exc.strerror}): its folder is read-only or full, "
+                "or a folder (a FIFO, a device) stands where this file belongs; fix that and run the command again"
+            ),
             highlight=False,
             soft_wrap=True,
         )
         return 1
     except ConfigError as exc:
         for problem in exc.warnings:
-            err.print(f"[yellow]warning:[/] {problem}", highlight=False, soft_wrap=True)
+            err.print(warning(problem), highlight=False, soft_wrap=True)
         for problem in exc.problems:
-            err.print(f"[red]error:[/] {problem}", highlight=False, soft_wrap=True)
+            err.print(error(problem), highlight=False, soft_wrap=True)
         undone = nothing_done(action_of(args))
         err.print(f"{len(exc.problems)} problem(s)" + (f"; {undone}." if undone else "."), highlight=False)
         return 2
     except LaunchError as exc:  # Interrupted (Ctrl-C) too: what was left queued or stopped, exit 130
-        err.print(f"[red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        err.print(error(exc), highlight=False, soft_wrap=True)
         return exc.exit_code
     except KeyboardInterrupt:
         err.print("interrupted (Ctrl-C)", highlight=False)

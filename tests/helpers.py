@@ -407,6 +407,6 @@ def first_stages(tmp_path: Path, names: list[str]) -> list:
 
 def rendered_status(rows) -> str:
     """--status's table of `rows`, as text 200 columns wide."""
-    console = Console(width=200, record=True)
+    console = Console(width=200, record=True, markup=False)  # as the commands' (render.py console)
     console.print(status_table(rows))
     return console.export_text()

@@ -34,7 +34,9 @@ def edited(configs: Path, old: str, new: str) -> None:
     path.write_text(text.replace(old, new))
 
 
-def test_a_stage_that_fails_a_check_across_inherited_keys_is_refused_at_its_line_not_dropped(tmp_path, capsys):
+def test_a_stage_that_fails_a_check_across_inherited_keys_is_refused_at_its_line_not_dropped(
+    tmp_path, capsys
+):
     """H1's second specimen: micro_batch 4 from the experiment, batch_size 6 in the stage. Before: the
     plan was easy -> last, exit 0, and the report said `complete`."""
     stages = "stages:\n  - name: easy\n  - name: hard\n    train: {batch_size: 6}\n  - name: last\n"
@@ -91,7 +93,10 @@ def test_a_dpo_stage_never_reads_the_sft_eval_file_it_would_inherit(tmp_path, ca
     at its start after the SFT stage had trained. Now it is refused before queueing, saying why."""
     code, err = dry_run(sft_then_dpo(tmp_path, ""), capsys)
     assert code == 2
-    assert "the eval job scores stage(s) ['dpo'], which have no data.eval (it does not inherit the experiment's" in err
+    assert (
+        "the eval job scores stage(s) ['dpo'], which have no data.eval (it does not inherit the experiment's"
+        in err
+    )
 
 
 def test_a_dpo_stage_without_an_eval_job_trains_without_the_sft_eval_file(tmp_path, capsys):
@@ -163,7 +168,11 @@ def trips(validator, section: str | None, raw: dict) -> bool:
         else:
             model = Experiment.model_fields["model"].annotation.model_construct(**raw["model"])
             evaluation = Experiment.model_fields["eval"].annotation.model_construct(**raw["eval"])
-            validator.func(Experiment.model_construct(**{**raw, "model": model, "data": data, "train": train, "eval": evaluation}))
+            validator.func(
+                Experiment.model_construct(
+                    **{**raw, "model": model, "data": data, "train": train, "eval": evaluation}
+                )
+            )
     except (ValueError, AssertionError, TypeError, AttributeError):
         return True
     return False
@@ -177,7 +186,11 @@ BASES = [
     {
         "name": "a",
         "model": {"name_or_path": "org/m", "kind": kind},
-        "data": {"train": "t.jsonl", "eval": "e.jsonl", **({"image_field": "image"} if kind == "image-text" else {})},
+        "data": {
+            "train": "t.jsonl",
+            "eval": "e.jsonl",
+            **({"image_field": "image"} if kind == "image-text" else {}),
+        },
         "train": {},
         "eval": evaluation,
     }
@@ -217,7 +230,9 @@ def specimen(validator, section: str | None) -> tuple[dict, dict] | None:
 def search_space() -> tuple[list[dict], list[dict]]:
     """The valid experiments (a base with one value changed) and the stages' own keys valid alone."""
     every = settings()
-    experiments = [deep_merge(base, {sec: {key: value}}) for base, (sec, key, value) in itertools.product(BASES, every)]
+    experiments = [
+        deep_merge(base, {sec: {key: value}}) for base, (sec, key, value) in itertools.product(BASES, every)
+    ]
     return [e for e in experiments if valid(e)], [own for own in map(stage_keys, every) if section_valid(own)]
 
 
@@ -242,13 +257,19 @@ def walked() -> list[tuple[str, object, str | None]]:
     found = [("Experiment", v, None) for v in Experiment.__pydantic_decorators__.model_validators.values()]
     for section, model in STAGE_SECTIONS.items():
         for below in models_below(model):
-            found += [(below.__name__, v, section) for v in below.__pydantic_decorators__.model_validators.values()]
+            found += [
+                (below.__name__, v, section) for v in below.__pydantic_decorators__.model_validators.values()
+            ]
     return found
 
 
 @pytest.mark.parametrize("owner, validator, section", walked(), ids=lambda v: getattr(v, "cls_var_name", v))
-def test_every_model_validator_tripped_by_inheritance_refuses_the_stage_never_drops_it(owner, validator, section):
-    assert validator.info.mode == "after", f"{owner}.{validator.cls_var_name}: walk a {validator.info.mode} validator too"
+def test_every_model_validator_tripped_by_inheritance_refuses_the_stage_never_drops_it(
+    owner, validator, section
+):
+    assert validator.info.mode == "after", (
+        f"{owner}.{validator.cls_var_name}: walk a {validator.info.mode} validator too"
+    )
     found = specimen(validator, section)
     if found is None:
         # Only a check of the experiment's other sections (model, eval, resources) may be out of a stage's

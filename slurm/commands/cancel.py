@@ -15,7 +15,7 @@ from slurm.cluster.scheduler import cancel_rows
 from slurm.planning.plan import Plan, build_plan
 from slurm.planning.request import LaunchRequest
 from slurm.queueing.decisions import adopt_unrecorded
-from slurm.watching.render import err, out
+from slurm.watching.render import err, error, out, warning
 from slurm.watching.status import JobStatus, plan_status
 from slurm.watching.watched import watched_of, watched_plan
 
@@ -59,7 +59,7 @@ def cancel_live(plan: Plan, log_root: str, sharing: dict[str, list[str]] | None 
     done = [r.job.id for r in live if r.job.id not in running]
     out.print(f"Cancelled {len(done)} job(s): " + (", ".join(done) or "none was queued"))
     if running:
-        err.print(f"[red]error:[/] could not be stopped, still running: {', '.join(running)}")
+        err.print(error(f"could not be stopped, still running: {', '.join(running)}"))
         return 1
     return 0
 
@@ -134,7 +134,7 @@ def cancel_removed(request: LaunchRequest, profile) -> int:
     )
     if packed:
         err.print(
-            f"[yellow]warning:[/] not cancelled, units of a packed allocation: {', '.join(packed)}",
+            warning(f"not cancelled, units of a packed allocation: {', '.join(packed)}"),
             highlight=False,
         )
     return 1 if still else 0

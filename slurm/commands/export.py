@@ -10,7 +10,7 @@ from slurm.planning.plan import build_plan, with_exports
 from slurm.planning.request import LaunchRequest
 from slurm.queueing.submit import submit, wait
 from slurm.watching.preflight_report import run_preflight
-from slurm.watching.render import err, out, plan_table
+from slurm.watching.render import err, error, out, plan_table, warning
 
 
 def export(request: LaunchRequest, profile) -> int:
@@ -25,7 +25,7 @@ def export(request: LaunchRequest, profile) -> int:
     overrides = parse_overrides(list(request.overrides))
     experiments, others, *_ = load_selected(request.config_dir, profile, overrides, names)
     for problem in others:
-        err.print(f"[yellow]warning:[/] {problem}", highlight=False, soft_wrap=True)
+        err.print(warning(problem), highlight=False, soft_wrap=True)
     files = {e.name: str(e.file) for e in experiments}
     targets = export_targets(asked, experiments)
     plan = with_exports(build_plan(experiments, profile), targets, request.export_format == "gguf")
@@ -49,7 +49,7 @@ def export(request: LaunchRequest, profile) -> int:
         out.print("Exported: " + ", ".join(f"{j.run_dir}/" for j in exports), highlight=False, soft_wrap=True)
         missing = without_gguf([Path(j.run_dir) for j in exports]) if gguf else []
         for line in missing:
-            err.print(f"[red]error:[/] {line}", highlight=False, soft_wrap=True)
+            err.print(error(line), highlight=False, soft_wrap=True)
         return 1 if missing else 0
     if code == 0 and gguf:
         out.print(GGUF_ON_THE_NODE, highlight=False, soft_wrap=True)

@@ -17,7 +17,16 @@ from slurm.planning.validation import LoadedExperiment
 from slurm.queueing.decisions import weigh
 from slurm.queueing.submit import submit, wait
 from slurm.watching.preflight_report import run_preflight
-from slurm.watching.render import edges_text, err, out, packing_text, plan_table, totals_text
+from slurm.watching.render import (
+    edges_text,
+    err,
+    labelled,
+    out,
+    packing_text,
+    plan_table,
+    totals_text,
+    warning,
+)
 from slurm.watching.reporting import written_report
 from slurm.watching.watched import FolderLoad, removed_from, removed_text
 
@@ -54,7 +63,7 @@ def loaded(request: LaunchRequest, profile) -> Loaded:
     experiments, others, names, broken, _ = selection
     for problem in others:
         err.print(
-            f"[yellow]warning:[/] {problem}",
+            warning(problem),
             highlight=False,
             soft_wrap=True,
         )
@@ -176,10 +185,9 @@ def dry_run(request: LaunchRequest, profile) -> int:
         out.print(
             f"{stage} does not inherit the experiment's {', '.join(keys)}: its data.format or train.method "
             "does not read them (they are the other stages')",
-            markup=False,
             highlight=False,
             soft_wrap=True,
         )
     for problem in refusals:
-        err.print(f"[yellow]a launch would refuse:[/] {problem}", highlight=False, soft_wrap=True)
+        err.print(labelled("a launch would refuse:", "yellow", problem), highlight=False, soft_wrap=True)
     return 0

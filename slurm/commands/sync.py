@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from slurm.planning.request import LaunchRequest
-from slurm.watching.render import err, out
+from slurm.watching.render import err, error, out
 
 
 def sync(request: LaunchRequest, profile) -> int:
@@ -29,8 +29,10 @@ def sync_wandb(run_root: Path) -> int:
     done = subprocess.run([sys.executable, "-m", "wandb", "sync", *absolute], cwd=run_root, check=False)
     if done.returncode:
         err.print(
-            f"[red]error:[/] wandb sync failed (exit {done.returncode}), see above: log in on this machine "
-            "first (`wandb login`, or WANDB_API_KEY in the environment), with network",
+            error(
+                f"wandb sync failed (exit {done.returncode}), see above: log in on this machine "
+                "first (`wandb login`, or WANDB_API_KEY in the environment), with network"
+            ),
             highlight=False,
         )
         return 1

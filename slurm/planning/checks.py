@@ -69,9 +69,20 @@ def check_chat_template(experiment: Experiment, stages: list[Stage], chain: list
         for stage in stages
         if templated(stage.data, experiment.model.kind) and stage.data.chat_template is None
     ]
-    if lacking and chat_templates.folder_has_template(Path(name)) is False:
+    own = chat_templates.folder_template(Path(name)) if lacking else None
+    if own == "":
         file, line = where(chain, ("data", "format"))
         return [Problem(file, "data.format", no_template_message(name, lacking[0].data.format), line)]
+    if own and chat_templates.is_jinja(own):
+        try:  # the rules an inline template keeps, for the model's own too
+            chat_templates.check(own)
+        except ValueError as exc:
+            file, line = where(chain, ("data", "format"))
+            message = (
+                f"is rendered with {name}'s own chat template, which cannot be trained on: {exc}; or set "
+                "data.chat_template (chatml, llama-3, or inline Jinja) to one that can"
+            )
+            return [Problem(file, "data.format", message, line)]
     return conversation_pairs_without_template(experiment, stages) + unknown_markers(
         experiment, stages, chain
     )

@@ -36,7 +36,7 @@ from slurm.queueing.decisions import (
     refuse_crossing_backends,
     with_dependents,
 )
-from slurm.watching.render import err, out, packing_text, problem_lines, status_table
+from slurm.watching.render import err, out, packing_text, problem_lines, status_table, warning
 from slurm.watching.status import plan_status
 
 SKIPPED = {
@@ -151,8 +151,10 @@ def record_origins(plan: Plan, config_dir: Path, files: dict[str, str]) -> None:
             record_origin(RunRoot.of(plan.run_root).experiment(name), Path(file), config_dir)
         except OSError as exc:
             err.print(
-                f"[yellow]warning:[/] cannot record where {name} came from ({exc.strerror}): "
-                "--status finds it only with --config-dir",
+                warning(
+                    f"cannot record where {name} came from ({exc.strerror}): --status finds it only with "
+                    "--config-dir"
+                ),
                 highlight=False,
                 soft_wrap=True,
             )
@@ -191,7 +193,7 @@ def refuse_never_starting(jobs, files, profile, pack=None) -> None:
     from slurm.cluster.limits import cluster_problems
 
     def say(line: str) -> None:
-        err.print(f"[yellow]warning:[/] {line}", highlight=False, soft_wrap=True)
+        err.print(warning(line), highlight=False, soft_wrap=True)
 
     if problems := cluster_problems(jobs, files or {}, profile, say, pack=pack):
         raise ConfigError(problems)

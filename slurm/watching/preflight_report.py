@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import json
 
+from rich.text import Text
+
 from core.preflight import trained_share
 from core.problems import ConfigError
 from core.split import label as split_label
 from slurm.planning.plan import Plan
 from slurm.planning.preflight_books import record_exact_tokens, record_splits
-from slurm.watching.render import err, fit, out
+from slurm.watching.render import err, fit, out, warning
 
 
 def run_preflight(plan: Plan, files: dict[str, str], profile, show: bool, as_json: bool) -> int:
@@ -42,25 +44,27 @@ def run_preflight(plan: Plan, files: dict[str, str], profile, show: bool, as_jso
     return 0
 
 
-def marker_text_notes(results) -> list[str]:
+def marker_text_notes(results) -> list[Text]:
     """A warning per job whose training conversations hold special-token text in their content (the job's
     log and preflight.log say which tokens): trained as those control tokens, as TRL and axolotl do."""
     return [
-        f"[yellow]warning:[/] {r.job}: {r.marker_text_conversations} training conversation(s) hold "
-        "special-token text in their content (e.g. `<|im_end|>` typed into a turn): it is encoded as those "
-        "control tokens, in the labels and the eval's prompts; escape or remove it if it is not meant so"
+        warning(
+            f"{r.job}: {r.marker_text_conversations} training conversation(s) hold special-token text in their "
+            "content (e.g. `<|im_end|>` typed into a turn): it is encoded as those control tokens, in the "
+            "labels and the eval's prompts; escape or remove it if it is not meant so"
+        )
         for r in results
         if r.marker_text_conversations
     ]
 
 
-def fetch_note(commands: list[str]) -> str:
+def fetch_note(commands: list[str]) -> Text:
     """hub_downloads: nodes: not a refusal, the nodes download at the job's start; if they cannot after
     all, the note says how to fetch on this machine into the cache the nodes share."""
     lines = "\n".join(f"  {c}" for c in commands)
-    return (
-        "[yellow]warning:[/] not in this machine's Hugging Face cache, so jobs on nodes without network "
-        f"would fail at their start; fetch into the shared cache (HF_HOME) first:\n{lines}"
+    return warning(
+        "not in this machine's Hugging Face cache, so jobs on nodes without network would fail at their "
+        f"start; fetch into the shared cache (HF_HOME) first:\n{lines}"
     )
 
 

@@ -38,9 +38,24 @@ STATUS_PRIORITY = (
 
 def console(stderr: bool = False) -> Console:
     """A console as wide as the terminal it writes to (a table wider than that is wrapped by the terminal
-    into broken boxes); WIDE when it writes to a file or a pipe."""
-    probe = Console(stderr=stderr)
-    return Console(stderr=stderr, width=probe.width if probe.is_terminal else WIDE)
+    into broken boxes); WIDE when it writes to a file or a pipe. It reads no markup: what it prints (a
+    problem quoting `[/INST]`, gloo's `[/__w/pytorch/…]` in a log tail, a path) is text, never a tag, and
+    colour comes from `labelled` and styled cells."""
+    probe = Console(stderr=stderr, markup=False)
+    return Console(stderr=stderr, width=probe.width if probe.is_terminal else WIDE, markup=False)
+
+
+def labelled(label: str, style: str, text: object) -> Text:
+    """`label` in `style`, then `text` exactly as it is: the one way a line of ours is coloured."""
+    return Text.assemble((label, style), " ", str(text))
+
+
+def warning(text: object) -> Text:
+    return labelled("warning:", "yellow", text)
+
+
+def error(text: object) -> Text:
+    return labelled("error:", "red", text)
 
 
 # Every command's output: the terminal's width (tables fit it), or WIDE columns into a file or a CI log.
@@ -75,9 +90,9 @@ def fit(table: Table, width: int, priority: tuple[str, ...]) -> Table:
 
 
 def natural_width(column) -> int:
-    """Cells' widest line (markup left out), with the column's padding and border."""
+    """Cells' widest line, with the column's padding and border."""
     cells = [column.header, *column._cells]
-    texts = [Text.from_markup(c) if isinstance(c, str) else c for c in cells]
+    texts = [Text(c) if isinstance(c, str) else c for c in cells]
     return 3 + max(
         (
             max((Text(line).cell_len for line in t.plain.splitlines()), default=0)
@@ -260,7 +275,7 @@ def status_table(rows: list[JobStatus], width: int = WIDE) -> Table:
         table.add_row(
             row.job.id,
             row.scheduler_id,
-            f"[{style}]{row.state.value}[/]" if style else row.state.value,
+            Text(row.state.value, style=style),
             row.reason,
             row.elapsed,
             row.nodes,  # SLURM's NodeList (`n[1-2]`); blank while pending, and for a local job (this machine)

@@ -18,7 +18,7 @@ from slurm.planning.experiments import chosen, load_watchable_experiments, parse
 from slurm.planning.plan import Plan, build_plan
 from slurm.planning.request import LaunchRequest
 from slurm.planning.validation import LoadedExperiment
-from slurm.watching.render import err, out
+from slurm.watching.render import err, out, warning
 
 # A config folder as loaded (slurm/planning/experiments.py load_watchable_experiments): its experiments,
 # the problems of the others, every name its files give, the files that did not load whole.
@@ -185,7 +185,7 @@ def warned(request: LaunchRequest, profile) -> Watched:
         raise ConfigError([replace(p, warning=False) for p in unknown])
     for problem in watched.warnings:
         skipped = "" if problem in unknown else " (skipped)"
-        err.print(f"[yellow]warning:[/] {problem}{skipped}", highlight=False, soft_wrap=True)
+        err.print(warning(f"{problem}{skipped}"), highlight=False, soft_wrap=True)
     return watched
 
 
