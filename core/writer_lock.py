@@ -127,9 +127,14 @@ def hold_folder(folder: Path, job_id: str | None = None, rank: int = 0) -> Itera
     folder = Path(folder)
     if rank != 0:
         other, started = holder(folder), time.monotonic()
-        # Locked but not yet recorded: most likely this job's rank 0 between its lock and its record (seen
-        # on the two-node dev cluster: rank 1 of a requeued run refused its own job's folder).
-        while other is not None and not other.pid and time.monotonic() - started < RECORD_GRACE_S:
+        # Locked but not yet recorded as this job: most likely this job's rank 0 between its lock and its
+        # record, the record still empty (seen on the two-node dev cluster: rank 1 of a requeued run refused
+        # its own job's folder) or still a dead job's (a killed controller's: M2, --retry-failed refused).
+        while (
+            other is not None
+            and (not other.pid or (job_id is not None and other.job_id != job_id))
+            and time.monotonic() - started < RECORD_GRACE_S
+        ):
             time.sleep(RETRY_S)
             other = holder(folder)
         if other is not None and (job_id is None or other.job_id != job_id):

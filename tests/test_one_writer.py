@@ -6,6 +6,7 @@ real locks, real submitit controllers killed with a real SIGKILL."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -17,6 +18,7 @@ import pytest
 
 import launch
 from core.job_records import record_job
+from core.problems import ConfigError
 from core.rundir import log_folder, write_spec
 from core.states import State
 from core.writer_lock import FolderHeld, hold_folder, holder, recorded_holder
@@ -192,3 +194,60 @@ def test_a_trainer_started_by_hand_in_a_held_folder_refuses_naming_the_holder(tm
     said = capsys.readouterr().err
     assert f"error: {run_dir} is held by another job (job 111, pid {first.pid}" in said
     assert "Traceback" not in said and not (run_dir / "metrics.jsonl").exists()
+
+
+def test_a_folder_held_by_a_job_no_record_knows_is_refused_never_archived_under_it(tmp_path, capsys):
+    """H2: the running job's job.json lost, the config changed: the relaunch renamed the running job's
+    folder to train.old-DATE and a second trainer wrote beside the first (steps 600, 1, 620, 20, ...)."""
+    from slurm.queueing.decisions import archive_stale
+
+    configs = experiment_folder(tmp_path)
+    (job,) = [j for j in plan_for(folder=configs).jobs if j.kind == "train"]
+    run_dir = Path(job.run_dir)
+    old = job.spec.model_dump()
+    old["train"]["learning_rate"] = 9e-4  # what the running job was started with
+    write_spec(run_dir, old)
+    with held_by_another_process(run_dir, "13") as running:
+        code = launch.main(["--all", "--config-dir", str(configs), "--dry-run"])
+        err = capsys.readouterr().err
+        assert (
+            code == 0
+            and f"a/train: its run folder is held by a job this launch has no record of (job 13, pid {running.pid}"
+            in err
+        ), err
+        with pytest.raises(ConfigError, match="held by a job this launch has no record of"):
+            decide(plan_for(folder=configs))  # what a launch decides before it submits or archives
+        with pytest.raises(ConfigError, match="held by a job"):
+            archive_stale(job)  # and by construction: never renamed while held
+        assert run_dir.is_dir() and not list(run_dir.parent.glob("train.old-*"))
+        assert holder(run_dir).pid == running.pid
+
+
+def test_a_dead_jobs_writer_record_never_refuses_its_successors_ranks(tmp_path, monkeypatch):
+    """M2: kill -9 of a local 2-rank job's controller left its .writer.json; rank 1 of --retry-failed read
+    it while the new rank 0 held the lock but had not yet recorded itself, and refused its own job's folder
+    (rank 0 then waited out the 120 s join timeout). Rank 1 waits until the record is its own job's."""
+    import core.writer_lock as writer_lock
+
+    folder = tmp_path / "runs" / "exp" / "train"
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    with held_by_another_process(folder, "222"):  # the retry's rank 0: locked...
+        record = writer_lock.holder_path(folder).read_text()
+        stale = {
+            "host": socket.gethostname(),
+            "pid": dead.pid,
+            "job_id": "27320",
+            "since": "2026-12-06 10:00:00",
+        }
+        writer_lock.holder_path(folder).write_text(
+            json.dumps(stale)
+        )  # ...the killed job's record still there
+        assert holder(folder).job_id == "27320"
+
+        def rank_0_records(seconds):  # the first wait: rank 0 writes its record meanwhile
+            writer_lock.holder_path(folder).write_text(record)
+
+        monkeypatch.setattr(writer_lock.time, "sleep", rank_0_records)
+        with hold_folder(folder, "222", rank=1):
+            assert holder(folder).job_id == "222"

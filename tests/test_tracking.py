@@ -127,3 +127,53 @@ def test_sync_uploads_offline_runs_or_says_why_it_could_not(tmp_path, monkeypatc
     assert launch.main(["--sync", "--config-dir", str(configs)]) == 1
     printed = capsys.readouterr()
     assert "Syncing 1 offline W&B run(s)" in printed.out and "wandb login" in printed.err
+
+
+class TrainingArgs:  # what the callbacks read of TrainingArguments before they write
+    pass
+
+
+def test_a_tb_link_planted_while_the_job_trains_is_never_written_through(tmp_path):
+    """H3: TensorBoard reopened its event file by path at each flush, so a `tb/` link planted after the
+    job's start check took the writes out of the run root, and the job ended COMPLETED. The event file
+    is one descriptor now, opened below the root; a link there before the writer exists fails the job."""
+    from core.below import LinkBelowRoot
+
+    root, outside = tmp_path / "runs", tmp_path / "outside"
+    tb = root / "exp" / "train" / "tb"
+    outside.mkdir()
+    first = StageTensorBoard(tb, offset=0, resume_step=None, root=root)
+    first._init_summary_writer(TrainingArgs())
+    first.tb_writer.add_scalar("train/loss", 1.0, 1)
+    first.tb_writer.flush()
+    tb.rename(tb.with_name("tb.moved"))
+    tb.symlink_to(outside)
+    for step in range(2, 6):
+        first.tb_writer.add_scalar("train/loss", float(step), step)
+        first.tb_writer.flush()
+    first.tb_writer.close()
+    assert list(outside.iterdir()) == []
+    tb.unlink()
+    tb.with_name("tb.moved").rename(tb)  # the file the writer kept: every step in it
+    assert tensorboard_losses(tb.parent) == [(s, float(s)) for s in range(1, 6)]
+    tb.rename(tb.with_name("tb.moved"))
+    tb.symlink_to(outside)
+    second = StageTensorBoard(tb, offset=0, resume_step=None, root=root)
+    with pytest.raises(LinkBelowRoot, match="never written through"):
+        second._init_summary_writer(TrainingArgs())
+    assert list(outside.iterdir()) == []
+
+
+def test_a_wandb_folder_replaced_by_a_link_fails_the_job_at_its_start_and_at_a_checkpoint(tmp_path):
+    from core.below import LinkBelowRoot
+    from train.tracking import StageWandb
+
+    root, outside = tmp_path / "runs", tmp_path / "outside"
+    folder = root / "exp" / "train" / "wandb"
+    folder.parent.mkdir(parents=True)
+    outside.mkdir()
+    folder.symlink_to(outside)
+    callback = StageWandb(root, folder)
+    for event in (callback.on_train_begin, callback.on_save):
+        with pytest.raises(LinkBelowRoot):
+            event(TrainingArgs(), None, None)

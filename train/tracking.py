@@ -14,12 +14,16 @@ through the HF Trainer's own callbacks, made to survive requeues.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import os
 import re
+import socket
+import time
 from pathlib import Path
 
 from transformers.integrations import TensorBoardCallback, WandbCallback
 
+from core import below
 from core.config import TrainJob
 from core.rundir import RunDir
 
@@ -36,9 +40,10 @@ def step_offset(job: TrainJob) -> int:
 
 def tracking_callbacks(job: TrainJob, resume_step: int | None) -> list:
     callbacks = []
+    run_dir = RunDir(Path(job.run_dir))
     if "tensorboard" in job.tracking:
         callbacks.append(
-            StageTensorBoard(RunDir(Path(job.run_dir)).tensorboard, step_offset(job), resume_step)
+            StageTensorBoard(run_dir.tensorboard, step_offset(job), resume_step, root=run_dir.run_root)
         )
     if "wandb" in job.tracking:
         callbacks.append(stage_wandb(job))
@@ -46,38 +51,69 @@ def tracking_callbacks(job: TrainJob, resume_step: int | None) -> list:
 
 
 class StageTensorBoard(TensorBoardCallback):
-    """HF's TensorBoard callback on the experiment's step axis, purging what a resumed run replays."""
+    """HF's TensorBoard callback on the experiment's step axis, purging what a resumed run replays, writing
+    through EventFile (below `root`: the run root; the folder above `log_dir` when not given)."""
 
-    def __init__(self, log_dir: Path, offset: int, resume_step: int | None):
+    def __init__(self, log_dir: Path, offset: int, resume_step: int | None, root: Path | None = None):
         super().__init__()
         self.logging_dir = str(log_dir)
+        self.root = Path(root) if root is not None else Path(log_dir).parent
         self.offset = offset
         # Steps after the checkpoint (after the start, when there is none) may have been logged by an
         # interrupted run; they are logged again now. Hide the old ones (`purge_step` and later).
         self.purge_step = offset + (resume_step or 0) + 1
 
     def _init_summary_writer(self, args):
-        writer = self._SummaryWriter(log_dir=self.logging_dir, purge_step=self.purge_step)
-        self.tb_writer = OffsetWriter(writer, self.offset)
+        self.tb_writer = EventFile(self.root, Path(self.logging_dir), self.offset, self.purge_step)
 
 
-class OffsetWriter:
-    """A SummaryWriter whose steps are shifted onto the experiment's axis."""
+_event_files = itertools.count()  # two writers of one process in one second get two files
 
-    def __init__(self, writer, offset: int):
-        self.writer, self.offset = writer, offset
+
+class EventFile:
+    """A TensorBoard event file written through one descriptor, opened once below the run root without
+    following a link (core/below.py open_file), never reopened by path: TensorBoard's own writer reopens
+    its file by path at every flush, so a `tb/` link planted while the job trains took the writes out of the
+    run root (H3). What HF's callback calls of a SummaryWriter (add_scalar, add_text, flush, close), each
+    step shifted onto the experiment's axis by `offset`; `purge_step`: TensorBoard hides what an earlier
+    file logged from that step on (a SessionLog START, as SummaryWriter's purge_step writes)."""
+
+    def __init__(self, root: Path, folder: Path, offset: int, purge_step: int | None):
+        from tensorboard.compat.proto.event_pb2 import Event, SessionLog
+        from tensorboard.summary.writer.record_writer import RecordWriter
+
+        name = f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}.{next(_event_files)}"
+        fd = below.open_file(root, folder / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+        self.file = os.fdopen(fd, "wb")
+        self.records, self.offset, self.Event = RecordWriter(self.file), offset, Event
+        self._write(Event(wall_time=time.time(), file_version="brain.Event:2"))
+        if purge_step is not None:
+            self._write(
+                Event(wall_time=time.time(), step=purge_step, session_log=SessionLog(status=SessionLog.START))
+            )
 
     def add_scalar(self, tag, value, global_step=None, *args, **kwargs):
-        self.writer.add_scalar(tag, value, self._shift(global_step), *args, **kwargs)
+        from torch.utils.tensorboard.summary import scalar
+
+        self._write(self._event(scalar(tag, value), global_step))
 
     def add_text(self, tag, text, global_step=None, *args, **kwargs):
-        self.writer.add_text(tag, text, self._shift(global_step), *args, **kwargs)
+        from torch.utils.tensorboard.summary import text as text_summary
 
-    def _shift(self, step):
-        return None if step is None else step + self.offset
+        self._write(self._event(text_summary(tag, text), global_step))
 
-    def __getattr__(self, name):  # flush, close, ...
-        return getattr(self.writer, name)
+    def _event(self, summary, step):
+        return self.Event(wall_time=time.time(), step=(step or 0) + self.offset, summary=summary)
+
+    def _write(self, event) -> None:
+        self.records.write(event.SerializeToString())
+
+    def flush(self) -> None:
+        self.file.flush()
+
+    def close(self) -> None:
+        if not self.file.closed:
+            self.file.close()
 
 
 def wandb_run_id(job: TrainJob) -> str:
@@ -99,12 +135,27 @@ def stage_wandb(job: TrainJob) -> WandbCallback:
         WANDB_NAME=f"{job.experiment}/{job.stage}",
         WANDB_DIR=str(Path(job.run_dir).resolve()),  # wandb adds its own wandb/ folder
     )
-    return StageWandb()
+    return StageWandb(RunDir(Path(job.run_dir)).run_root, folder)
 
 
 class StageWandb(WandbCallback):
     """HF's W&B callback, finishing the run when the stage's training ends (completed or stopped), so its
-    files are whole before the process exits or the next stage starts."""
+    files are whole before the process exits or the next stage starts. Its folder is checked for a link
+    below the run root (core/below.py) at the start and at each checkpoint: a link there fails the job,
+    naming it. W&B's own writer (a separate process) opens its files by path, so a link planted between two
+    checks is followed until the next one: that window, a checkpoint interval wide, is W&B's (README)."""
+
+    def __init__(self, root: Path, folder: Path):
+        super().__init__()
+        self.root, self.folder = root, folder
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        below.check(self.root, self.folder)
+        super().on_train_begin(args, state, control, **kwargs)
+
+    def on_save(self, args, state, control, **kwargs):
+        below.check(self.root, self.folder)
+        return super().on_save(args, state, control, **kwargs)
 
     def on_train_end(self, args, state, control, **kwargs):
         super().on_train_end(args, state, control, **kwargs)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from core import writer_lock
 from core.files import warn_unreadable
 from core.job_records import JobRecord, Submission, current_job, forget_intent, pending_submission, record_job
 from core.layout import archive_folder
@@ -70,6 +71,9 @@ def weigh(plan: Plan, force: bool = False) -> tuple[list[Decision], list[Problem
             else:
                 refusals.append(refusal(job, f"{LIVE_AS[live_as]} {record.job_id}", "--cancel it first"))
                 decisions.append(Decision(job, "refused", record.job_id))
+        elif (other := writer_lock.holder(run_dir)) is not None:  # a trainer no record knows of (H2)
+            refusals.append(held_refusal(job, other))
+            decisions.append(Decision(job, "refused"))
         elif finished and not force and job.kind != "export":  # an export redoes itself in place (below)
             refusals.append(
                 refusal(
@@ -183,6 +187,19 @@ def hold_all_but(decisions: list[Decision], job_ids: set[str]) -> list[Decision]
     ]
 
 
+def held_refusal(job: PlannedJob, other: writer_lock.Holder) -> Problem:
+    """A run folder whose writer lock is held by a job no record names (its job.json lost or edited): a
+    second trainer there would write beside the first, and archiving it would move the running job's
+    folder from under it."""
+    return Problem(
+        str(RunDir(Path(job.run_dir)).writer),
+        "",
+        f"{job.id}: its run folder is held by a job this launch has no record of ({other}), which still "
+        "runs: a second one would write the same files, and the folder cannot be archived under it; wait "
+        "for it to end, or stop it, then relaunch",
+    )
+
+
 def refusal(job: PlannedJob, what: str, hint: str) -> Problem:
     run_dir, parents = Path(job.run_dir), any(d.kind == "afterok" for d in job.depends_on)
     keys = config_changes(job)  # None: config.yaml missing or unreadable (named in a warning)
@@ -218,6 +235,8 @@ def archive_stale(job: PlannedJob) -> Path | None:
         return None
     if job.kind == "export":  # rebuilt from its adapter in place, atomically (eval/export.py): a new
         return None  # format or table is no loss, and a multi-GB copy per change would be
+    if (other := writer_lock.holder(run_dir)) is not None:  # weigh refused it; held since, never moved
+        raise ConfigError([held_refusal(job, other)])
 
     when = time.strftime("%Y%m%d-%H%M%S")
     stamp, n = when, 1
