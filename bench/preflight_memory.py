@@ -24,6 +24,7 @@ import argparse
 import gc
 import json
 import tempfile
+import threading
 from pathlib import Path
 from unittest.mock import patch
 
@@ -307,6 +308,7 @@ def measured_preference(job: TrainJob, length: int, targets: int) -> dict[str, i
     from trl import DPOConfig
     from trl.trainer import utils as trl_utils
 
+    from train.callbacks import StopWhenAsked
     from train.preference import dpo_trainer_class
 
     model = real_model(job)
@@ -325,7 +327,13 @@ def measured_preference(job: TrainJob, length: int, targets: int) -> dict[str, i
     )
     tokenizer = AutoTokenizer.from_pretrained(TOKENIZER)  # TRL wants one; the batches are token ids
     train_set = datasets.Dataset.from_list(pairs)
-    trainer = dpo_trainer_class()(model=model, args=args, train_dataset=train_set, processing_class=tokenizer)
+    trainer = dpo_trainer_class()(
+        model=model,
+        args=args,
+        train_dataset=train_set,
+        processing_class=tokenizer,
+        callbacks=[StopWhenAsked(threading.Event())],  # every stage trainer carries its time-limit stop
+    )
     if "ref" in trainer.model.peft_config:
         trainer.model.delete_adapter("ref")  # reference: base
     model, trainer.current_gradient_accumulation_steps = trainer.model, 1  # set by Trainer.train otherwise

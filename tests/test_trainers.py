@@ -13,7 +13,7 @@ import pytest
 from core.below import LinkBelowRoot
 from core.config import TrainSpec
 from train.checkpoints import CheckedSaves
-from train.recipe import ReproducibleSampling
+from train.recipe import ReproducibleSampling, StopsAtTheTimeLimit
 from train.stage import recipe_of
 
 METHODS = typing.get_args(TrainSpec.model_fields["method"].annotation)
@@ -26,7 +26,7 @@ def test_every_methods_trainer_checks_its_saves_outermost_and_samples_reproducib
     for trainer in classes:
         # Outermost: a method's own _save_checkpoint (DPO's skips TRL's model card) runs inside the check.
         assert trainer.__mro__[1] is CheckedSaves, [c.__name__ for c in trainer.__mro__]
-        assert ReproducibleSampling in trainer.__mro__
+        assert ReproducibleSampling in trainer.__mro__ and StopsAtTheTimeLimit in trainer.__mro__
 
 
 @pytest.mark.parametrize("method", METHODS)

@@ -280,12 +280,24 @@ class OutputAtTargets:
             return super().compute_loss(model, inputs, *args, **kwargs)
 
 
+class StopsAtTheTimeLimit:
+    """A stage trainer refuses to exist without the time-limit stop among its callbacks (StopWhenAsked, which
+    StageRecipe.build_trainer adds for every method): without it a job at its limit is killed, not saved,
+    and its requeue starts from its last checkpoint instead of the step it reached."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if not any(isinstance(c, StopWhenAsked) for c in self.callback_handler.callbacks):
+            raise TypeError(f"{type(self).__name__} was built without the time-limit stop (StopWhenAsked)")
+
+
 def stage_trainer(name: str, library_trainer: type, *method_pieces: type) -> type:
     """A method's trainer class, composed here so that no method can miss a piece every stage needs (issue
     48): the checked saves outermost, so that a method's own `_save_checkpoint` (DPO's skips TRL's model card)
-    runs inside the check, never around it; then the method's own pieces; then reproducible sampling over the
-    library's trainer. The time-limit stop is a callback every recipe adds (StageRecipe.build_trainer)."""
-    return type(name, (CheckedSaves, *method_pieces, ReproducibleSampling, library_trainer), {})
+    runs inside the check, never around it; the time-limit stop's guard; the method's own pieces; then
+    reproducible sampling over the library's trainer."""
+    pieces = (CheckedSaves, StopsAtTheTimeLimit, *method_pieces, ReproducibleSampling, library_trainer)
+    return type(name, pieces, {})
 
 
 CausalTrainer = stage_trainer("CausalTrainer", Trainer, OutputAtTargets, TokenMeanEval)
