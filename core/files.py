@@ -18,7 +18,7 @@ import os
 import stat
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import IO
@@ -293,32 +293,74 @@ def read_json(path: Path, default=None, expected: Kind | None = None, fields: di
 
 
 def read_jsonl(path: Path, fields: dict[str, Kind] | None = None) -> list[dict]:
-    """The JSON objects of a file of one per line, each checked as read_json checks `fields`. A last line
-    without its newline that is no JSON object is being written (or was cut by a kill) and is skipped
-    quietly; other lines that are not JSON objects are skipped and warned about, with their numbers."""
+    """The JSON objects of a file of one per line (iter_jsonl), as a list: for files that stay small."""
+    return list(iter_jsonl(path, fields))
+
+
+MAX_LINE_BYTES = 1 << 20  # far above any row a writer here makes; a longer line is skipped, named
+
+
+def iter_jsonl(path: Path, fields: dict[str, Kind] | None = None) -> Iterator[dict]:
+    """The JSON objects of a file of one per line, read line by line (a 300 MB metrics.jsonl parsed whole
+    took 6.9 GB), each checked as read_json checks `fields`. A last line without its newline that is no JSON
+    object is being written (or was cut by a kill) and is skipped quietly; other lines that are not JSON
+    objects, or longer than MAX_LINE_BYTES, are skipped and warned about, with their numbers. A FIFO or a
+    device is never read (a warning names it)."""
     try:
-        lines = read_regular(Path(path), MAX_LOG_BYTES).split(b"\n")
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
-        return []
+        return
     except OSError as exc:
-        warn_unreadable(path, str(exc) if isinstance(exc, NotARegularFile) else str(exc.strerror))
-        return []
-    rows, wrong = [], []
-    for number, raw in enumerate(lines, 1):
-        row, why = json_object(raw)
-        if why and number == len(lines):
-            break  # torn
-        if row is not None and fields:
-            row, bad = typed(row, fields)
-            why = "; ".join(bad) or None
-        if why:
-            wrong.append(f"line {number}: {why}")
-        if row is not None:
-            rows.append(row)
-    if wrong:
-        more = f" (and {len(wrong) - 1} more line(s))" if len(wrong) > 1 else ""
-        warn_unreadable(path, wrong[0] + more)
-    return rows
+        warn_unreadable(Path(path), str(exc.strerror))
+        return
+    with os.fdopen(fd, "rb") as fh:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            warn_unreadable(Path(path), "not a regular file (a FIFO, a socket or a device)")
+            return
+        first_wrong, wrong, number = None, 0, 0
+        while raw := fh.readline(MAX_LINE_BYTES + 1):
+            number += 1
+            if len(raw) > MAX_LINE_BYTES:
+                while (rest := fh.readline(MAX_LINE_BYTES)) and not rest.endswith(b"\n"):
+                    pass  # the rest of that line
+                row, why = None, f"longer than {MAX_LINE_BYTES:,} bytes"
+            else:
+                row, why = json_object(raw)
+                if why and not raw.endswith(b"\n"):
+                    break  # torn
+            if row is not None and fields:
+                row, bad = typed(row, fields)
+                why = "; ".join(bad) or None
+            if why:
+                first_wrong, wrong = first_wrong or f"line {number}: {why}", wrong + 1
+            if row is not None:
+                yield row
+        if wrong:
+            more = f" (and {wrong - 1} more line(s))" if wrong > 1 else ""
+            warn_unreadable(Path(path), first_wrong + more)
+
+
+def thinned(rows: Iterable[dict], keep: int, curve: Callable[[dict], str]) -> list[dict]:
+    """`rows` with at most 2 x `keep` of each curve (`curve(row)` names it), evenly spaced, its first and
+    last kept, in their order: a plot or a mean of a million logged steps reads the same from a few
+    thousand, in constant memory."""
+    kept: dict[str, list[tuple[int, dict]]] = {}
+    stride: dict[str, int] = {}
+    seen: dict[str, int] = {}
+    last: dict[str, tuple[int, dict]] = {}
+    for index, row in enumerate(rows):
+        name = curve(row)
+        n = seen.get(name, 0)
+        seen[name], last[name] = n + 1, (index, row)
+        if n % stride.setdefault(name, 1) == 0:
+            points = kept.setdefault(name, [])
+            points.append((index, row))
+            if len(points) > 2 * keep:
+                kept[name], stride[name] = points[::2], stride[name] * 2
+    for name, point in last.items():
+        if kept[name][-1][0] != point[0]:
+            kept[name].append(point)
+    return [row for _, row in sorted((p for points in kept.values() for p in points), key=lambda p: p[0])]
 
 
 def json_object(raw: bytes) -> tuple[dict | None, str | None]:

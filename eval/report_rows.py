@@ -6,10 +6,11 @@ eval jobs; eval/report.py lays the rows out (eval/report_tables.py, eval/report_
 
 from __future__ import annotations
 
+import functools
 import math
 from pathlib import Path
 
-from core.files import read_jsonl
+from core.files import iter_jsonl, thinned
 from core.layout import EVAL, eval_folder
 from core.names import REPORT_COLUMNS
 from core.rundir import METRICS_FIELDS, RunDir
@@ -46,8 +47,27 @@ def read_results(run_dir: str | Path) -> dict:
     return RunDir.of(run_dir).read_results()
 
 
+# The most points of each curve the report reads from a stage's metrics.jsonl (thinned evenly beyond):
+# plots and means read the same from a few thousand; a million steps parsed whole took gigabytes (M3).
+CURVE_POINTS = 2000
+
+
 def read_metrics(run_dir: str | Path) -> list[dict]:
-    return read_jsonl(RunDir.of(run_dir).metrics, METRICS_FIELDS)
+    """A stage's metrics rows, streamed, at most 2 x CURVE_POINTS of the training curve and of the eval
+    curve (core/files.py thinned), each curve's last row kept (its step ends the stage's axis). Read once
+    per version of the file: the table, the plots and the means all ask."""
+    path = RunDir.of(run_dir).metrics
+    try:
+        info = path.stat()
+    except OSError:
+        return []
+    return list(_thinned_metrics(str(path), info.st_mtime_ns, info.st_size))
+
+
+@functools.lru_cache(maxsize=256)
+def _thinned_metrics(path: str, mtime_ns: int, size: int) -> tuple[dict, ...]:
+    rows = iter_jsonl(Path(path), METRICS_FIELDS)
+    return tuple(thinned(rows, CURVE_POINTS, lambda row: "eval" if "eval_loss" in row else "train"))
 
 
 JOB_COLUMNS = (

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -410,3 +411,20 @@ def rendered_status(rows) -> str:
     console = Console(width=200, record=True, markup=False)  # as the commands' (render.py console)
     console.print(status_table(rows))
     return console.export_text()
+
+
+def bounded_child(args: list[str], limit: int = 1 << 30) -> subprocess.CompletedProcess:
+    """`python ARGS` in the repository under RLIMIT_AS `limit`: a reader without a bound dies there."""
+
+    def bound() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
+    return subprocess.run(
+        [sys.executable, *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        preexec_fn=bound,
+        timeout=300,
+        check=False,
+    )

@@ -10,15 +10,13 @@ import ast
 import json
 import pickle
 import re
-import resource
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import launch
 from core.job_records import record_job
-from tests.helpers import ROOT, dry_run, experiment_folder
+from tests.helpers import ROOT, bounded_child, dry_run, experiment_folder
 
 GLOO = (
     "RuntimeError: [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] "
@@ -156,20 +154,3 @@ def test_tokenizer_files_linked_to_dev_zero_are_read_bounded_by_the_dry_run(tiny
     done = bounded_child(["launch.py", "--all", "--config-dir", str(configs), "--dry-run"])
     assert "MemoryError" not in done.stderr and "Traceback" not in done.stderr, done.stderr[-2000:]
     assert done.returncode in (0, 2), done.stderr[-2000:]
-
-
-def bounded_child(args: list[str], limit: int = 1 << 30) -> subprocess.CompletedProcess:
-    """`python ARGS` in the repository under RLIMIT_AS `limit`: a reader without a bound dies there."""
-
-    def bound() -> None:
-        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-
-    return subprocess.run(
-        [sys.executable, *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        preexec_fn=bound,
-        timeout=300,
-        check=False,
-    )

@@ -21,6 +21,7 @@ from core.config import PruneJob
 from core.files import append_json_line, read_jsonl
 from core.pruning import judged, rung_file
 from core.speeds import EvalSpeedRecord, append, read_eval_book
+from tests.helpers import bounded_child, experiment_folder
 
 PRUNE = PruneJob(rungs=[1], keep=0.5, sweep="sw", measured_under="m")
 HANG_S = 30
@@ -160,3 +161,39 @@ def test_fifo_or_folder_at_the_launch_lock_is_named_not_waited_on(tmp_path, repo
     outcome = returns(launch.main, args)
     assert outcome.get("value") == 1, outcome
     assert ".launch.lock" in capsys.readouterr().err
+
+
+MILLION = 1_000_000
+
+
+@pytest.mark.slow
+def test_report_over_a_million_line_metrics_file_runs_in_a_bounded_child(tmp_path):
+    """M3: a 302 MB metrics.jsonl drove --report to 6.9 GB and MemoryError; it is streamed now, each curve
+    thinned to a few thousand points (eval/report_rows.py read_metrics). Under RLIMIT_AS 1 GiB."""
+    configs = experiment_folder(tmp_path)
+    stage = tmp_path / "runs" / "a" / "train"
+    stage.mkdir(parents=True)
+    with (stage / "metrics.jsonl").open("w") as fh:
+        fh.writelines(f'{{"step": {step}, "loss": {1 + 1 / step:.6f}}}\n' for step in range(1, MILLION + 1))
+    done = bounded_child(["launch.py", "--report", "--config-dir", str(configs)])
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (tmp_path / "runs" / "a" / "loss.png").is_file()
+
+
+@pytest.mark.slow
+def test_dry_run_over_a_million_pairs_runs_in_a_bounded_child(tmp_path):
+    """M3: a 172 MB pairs file (4 M pairs) took 2.0 GB at --dry-run; each line is checked and let go now."""
+    pairs = tmp_path / "pairs.jsonl"
+    with pairs.open("w") as fh:
+        fh.writelines(f'{{"prompt": "q{n}", "chosen": "a", "rejected": "b"}}\n' for n in range(MILLION))
+    configs = experiment_folder(tmp_path)
+    text = (configs / "a.yaml").read_text()
+    (configs / "a.yaml").write_text(
+        text[: text.index("data: {")]
+        + f"data: {{train: {pairs}, eval: {pairs}, format: preference}}\n"
+        + "train: {method: dpo, epochs: 1, eval_every_epochs: 1}\neval: {metrics: [exact_match]}\n"
+        + text[text.index("resources:") :]
+    )
+    done = bounded_child(["launch.py", "--all", "--config-dir", str(configs), "--dry-run"])
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "a/train" in done.stdout
