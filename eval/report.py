@@ -39,7 +39,14 @@ from core.sweep import SweepMember
 from eval.report_plots import plot_losses
 from eval.report_rows import JOB_COLUMNS, present_columns, scored_rows, tasks_of, with_deltas
 from eval.report_sweeps import sweep_points, sweep_section
-from eval.report_tables import csv_text, description_lines, left_out_lines, to_markdown, totals_text
+from eval.report_tables import (
+    csv_text,
+    description_lines,
+    incomparable_lines,
+    left_out_lines,
+    to_markdown,
+    totals_text,
+)
 
 
 class BaselinesError(ValueError):
@@ -117,6 +124,7 @@ def write_report(
         )
         if members or not sweeps:
             md += [to_markdown(members, columns + extra_columns), ""]
+        md += incomparable_lines([r for r in staged if r["task"] == task])
         md += left_out_lines([r["experiment"] for r in plain if r["task"] == task], base_evals)
         md += description_lines(
             [r["experiment"] for r in rows if r["task"] == task], descriptions or {}, sweeps

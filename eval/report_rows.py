@@ -173,6 +173,7 @@ def scores_row(
         "best_eval_loss": min(finite) if (finite := [v for v in losses if math.isfinite(v)]) else None,
     }
     row["eval_split"] = split_marker(results)
+    row["eval_source"] = results.get("source")  # the file scored: a Δ compares rows of one file only
     row["eval_turns"] = turns_marker(results)
     row.update({column: results.get(key) for key, column in REPORT_COLUMNS.items()})
     return row
@@ -263,6 +264,7 @@ def base_row(base: BaseEval, state: State | None, job_rows: dict[str, dict]) -> 
         "model": base.model,
         "gpu_hours": job_rows.get(base.job_id, {}).get("gpu_hours"),
         "eval_split": split_marker(results),
+        "eval_source": results.get("source"),
         "eval_turns": turns_marker(results),
         **scores,
     }
@@ -277,8 +279,16 @@ def base_status(state: State | None) -> str:
 def deltas(row: dict, base: dict | None) -> dict:
     """delta_<score>: the experiment's score minus its base's, for every score column; None where either
     is missing, where there is no base (`base` None: left out), or where they scored different splits (a
-    results.json without `split` predates the setting, when only the eval data was scored)."""
+    results.json without `split` predates the setting, when only the eval data was scored) or different
+    files (M6: an `EXP @ STAGE` row's eval scores that stage's data, the base the last stage's; then
+    `no_delta_because` says so, for the line under the table)."""
     comparable = base is not None and (base.get("eval_split") or "eval") == (row.get("eval_split") or "eval")
+    mine_source, base_source = row.get("eval_source"), (base or {}).get("eval_source")
+    if comparable and mine_source and base_source and mine_source != base_source:
+        comparable = False
+        row["no_delta_because"] = (
+            f"{row['experiment']}: no Δ, its eval scored {mine_source} and the base {base_source}"
+        )
     found = {}
     for column in SCORE_COLUMNS:
         mine, theirs = row.get(column), base.get(column) if base else None

@@ -13,6 +13,13 @@ from core.sweep import SweepMember
 from eval.report_rows import DELTA, TRAINER_CLOCK, present_columns, total_gpu_hours, with_deltas
 
 
+def incomparable_lines(rows: list[dict]) -> list[str]:
+    """A line for each row whose Δ is left out because it scored another file than its base (eval/report_rows.py
+    deltas), then a blank line; none when every Δ compares like with like."""
+    notes = [row["no_delta_because"] for row in rows if row.get("no_delta_because")]
+    return [*(f"{note}." for note in notes), ""] if notes else []
+
+
 def left_out_lines(experiments: list[str], base_evals: dict[str, BaseEval]) -> list[str]:
     """`No base row for EXP: REASON.`, experiments left out for one reason on one line."""
     reasons: dict[str, list[str]] = {}

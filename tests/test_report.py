@@ -946,3 +946,32 @@ def test_a_dpo_stages_reward_curves_are_plotted_beside_its_loss(tmp_path):
 
 def png_width(path: Path) -> int:
     return int.from_bytes(path.read_bytes()[16:20], "big")  # the IHDR chunk's width
+
+
+def test_a_stage_row_that_scored_other_data_than_its_base_has_no_delta_and_the_report_says_why(tmp_path):
+    """M6: an SFT -> DPO run's SFT row (eval-sft: the SFT dev set) took its Δ against the base, which scored
+    the last stage's eval data (the DPO pairs): two example sets compared. The DPO row's Δ stays."""
+    plan, base = with_base_job(plan_of(tmp_path, "good"), "good/eval", "abc123")
+    last = plan.job("good/eval")
+    out_dir = str(Path(plan.run_root) / "good" / "eval-one")
+    after_one = dataclasses.replace(
+        last, id="good/eval-one", stage="eval-one", spec=last.spec.model_copy(update={"out_dir": out_dir})
+    )
+    plan = dataclasses.replace(plan, jobs=(*plan.jobs, after_one))
+    runs = tmp_path / "runs"
+    for folder, source, em in (
+        (base.out_dir, "pairs.jsonl", 0.5),
+        (out_dir, "dev.jsonl", 0.6),
+        (runs / "good" / "eval", "pairs.jsonl", 0.75),
+    ):
+        write_scores(folder, exact_match=em)
+        results = json.loads((Path(folder) / "results.json").read_text())
+        (Path(folder) / "results.json").write_text(json.dumps({**results, "source": source}))
+
+    write_report(job_runs(plan), runs, base_evals={"good": base})
+
+    report = (runs / "report.md").read_text()
+    _, _, one, both = table_of(report)
+    assert one.startswith("| good @ one | ") and one.endswith("| 0.6 | – |"), one
+    assert both.endswith("| 0.75 | +0.25 |"), both
+    assert "good @ one: no Δ, its eval scored dev.jsonl and the base pairs.jsonl." in report
