@@ -25,20 +25,27 @@ class TemplateBoundError(ValueError):
     """The template raised, ran past the time bound or past the memory bound; says where."""
 
 
-def render_bounded(template: str, calls: list[dict], time_s: float | None = None) -> list[str]:
+def render_bounded(
+    template: str, calls: list[dict], time_s: float | None = None, keep: bool = True, what: str | None = None
+) -> list[str]:
     """Each call's rendering ({messages, add_generation_prompt, bos_token, eos_token}), in a bounded child
-    (`time_s`: the time bound, TIME_S when None)."""
+    (`time_s`: the time bound of each call, TIME_S when None). `keep=False`: only whether each renders
+    within the bounds (nothing comes back); `what`: how the refusal names the conversations rendered."""
     time_s = TIME_S if time_s is None else time_s
     argv = [sys.executable, __file__]
-    request = json.dumps({"template": template, "calls": calls, "time_s": time_s})
+    what = what or "a two-exchange conversation"
+    request = json.dumps({"template": template, "calls": calls, "time_s": time_s, "keep": keep, "what": what})
     try:
         done = subprocess.run(
-            argv, input=request, capture_output=True, text=True, timeout=time_s + 10, preexec_fn=cap_memory
+            argv,
+            input=request,
+            capture_output=True,
+            text=True,
+            timeout=time_s * len(calls) + 10,
+            preexec_fn=cap_memory,
         )
     except subprocess.TimeoutExpired:
-        raise TemplateBoundError(
-            f"the chat template ran past {time_s:g} s on a two-exchange conversation"
-        ) from None
+        raise TemplateBoundError(f"the chat template ran past {time_s:g} s rendering {what}") from None
     try:
         answer = json.loads(done.stdout)
     except ValueError:  # killed by the kernel, or crashed: say what the child said
@@ -103,24 +110,27 @@ def render_all(request: dict) -> dict:
         raise TimeoutError
 
     signal.signal(signal.SIGALRM, out_of_time)
-    time_s = request["time_s"]
+    time_s, keep, what = request["time_s"], request.get("keep", True), request.get("what", "a conversation")
+    texts = []
     try:
         # Compiled before the clock starts: the bound is the render's, and on a loaded machine the compile
         # alone once ran past it, refusing a template for no line of its own.
         template = environment().from_string(request["template"])
-        signal.setitimer(signal.ITIMER_REAL, time_s)
-        return {"texts": [template.render(**call) for call in request["calls"]]}
+        for call in request["calls"]:
+            what = call.pop("what", what)
+            signal.setitimer(signal.ITIMER_REAL, time_s)  # each call's own bound
+            text = template.render(**call)
+            if keep:
+                texts.append(text)
+        return {"texts": texts}
     except TimeoutError as exc:
-        return {
-            "error": f"the chat template ran past {time_s:g} s on a two-exchange conversation{template_line(exc)}"
-        }
+        return {"error": f"the chat template ran past {time_s:g} s rendering {what}{template_line(exc)}"}
     except MemoryError as exc:
         return {
-            "error": f"the chat template needed over {MEMORY_BYTES >> 20} MB to render a two-exchange "
-            f"conversation{template_line(exc)}"
+            "error": f"the chat template needed over {MEMORY_BYTES >> 20} MB to render {what}{template_line(exc)}"
         }
     except Exception as exc:  # the template's own raise_exception, an undefined name, a type error
-        return {"error": f"the chat template raises: {exc}{template_line(exc)}"}
+        return {"error": f"the chat template cannot render {what}: {exc}{template_line(exc)}"}
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
 

@@ -679,7 +679,28 @@ def test_a_template_that_loops_on_one_conversation_only_fails_the_job_in_time_no
     spec = DataSpec(train=source, format="messages", chat_template=looping)  # validation passes it
     with pytest.raises(
         chat.ChatTemplateError,
-        match=r"ran past 0.3 s rendering one conversation .*'spin'.*\(template line 2\)",
+        match=r"ran past 0.3 s rendering this conversation .*'spin'.*\(template line 2\)",
     ):
         data_lib.tokenized(source, spec, tokenizer, "causal")
     assert chat.encode(tokenizer, THREE_TURNS).labels  # the others render, and the timer is gone after
+
+
+def test_a_template_whose_output_bomb_waits_for_some_data_is_refused_by_the_bounded_child_with_its_reason(
+    tiny, tmp_path, monkeypatch
+):
+    """M5: the memory bound held for validation's probe only (no system turn), so a bomb that fires on a
+    system turn passed, and preflight reached 3.46 GB on the login node, then refused with an empty reason
+    (a MemoryError says nothing). Every conversation renders first in the bounded child now."""
+    monkeypatch.setenv("LORA_CACHE_DIR", str(tmp_path / "cache"))
+    bomb = chat_templates.CHATML.replace(
+        "{% for message in messages %}",
+        "{% if messages[0]['role'] == 'system' %}{{ 'x' * 1500000000 }}{% endif %}{% for message in messages %}",
+        1,
+    )
+    tokenizer = tokenizer_with(bomb, CHATML_TOKENS, REPO)
+    source = write_chats(tmp_path / "c.jsonl", [THREE_TURNS[1:], THREE_TURNS])  # the second has a system turn
+    spec = DataSpec(train=source, format="messages", chat_template=bomb)  # validation's probe passes it
+    with pytest.raises(
+        chat.ChatTemplateError, match=r"needed over 1024 MB to render this conversation \(number 2"
+    ):
+        data_lib.tokenized(source, spec, tokenizer, "causal")

@@ -99,7 +99,44 @@ def rendered(tokenizer, turns: list[dict], generation_prompt: bool = False) -> s
     except ChatTemplateError:
         raise
     except Exception as exc:  # jinja2's errors, and the templates' own raise_exception(...)
-        raise ChatTemplateError(f"the chat template cannot render this conversation: {exc}") from None
+        why = str(exc) or type(exc).__name__  # a refusal always says its reason (a MemoryError says nothing)
+        raise ChatTemplateError(f"the chat template cannot render this conversation: {why}") from None
+
+
+# Conversations one bounded child renders at a time (its own memory holds them as well as the renders).
+BOUNDED_CHUNK = 2000
+
+
+def within_bounds(tokenizer, conversations: list[list[dict]]) -> None:
+    """Every conversation rendered once through the template in the bounded child (core/template_sandbox.py:
+    its memory and time capped), before any is rendered in this process: a template whose output bomb waits
+    for some data (a system turn) passed validation's probe and then took 3.46 GB of the login node in
+    preflight (M5), and a job's process, which will hold CUDA, takes no RLIMIT_AS. Raises ChatTemplateError
+    naming the conversation and the bound."""
+    template = getattr(text_tokenizer(tokenizer), "chat_template", None)
+    if not isinstance(template, str) or not conversations:
+        return
+    specials = {k: v for k, v in text_tokenizer(tokenizer).special_tokens_map.items() if isinstance(v, str)}
+    calls = [
+        {
+            "messages": turns,
+            "add_generation_prompt": prompt,
+            **specials,
+            "what": what_conversation(index, turns),
+        }
+        for index, turns in enumerate(conversations)
+        for prompt in (False, True)
+    ]
+    for start in range(0, len(calls), BOUNDED_CHUNK):
+        try:
+            template_sandbox.render_bounded(template, calls[start : start + BOUNDED_CHUNK], keep=False)
+        except template_sandbox.TemplateBoundError as exc:
+            raise ChatTemplateError(str(exc)) from None
+
+
+def what_conversation(index: int, turns: list[dict]) -> str:
+    first = next((str(t.get("content"))[:40] for t in turns if t.get("content")), "")
+    return f"this conversation (number {index + 1} of the data, the one beginning {first!r})"
 
 
 class RenderTimeout(Exception):  # an Exception, so jinja2 maps its traceback onto the template's lines

@@ -80,6 +80,7 @@ def prompts_and_targets(
     if not templated(spec, kind) and kind != "image-text":
         return [prompt_of(r, spec) for r in rows], [target_of(r, spec) for r in rows]
     conversations = [turns_of(row, spec, kind) for row in rows]
+    chat.within_bounds(tokenizer, conversations)
     pairs = [
         chat.eval_prompt(tokenizer, scored)
         for whole in conversations
@@ -92,14 +93,21 @@ def preference_prompts(tokenizer, rows: list[dict], spec: DataSpec) -> tuple[lis
     """Pairs' prompts (a string prompt as written, as `fields`; turns, or any prompt when data.chat_template
     is set, rendered with the generation prompt) and their chosen answers."""
     prompts, references = [], []
+    chat.within_bounds(tokenizer, [preferences.pair(row)[0] for row in rows if not plain_prompt(row, spec)])
     for row in rows:
         turns, chosen, _ = preferences.pair(row)
-        plain = isinstance(row["prompt"], str) and spec.chat_template is None
         prompts.append(
-            turns[0]["content"] if plain else chat.rendered(tokenizer, turns, generation_prompt=True)
+            turns[0]["content"]
+            if plain_prompt(row, spec)
+            else chat.rendered(tokenizer, turns, generation_prompt=True)
         )
         references.append(chosen)
     return prompts, references
+
+
+def plain_prompt(row: dict, spec: DataSpec) -> bool:
+    """A pair whose prompt is a string and no data.chat_template is set: rendered as `fields` are."""
+    return isinstance(row["prompt"], str) and spec.chat_template is None
 
 
 def turns_of(row: dict, spec: DataSpec, kind: str) -> list[dict]:
@@ -110,7 +118,9 @@ def turns_of(row: dict, spec: DataSpec, kind: str) -> list[dict]:
 # ---- tokens -------------------------------------------------------------------------------------------
 def encode_conversations(tokenizer, rows: list[dict], spec: DataSpec) -> dict[str, list]:
     """Chat-rendered conversations; `turn_ends` says where each may be cut whole (see `truncate`)."""
-    encoded = [chat.encode(tokenizer, conversation(row, spec), spec.train_on) for row in rows]
+    conversations = [conversation(row, spec) for row in rows]
+    chat.within_bounds(tokenizer, conversations)
+    encoded = [chat.encode(tokenizer, turns, spec.train_on) for turns in conversations]
     return {
         "input_ids": [e.input_ids for e in encoded],
         "labels": [e.labels for e in encoded],

@@ -18,7 +18,7 @@ log = logging.getLogger("train.pairs")
 def encode_pair(tokenizer, row: dict, spec) -> dict[str, list[int]]:
     """{prompt_ids, chosen_ids, rejected_ids}: the prompt shared, each answer as SFT labels it."""
     turns, chosen, rejected = preferences.pair(row)
-    if isinstance(row["prompt"], str) and spec.chat_template is None:  # as `fields` are rendered
+    if data_lib.plain_prompt(row, spec):  # as `fields` are rendered
         encoded = data_lib.encode(tokenizer, [turns[0]["content"]] * 2, [chosen, rejected], "causal")
         sides = list(zip(encoded["input_ids"], encoded["labels"], strict=True))
     else:
@@ -60,7 +60,17 @@ def pair_length(example: dict) -> int:
 
 
 def encoded_pairs(source: str, spec, tokenizer) -> datasets.Dataset:
-    encoded = [encode_pair(tokenizer, row, spec) for row in data_lib.read_rows(source, spec)]
+    rows = data_lib.read_rows(source, spec)
+    chat.within_bounds(  # each pair's conversations, as encode_pair renders them
+        tokenizer,
+        [
+            [*preferences.pair(row)[0], {"role": "assistant", "content": answer}]
+            for row in rows
+            if not data_lib.plain_prompt(row, spec)
+            for answer in preferences.pair(row)[1:]
+        ],
+    )
+    encoded = [encode_pair(tokenizer, row, spec) for row in rows]
     columns = {key: [e[key] for e in encoded] for key in ("prompt_ids", "chosen_ids", "rejected_ids")}
     return datasets.Dataset.from_dict({**columns, "length": [pair_length(e) for e in encoded]})
 

@@ -59,7 +59,9 @@ def examples(source: str, spec: DataSpec, processor, limit: int | None = None) -
     from train.data import read_rows, turns_of
 
     rows = read_rows(source, spec)[:limit]
-    encoded = [chat.encode(processor, turns_of(row, spec, "image-text"), spec.train_on) for row in rows]
+    conversations = [turns_of(row, spec, "image-text") for row in rows]
+    chat.within_bounds(processor, conversations)
+    encoded = [chat.encode(processor, turns, spec.train_on) for turns in conversations]
     images = [str(image_path(row, spec, source).resolve()) for row in rows]
     # The template holds one image placeholder; the processor expands it to the image's tokens.
     image_lengths = [image_tokens(processor, Path(path)) for path in images]
