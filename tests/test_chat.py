@@ -449,13 +449,14 @@ def test_an_answer_starting_with_spaces_is_labelled_alike_by_markers_and_by_pref
     tiny, repo_root, tmp_path
 ):
     """The header's newline and the answer's first space merge into one token ('\\n '): both paths leave
-    that whitespace-only token out and start at the answer's first word."""
+    that straddling whitespace token out, and learn from the answer's second space on, a token wholly the
+    answer's own (N4: before, every leading whitespace token was dropped, the answer's own too)."""
     marked = smollm_like(tmp_path, repo_root, MARKED_CHATML, CHATML_TOKENS)
     plain = smollm_like(tmp_path / "p", repo_root, PLAIN_CHATML, CHATML_TOKENS)
     by_markers, by_prefixes = chat.encode(marked, SPACED), chat.encode(plain, SPACED)
     assert "\n " in [marked.decode([i]) for i in by_markers.input_ids]  # the merge this test is about
     assert by_markers.labels == by_prefixes.labels
-    assert marked.decode([by_markers.input_ids[labelled(by_markers)[0]]]) == "SELECT"
+    assert [marked.decode([by_markers.input_ids[i]]) for i in labelled(by_markers)[:2]] == [" ", "SELECT"]
 
 
 def test_generation_markers_that_enclose_the_headers_newline_do_not_train_it(tiny, repo_root):
@@ -704,3 +705,66 @@ def test_a_template_whose_output_bomb_waits_for_some_data_is_refused_by_the_boun
         chat.ChatTemplateError, match=r"needed over 1024 MB to render this conversation \(number 2"
     ):
         data_lib.tokenized(source, spec, tokenizer, "causal")
+
+
+# ---- the edges (issue 48, N2-N4) ------------------------------------------------------------------------
+CODE_ANSWER = [
+    {"role": "user", "content": "code?"},
+    {"role": "assistant", "content": "\n```python\nprint(1)\n```"},
+]
+
+
+def test_an_answers_own_leading_newline_is_learnt_and_the_eval_prompt_ends_at_the_header(tiny, repo_root):
+    """N4: the boundary rule dropped every whitespace token at an answer's start, the answer's own too (a
+    code answer's leading newline): the model never learnt it after the header, and the eval prompt's ids
+    held it. Hand labels, TRL and axolotl learn it; so do both paths here now."""
+    for template in (chat_templates.CHATML, MARKED_CHATML):
+        tokenizer = tokenizer_with(template, CHATML_TOKENS, repo_root)
+        encoded = chat.encode(tokenizer, CODE_ANSWER)
+        learnt = "".join(tokenizer.decode([encoded.input_ids[i]]) for i in labelled(encoded))
+        assert learnt == CODE_ANSWER[1]["content"] + "<|im_end|>", (template[:30], learnt)
+        prompt, _ = chat.eval_prompt(tokenizer, CODE_ANSWER)
+        assert (
+            tokenizer.decode(prompt.ids).endswith("<|im_start|>assistant\n")
+            and tokenizer.decode(prompt.ids) == prompt
+        )
+
+
+HEADER_MARKED_CHATML = (  # a hand-marked ChatML whose markers enclose the assistant's header
+    "{% for message in messages %}"
+    "{% if message['role'] == 'assistant' %}{% generation %}<|im_start|>assistant\n{{ message['content'] }}"
+    "<|im_end|>\n{% endgeneration %}"
+    "{% else %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_generation_markers_enclosing_a_header_token_never_train_it_and_the_eval_prompt_holds_it(
+    tiny, repo_root
+):
+    """N2: `{% generation %}` markers around `<|im_start|>assistant\\n` (TRL's DeepSeek training templates
+    mark their `<｜Assistant｜>` so): the header was learnt, and the eval prompt's ids ended before it. The
+    generation prompt is rendered on the marked path too, and the span starts after it."""
+    marked = tokenizer_with(HEADER_MARKED_CHATML, CHATML_TOKENS, repo_root)
+    plain = tokenizer_with(chat_templates.CHATML, CHATML_TOKENS, repo_root)
+    assert chat.encode(marked, THREE_TURNS).labels == chat.encode(plain, THREE_TURNS).labels
+    prompt, _ = chat.eval_prompt(marked, THREE_TURNS)
+    assert marked.decode(prompt.ids).endswith("and two?<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_a_pairs_eval_prompt_is_the_ids_its_dpo_stage_trained_on(tiny, repo_root, tmp_path):
+    """N3: a DPO stage's eval prompts were text tokenized again: Llama 3's header `\\n\\n` merged where
+    training had `\\n`,`\\n`, and a bos-adding tokenizer gave the prompt two bos."""
+    from train.pairs import encode_pair
+
+    tokenizer = tokenizer_with(chat_templates.LLAMA_3, LLAMA3_TOKENS, repo_root)
+    row = {"prompt": [{"role": "user", "content": "how many?"}], "chosen": "SELECT 1", "rejected": "SELECT 2"}
+    source = tmp_path / "pairs.jsonl"
+    source.write_text(json.dumps(row) + "\n")
+    spec = DataSpec(train=str(source), format="preference")
+    (prompt,), (reference,) = data_lib.prompts_and_targets(str(source), spec, tokenizer, "causal")
+    assert reference == "SELECT 1"
+    assert (
+        isinstance(prompt, chat.ChatPrompt) and prompt.ids == encode_pair(tokenizer, row, spec)["prompt_ids"]
+    )
+    assert prompt.ids.count(tokenizer.bos_token_id) <= 1

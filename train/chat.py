@@ -226,11 +226,11 @@ def answer_spans(tokenizer, turns: list[dict], full: str, ids: list[int], offset
     then `on_tokens`); or why neither can say. A processor (image-text) takes the prefix path: `ids` are its
     text tokenizer's, and a mask from the processor's own tokenization need not line up with them."""
     if MARKERS.search(template_of(tokenizer)) and not hasattr(tokenizer, "tokenizer"):
-        return marked_spans(tokenizer, turns, ids)
+        return marked_spans(tokenizer, turns, full, ids, offsets)
     spans = char_spans(tokenizer, turns, full)
     if isinstance(spans, str):
         return spans
-    return [on_tokens(span, offsets, ids, text_tokenizer(tokenizer)) for span in spans]
+    return [on_tokens(span, full, offsets, ids, text_tokenizer(tokenizer)) for span in spans]
 
 
 def labelled(full: str, ids: list[int], spans: list[tuple], train_on: str) -> Encoded:
@@ -293,30 +293,45 @@ def char_spans(tokenizer, turns: list[dict], full: str) -> list[tuple[int, int, 
     return spans
 
 
-def on_tokens(span: tuple[int, int, int], offsets, ids: list[int], tokenizer) -> tuple[int, int, int]:
+def on_tokens(
+    span: tuple[int, int, int], full: str, offsets, ids: list[int], tokenizer
+) -> tuple[int, int, int]:
     """Character span → token span: the tokens holding a character of the answer, less whitespace-only
     tokens at its ends (`trimmed`); the turn's end, as a count."""
     start, stop, end = span
     first = next((i for i, (_, e) in enumerate(offsets) if e > start), len(offsets))
     after_answer = next((i for i, (s, _) in enumerate(offsets) if s >= stop), len(offsets))
     through = next((i for i, (s, _) in enumerate(offsets) if s >= end), len(offsets))
-    return (*trimmed(first, after_answer, ids, tokenizer), through)
+    return (*trimmed(first, after_answer, ids, tokenizer, full, offsets, start), through)
 
 
-def trimmed(start: int, stop: int, ids: list[int], tokenizer) -> tuple[int, int]:
-    """The one rule for boundary tokens, on both labelling paths: a token holding answer text is learnt
-    (one that merges the header's newline with an answer's leading space among them); a whitespace-only
-    token at either end of the span is not (ChatML's newline after <|im_end|>, a header's newline that
-    `{% generation %}` markers enclose)."""
+def trimmed(
+    start: int, stop: int, ids: list[int], tokenizer, full: str, offsets, first_char: int
+) -> tuple[int, int]:
+    """The one rule for boundary tokens, on both labelling paths. At the start, a token that begins before
+    the answer's first character (`first_char`: where the generation prompt ends) is learnt only if it
+    holds answer text that is not whitespace (one merging the header's newline with the answer's first
+    word); the header's own tokens and a whitespace token straddling the boundary are not. A token wholly
+    inside the answer is learnt, whitespace too: a code answer's leading newline, as hand labels, TRL and
+    axolotl learn it (N4). At the end, a whitespace-only token is not learnt (ChatML's newline after
+    <|im_end|>)."""
     while stop > start and not tokenizer.decode(ids[stop - 1 : stop]).strip():
         stop -= 1
-    while start < stop and not tokenizer.decode(ids[start : start + 1]).strip():
+    while (
+        start < stop and offsets[start][0] < first_char and not full[first_char : offsets[start][1]].strip()
+    ):
         start += 1
     return start, stop
 
 
-def marked_spans(tokenizer, turns: list[dict], ids: list[int]) -> list[tuple[int, int, int]]:
-    """Token spans of the template's own {% generation %} markers, less whitespace-only tokens at their ends."""
+def marked_spans(
+    tokenizer, turns: list[dict], full: str, ids: list[int], offsets
+) -> list[tuple[int, int, int]]:
+    """Token spans of the template's own {% generation %} markers, cut by the one boundary rule (`trimmed`)
+    at the end of each answer's generation prompt: markers that enclose the turn's header (TRL's DeepSeek
+    training templates, a hand-marked ChatML) made the header learnt and the eval prompt's ids end before
+    it (N2). A generation prompt that is not a prefix of the whole rendering says nothing of where the
+    answer starts: the markers are taken as written there."""
     encoded = bounded(
         lambda: tokenizer.apply_chat_template(
             turns, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
@@ -325,6 +340,13 @@ def marked_spans(tokenizer, turns: list[dict], ids: list[int]) -> list[tuple[int
     )
     if list(encoded["input_ids"]) != list(ids):
         raise ChatTemplateError("the chat template renders differently with return_assistant_tokens_mask")
+    prompts = iter(
+        len(before)
+        if full.startswith(before := rendered(tokenizer, turns[:at], generation_prompt=True))
+        else 0
+        for at, turn in enumerate(turns)
+        if turn["role"] == ASSISTANT
+    )
     mask, spans, index = encoded["assistant_masks"], [], 0
     while index < len(mask):
         if not mask[index]:
@@ -333,7 +355,10 @@ def marked_spans(tokenizer, turns: list[dict], ids: list[int]) -> list[tuple[int
         start = index
         while index < len(mask) and mask[index]:
             index += 1
-        spans.append((*trimmed(start, index, ids, text_tokenizer(tokenizer)), index))
+        first_char = next(prompts, 0)
+        spans.append(
+            (*trimmed(start, index, ids, text_tokenizer(tokenizer), full, offsets, first_char), index)
+        )
     return spans
 
 

@@ -91,16 +91,21 @@ def prompts_and_targets(
 
 def preference_prompts(tokenizer, rows: list[dict], spec: DataSpec) -> tuple[list[str], list[str]]:
     """Pairs' prompts (a string prompt as written, as `fields`; turns, or any prompt when data.chat_template
-    is set, rendered with the generation prompt) and their chosen answers."""
+    is set, rendered with the generation prompt) and their chosen answers. Each prompt carries the ids the
+    DPO stage trained before its answers (train/pairs.py encode_pair; chat.ChatPrompt): its text tokenized
+    again merged Llama 3's header newlines, and a bos-adding tokenizer gave it two bos (N3)."""
+    from train.pairs import encode_pair
+
     prompts, references = [], []
     chat.within_bounds(tokenizer, [preferences.pair(row)[0] for row in rows if not plain_prompt(row, spec)])
     for row in rows:
         turns, chosen, _ = preferences.pair(row)
-        prompts.append(
+        text = (
             turns[0]["content"]
             if plain_prompt(row, spec)
             else chat.rendered(tokenizer, turns, generation_prompt=True)
         )
+        prompts.append(chat.ChatPrompt(text, encode_pair(tokenizer, row, spec)["prompt_ids"]))
         references.append(chosen)
     return prompts, references
 
