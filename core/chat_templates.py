@@ -53,6 +53,13 @@ def check(value: str) -> None:
 
 @lru_cache(maxsize=64)  # a DataSpec is validated many times in a process; the child runs once per template
 def checked(value: str) -> None:
+    behaves(probe(value))
+
+
+@lru_cache(maxsize=64)
+def probe(value: str) -> dict[tuple[int, bool], str]:
+    """The probe conversation's renderings (PROBE_CALLS), in the bounded child; ValueError if the template
+    does not parse or render within the bounds."""
     from jinja2 import TemplateSyntaxError
 
     from core.template_sandbox import environment, render_bounded
@@ -66,7 +73,49 @@ def checked(value: str) -> None:
     calls = [
         {"messages": PROBE[:end], "add_generation_prompt": prompt, **SPECIALS} for end, prompt in PROBE_CALLS
     ]
-    behaves(dict(zip(PROBE_CALLS, render_bounded(value, calls), strict=True)))
+    return dict(zip(PROBE_CALLS, render_bounded(value, calls), strict=True))
+
+
+# A template's special markers, of every shape templates use: `<|im_end|>` (ChatML, Llama 3, Phi-3,
+# Cohere), `<｜end▁of▁sentence｜>` (DeepSeek), `<end_of_turn>` (Gemma), `</s>`, `[/INST]` (Mistral).
+ANY_MARKER = re.compile(r"<\|[^|<>\s]+\|>|<｜[^｜\s]+｜>|</?[A-Za-z_][A-Za-z0-9_▁]*>|\[/?[A-Z][A-Z_]*\]")
+
+
+def end_of_turn(value: str) -> str | None:
+    """The marker that ends an assistant turn (`<|im_end|>`, `<end_of_turn>`, the eos `</s>`): what the
+    template writes right after the answer, where generation must stop. None when it writes no marker there
+    (a plain-text format) or cannot render the probe (validation says why)."""
+    try:
+        full = probe(text(value))[(len(PROBE), False)]
+    except (ValueError, KeyError):
+        return None
+    answer = PROBE[1]["content"]
+    after = full[full.index(answer) + len(answer) :] if answer in full else ""
+    found = ANY_MARKER.match(after)
+    return found.group(0).replace(SPECIALS["eos_token"], "{eos}") if found else None
+
+
+def missing_markers(
+    value: str, vocabulary: set[str] | dict, added: list[str] | tuple, eos: str | None
+) -> tuple[list[str], list[str]]:
+    """(refused, warned): the markers of `value` that are not tokens of `vocabulary` nor among `added`
+    (model.added_tokens). Refused: the `<|...|>` ones and the end of an assistant turn, whatever its shape
+    (Gemma-3's `<end_of_turn>` on a vocabulary without it: each answer's end learnt as 7 pieces, and
+    generation never stops); warned: the other shapes, which the tokenizer splits (`[INST]` on Mistral's
+    first vocabulary is text by design)."""
+    known = lambda marker: marker in vocabulary or marker in added  # noqa: E731
+    refused = [m for m in markers(text(value)) if not known(m)]
+    closing = end_of_turn(value)
+    if closing == "{eos}":
+        closing = None  # the tokenizer's own eos: a token of its vocabulary
+    if closing and not known(closing) and closing not in refused:
+        refused.append(closing)
+    warned = [
+        m
+        for m in dict.fromkeys(ANY_MARKER.findall(text(value)))
+        if not known(m) and m not in refused and m not in SPECIALS.values() and m != eos
+    ]
+    return refused, warned
 
 
 # A small conversation every template renders (no system turn: Gemma's refuses one), with answers that

@@ -768,3 +768,82 @@ def test_a_pairs_eval_prompt_is_the_ids_its_dpo_stage_trained_on(tiny, repo_root
         isinstance(prompt, chat.ChatPrompt) and prompt.ids == encode_pair(tokenizer, row, spec)["prompt_ids"]
     )
     assert prompt.ids.count(tokenizer.bos_token_id) <= 1
+
+
+# Held-out shapes, labelled by hand: each assistant answer and the marker that ends its turn are learnt,
+# nothing else. TRL 1.16's own templates (tests/fixtures/chat_templates/SOURCES.md), and Mistral v7's
+# published format (`[SYSTEM_PROMPT]…[/SYSTEM_PROMPT][INST]…[/INST]answer</s>`: no generation prompt).
+MISTRAL_V7 = (
+    "{{ bos_token }}{% for m in messages %}"
+    "{% if m['role'] == 'system' %}{{ '[SYSTEM_PROMPT]' + m['content'] + '[/SYSTEM_PROMPT]' }}"
+    "{% elif m['role'] == 'user' %}{{ '[INST]' + m['content'] + '[/INST]' }}"
+    "{% else %}{{ m['content'] + eos_token }}{% endif %}{% endfor %}"
+)
+HELD_OUT = {
+    "gemma3": (
+        (TEMPLATES / "trl-gemma3.jinja").read_text(),
+        ["<start_of_turn>", "<end_of_turn>"],
+        "<end_of_turn>",
+    ),
+    "deepseekv3": (  # its markers enclose the header (N2); its generation prompt adds `<think>\n`
+        (TEMPLATES / "trl-deepseekv3_training.jinja").read_text(),
+        ["<｜User｜>", "<｜Assistant｜>", "<｜end▁of▁sentence｜>"],
+        "<｜end▁of▁sentence｜>",
+    ),
+    "command-r": (
+        (TEMPLATES / "trl-cohere.jinja").read_text(),
+        [
+            "<|START_OF_TURN_TOKEN|>",
+            "<|END_OF_TURN_TOKEN|>",
+            "<|USER_TOKEN|>",
+            "<|CHATBOT_TOKEN|>",
+            "<|SYSTEM_TOKEN|>",
+        ],
+        "<|END_OF_TURN_TOKEN|>",
+    ),
+    "mistral-v7": (MISTRAL_V7, ["[INST]", "[/INST]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]"], "</s>"),
+}
+TWO_EXCHANGES = [
+    {"role": "user", "content": "how many?"},
+    {"role": "assistant", "content": "SELECT 1"},
+    {"role": "user", "content": "and two?"},
+    {"role": "assistant", "content": "\nSELECT 2"},  # an answer's own leading newline is its own (N4)
+]
+
+
+@pytest.mark.parametrize("name", HELD_OUT)
+def test_held_out_templates_label_as_by_hand_and_prompt_with_a_token_prefix_of_training(
+    name, tiny, repo_root
+):
+    template, tokens, closing = HELD_OUT[name]
+    chat_templates.check(template)  # each is accepted as an inline data.chat_template
+    assert chat_templates.end_of_turn(template) == ("{eos}" if closing == "</s>" else closing)
+    tokenizer = tokenizer_with(template, tokens, repo_root)
+    encoded = chat.encode(tokenizer, TWO_EXCHANGES)
+    learnt = "".join(tokenizer.decode([encoded.input_ids[i]]) for i in labelled(encoded))
+    second = "SELECT 2" if "| trim" in template or ".strip()" in template else "\nSELECT 2"  # as it writes it
+    assert learnt == f"SELECT 1{closing}{second}{closing}", learnt
+    prompt, reference = chat.eval_prompt(tokenizer, TWO_EXCHANGES)
+    assert reference == "\nSELECT 2" and encoded.input_ids[: len(prompt.ids)] == prompt.ids
+
+
+def test_a_template_whose_turn_ends_on_a_marker_the_vocabulary_lacks_is_refused_before_queueing(
+    tiny, tmp_path, capsys
+):
+    """Gemma-3's markers on a vocabulary without them: before, accepted (they are not of the `<|…|>` shape),
+    each answer's end learnt as 7 pieces and generation never stopped. Refused now, naming the marker; the
+    others it writes are warned about; with model.added_tokens it passes."""
+    from tests.helpers import dry_run, experiment_folder
+
+    gemma = HELD_OUT["gemma3"][0]
+    configs = experiment_folder(tmp_path, model=str(tiny["tiny-llama"]))
+    text = (configs / "a.yaml").read_text()
+    start = text.index("data: {")
+    chats = REPO / "data" / "demo" / "sql" / "chat-train.jsonl"
+    data = f"data: {{train: {chats}, eval: {chats}, format: messages, chat_template: {json.dumps(gemma)}}}"
+    (configs / "a.yaml").write_text(text[:start] + data + text[text.index("\n", start) :])
+    code, err = dry_run(configs, capsys)
+    assert code == 2 and "data.chat_template: its markers ['<end_of_turn>'] are not tokens of" in err, err
+    code, err = dry_run(configs, capsys, "model.added_tokens=[<start_of_turn>, <end_of_turn>]")
+    assert code == 0, err
+    assert "warning:" in err and "['<start_of_image>']" in err

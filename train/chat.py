@@ -20,6 +20,7 @@ adding another would double it). The eval's prompt is those ids up to the answer
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import threading
@@ -57,10 +58,9 @@ def use_template(tokenizer, spec: DataSpec, model: str, added_tokens: list[str] 
     generation would have no end-of-turn token to stop at."""
     if spec.chat_template is not None:
         text = chat_templates.text(spec.chat_template)
-        vocabulary = text_tokenizer(tokenizer).get_vocab()
-        if missing := [
-            m for m in chat_templates.markers(text) if m not in vocabulary and m not in added_tokens
-        ]:
+        tok = text_tokenizer(tokenizer)
+        missing, _ = chat_templates.missing_markers(text, tok.get_vocab(), added_tokens, tok.eos_token)
+        if missing:
             raise ChatTemplateError(
                 f"data.chat_template: its markers {missing} are not tokens of {model}'s vocabulary: add them "
                 f"with model.added_tokens: {missing} (else each is learnt as several pieces and generation "
@@ -330,8 +330,8 @@ def marked_spans(
     """Token spans of the template's own {% generation %} markers, cut by the one boundary rule (`trimmed`)
     at the end of each answer's generation prompt: markers that enclose the turn's header (TRL's DeepSeek
     training templates, a hand-marked ChatML) made the header learnt and the eval prompt's ids end before
-    it (N2). A generation prompt that is not a prefix of the whole rendering says nothing of where the
-    answer starts: the markers are taken as written there."""
+    it (N2). An answer starts where its generation prompt stops agreeing with the whole rendering (all of
+    it, or up to DeepSeek's `<think>` that the training rendering leaves out)."""
     encoded = bounded(
         lambda: tokenizer.apply_chat_template(
             turns, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
@@ -340,10 +340,8 @@ def marked_spans(
     )
     if list(encoded["input_ids"]) != list(ids):
         raise ChatTemplateError("the chat template renders differently with return_assistant_tokens_mask")
-    prompts = iter(
-        len(before)
-        if full.startswith(before := rendered(tokenizer, turns[:at], generation_prompt=True))
-        else 0
+    prompts = iter(  # where each answer starts: as far as its generation prompt agrees with the whole
+        len(os.path.commonprefix([rendered(tokenizer, turns[:at], generation_prompt=True), full]))
         for at, turn in enumerate(turns)
         if turn["role"] == ASSISTANT
     )

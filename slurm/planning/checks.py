@@ -122,15 +122,24 @@ def unknown_markers(experiment: Experiment, stages: list[Stage], chain: list[Yam
     for stage in stages:
         if stage.data.chat_template is None or not templated(stage.data, experiment.model.kind):
             continue
-        markers = chat_templates.markers(chat_templates.text(stage.data.chat_template))
-        if missing := [m for m in markers if m not in vocabulary and m not in experiment.model.added_tokens]:
-            file, line = where(chain, ("data", "chat_template"))
+        missing, split = chat_templates.missing_markers(
+            stage.data.chat_template, vocabulary, experiment.model.added_tokens, None
+        )
+        file, line = where(chain, ("data", "chat_template"))
+        if missing:
             message = (
                 f"its markers {missing} are not tokens of {experiment.model.name_or_path}'s vocabulary: add "
                 f"them with model.added_tokens: {missing} (else each is learnt as several pieces and "
                 "generation has no end-of-turn token to stop at)"
             )
             return [Problem(file, "data.chat_template", message, line)]
+        if split:
+            message = (
+                f"its markers {split} are not tokens of {experiment.model.name_or_path}'s vocabulary: each is "
+                f"written as text, several pieces (right for a template made so; else add them with "
+                f"model.added_tokens: {split})"
+            )
+            return [Problem(file, "data.chat_template", message, line, warning=True)]
     return []
 
 
