@@ -6,7 +6,8 @@ the distributed environment the SLURM wrapper exports).
 Runs the stage exactly as run_stage does, recording which training examples this rank's batches held
 (the examples carry their index through a wrapped collator), and writes {"outcome", "seen"} to OUT.json.
 STOP_AFTER sets this rank's stop flag after that many step ends, as SLURM's signal reaching only it would.
-DDP_WORKER_SLOW_TOKENIZING_S (env) makes rank 1 wait that long before it reads and tokenizes its data.
+DDP_WORKER_SLOW_TOKENIZING_S (env) makes rank 1 wait that long before it reads and tokenizes its data;
+DDP_WORKER_SLOW_SAVE_S makes rank 0 take that long to write the final adapter.
 """
 
 from __future__ import annotations
@@ -52,6 +53,15 @@ def main(job_path: str, out_path: str, stop_after: str | None = None) -> None:
             return load_split(self, source, split)
 
         StageRecipe.load_split = slowly
+    slow_save_s = float(os.environ.get("DDP_WORKER_SLOW_SAVE_S", "0"))
+    if slow_save_s and rank == "0":  # the seam of a slow shared disk under the final adapter
+        write_adapter = StageRecipe.write_adapter
+
+        def slow_write(self):
+            time.sleep(slow_save_s)
+            return write_adapter(self)
+
+        StageRecipe.write_adapter = slow_write
     if job.train.method == "dpo":  # as train/stage.py picks it; its pairs are not recorded
         from train.preference import PreferenceRecipe
 

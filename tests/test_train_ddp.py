@@ -282,3 +282,35 @@ def test_a_rank_slow_to_tokenize_past_the_preparation_timeout_fails_naming_it_an
     said = out.with_suffix(".log").read_text()
     assert "rank 0 on " in said and "waited 5 s (LORA_PREPARE_TIMEOUT_S) at the ranks' free memory" in said
     assert f"rank 1 on {socket.gethostname()} was still reading and tokenizing " in said, said[-2000:]
+
+
+@pytest.mark.slow
+def test_a_short_preparation_timeout_never_fails_a_finished_run_at_its_final_save(tiny, tmp_path):
+    """L6: with LORA_PREPARE_TIMEOUT_S=3, rank 1 waited 3 s at the final save barrier while rank 0 wrote the
+    adapter, and failed a run that had trained every step ("rank 0 ... was still waiting at a gather": it
+    was writing). The save's waits are not preparations (distributed.SAVE_WAIT_S)."""
+    started = start_ranks(
+        job(tiny, tmp_path / "stage", batch_size=4),
+        env={"LORA_PREPARE_TIMEOUT_S": "3", "DDP_WORKER_SLOW_SAVE_S": "6"},
+    )
+    try:
+        for process, out in started:
+            assert process.wait(timeout=TIMEOUT_S) == 0, out.with_suffix(".log").read_text()[-2000:]
+            assert json.loads(out.read_text())["outcome"] == "completed"
+    finally:
+        for process, _ in started:
+            process.kill()
+    assert (tmp_path / "stage" / "adapter" / "adapter_config.json").is_file()
+
+
+@pytest.mark.parametrize("value", ["1.5", "ten", "0"])
+def test_a_wait_from_the_environment_that_is_no_whole_number_of_seconds_is_refused_naming_its_variable(
+    value, monkeypatch
+):
+    """L5: `LORA_PREPARE_TIMEOUT_S=1.5` was a bare `invalid literal for int()` at the import of the module
+    every training job imports."""
+    from train.distributed import seconds_from_env
+
+    monkeypatch.setenv("LORA_PREPARE_TIMEOUT_S", value)
+    with pytest.raises(ValueError, match=f"LORA_PREPARE_TIMEOUT_S='{value}': a whole number of seconds"):
+        seconds_from_env("LORA_PREPARE_TIMEOUT_S", 1800)

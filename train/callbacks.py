@@ -140,7 +140,7 @@ class CommitCheckpoints(TrainerCallback):
     a rank that stops here leaves a checkpoint that is whole."""
 
     def on_save(self, args, state, control, **kwargs):
-        distributed.barrier()
+        distributed.barrier("a checkpoint, written by every rank", distributed.SAVE_WAIT_S)
         if state.is_world_process_zero:
             folder = Path(args.output_dir)
             global_batch = (
@@ -148,7 +148,7 @@ class CommitCheckpoints(TrainerCallback):
             )
             commit(folder / f"checkpoint-{state.global_step}", args.world_size, global_batch)
             rotate(folder, keep={Path(state.best_model_checkpoint)} if state.best_model_checkpoint else set())
-        distributed.barrier()
+        distributed.barrier("the checkpoint's commit, by rank 0", distributed.SAVE_WAIT_S)
 
 
 class SaveEvery(TrainerCallback):

@@ -37,8 +37,27 @@ log = logging.getLogger(__name__)
 # weight is loaded; a rank that cannot (a wrong address, a firewall, a node that never started) fails the
 # job within it, naming itself and the address:port it tried. PREPARE: what any later collective may wait,
 # e.g. the others at a barrier while rank 0 tokenizes for minutes (torch's own default, 30 minutes).
-JOIN_TIMEOUT_S = int(os.environ.get("LORA_JOIN_TIMEOUT_S", "120"))
-PREPARE_TIMEOUT_S = int(os.environ.get("LORA_PREPARE_TIMEOUT_S", "1800"))
+def seconds_from_env(name: str, default: int) -> int:
+    """A stated wait from the environment, in whole seconds; anything else is refused naming the variable
+    (before: a bare `invalid literal for int()` at the import of this module, in every training job)."""
+    raw = os.environ.get(name, str(default))
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise ValueError(
+            f"{name}={raw!r}: a whole number of seconds above 0 is expected (the default is {default})"
+        )
+    return value
+
+
+JOIN_TIMEOUT_S = seconds_from_env("LORA_JOIN_TIMEOUT_S", 120)
+PREPARE_TIMEOUT_S = seconds_from_env("LORA_PREPARE_TIMEOUT_S", 1800)
+# What the other ranks wait for rank 0's writes (a checkpoint's commit and rotation, the final adapter and
+# summary): not a preparation, so never less than this, whatever LORA_PREPARE_TIMEOUT_S says (before: a
+# 3 s preparation timeout failed a run that had finished training, at its final save; L6).
+SAVE_WAIT_S = max(PREPARE_TIMEOUT_S, 600)
 
 
 class JoinError(RuntimeError):
@@ -147,35 +166,39 @@ def waited_for(at: str, world_size: int, now: float | None = None) -> str:
 
 
 @contextmanager
-def collective(at: str):
+def collective(at: str, wait_s: int | None = None):
     """A collective of the preparation, `at` what. The ranks first meet in the rendezvous store (each sets
     its arrival key, then waits for everyone's), so past PREPARE_TIMEOUT_S it fails naming the late ranks
     and what they were doing, whatever the backend: gloo says only that a receive timed out, and NCCL's
-    watchdog tears the process down. The collective itself then runs with every rank there."""
+    watchdog tears the process down. The collective itself then runs with every rank there. `wait_s`: the
+    bound of that wait, PREPARE_TIMEOUT_S when None. Once through, the rank says so (`doing`): a rank later
+    late elsewhere is named by what it does after, not as still waiting here (L6)."""
+    wait_s = PREPARE_TIMEOUT_S if wait_s is None else wait_s
     if active() and _store is not None:
         doing(f"waiting at {at}")
         _arrivals[at] = _arrivals.get(at, 0) + 1  # every rank calls the same collectives in the same order
         keys = [f"arrived/{at}/{_arrivals[at]}/{other}" for other in range(dist.get_world_size())]
         _store.set(keys[rank()], "1")
         try:
-            _store.wait(keys, timedelta(seconds=PREPARE_TIMEOUT_S))
+            _store.wait(keys, timedelta(seconds=wait_s))
         except RuntimeError:  # the store's own timeout (DistStoreError)
             raise PreparationTimeout(
-                f"rank {rank()} on {socket.gethostname()} waited {PREPARE_TIMEOUT_S} s (LORA_PREPARE_TIMEOUT_S) "
+                f"rank {rank()} on {socket.gethostname()} waited {wait_s} s (LORA_PREPARE_TIMEOUT_S) "
                 f"at {at}: {waited_for(at, dist.get_world_size())}. Raise LORA_PREPARE_TIMEOUT_S above the "
                 "longest preparation (a first tokenization of a large file), or tokenize once before (the cache "
                 "is shared)"
             ) from None
     yield
+    doing(f"past {at}")
 
 
 # How many times this rank reached each collective: the generation in its arrival keys.
 _arrivals: dict[str, int] = {}
 
 
-def barrier(at: str = "a barrier") -> None:
+def barrier(at: str = "a barrier", wait_s: int | None = None) -> None:
     if active():
-        with collective(at):
+        with collective(at, wait_s):
             dist.barrier()
 
 

@@ -644,10 +644,12 @@ class StageRecipe:
         Rank 0 writes; every rank joins the summary's gather of devices."""
         devices = distributed.gather(self.placement.device)
         if distributed.is_main():
+            distributed.doing("writing the adapter and summary.json")
             self.write_adapter()
             self.write_summary(devices)
             self.write_speed()
-        distributed.barrier()  # no rank reports "completed" before the adapter is there
+        # No rank reports "completed" before the adapter is there; a rank 0 slow to write it is no failure.
+        distributed.barrier("the adapter, written by rank 0", distributed.SAVE_WAIT_S)
 
     def write_adapter(self) -> None:
         adapter_dir = RunDir(self.run_dir).adapter
