@@ -177,3 +177,33 @@ def test_the_links_wandb_and_submitit_make_themselves_are_no_planted_links(tmp_p
     (logs / ".submission_file_2c3d.sh").symlink_to(tmp_path / "victim")  # out of its folder: planted
     assert links_below(runs) == [offline / "files-elsewhere"]
     assert links_below(tmp_path / "logs") == [logs / ".submission_file_2c3d.sh"]
+
+
+def test_a_link_planted_at_adapter_fails_the_save_naming_it_and_leaves_no_staging_folder(tiny, tmp_path):
+    """L9: not written through (held), but the job failed with a bare `Cannot call rmtree on a symbolic
+    link` naming no path, and left `.adapter.PID.tmp/` behind. The save of the real recipe, its model's
+    weights stood in for by one file (what is tested is where the folder goes, not what it holds)."""
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from core.below import LinkBelowRoot
+    from train.recipe import StageRecipe
+
+    stage, outside = tmp_path / "runs" / "exp" / "train", tmp_path / "outside"
+    stage.mkdir(parents=True)
+    outside.mkdir()
+    (stage / "adapter").symlink_to(outside)
+    recipe = SimpleNamespace(
+        run_dir=stage,  # as the recipe holds it
+        tokenizer=AutoTokenizer.from_pretrained(tiny["tiny-llama"]),
+        saved_padding_side="right",
+        save_model=lambda folder: (
+            folder.mkdir(parents=True),
+            (folder / "adapter_model.safetensors").write_text("w"),
+        ),
+    )
+    with pytest.raises(LinkBelowRoot) as refused:
+        StageRecipe.write_adapter(recipe)
+    assert str(stage / "adapter") in str(refused.value)
+    assert list(outside.iterdir()) == [] and sorted(p.name for p in stage.iterdir()) == ["adapter"]

@@ -95,7 +95,7 @@ from transformers import (
 )
 from transformers.trainer_pt_utils import LengthGroupedSampler
 
-from core import speeds
+from core import below, speeds
 from core.config import TrainJob, what_it_computes
 from core.files import json_line, read_json, read_jsonl, write_atomic, write_json_atomic
 from core.hashing import content_hash
@@ -655,14 +655,19 @@ class StageRecipe:
         adapter_dir = RunDir(self.run_dir).adapter
         tmp = RunDir(self.run_dir).adapter_staging(os.getpid())
         shutil.rmtree(tmp, ignore_errors=True)
-        self.save_model(tmp)
-        text_tokenizer(self.tokenizer).padding_side = self.saved_padding_side
-        self.tokenizer.save_pretrained(
-            tmp
-        )  # added tokens (image-text: the processor) travel with the adapter
-        if adapter_dir.exists():
-            shutil.rmtree(adapter_dir)
-        os.replace(tmp, adapter_dir)
+        try:
+            self.save_model(tmp)
+            text_tokenizer(self.tokenizer).padding_side = self.saved_padding_side
+            self.tokenizer.save_pretrained(tmp)  # added tokens (image-text: the processor) go with it
+            # A link planted at adapter/ while the job trained: refused naming it, never followed (L9:
+            # before, a bare "Cannot call rmtree on a symbolic link", and the staging folder left behind).
+            below.check(RunDir(self.run_dir).run_root, adapter_dir)
+            if adapter_dir.exists():
+                shutil.rmtree(adapter_dir)
+            os.replace(tmp, adapter_dir)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
 
     def save_model(self, folder: Path) -> None:
         self.trainer.model.save_pretrained(folder)
