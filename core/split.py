@@ -128,11 +128,15 @@ def label(recorded) -> str | None:
         return None
 
 
-def kept_on_resume(recorded: object, effective: int, world_size: int) -> tuple[Split | None, str]:
+def kept_on_resume(
+    recorded: object, effective: int, world_size: int, fused_possible: bool = True
+) -> tuple[Split | None, str]:
     """The split a resumed run keeps: its record (split.json) when that is a split record, made at this world
-    size, whose micro-batch x accumulation is this rank's effective batch; else None and why not, and the
-    job chooses afresh (train/recipe.py). Before: a foreign or tampered split.json (micro 3 x accum 1 on a
-    2 x 2 stage) was trusted, and the run trained to the end with an effective batch of 3."""
+    size, whose micro-batch x accumulation is this rank's effective batch, and whose fused loss (if any) this
+    device can run (`fused_possible`); else None and why not, and the job chooses afresh (train/recipe.py).
+    Before: a foreign or tampered split.json (micro 3 x accum 1 on a 2 x 2 stage) was trusted, and the run
+    trained to the end with an effective batch of 3; one asking for the fused loss on a CPU failed every
+    retry with `No module named 'liger_kernel'` (L7)."""
     if recorded is None:
         return None, "the run has no split.json"
     try:
@@ -153,6 +157,11 @@ def kept_on_resume(recorded: object, effective: int, world_size: int) -> tuple[S
     if split.world_size is not None and split.world_size != world_size:
         return None, (
             f"its split.json was chosen for {split.world_size} rank(s) and the job now has {world_size}"
+        )
+    if split.fused_loss is not False and not (split.fused_loss is True and fused_possible):
+        return None, (
+            "its split.json asks for the fused loss, which this job cannot run here (it needs a CUDA GPU and "
+            "liger-kernel installed)"
         )
     return split, ""
 

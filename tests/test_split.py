@@ -184,3 +184,13 @@ def test_a_foreign_split_json_is_not_trusted_on_resume(junk):
 def test_a_matching_split_json_is_kept_on_resume_with_or_without_its_world_size():
     assert kept_on_resume(recorded(4, 1), effective=4, world_size=1)[0] == Split.from_json(recorded(4, 1))
     assert kept_on_resume(recorded(1, 4, world_size=None), effective=4, world_size=2)[0].micro_batch == 1
+
+
+def test_a_split_json_asking_for_the_fused_loss_where_it_cannot_run_is_chosen_again_on_resume():
+    """L7: `fused_loss: true` written into split.json (micro 2 x accum 2, a 4 x 1 stage) was kept on a CPU,
+    and every retry failed with `No module named 'liger_kernel'`, the cause unnamed."""
+    tampered = {**recorded(2, 2), "fused_loss": True}
+    kept, why = kept_on_resume(tampered, effective=4, world_size=1, fused_possible=False)
+    assert kept is None and "asks for the fused loss, which this job cannot run here" in why
+    assert kept_on_resume(tampered, effective=4, world_size=1, fused_possible=True)[0].fused_loss is True
+    assert kept_on_resume({**recorded(2, 2), "fused_loss": "yes"}, effective=4, world_size=1)[0] is None

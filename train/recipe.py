@@ -405,7 +405,10 @@ class StageRecipe:
         if self.resume_from:
             train, world = self.job.train, self.placement.world_size
             kept, why_not = kept_on_resume(
-                read_json(recorded, expected=dict), train.batch_size * train.grad_accum, world
+                read_json(recorded, expected=dict),
+                train.batch_size * train.grad_accum,
+                world,
+                fused_loss_possible(self.placement, liger_installed()),
             )
             if kept is not None:
                 return kept
