@@ -314,3 +314,25 @@ def test_a_wait_from_the_environment_that_is_no_whole_number_of_seconds_is_refus
     monkeypatch.setenv("LORA_PREPARE_TIMEOUT_S", value)
     with pytest.raises(ValueError, match=f"LORA_PREPARE_TIMEOUT_S='{value}': a whole number of seconds"):
         seconds_from_env("LORA_PREPARE_TIMEOUT_S", 1800)
+
+
+def test_rank_0_finding_its_port_taken_says_so_not_that_it_waited_out_the_join(monkeypatch):
+    """L3: a taken rendezvous port failed rank 0 at once with EADDRINUSE, and the message said it `waited for
+    the other 1 rank(s) ... for the join timeout (120 s)`. A real listener holds the port here."""
+    from train.distributed import JoinError, joined_store
+
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen(1)
+    port = holder.getsockname()[1]
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    monkeypatch.setenv("RANK", "0")
+    try:
+        with pytest.raises(JoinError) as failed:
+            joined_store(2, join_s=5)
+    finally:
+        holder.close()
+    said = str(failed.value)
+    assert f"could not listen on 127.0.0.1:{port}: another process on that node holds the port" in said
+    assert "join timeout" not in said

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import socket
 import time
 from contextlib import contextmanager
@@ -115,17 +116,35 @@ def joined_store(world_size: int, join_s: int | None = None) -> dist.TCPStore:
             address, port, world_size, is_master=rank == 0, timeout=timedelta(seconds=join_s)
         )
     except (RuntimeError, OSError) as exc:
-        whom = (
-            f"rank 0 on {socket.gethostname()} waited for the other {world_size - 1} rank(s) at {address}:{port}"
-            if rank == 0
-            else f"rank {rank} on {socket.gethostname()} could not reach rank 0 at {address}:{port}"
-        )
+        said = (str(exc).splitlines() or [type(exc).__name__])[0]
         raise JoinError(
-            f"{whom} for the join timeout ({join_s} s, LORA_JOIN_TIMEOUT_S); the group never formed, so no "
-            f"weights were loaded. Each rank's log names its node; torch said: {str(exc).splitlines()[0]}"
+            join_failure(rank, world_size, socket.gethostname(), address, port, join_s, str(exc), said)
         ) from None
     store.set_timeout(timedelta(seconds=PREPARE_TIMEOUT_S))
     return store
+
+
+def join_failure(
+    rank: int, world_size: int, host: str, address: str, port: int, join_s: int, text: str, said: str
+) -> str:
+    """Why the group did not form, from torch's `text` of the failure. Rank 0 finding its port taken fails at
+    once: it did not wait for anyone, and the other ranks may have reached whatever holds that port (L3:
+    before, it read as a 120 s join wait)."""
+    if rank == 0 and re.search(r"address already in use|EADDRINUSE|errno:? ?98\b", text, re.IGNORECASE):
+        return (
+            f"rank 0 on {host} could not listen on {address}:{port}: another process on that node holds the "
+            f"port, so the group never formed and no weights were loaded; the port is drawn from the job id "
+            f"(slurm/cluster/rendezvous.py): free it, or relaunch (a new job draws another). torch said: {said}"
+        )
+    whom = (
+        f"rank 0 on {host} waited for the other {world_size - 1} rank(s) at {address}:{port}"
+        if rank == 0
+        else f"rank {rank} on {host} could not reach rank 0 at {address}:{port}"
+    )
+    return (
+        f"{whom} for the join timeout ({join_s} s, LORA_JOIN_TIMEOUT_S); the group never formed, so no "
+        f"weights were loaded. Each rank's log names its node; torch said: {said}"
+    )
 
 
 def active() -> bool:
