@@ -247,9 +247,18 @@ def warn_unreadable(path: Path, why: str, then: str = "ignored") -> None:
         print(f"warning: {path}: {why}; {then}", file=sys.stderr, flush=True)
 
 
+_commands = [0]  # the commands this process has begun (forget_warnings): what a per-command cache keys on
+
+
 def forget_warnings() -> None:
     """Warn again (each command of a process that runs several says what it found)."""
     _warned.clear()
+    _commands[0] += 1
+
+
+def command_number() -> int:
+    """Which command of this process runs now: a cache of what a command read (and warned about) is its own."""
+    return _commands[0]
 
 
 def read_text(path: Path, unreadable: str | None = None, then: str = "ignored") -> str | None:
@@ -313,10 +322,17 @@ def iter_jsonl(path: Path, fields: dict[str, Kind] | None = None) -> Iterator[di
     except OSError as exc:
         warn_unreadable(Path(path), str(exc.strerror))
         return
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        what = (
+            "a folder where a file belongs"
+            if stat.S_ISDIR(mode)
+            else "not a regular file (a FIFO, a socket or a device)"
+        )
+        warn_unreadable(Path(path), what)
+        return
     with os.fdopen(fd, "rb") as fh:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            warn_unreadable(Path(path), "not a regular file (a FIFO, a socket or a device)")
-            return
         first_wrong, wrong, number = None, 0, 0
         while raw := fh.readline(MAX_LINE_BYTES + 1):
             number += 1

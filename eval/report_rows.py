@@ -10,7 +10,7 @@ import functools
 import math
 from pathlib import Path
 
-from core.files import iter_jsonl, thinned
+from core.files import command_number, iter_jsonl, thinned
 from core.layout import EVAL, eval_folder
 from core.names import REPORT_COLUMNS
 from core.rundir import METRICS_FIELDS, RunDir
@@ -55,17 +55,18 @@ CURVE_POINTS = 2000
 def read_metrics(run_dir: str | Path) -> list[dict]:
     """A stage's metrics rows, streamed, at most 2 x CURVE_POINTS of the training curve and of the eval
     curve (core/files.py thinned), each curve's last row kept (its step ends the stage's axis). Read once
-    per version of the file: the table, the plots and the means all ask."""
+    per version of the file and command: the table, the plots and the means all ask, and each command
+    names what it found wrong there."""
     path = RunDir.of(run_dir).metrics
     try:
         info = path.stat()
     except OSError:
         return []
-    return list(_thinned_metrics(str(path), info.st_mtime_ns, info.st_size))
+    return list(_thinned_metrics(str(path), info.st_mtime_ns, info.st_size, command_number()))
 
 
 @functools.lru_cache(maxsize=256)
-def _thinned_metrics(path: str, mtime_ns: int, size: int) -> tuple[dict, ...]:
+def _thinned_metrics(path: str, mtime_ns: int, size: int, command: int) -> tuple[dict, ...]:
     rows = iter_jsonl(Path(path), METRICS_FIELDS)
     return tuple(thinned(rows, CURVE_POINTS, lambda row: "eval" if "eval_loss" in row else "train"))
 

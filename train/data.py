@@ -92,20 +92,20 @@ def prompts_and_targets(
 def preference_prompts(tokenizer, rows: list[dict], spec: DataSpec) -> tuple[list[str], list[str]]:
     """Pairs' prompts (a string prompt as written, as `fields`; turns, or any prompt when data.chat_template
     is set, rendered with the generation prompt) and their chosen answers. Each prompt carries the ids the
-    DPO stage trained before its answers (train/pairs.py encode_pair; chat.ChatPrompt): its text tokenized
-    again merged Llama 3's header newlines, and a bos-adding tokenizer gave it two bos (N3)."""
-    from train.pairs import encode_pair
-
+    DPO stage trained before its answers (as train/pairs.py encode_pair tokenizes a pair; chat.ChatPrompt):
+    its text tokenized again merged Llama 3's header newlines, and a bos-adding tokenizer gave it two bos
+    (N3)."""
     prompts, references = [], []
     chat.within_bounds(tokenizer, [preferences.pair(row)[0] for row in rows if not plain_prompt(row, spec)])
     for row in rows:
         turns, chosen, _ = preferences.pair(row)
-        text = (
-            turns[0]["content"]
-            if plain_prompt(row, spec)
-            else chat.rendered(tokenizer, turns, generation_prompt=True)
-        )
-        prompts.append(chat.ChatPrompt(text, encode_pair(tokenizer, row, spec)["prompt_ids"]))
+        if plain_prompt(row, spec):
+            encoded = encode(tokenizer, [turns[0]["content"]], [chosen], "causal")
+            ids, labels = encoded["input_ids"][0], encoded["labels"][0]
+            answer = next((i for i, label in enumerate(labels) if label != -100), len(ids))
+            prompts.append(chat.ChatPrompt(turns[0]["content"], ids[:answer]))
+        else:
+            prompts.append(chat.eval_prompt(tokenizer, [*turns, {"role": "assistant", "content": chosen}])[0])
         references.append(chosen)
     return prompts, references
 
