@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,3 +43,31 @@ def short_path(path: str) -> str:
 def did_you_mean(word: str, choices) -> str:
     close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
     return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+# How pydantic names the member of a union (`int | Literal['auto']`) a failed check belongs to, at the end
+# of an error's place: `literal['auto']`, `function-after[...]`, `int`, `list[str]`, a model's name.
+UNION_MEMBER = re.compile(r"(literal|function-\w+|list|dict|tuple|set)\[.*|int|float|str|bool|none|[A-Z]\w*")
+
+
+def one_per_value(errors: list[dict]) -> list[dict]:
+    """pydantic's errors with a union's members folded into one error per value: `micro_batch: eight` is one
+    problem ("should be 'auto' or a valid integer"), not one per type it could have been. A member's own
+    message (a value_error, e.g. "true is a yes/no") says more than the others' "should be", and wins."""
+    folded: dict[tuple, list[dict]] = {}
+    for error in errors:
+        loc = tuple(error["loc"])
+        while loc and isinstance(loc[-1], str) and UNION_MEMBER.fullmatch(loc[-1]):
+            loc = loc[:-1]
+        folded.setdefault(loc, []).append({**error, "loc": loc})
+    return [merged(group) for group in folded.values()]
+
+
+def merged(group: list[dict]) -> dict:
+    if len(group) == 1:
+        return group[0]
+    own = [error for error in group if error["type"] in ("value_error", "assertion_error")]
+    if own:
+        return own[0]
+    wants = [error["msg"].removeprefix("Input should be ") for error in group]
+    return {**group[-1], "msg": "Input should be " + " or ".join(dict.fromkeys(wants))}

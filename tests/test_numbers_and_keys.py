@@ -188,3 +188,17 @@ def test_a_nan_loss_fails_the_run_even_under_fp16s_loss_scaler(fp16):
     # fp16 AMP: an inf gradient norm is a step the scaler skips, not a diverged run
     if fp16:
         FailOnNonFiniteLoss(fp16).on_log(None, state, None, logs={"loss": 1.0, "grad_norm": math.inf})
+
+
+def test_a_cluster_yaml_union_value_is_one_problem_at_its_line_without_pydantics_internals(tmp_path):
+    """L1: `gpu_mem_gb: true` gave two problems, no line, and pydantic's union members with a memory
+    address (`function-after[functools.partial(<function greater_than_validator at 0x7fa4…>`)."""
+    from core.problems import ConfigError
+    from slurm.cluster.profile import load_profile
+
+    (tmp_path / "cluster.yaml").write_text("run_dir: runs\ngpu_mem_gb: true\n")
+    with pytest.raises(ConfigError) as refused:
+        load_profile(tmp_path)
+    assert [str(p) for p in refused.value.problems] == [
+        f"{tmp_path / 'cluster.yaml'}:2: gpu_mem_gb: true is a yes/no, not a number: write the number itself"
+    ]

@@ -341,3 +341,13 @@ def test_a_local_eval_stopped_at_its_time_limit_says_so_with_the_limit_and_where
     assert "predictions (one per example) are kept" in info.reason and "--retry-failed" in info.reason
     job.paths.stdout.write_text("Traceback ...\nValueError: x\n")  # no signal: not a time limit
     assert not reached_time_limit(job)
+
+
+def test_a_job_that_ran_and_failed_loses_the_reason_it_once_waited_for():
+    """L4: `dB/dpo: FAILED (slurm job 9) Dependency; rank 1 on n2: Killed`: sacct keeps the pending reason
+    of a job that has since run; it says nothing of the failure. A job cancelled while it waited keeps it."""
+    info = parse_sacct(
+        "9|FAILED|00:01:02|1:0|Dependency|n[1-2]\n10|CANCELLED by 0|00:00:00|0:0|Dependency|None assigned\n"
+    )
+    assert info["9"].state is State.FAILED and info["9"].reason == ""
+    assert info["10"].state is State.CANCELLED and info["10"].reason == "Dependency"

@@ -11,7 +11,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 
 from core.config import Float, Int, SlurmNames, SlurmTime
 from core.durations import slurm_seconds
-from core.problems import ConfigError, Problem
+from core.problems import ConfigError, Problem, one_per_value
 from core.redact import literal_secret
 from core.yamlfile import YamlProblem, find_inherited, read_yaml
 
@@ -138,6 +138,6 @@ def load_profile(config_dir: Path) -> tuple[ClusterProfile, Path | None]:
                 e["msg"].removeprefix("Value error, "),
                 yf.lines.get(tuple(e["loc"])),
             )
-            for e in exc.errors()
+            for e in one_per_value(exc.errors())  # a union's members folded into one problem per value
         ]
         raise ConfigError(problems) from None

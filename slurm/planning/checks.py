@@ -198,7 +198,11 @@ def check_files(experiment: Experiment, stages: list[Stage], chain: list[YamlFil
             seen.add(value)
             file, line = where(chain, key)
             if not Path(value).is_file():
-                why = "not a regular file (a FIFO, a socket, a device or a folder)" if Path(value).exists() else "file not found"
+                why = (
+                    "not a regular file (a FIFO, a socket, a device or a folder)"
+                    if Path(value).exists()
+                    else "file not found"
+                )
                 problems.append(Problem(file, ".".join(map(str, key)), f"{why}: {value}", line))
             elif spec is not None:
                 problems += check_examples(Path(value), spec, ".".join(map(str, key)))

@@ -12,10 +12,10 @@ from pathlib import Path
 
 from core.config import Experiment
 from core.names import PREFERENCE_SCORES, REPORT_COLUMNS, SCORES_OF
-from core.problems import Problem
+from core.problems import Problem, one_per_value
 from core.sweep import Sweep, SweepError, SweepMember, expand, nested, source_of
 from core.yamlfile import YamlFile, deep_merge, where
-from slurm.planning.validation import LoadedExperiment, Stage, one_per_value, to_problem
+from slurm.planning.validation import LoadedExperiment, Stage, to_problem
 
 
 def expanded(

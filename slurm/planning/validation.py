@@ -22,7 +22,7 @@ from core.config import (
     StageSpec,
     TrainSpec,
 )
-from core.problems import Problem, did_you_mean
+from core.problems import Problem, did_you_mean, one_per_value
 from core.sweep import SweepMember, SweepSpec
 from core.yamlfile import YamlFile, deep_merge, where
 
@@ -87,34 +87,6 @@ def without_stages_dpo(raw: dict) -> dict:
     if not for_dpo_stages(raw):
         return raw
     return {**raw, "train": {k: v for k, v in raw["train"].items() if k != "dpo"}}
-
-
-# How pydantic names the member of a union (`int | Literal['auto']`) a failed check belongs to, at the end
-# of an error's place: `literal['auto']`, `function-after[...]`, `int`, `list[str]`, a model's name.
-UNION_MEMBER = re.compile(r"(literal|function-\w+|list|dict|tuple|set)\[.*|int|float|str|bool|none|[A-Z]\w*")
-
-
-def one_per_value(errors: list[dict]) -> list[dict]:
-    """pydantic's errors with a union's members folded into one error per value: `micro_batch: eight` is one
-    problem ("should be 'auto' or a valid integer"), not one per type it could have been. A member's own
-    message (a value_error, e.g. "true is a yes/no") says more than the others' "should be", and wins."""
-    folded: dict[tuple, list[dict]] = {}
-    for error in errors:
-        loc = tuple(error["loc"])
-        while loc and isinstance(loc[-1], str) and UNION_MEMBER.fullmatch(loc[-1]):
-            loc = loc[:-1]
-        folded.setdefault(loc, []).append({**error, "loc": loc})
-    return [merged(group) for group in folded.values()]
-
-
-def merged(group: list[dict]) -> dict:
-    if len(group) == 1:
-        return group[0]
-    own = [error for error in group if error["type"] in ("value_error", "assertion_error")]
-    if own:
-        return own[0]
-    wants = [error["msg"].removeprefix("Input should be ") for error in group]
-    return {**group[-1], "msg": "Input should be " + " or ".join(dict.fromkeys(wants))}
 
 
 def to_problem(error: dict, chain: list[YamlFile], prefix: tuple = ()) -> Problem:

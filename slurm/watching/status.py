@@ -151,8 +151,17 @@ def parse_sacct(text: str) -> dict[str, SchedulerInfo]:
     for job_id, state, elapsed, exit_code, reason, nodes in _rows(text, 6):
         # A requeued job can be listed once per attempt (as `sacct --duplicates` does), oldest first:
         # the last line is the current one.
-        info[job_id] = SchedulerInfo(from_slurm(state), _reason(reason), elapsed, exit_code, _nodes(nodes))
+        ended = from_slurm(state)
+        ran = ended in (State.COMPLETED, State.FAILED, State.TIMEOUT)  # a cancel may come while it waits
+        why = "" if ran and _reason(reason) in WAITING_REASONS else _reason(reason)
+        info[job_id] = SchedulerInfo(ended, why, elapsed, exit_code, _nodes(nodes))
     return info
+
+
+# Why SLURM kept a job waiting: sacct keeps the last one on a job that has since run and ended, where it
+# says nothing of the end (L4: `FAILED (slurm job 9) Dependency; rank 1 on n2: Killed`). A job cancelled
+# while it waited keeps it: that is why it never ran.
+WAITING_REASONS = {"Dependency", "Priority", "Resources", "BeginTime", "JobHeldUser", "JobHeldAdmin"}
 
 
 def _rows(text: str, width: int) -> list[list[str]]:
