@@ -173,8 +173,12 @@ def test_report_over_a_million_line_metrics_file_runs_in_a_bounded_child(tmp_pat
     configs = experiment_folder(tmp_path)
     stage = tmp_path / "runs" / "a" / "train"
     stage.mkdir(parents=True)
+    row = (  # a row as the Trainer logs it (~190 bytes): parsed whole, a million of them took gigabytes
+        '{{"step": {0}, "loss": {1:.6f}, "grad_norm": 0.412345, "learning_rate": 0.000199, "epoch": 0.5123, '
+        '"num_tokens": 123456789, "mean_token_accuracy": 0.734567, "gpu_util_percent": 87.5}}\n'
+    )
     with (stage / "metrics.jsonl").open("w") as fh:
-        fh.writelines(f'{{"step": {step}, "loss": {1 + 1 / step:.6f}}}\n' for step in range(1, MILLION + 1))
+        fh.writelines(row.format(step, 1 + 1 / step) for step in range(1, MILLION + 1))
     done = bounded_child(["launch.py", "--report", "--config-dir", str(configs)])
     assert done.returncode == 0, done.stderr[-3000:]
     assert (tmp_path / "runs" / "a" / "loss.png").is_file()
@@ -184,8 +188,13 @@ def test_report_over_a_million_line_metrics_file_runs_in_a_bounded_child(tmp_pat
 def test_dry_run_over_a_million_pairs_runs_in_a_bounded_child(tmp_path):
     """M3: a 172 MB pairs file (4 M pairs) took 2.0 GB at --dry-run; each line is checked and let go now."""
     pairs = tmp_path / "pairs.jsonl"
-    with pairs.open("w") as fh:
-        fh.writelines(f'{{"prompt": "q{n}", "chosen": "a", "rejected": "b"}}\n' for n in range(MILLION))
+    schema = "customers(id, name, city, age) | orders(id, customer_id, product_id, quantity, year) | " * 4
+    with pairs.open("w") as fh:  # a text-to-SQL pair with its schema (~500 bytes)
+        fh.writelines(
+            f'{{"prompt": "{schema}how many orders in {n}? SQL: ", "chosen": "SELECT COUNT(*) FROM orders '
+            f'WHERE year = {n}", "rejected": "SELECT COUNT(*) FROM customers WHERE age = {n}"}}\n'
+            for n in range(MILLION)
+        )
     configs = experiment_folder(tmp_path)
     text = (configs / "a.yaml").read_text()
     (configs / "a.yaml").write_text(
