@@ -207,6 +207,12 @@ class DataSpec(Section):
         defaults = {"input_field": "input", "target_field": "target"}
         written = [key for key, default in defaults.items() if getattr(self, key) != default]
         written += ["prompt_template"] if self.prompt_template is not None else []
+        if written and self.format == PREFERENCE:
+            raise ValueError(
+                f"{', '.join(written)} {are(written)} for format: fields; a preference pair is {{prompt, "
+                "chosen, rejected}: a string prompt is used as written, a prompt of turns is rendered by the "
+                "chat template: remove them"
+            )
         if written:
             raise ValueError(
                 f"{', '.join(written)} {are(written)} for format: fields; a {self.format} example is rendered by the "

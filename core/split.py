@@ -133,7 +133,7 @@ def kept_on_resume(
 ) -> tuple[Split | None, str]:
     """The split a resumed run keeps: its record (split.json) when that is a split record, made at this world
     size, whose micro-batch x accumulation is this rank's effective batch, and whose fused loss (if any) this
-    device can run (`fused_possible`); else None and why not, and the job chooses afresh (train/recipe.py).
+    device can run; a changed world size is said as such (an elastic job's per-rank batch follows it, L11) (`fused_possible`); else None and why not, and the job chooses afresh (train/recipe.py).
     Before: a foreign or tampered split.json (micro 3 x accum 1 on a 2 x 2 stage) was trusted, and the run
     trained to the end with an effective batch of 3; one asking for the fused loss on a CPU failed every
     retry with `No module named 'liger_kernel'` (L7)."""
@@ -148,15 +148,15 @@ def kept_on_resume(
         for n in (split.micro_batch, split.grad_accum)
     ):
         return None, "its split.json is not a split record"
+    if split.world_size is not None and split.world_size != world_size:
+        return None, (
+            f"its split.json was chosen for {split.world_size} rank(s) and the job now has {world_size}"
+        )
     if split.micro_batch * split.grad_accum != effective:
         return None, (
             f"its split.json (micro {split.micro_batch} x accum {split.grad_accum} = "
             f"{split.micro_batch * split.grad_accum}) does not make this stage's effective batch per rank, "
             f"batch_size x grad_accum = {effective}"
-        )
-    if split.world_size is not None and split.world_size != world_size:
-        return None, (
-            f"its split.json was chosen for {split.world_size} rank(s) and the job now has {world_size}"
         )
     if split.fused_loss is not False and not (split.fused_loss is True and fused_possible):
         return None, (

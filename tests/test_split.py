@@ -194,3 +194,10 @@ def test_a_split_json_asking_for_the_fused_loss_where_it_cannot_run_is_chosen_ag
     assert kept is None and "asks for the fused loss, which this job cannot run here" in why
     assert kept_on_resume(tampered, effective=4, world_size=1, fused_possible=True)[0].fused_loss is True
     assert kept_on_resume({**recorded(2, 2), "fused_loss": "yes"}, effective=4, world_size=1)[0] is None
+
+
+def test_an_elastic_resume_at_another_world_size_says_so_not_that_the_split_misses_the_batch():
+    """L11: after a 1 -> 2 requeue the log said `micro 4 x accum 2 = 8 does not make this stage's effective
+    batch per rank`; the reason is the world size, whose change moves the per-rank batch of an elastic job."""
+    kept, why = kept_on_resume(recorded(4, 2, world_size=1), effective=4, world_size=2)
+    assert kept is None and why == "its split.json was chosen for 1 rank(s) and the job now has 2"

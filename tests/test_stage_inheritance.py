@@ -287,3 +287,10 @@ def test_every_model_validator_tripped_by_inheritance_refuses_the_stage_never_dr
     stages, problems = resolve_stages(loaded, raw, chain)
     assert [s.name for s in stages] == ["first"], stages
     assert problems and all(p.key.startswith("stages.1") for p in problems), (own, problems)
+
+
+def test_fields_keys_written_for_pairs_are_refused_saying_how_a_pair_is_rendered():
+    """L11: string pairs were told `a preference example is rendered by the model's chat template`; a string
+    prompt is used as written."""
+    with pytest.raises(ValueError, match="a string prompt is used as written, a prompt of turns is rendered"):
+        DataSpec(train="p.jsonl", format="preference", input_field="question")
