@@ -32,6 +32,7 @@ class JobPreflight:
     examples: int | None = None
     longest_example: int | None = None
     truncated_inputs: int | None = None
+    dropped_examples: int | None = None  # left out whole (DPO: pairs whose answer alone does not fit)
     truncated_at: dict[str, int] = field(default_factory=dict)
     # the lengths the memory model judges the steps at (train/preflight.py step_lengths): max_length,
     # max_target_length, the most target tokens of an example, and the eval set's own

@@ -209,3 +209,24 @@ def test_a_string_pair_is_tokenized_as_the_sft_stage_tokenizes_its_example(tiny)
     assert pair["prompt_ids"] + pair["chosen_ids"] == sft["input_ids"][0]
     assert [t for t in sft["labels"][0] if t != -100] == pair["chosen_ids"]  # the answer and its eos
     assert pair["rejected_ids"][-1] == tokenizer.eos_token_id
+
+
+def test_preflight_counts_a_cut_pair_and_a_dropped_pair_apart_and_names_the_file_none_of_whose_pairs_fits():
+    """L12: `cut at max_length` read 24 for 24 pairs of which 13 were dropped; a refusal caused by the eval
+    pairs did not say it was the eval file."""
+    import datasets
+
+    from core.preflight import JobPreflight
+    from slurm.watching.preflight_report import cut_cell
+    from train.pairs import fitted
+
+    found = JobPreflight("t/dpo", 1.0, 1, 100, {}, 100.0, truncated_inputs=11, dropped_examples=13)
+    assert cut_cell(found) == "11, 13 dropped"
+    assert cut_cell(JobPreflight("t/sft", 1.0, 1, 100, {}, 100.0, truncated_inputs=2)) == "2"
+    long_answers = datasets.Dataset.from_dict(
+        {"prompt_ids": [[1, 2]], "chosen_ids": [[3] * 9], "rejected_ids": [[4]], "length": [11]}
+    )
+    with pytest.raises(
+        ValueError, match=r"^pairs-dev.jsonl: max_length 8 holds not even the answers of any pair"
+    ):
+        fitted(long_answers, 8, "pairs-dev.jsonl")

@@ -286,6 +286,7 @@ class LengthReport:
     inputs_truncated: int  # examples longer than max_length (causal: prompt + target + eos)
     targets_truncated: int  # seq2seq targets longer than max_target_length (causal: 0, counted above)
     truncated_at: dict[int, int]  # fixed length → how many examples it would cut
+    dropped: int = 0  # examples left out whole (pairs whose answer alone does not fit max_length)
 
     def describe(self) -> str:
         """What the lengths used cut, then, apart, what fixed lengths would have cut (before: "truncated: 0

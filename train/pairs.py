@@ -75,8 +75,9 @@ def encoded_pairs(source: str, spec, tokenizer) -> datasets.Dataset:
     return datasets.Dataset.from_dict({**columns, "length": [pair_length(e) for e in encoded]})
 
 
-def fitted(dataset: datasets.Dataset, limit: int) -> tuple[datasets.Dataset, int, int]:
-    """Pairs within `limit` tokens by our rule (module docstring): (the pairs, prompts cut, pairs dropped)."""
+def fitted(dataset: datasets.Dataset, limit: int, source: str = "") -> tuple[datasets.Dataset, int, int]:
+    """Pairs within `limit` tokens by our rule (module docstring): (the pairs, prompts cut, pairs dropped).
+    `source`: the file, named when none fits (the eval pairs' refusal read as the training pairs', L12)."""
     answers = [
         max(len(c), len(r)) for c, r in zip(dataset["chosen_ids"], dataset["rejected_ids"], strict=True)
     ]
@@ -95,7 +96,8 @@ def fitted(dataset: datasets.Dataset, limit: int) -> tuple[datasets.Dataset, int
     kept = dataset.map(cut, keep_in_memory=True).filter(lambda ids: len(ids) > 0, input_columns="prompt_ids")
     if len(kept) == 0:
         raise ValueError(
-            f"max_length {limit} holds not even the answers of any pair: raise data.max_length or use 'auto'"
+            f"{source + ': ' if source else ''}max_length {limit} holds not even the answers of any pair: "
+            "raise data.max_length or use 'auto'"
         )
     cut_prompts = sum(too_long) - dropped
     log.warning(

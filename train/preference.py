@@ -132,7 +132,7 @@ class PreferenceRecipe(StageRecipe):
     def load_split(self, source: str, split: str):
         dataset = encoded_pairs(source, self.job.data, self.tokenizer)
         lengths = lengths_of(dataset, self.job.data, max_positions(self.model.config))
-        kept, cut, dropped = fitted(dataset, lengths.max_length)
+        kept, cut, dropped = fitted(dataset, lengths.max_length, source)
         if split == "train":
             self.pairs_prompt_cut, self.pairs_dropped = cut, dropped
         log.info("%s pairs: %d; %s", split, len(dataset), lengths.describe())

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import replace
 from functools import lru_cache
 
 import numpy
@@ -95,6 +96,7 @@ def token_lengths(job: TrainJob, tokenizer, config) -> dict:
         "examples": len(kept),
         "longest_example": lengths.longest,
         "truncated_inputs": lengths.inputs_truncated,
+        "dropped_examples": lengths.dropped,
         "truncated_at": {str(k): v for k, v in lengths.truncated_at.items()},
         "step_lengths": step_lengths(kind, lengths, eval_lengths),
     }
@@ -106,7 +108,10 @@ def lengths_of(job: TrainJob, source: str, tokenizer, config):
     if job.train.method == "dpo":  # the job's own pairs: prompt + the longer answer, fitted by its rule
         dataset = pairs.encoded_pairs(source, job.data, tokenizer)
         lengths = pairs.lengths_of(dataset, job.data, max_positions(config))
-        return dataset, pairs.fitted(dataset, lengths.max_length)[0], lengths
+        kept, cut, dropped = pairs.fitted(dataset, lengths.max_length, source)
+        # A too-long pair keeps its answers and loses its prompt's start, or is dropped when an answer alone
+        # does not fit: counted apart (L12: before, every long pair read as "cut").
+        return dataset, kept, replace(lengths, inputs_truncated=cut, dropped=dropped)
     if kind == "image-text":  # the job's own count: prompt + image tokens + answer; over-long ones dropped
         dataset = vl.examples(source, job.data, tokenizer)
         lengths = vl.choose_length(dataset, job.data, max_positions(config))

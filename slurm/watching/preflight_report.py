@@ -112,12 +112,20 @@ def preflight_table(results):
             or "-",
             length_cell(r),
             trained_cell(r),
-            str(r.truncated_inputs) if r.truncated_inputs is not None else "-",
+            cut_cell(r),
             memory,
             {True: "yes", False: f"no (batch {r.largest_batch} fits)", None: "-"}[r.fits],
             split_label(r.split) or "-",
         )
     return table
+
+
+def cut_cell(r) -> str:
+    """How many examples max_length cuts, and how many it leaves out whole (a pair whose answer alone does not
+    fit): `11, 13 dropped`."""
+    if r.truncated_inputs is None:
+        return "-"
+    return f"{r.truncated_inputs}" + (f", {r.dropped_examples} dropped" if r.dropped_examples else "")
 
 
 def length_cell(r) -> str:
