@@ -84,3 +84,19 @@ def test_two_points_that_are_one_run_once_validated_are_refused_naming_both(tmp_
     assert code == 2
     assert "are the same run once their values are read" in err
     assert err.count("a-") >= 2  # both points named
+
+
+def test_the_dry_run_shows_refused_what_the_local_launch_refuses_not_planned(tmp_path, capsys):
+    """L2: `--dry-run resources.nodes=2` on the local backend showed PLANNED, exit 0, and the launch then
+    refused it (the README: the dry run shows what a relaunch would decide)."""
+    import launch
+
+    configs = folder_with(tmp_path)
+    args = ["--all", "--config-dir", str(configs), "--dry-run", "--backend", "local", "resources.nodes=2"]
+    assert launch.main(args) == 0
+    captured = capsys.readouterr()
+    assert "a/train" in captured.out and "REFUSED (see below)" in captured.out
+    assert (
+        "a launch would refuse:" in captured.err
+        and "resources.nodes: asks for 2 nodes x 1 GPU" in captured.err
+    )

@@ -4,7 +4,7 @@ plan, check what can be checked here, then submit (slurm/queueing/submit.py) or,
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from core.problems import ConfigError, Problem
@@ -147,6 +147,35 @@ def requested_pack(request: LaunchRequest, profile) -> tuple[int, str, str] | No
     return gpus, request.budget or profile.budget or profile.max_time, request.budget_basis
 
 
+def placement_refusals(decisions, refusals, files: dict[str, str], profile, backend: str):
+    """What a launch on `backend` (auto: this machine's) refuses of the jobs it would submit, as the launch
+    judges it: more GPUs or nodes than this machine has (local), or limits the cluster would never meet
+    (SLURM: read as the launch reads them). Those jobs are `refused` (L2: before, PLANNED). Returns
+    (decisions, refusals) with them."""
+    from slurm.planning.request import backend_here
+
+    todo = [d.job for d in decisions if d.action == "submit"]
+    if not todo:
+        return decisions, refusals
+    if backend_here(backend) == "local":
+        from slurm.cluster.local_gpus import VisibleGpus, too_many_gpus
+
+        visible = VisibleGpus.detect()
+        found = {job.id: too_many_gpus([job], visible, files) for job in todo}
+    else:
+        from slurm.cluster.limits import cluster_problems
+
+        problems = cluster_problems(todo, files, profile, lambda line: None)
+        by_file = {}
+        for problem in problems:
+            by_file.setdefault(problem.file, []).append(problem)
+        found = {job.id: by_file.pop(files.get(job.experiment, job.experiment), []) for job in todo}
+        refusals = [*refusals, *(p for rest in by_file.values() for p in rest)]  # the allocation's own
+    refused = {job_id for job_id, problems in found.items() if problems}
+    decided = [replace(d, action="refused") if d.job.id in refused else d for d in decisions]
+    return decided, [*refusals, *dict.fromkeys(p for problems in found.values() for p in problems)]
+
+
 def dry_run(request: LaunchRequest, profile) -> int:
     """The plan, each job in the state a relaunch would give it (done, queued, still running, refused,
     or planned: to be submitted), with the makespan and GPU-hours of what is left and, for a pack, the
@@ -155,6 +184,7 @@ def dry_run(request: LaunchRequest, profile) -> int:
     plan = run.plan
     pack = requested_pack(request, profile)
     decisions, refusals = weigh(plan, force=request.force)
+    decisions, refusals = placement_refusals(decisions, refusals, run.files, profile, request.backend)
     states = {d.job.id: d.action if d.action != "submit" else "planned" for d in decisions}
     left = plan.left(states)
     packing = None
