@@ -383,9 +383,10 @@ def test_chatml_on_a_local_folder_without_its_markers_is_refused_by_the_dry_run(
 
 
 @pytest.mark.slow
-def test_a_hub_model_without_a_template_is_refused_by_preflight_once_its_tokenizer_is_here(tiny, tmp_path):
+def test_a_hub_model_without_a_template_is_refused_by_the_dry_run_once_it_is_in_the_cache(tiny, tmp_path):
     """The login node knows a hub model's tokenizer once preflight fetched it: it is refused then, before
-    anything is queued, not on the node after hours in the queue."""
+    anything is queued, not on the node after hours in the queue; by the dry run too, which reads the cached
+    snapshot (before: preflight only, what issue 41 left)."""
     snapshot = tmp_path / "hub" / "models--org--base-llama" / "snapshots" / ("0" * 40)
     shutil.copytree(REPO / "models" / "tiny-llama", snapshot)
     (snapshot.parents[1] / "refs").mkdir()
@@ -394,10 +395,10 @@ def test_a_hub_model_without_a_template_is_refused_by_preflight_once_its_tokeniz
     # huggingface_hub reads HF_HUB_CACHE once, at import: the launch runs in a process of its own.
     env = os.environ | {"HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
     env["LORA_CACHE_DIR"] = str(tmp_path / "cache")
-    argv = [sys.executable, "launch.py", "--all", "--config-dir", str(folder), "--preflight"]
+    argv = [sys.executable, "launch.py", "--all", "--config-dir", str(folder), "--dry-run"]
     done = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 2, done.stderr
-    assert "chat/train: the job would fail at its start: data.format:" in done.stderr
+    assert "chat.yaml:4: data.format:" in done.stderr and "org/base-llama" in done.stderr
     assert "data.chat_template" in done.stderr and "Traceback" not in done.stderr
 
 

@@ -69,7 +69,8 @@ def check_chat_template(experiment: Experiment, stages: list[Stage], chain: list
         for stage in stages
         if templated(stage.data, experiment.model.kind) and stage.data.chat_template is None
     ]
-    own = chat_templates.folder_template(Path(name)) if lacking else None
+    folder = model_folder(experiment) if lacking else None
+    own = chat_templates.folder_template(folder) if folder is not None else None
     if own == "":
         file, line = where(chain, ("data", "format"))
         return [Problem(file, "data.format", no_template_message(name, lacking[0].data.format), line)]
@@ -86,6 +87,22 @@ def check_chat_template(experiment: Experiment, stages: list[Stage], chain: list
     return conversation_pairs_without_template(experiment, stages) + unknown_markers(
         experiment, stages, chain
     )
+
+
+def model_folder(experiment: Experiment) -> Path | None:
+    """Where this machine can read the model's own files: its local folder, or a hub model's snapshot in the
+    Hugging Face cache once the whole model is there (weights and tokenizer: what preflight fetches, chat
+    template files included), so a hub model without a template is refused by the dry run too, not first
+    by preflight (what issue 41 left). None: not here (the node, or preflight, judges)."""
+    name, revision = experiment.model.name_or_path, experiment.model.revision
+    if _looks_local(name):
+        return Path(name)
+    from train import hub_cache  # torch-free; huggingface_hub only for a hub model
+
+    if not hub_cache.has_model(name, revision):
+        return None
+    found = hub_cache.model_file(name, "config.json", revision)
+    return Path(found).parent if found else None
 
 
 def conversation_pairs_without_template(experiment: Experiment, stages: list[Stage]) -> list[Problem]:
