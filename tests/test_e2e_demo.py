@@ -15,8 +15,14 @@ from submitit.core.utils import JobPaths
 import launch
 from core.speeds import read_eval_book
 from tests.conftest import squeue_ids, write_cluster_yaml
-from tests.helpers import DEMO_JOBS, demo_configs, record, slurm_id
-from tests.train_helpers import assert_same_curve, logged_losses, tensorboard_losses
+from tests.helpers import DEMO_JOBS, demo_configs, record, slurm_id, wait_until
+from tests.train_helpers import (
+    assert_every_step_logged_once,
+    assert_same_curve,
+    logged_losses,
+    tensorboard_losses,
+)
+from train.checkpoints import latest_valid_checkpoint, step_of
 
 TOKEN = "hf_NotARealTokenForTheDemoJobs"
 
@@ -76,11 +82,30 @@ def test_demo_on_the_dev_cluster(repo_root, tmp_path, slurm_cluster, tiny, capsy
     easy = slurm_id(tmp_path, "sql-llama-qlora-curriculum/easy")
     assert f"afterok:{easy}" in scontrol_dependency(slurm_id(tmp_path, "sql-llama-qlora-curriculum/harder"))
 
+    # A real `scontrol requeue` of the DPO stage mid-run, at its first committed checkpoint (step 10 of
+    # 30): the requeued job goes on from a checkpoint, every step logged once (the in-process test of
+    # tests/test_preference.py holds the resumed adapter bit-identical to a straight run).
+    dpo_dir, dpo_job = (
+        tmp_path / "runs" / "sql-llama-sft-dpo" / "dpo",
+        slurm_id(tmp_path, "sql-llama-sft-dpo/dpo"),
+    )
+    wait_until(
+        lambda: latest_valid_checkpoint(dpo_dir / "checkpoints") and not (dpo_dir / "summary.json").exists(),
+        "the DPO stage's first checkpoint",
+        600,
+    )
+    subprocess.run(["scontrol", "requeue", dpo_job], check=True)
+
     # A second launch while jobs are queued submits nothing new, then waits for all of them.
     queued = squeue_ids(tmp_path)
     assert launch.main(["--all", "--config-dir", str(config_dir), "--backend", "slurm", "--wait"]) == 0
     assert "Nothing to submit" in capsys.readouterr().out
     check_outputs(tmp_path)
+    dpo = json.loads((dpo_dir / "summary.json").read_text())
+    assert slurm_id(tmp_path, "sql-llama-sft-dpo/dpo") == dpo_job  # the same SLURM job, its second run
+    assert dpo["resumed_from"] is not None and step_of(Path(dpo["resumed_from"])) >= 10
+    assert dpo["global_step"] == 30
+    assert_every_step_logged_once(dpo_dir, 30, every=5)
 
     # Everything done: a third launch submits nothing either, and queues nothing.
     records = {p: (tmp_path / "runs" / p / "job.json").read_text() for p in DEMO_JOBS}
