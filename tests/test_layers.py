@@ -30,6 +30,7 @@ CROSSING = {
     ("slurm.queueing.jobs", "eval.export"),
     ("slurm.planning.preflight", "train.preflight"),  # login-node preflight (torch on a cache miss only)
     ("slurm.planning.preflight", "train.hub_cache"),
+    ("slurm.planning.checks", "train.hub_cache"),  # a cached hub model's own template, for the dry run
     ("slurm.watching.reporting", "eval.report"),  # the report renderer, handed core/runs.py records
     ("eval.export", "train.data"),  # eval loads models and data as the trainer does
     ("eval.export", "train.model"),
