@@ -25,11 +25,10 @@ from typing import IO
 
 from core import below
 
-# The most a state file (job.json, summary.json, DONE, a config) may hold, and a metrics or predictions
-# file: far above what any writer here leaves, far below what fills a login node's memory (a DONE linked to
-# /dev/zero was read without end).
+# The most a state file (job.json, summary.json, DONE, a config) may hold: far above what any writer here
+# leaves, far below what fills a login node's memory (a DONE linked to /dev/zero was read without end).
+# Files of rows (metrics, predictions) are streamed instead (iter_jsonl).
 MAX_STATE_BYTES = 16 * 10**6
-MAX_LOG_BYTES = 512 * 10**6
 
 
 class NotARegularFile(OSError):

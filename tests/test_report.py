@@ -615,10 +615,24 @@ def with_base_job(plan, template: str, stage: str, model: str = "org/model"):
     return dataclasses.replace(plan, jobs=(*plan.jobs, base)), BaseEval(base.id, out_dir, model)
 
 
-def write_scores(folder: str | Path, **scores: float) -> None:
-    """An eval job's results.json (an experiment's or a base's: the same keys) on the eval split."""
+def write_scores(folder: str | Path, source: str | None = None, **scores: float) -> None:
+    """An eval job's results.json (an experiment's or a base's: the same keys) on the eval split; `source`:
+    the file it scored, when the test compares files."""
     Path(folder).mkdir(parents=True, exist_ok=True)
-    (Path(folder) / "results.json").write_text(json.dumps({"n": 4, "split": "eval", **scores}))
+    scored = {"source": source} if source is not None else {}
+    (Path(folder) / "results.json").write_text(json.dumps({"n": 4, "split": "eval", **scored, **scores}))
+
+
+def with_first_stage_scored(tmp_path: Path):
+    """(plan, base eval, out_dir): experiment `good` with a base eval and an eval of its first stage
+    (eval-one, eval.after_each_stage) beside its last's."""
+    plan, base = with_base_job(plan_of(tmp_path, "good"), "good/eval", "abc123")
+    last = plan.job("good/eval")
+    out_dir = str(Path(plan.run_root) / "good" / "eval-one")
+    after_one = dataclasses.replace(
+        last, id="good/eval-one", stage="eval-one", spec=last.spec.model_copy(update={"out_dir": out_dir})
+    )
+    return dataclasses.replace(plan, jobs=(*plan.jobs, after_one)), base, out_dir
 
 
 def table_of(report: str) -> list[str]:
@@ -677,13 +691,7 @@ def test_delta_is_the_adapters_score_minus_the_bases_not_the_reverse(tmp_path):
 def test_an_earlier_stage_scored_after_it_has_its_row_above_the_experiments_with_its_own_delta(tmp_path):
     # Before: eval.after_each_stage scored the first stage of a curriculum (the SFT of SFT -> DPO), and the
     # report showed only the last stage's row: base, SFT and DPO could not be read side by side.
-    plan, base = with_base_job(plan_of(tmp_path, "good"), "good/eval", "abc123")
-    last = plan.job("good/eval")
-    out_dir = str(Path(plan.run_root) / "good" / "eval-one")
-    after_one = dataclasses.replace(
-        last, id="good/eval-one", stage="eval-one", spec=last.spec.model_copy(update={"out_dir": out_dir})
-    )
-    plan = dataclasses.replace(plan, jobs=(*plan.jobs, after_one))
+    plan, base, out_dir = with_first_stage_scored(tmp_path)
     write_scores(base.out_dir, exact_match=0.5, bleu=0.3)
     write_scores(out_dir, exact_match=0.6, bleu=0.25)
     write_scores(tmp_path / "runs" / "good" / "eval", exact_match=0.75, bleu=0.2)
@@ -951,22 +959,14 @@ def png_width(path: Path) -> int:
 def test_a_stage_row_that_scored_other_data_than_its_base_has_no_delta_and_the_report_says_why(tmp_path):
     """M6: an SFT -> DPO run's SFT row (eval-sft: the SFT dev set) took its Δ against the base, which scored
     the last stage's eval data (the DPO pairs): two example sets compared. The DPO row's Δ stays."""
-    plan, base = with_base_job(plan_of(tmp_path, "good"), "good/eval", "abc123")
-    last = plan.job("good/eval")
-    out_dir = str(Path(plan.run_root) / "good" / "eval-one")
-    after_one = dataclasses.replace(
-        last, id="good/eval-one", stage="eval-one", spec=last.spec.model_copy(update={"out_dir": out_dir})
-    )
-    plan = dataclasses.replace(plan, jobs=(*plan.jobs, after_one))
+    plan, base, out_dir = with_first_stage_scored(tmp_path)
     runs = tmp_path / "runs"
     for folder, source, em in (
         (base.out_dir, "pairs.jsonl", 0.5),
         (out_dir, "dev.jsonl", 0.6),
         (runs / "good" / "eval", "pairs.jsonl", 0.75),
     ):
-        write_scores(folder, exact_match=em)
-        results = json.loads((Path(folder) / "results.json").read_text())
-        (Path(folder) / "results.json").write_text(json.dumps({**results, "source": source}))
+        write_scores(folder, source, exact_match=em)
 
     write_report(job_runs(plan), runs, base_evals={"good": base})
 
