@@ -28,9 +28,14 @@ from core.names import (
     DATA_FORMATS,
     DEFAULT_METRICS,
     DPO_LOSSES,
+    GRPO_LOSSES,
     METRICS,
+    NOT_A_GRPO_LOSS,
+    NOT_A_REWARD,
     PREFERENCE,
+    REWARD_SCORES,
     SPLITS,
+    SQL_REWARD_SCORES,
     SQL_TIMEOUT_S,
     missing_inputs,
 )
@@ -154,7 +159,7 @@ KEYS_OF_FORMATS = {
     "chat_template": {"messages", "sharegpt", "alpaca", PREFERENCE},
 }
 FILES_OF_A_FORMAT = ("train", "eval")
-KEYS_OF_METHODS = {"dpo": {"dpo"}}
+KEYS_OF_METHODS = {"dpo": {"dpo"}, "grpo": {"grpo"}}
 
 
 class DataSpec(Section):
@@ -285,12 +290,100 @@ class DpoSpec(Section):
     reference: Literal["previous", "base"] | None = Field(None, exclude_if=lambda value: value is None)
 
 
+class RewardSpec(Section):
+    """One term of a GRPO stage's reward (an entry of `rewards` in `train.grpo`): an eval score of the completion against
+    the example's reference (`score`), or a user's function (`function: "module:name"`, importable from the
+    config's folder, called as TRL calls a reward function). The terms are summed with their weights."""
+
+    score: str | None = Field(None, exclude_if=lambda value: value is None)
+    function: str | None = Field(None, exclude_if=lambda value: value is None)
+    weight: Float = 1.0
+    # SQL scores only: the database the completions run against (default: eval.db), and each query's limit
+    # (shorter than the eval's: a training step waits for every completion's query).
+    db: str | None = Field(None, exclude_if=lambda value: value is None)
+    timeout_s: Annotated[Float, Field(gt=0, le=60)] = Field(1.0, exclude_if=lambda value: value == 1.0)
+
+    @field_validator("score")
+    @classmethod
+    def _a_per_example_score(cls, value):
+        if value is None or value in REWARD_SCORES:
+            return value
+        if value in NOT_A_REWARD:
+            raise ValueError(f"{value} cannot be a reward: {NOT_A_REWARD[value]}")
+        raise ValueError(f"{value!r} is no per-example score; rewards: {', '.join(REWARD_SCORES)}")
+
+    @field_validator("function")
+    @classmethod
+    def _module_and_name(cls, value):
+        if value is not None and not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", value):
+            raise ValueError(
+                f"{value!r} is not module:name (a function in a .py file beside the config, e.g. "
+                "rewards:tiered for tiered() in rewards.py)"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _one_source(self):
+        if (self.score is None) == (self.function is None):
+            raise ValueError("give one of score (an eval score, e.g. sql_exec_accuracy) or function (module:name)")
+        if self.score not in SQL_REWARD_SCORES and (self.db is not None or "timeout_s" in self.model_fields_set):
+            raise ValueError("db and timeout_s are for the SQL scores (sql_exec_accuracy, sql_record_f1, sql_executes)")
+        return self
+
+    @property
+    def name(self) -> str:
+        """The reward's name in metrics.jsonl and the logs: the score, or the function's name."""
+        return self.score or self.function.rpartition(":")[2]
+
+
+class GrpoSpec(Section):
+    """`train.grpo`: a `train.method: grpo` stage (TRL's GRPOTrainer). Each prompt of the step gets
+    `num_generations` completions, sampled at `temperature` up to `max_completion_length` tokens (they stop
+    at the end of turn the eval stops at); each completion's reward is the weighted sum of `rewards`; its
+    advantage is its reward against its group's. `beta` > 0 adds a KL term to `reference`. `from_base`:
+    a first stage that knowingly starts from the base model (else preflight warns)."""
+
+    num_generations: Annotated[Int, Field(ge=2)] = 4
+    max_completion_length: Annotated[Int, Field(ge=1)] = 128
+    temperature: Annotated[Float, Field(gt=0)] = 1.0
+    beta: Annotated[Float, Field(ge=0)] = 0.0
+    loss_type: str = "dapo"
+    reference: Literal["previous", "base"] | None = Field(None, exclude_if=lambda value: value is None)
+    rewards: list[RewardSpec] = Field(default_factory=list)  # none written: refused before queueing
+    from_base: bool = Field(False, exclude=True)  # a warning's switch, not what the stage computes
+
+    @field_validator("loss_type")
+    @classmethod
+    def _split_free_loss(cls, value):
+        if value in GRPO_LOSSES:
+            return value
+        if value in NOT_A_GRPO_LOSS:
+            raise ValueError(f"{value} is refused: {NOT_A_GRPO_LOSS[value]}")
+        raise ValueError(
+            f"{value!r} is not a GRPO loss run here; use one of {', '.join(GRPO_LOSSES)} (losses whose step is "
+            "the same for any split into micro-batches and ranks)"
+        )
+
+    @field_validator("rewards")
+    @classmethod
+    def _some_reward(cls, value):
+        if not value:
+            raise ValueError("is empty: a GRPO stage learns from rewards, e.g. [{score: sql_exec_accuracy}]")
+        names = [reward.name for reward in value]
+        repeated = sorted({n for n in names if names.count(n) > 1})
+        if repeated:
+            raise ValueError(f"rewards repeat: {repeated} (give one entry a weight instead)")
+        return value
+
+
 class TrainSpec(Section):
     # sft: next-token loss on the answers; dpo: TRL's DPOTrainer on {prompt, chosen, rejected} pairs
-    # (data.format: preference). Left out of the spec (and so of its hash) at their defaults: every stage
-    # trained before these keys existed keeps its identity.
-    method: Literal["sft", "dpo"] = Field("sft", exclude_if=lambda value: value == "sft")
+    # (data.format: preference); grpo: TRL's GRPOTrainer on the SFT data's prompts, rewarded by train.grpo.
+    # Left out of the spec (and so of its hash) at their defaults: every stage trained before these keys
+    # existed keeps its identity.
+    method: Literal["sft", "dpo", "grpo"] = Field("sft", exclude_if=lambda value: value == "sft")
     dpo: DpoSpec | None = Field(None, exclude_if=lambda value: value is None)
+    grpo: GrpoSpec | None = Field(None, exclude_if=lambda value: value is None)
     epochs: Annotated[Float, Field(gt=0)] = 3
     max_steps: Annotated[Int, Field(ge=1)] | None = None
     learning_rate: Annotated[Float, Field(gt=0)] = 2e-4
@@ -322,14 +415,21 @@ class TrainSpec(Section):
 
     @model_validator(mode="after")
     def _micro_batch_divides(self):
-        effective = self.batch_size * self.grad_accum
+        effective = self.batch_size * self.grad_accum * self.completions_per_example
         if self.micro_batch != "auto" and effective % self.micro_batch:
             fitting = ", ".join(str(d) for d in range(1, effective + 1) if effective % d == 0)
+            counted = " x grpo.num_generations" if self.method == "grpo" else ""
             raise ValueError(
                 f"micro_batch {self.micro_batch} does not divide the effective batch batch_size x grad_accum"
-                f" = {effective} (the loss is the same for any exact split): use one of {fitting}, or auto"
+                f"{counted} = {effective} (the loss is the same for any exact split): use one of {fitting}, or auto"
             )
         return self
+
+    @property
+    def completions_per_example(self) -> int:
+        """Sequences a step trains per example: a GRPO stage's batch_size counts prompts, each with
+        num_generations completions, and its micro_batch counts completions; any other stage's, one."""
+        return self.reward_objective.num_generations if self.method == "grpo" else 1
 
     @field_validator("dpo")
     @classmethod
@@ -341,10 +441,26 @@ class TrainSpec(Section):
             )
         return value
 
+    @field_validator("grpo")
+    @classmethod
+    def _grpo_keys_on_a_grpo_stage(cls, value, info: ValidationInfo):
+        method = info.data.get("method")
+        if value is not None and method is not None and method != "grpo":
+            raise ValueError(
+                f"is a GRPO stage's block, but this stage is train.method: {method}; set train.method: grpo, "
+                "or remove train.grpo"
+            )
+        return value
+
     @property
     def preference(self) -> DpoSpec:
         """The DPO block as it runs (its defaults when none is written)."""
         return self.dpo or DpoSpec()
+
+    @property
+    def reward_objective(self) -> GrpoSpec:
+        """The GRPO block as it runs (its defaults when none is written: no rewards, refused before queueing)."""
+        return self.grpo or GrpoSpec()
 
     @model_validator(mode="after")
     def _early_stopping_needs_eval(self):
@@ -800,6 +916,9 @@ class TrainJob(Section):
     # each rank accumulates more (core/split.py elastic_accumulation). None: the ranks it runs on. Left out
     # of its identity, which counts those ranks already (slurm/planning/plan.py make_job).
     global_ranks: Annotated[Int, Field(ge=1)] | None = Field(None, exclude_if=lambda value: value is None)
+    # A GRPO stage with a user's reward function: the config's folder, which it is imported from. Where the
+    # code is found, not what it computes (HOW_IT_RUNS); left out when unset.
+    functions_from: str | None = Field(None, exclude_if=lambda value: value is None)
 
     @model_validator(mode="after")
     def _early_stopping_has_eval_data(self):
@@ -815,6 +934,7 @@ class TrainJob(Section):
 HOW_IT_RUNS = {
     "tracking": True,
     "global_ranks": True,
+    "functions_from": True,
     "train": {"micro_batch"},
     "prune": {"measured_under", "runs", "eval_pruned"},
 }

@@ -88,5 +88,26 @@ DPO_LOSSES = (
     "sigmoid_norm",
 )
 
+# A GRPO stage's rewards (the `score` of a reward in train.grpo): per-example scores the eval writes, computed by the
+# eval's own per-example code (eval/rewards.py), so that a reward of 1 means what the report's 1 means.
+# sql_executes is 1 for a completion that runs (the eval's sql_error_rate is 1 minus its mean).
+SQL_REWARD_SCORES = ("sql_exec_accuracy", "sql_record_f1", "sql_executes")
+REWARD_SCORES = ("exact_match", "rouge_1", "rouge_2", "rouge_l", *SQL_REWARD_SCORES)
+# Scores of results.json that are no reward, and why (refused at the key's line).
+NOT_A_REWARD = {
+    "bleu": "corpus BLEU has no per-completion value equal to the report's (a mean of sentence BLEU is "
+    "another metric); use rouge_l or exact_match",
+    "bertscore_f1": "it would load a second model into the training job; use rouge_l, or a function",
+    "sql_error_rate": "a reward rises with quality: use sql_executes (1 - error)",
+}
+# TRL's GRPO losses whose step does not depend on the split of the step into micro-batches and ranks (each
+# micro-batch holds as many completions: grpo and dr_grpo are means over completions of a per-completion
+# or constant-normalised sum; dapo divides by the step's global token count). The others, and why not.
+GRPO_LOSSES = ("dapo", "grpo", "dr_grpo")
+NOT_A_GRPO_LOSS = {
+    "bnpo": "it normalises by each micro-batch's own tokens, so the step changes with micro_batch and the "
+    "world size (TRL documents it as local-batch dependent); use dapo, its global-batch form",
+}
+
 # A model folder has a tokenizer when it has one of these (the hub cache check, the speed book's stamp).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "spiece.model", "tokenizer.model", "vocab.json")

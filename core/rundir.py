@@ -232,6 +232,11 @@ class RunDir:
         return self.path / "metrics.jsonl"
 
     @property
+    def completions(self) -> Path:
+        """A GRPO stage's sampled completions with their rewards, a few per logging step (train/grpo.py)."""
+        return self.path / "completions.jsonl"
+
+    @property
     def checkpoints(self) -> Path:
         return self.path / "checkpoints"
 

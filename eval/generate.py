@@ -115,7 +115,8 @@ def framing_ids(model, tokenizer) -> set[int]:
 def decode(tokenizer, sequences, strip: set[int]) -> list[str]:
     """Text of each sequence without the `strip` ids. skip_special_tokens would also drop the model's
     added tokens (model.added_tokens are special tokens), which are part of the answer."""
-    kept = [[i for i in sequence if i not in strip] for sequence in sequences.tolist()]
+    rows = sequences.tolist() if hasattr(sequences, "tolist") else sequences  # a tensor, or lists of ids
+    kept = [[i for i in sequence if i not in strip] for sequence in rows]
     return [text.strip() for text in tokenizer.batch_decode(kept, skip_special_tokens=False)]
 
 

@@ -6,6 +6,7 @@ bug upstream and raise.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Iterable, Sequence
 
@@ -45,28 +46,47 @@ def check_pairs(preds: Sequence[str], refs: Sequence[str]) -> None:
         raise ValueError(f"{len(preds)} predictions but {len(refs)} references: they must pair up")
 
 
-def exact_match(preds: Sequence[str], refs: Sequence[str]) -> float:
+def mean(values: Sequence[float]) -> float:
+    """The report's mean of per-example scores (0.0 over nothing); a GRPO reward's mean equals it."""
+    return sum(values) / len(values) if values else 0.0
+
+
+def exact_match_each(preds: Sequence[str], refs: Sequence[str]) -> list[float]:
+    """1.0 for each prediction equal to its reference (normalized), else 0.0: exact_match per example."""
     check_pairs(preds, refs)
-    if not preds:
-        return 0.0
-    hits = sum(exact_match_key(r)(p) == exact_match_key(r)(r) for p, r in zip(preds, refs, strict=True))
-    return hits / len(preds)
+    return [float(exact_match_key(r)(p) == exact_match_key(r)(r)) for p, r in zip(preds, refs, strict=True)]
+
+
+def exact_match(preds: Sequence[str], refs: Sequence[str]) -> float:
+    return mean(exact_match_each(preds, refs))
+
+
+ROUGE_KEYS = {"rouge1": "rouge_1", "rouge2": "rouge_2", "rougeL": "rouge_l"}
+
+
+def rouge_each(preds: Sequence[str], refs: Sequence[str]) -> dict[str, list[float]]:
+    """F-measure of ROUGE-1, ROUGE-2 and ROUGE-L per example (rouge_score's tokenizer: lowercase,
+    alphanumerics)."""
+    check_pairs(preds, refs)
+    scorer = rouge_scorer_once()
+    each: dict[str, list[float]] = {name: [] for name in ROUGE_KEYS.values()}
+    for pred, ref in zip(preds, refs, strict=True):
+        scores = scorer.score(ref, pred)  # (target, prediction): the order matters for precision/recall
+        for key, name in ROUGE_KEYS.items():
+            each[name].append(scores[key].fmeasure)
+    return each
+
+
+@functools.cache
+def rouge_scorer_once() -> rouge_scorer.RougeScorer:
+    """One scorer per process (a GRPO stage scores every step). No stemming: scores stay comparable with the
+    published numbers we report against."""
+    return rouge_scorer.RougeScorer(list(ROUGE_KEYS), use_stemmer=False)
 
 
 def rouge(preds: Sequence[str], refs: Sequence[str]) -> dict[str, float]:
-    """Mean F-measure of ROUGE-1, ROUGE-2 and ROUGE-L (rouge_score's tokenizer: lowercase, alphanumerics)."""
-    check_pairs(preds, refs)
-    keys = {"rouge1": "rouge_1", "rouge2": "rouge_2", "rougeL": "rouge_l"}
-    totals = dict.fromkeys(keys.values(), 0.0)
-    if not preds:
-        return totals
-    # No stemming: scores stay comparable with the published numbers we report against.
-    scorer = rouge_scorer.RougeScorer(list(keys), use_stemmer=False)
-    for pred, ref in zip(preds, refs, strict=True):
-        scores = scorer.score(ref, pred)  # (target, prediction): the order matters for precision/recall
-        for key, name in keys.items():
-            totals[name] += scores[key].fmeasure
-    return {name: total / len(preds) for name, total in totals.items()}
+    """Mean F-measure of ROUGE-1, ROUGE-2 and ROUGE-L over the examples."""
+    return {name: mean(values) for name, values in rouge_each(preds, refs).items()}
 
 
 def bleu(preds: Sequence[str], refs: Sequence[str]) -> float:

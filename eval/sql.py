@@ -271,16 +271,25 @@ def unscored_reason(db_path, ids: list, gold_results: list[ExecResult]) -> str:
     return f"no example could be scored: all {len(ids)} gold queries fail on {db_path} ({first})"
 
 
+def pair_scores(pred: ExecResult, gold: ExecResult, gold_query: str) -> dict[str, float]:
+    """One example's scores: the eval's means are over these, and a GRPO stage's SQL rewards are these."""
+    return {
+        "sql_exec_accuracy": float(same_result(pred, gold, orders_rows(gold_query))),
+        "sql_record_f1": record_f1(pred, gold),
+        "sql_executes": float(pred.error is None),
+    }
+
+
 def score_pairs(
     preds: list[ExecResult], golds: list[ExecResult], gold_queries: list[str]
 ) -> dict[str, float]:
-    """The three fractions over one or more pairs."""
+    """The three fractions over one or more pairs: means of pair_scores (the error rate is 1 - executes)."""
     n = len(preds)
-    triples = list(zip(preds, golds, gold_queries, strict=True))
+    each = [pair_scores(p, g, q) for p, g, q in zip(preds, golds, gold_queries, strict=True)]
     return {
-        "sql_exec_accuracy": sum(same_result(p, g, orders_rows(q)) for p, g, q in triples) / n,
-        "sql_record_f1": sum(record_f1(p, g) for p, g, _ in triples) / n,
-        "sql_error_rate": sum(p.error is not None for p in preds) / n,
+        "sql_exec_accuracy": sum(e["sql_exec_accuracy"] for e in each) / n,
+        "sql_record_f1": sum(e["sql_record_f1"] for e in each) / n,
+        "sql_error_rate": sum(e["sql_executes"] == 0.0 for e in each) / n,
     }
 
 

@@ -43,6 +43,8 @@ CROSSING = {
     ("eval.job", "train.callbacks"),
     ("eval.job", "train.libraries"),  # `python -m eval generate` hides what the job would
     ("eval.job", "train.data"),
+    ("train.grpo", "eval.rewards"),  # a GRPO reward is the eval's own per-example score
+    ("train.grpo", "eval.generate"),  # completions cleaned as the eval cleans a prediction
 }
 
 

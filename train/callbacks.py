@@ -28,7 +28,10 @@ log = logging.getLogger("train.callbacks")
 
 # What TRL's DPOTrainer logs besides the loss (rewards/chosen, rejected, accuracies, margins; logps/chosen,
 # rejected): a preference stage's curves, kept in metrics.jsonl beside the loss.
-PREFERENCE_METRICS = ("rewards/", "logps/")
+# What a method's step logs besides the loss, kept in metrics.jsonl: DPO's per-pair rewards and log-probs; GRPO's
+# rewards (mean, per reward function, spread, the share of groups without variance), its completions'
+# lengths and the share cut at max_completion_length, the KL to its reference, and its step time.
+METHOD_METRICS = ("rewards/", "logps/", "reward", "frac_reward_zero_std", "completions/", "kl", "entropy")
 
 
 class RunDirectoryLog(TrainerCallback):
@@ -64,7 +67,7 @@ class RunDirectoryLog(TrainerCallback):
         if "loss" in logs:
             elapsed = max(now - self.last_time, 1e-9)
             row |= {k: logs[k] for k in ("loss", "learning_rate", "grad_norm") if k in logs}
-            row |= {k: v for k, v in logs.items() if k.startswith(PREFERENCE_METRICS)}  # a DPO stage's
+            row |= {k: v for k, v in logs.items() if k.startswith(METHOD_METRICS)}  # a DPO or GRPO stage's
             row["tokens_per_s"] = round((state.num_input_tokens_seen - self.last_tokens) / elapsed, 1)
             steps = state.global_step - self.last_step
             row["samples_per_s"] = round(

@@ -334,6 +334,8 @@ class StageRecipe:
     """One stage: setup() builds model, data and Trainer; train() runs or resumes; save() writes the adapter
     and summary. The module docstring maps each feature to its config key."""
 
+    evaluates_in_training = True  # a loss-only eval on data.eval (a GRPO step has no such loss)
+
     def __init__(self, job: TrainJob, stop: threading.Event):
         self.job, self.stop = job, stop
         self.run_dir = Path(job.run_dir)
@@ -382,7 +384,7 @@ class StageRecipe:
         distributed.doing(f"reading and tokenizing {self.job.data.train}")
         self.train_set, self.lengths = self.load_split(self.job.data.train, "train")
         self.eval_set = self.eval_lengths = None
-        if self.job.data.eval:  # sorted: similar lengths pad little, and a loss-only eval has no order
+        if self.job.data.eval and self.evaluates_in_training:  # sorted: similar lengths pad little, and a loss-only eval has no order
             distributed.doing(f"reading and tokenizing {self.job.data.eval}")
             self.eval_set, self.eval_lengths = self.load_split(self.job.data.eval, "eval")
             self.eval_set = self.eval_set.sort("length")
@@ -683,12 +685,6 @@ class StageRecipe:
     def write_summary(self, devices: list[str]) -> None:
         state = self.trainer.state
         eval_losses = [row["eval_loss"] for row in state.log_history if "eval_loss" in row]
-        padding = data_lib.padding_fraction(
-            self.train_set["length"],
-            self.batch_order(),
-            self.split.micro_batch,
-            self.placement.pad_to_multiple_of or 1,
-        )
         summary = {
             "experiment": self.job.experiment,
             "stage": self.job.stage,
@@ -701,19 +697,7 @@ class StageRecipe:
             "epochs_done": round(state.epoch or 0, 4),
             "best_eval_loss": min(eval_losses) if eval_losses else None,
             "final_train_loss": self.train_metrics.get("train_loss"),
-            "train_examples": len(self.train_set),
-            "train_tokens": sum(data_lib.trained_tokens(self.train_set, self.job.model.kind)),  # per epoch
-            "eval_examples": len(self.eval_set) if self.eval_set is not None else None,
-            "max_length": self.lengths.max_length,
-            "max_target_length": self.lengths.max_target_length,
-            "longest_example": self.lengths.longest,
-            "longest_target": self.lengths.longest_target,
-            "truncated_inputs": self.lengths.inputs_truncated,
-            "truncated_targets": self.lengths.targets_truncated,
-            "truncated_at": self.lengths.truncated_at,
-            # image-text examples are never truncated: those longer than max_length are left out
-            "dropped_too_long": self.lengths.inputs_truncated if self.job.model.kind == "image-text" else 0,
-            "padding_fraction": round(padding, 4),
+            **self.data_summary(),
             "device": self.placement.device,
             "device_name": self.placement.device_name,
             "precision": self.placement.precision,
@@ -730,6 +714,30 @@ class StageRecipe:
             **self.method_summary(),
         }
         write_json_atomic(RunDir(self.run_dir).summary, summary, indent=1, root=RunDir(self.run_dir).run_root)
+
+    def data_summary(self) -> dict:
+        """summary.json's figures of the training data as it was trained: sizes, lengths, what was cut."""
+        padding = data_lib.padding_fraction(
+            self.train_set["length"],
+            self.batch_order(),
+            self.split.micro_batch,
+            self.placement.pad_to_multiple_of or 1,
+        )
+        return {
+            "train_examples": len(self.train_set),
+            "train_tokens": sum(data_lib.trained_tokens(self.train_set, self.job.model.kind)),  # per epoch
+            "eval_examples": len(self.eval_set) if self.eval_set is not None else None,
+            "max_length": self.lengths.max_length,
+            "max_target_length": self.lengths.max_target_length,
+            "longest_example": self.lengths.longest,
+            "longest_target": self.lengths.longest_target,
+            "truncated_inputs": self.lengths.inputs_truncated,
+            "truncated_targets": self.lengths.targets_truncated,
+            "truncated_at": self.lengths.truncated_at,
+            # image-text examples are never truncated: those longer than max_length are left out
+            "dropped_too_long": self.lengths.inputs_truncated if self.job.model.kind == "image-text" else 0,
+            "padding_fraction": round(padding, 4),
+        }
 
     def method_summary(self) -> dict:
         """What summary.json adds for the stage's training method (a preference stage's reference and pairs)."""

@@ -1,6 +1,7 @@
 """The trainer's entry point for a job (slurm/queueing/jobs.py, `python -m train`): the stage's recipe for its
 `train.method`, run through the one life cycle (train/recipe.py run_stage). The methods' table is `recipe_of`:
-SFT: StageRecipe; DPO: PreferenceRecipe (train/preference.py, which imports TRL, so only a DPO job loads it)."""
+SFT: StageRecipe; DPO: PreferenceRecipe (train/preference.py); GRPO: GrpoRecipe (train/grpo.py). Those two
+import TRL, so only their jobs load it."""
 
 from __future__ import annotations
 
@@ -17,6 +18,10 @@ def recipe_of(method: str) -> type[recipe.StageRecipe]:
         from train.preference import PreferenceRecipe
 
         return PreferenceRecipe
+    if method == "grpo":
+        from train.grpo import GrpoRecipe
+
+        return GrpoRecipe
     if method == "sft":
         return recipe.StageRecipe
     raise ValueError(f"train.method {method!r} has no recipe")

@@ -1,6 +1,6 @@
 """What a valid experiment is checked for beyond its schema, before anything is queued (checked): its local
 files (data, eval database, model folders), its resources against a node of the cluster, `time: auto`, the
-model's kind and chat template, a DPO stage's chain; and across the folder's experiments, their names and
+model's kind and chat template, a DPO or GRPO stage's chain; and across the folder's experiments, their names and
 `after:` targets (check_names). A sweep's own checks are slurm/planning/sweeps.py's.
 """
 
@@ -15,7 +15,7 @@ from core.conversations import no_template_message, templated
 from core.databases import NotADatabaseError, check_database
 from core.examples import ExampleError, TextSize, check_file, needed_fields
 from core.files import read_json
-from core.names import PREFERENCE
+from core.names import PREFERENCE, SQL_REWARD_SCORES
 from core.problems import Problem, did_you_mean
 from core.split import elastic_accumulation
 from core.sweep import SweepMember
@@ -44,6 +44,7 @@ def checked(
         + check_kind(experiment, chain)
         + check_chat_template(experiment, stages, chain)
         + check_preference(experiment, stages, chain)
+        + check_grpo(experiment, stages, chain)
     )
 
 
@@ -198,6 +199,72 @@ def check_preference(experiment: Experiment, stages: list[Stage], chain: list[Ya
             file, line = where(chain, place)
             problems.append(Problem(file, ".".join(map(str, place)), why, line))
     return problems
+
+
+def check_grpo(experiment: Experiment, stages: list[Stage], chain: list[YamlFile]) -> list[Problem]:
+    """A GRPO stage's chain, before anything is queued: SFT data (its prompts are generated from and its
+    targets are the rewards' references), a causal model, a `reference: previous` that has a previous stage,
+    no in-training early stopping (a GRPO step has no eval loss), a database for each SQL reward, and a
+    warning on a first stage (a model that never earns a reward learns nothing) unless `from_base`."""
+    problems = []
+    for index, stage in enumerate(stages):
+        if stage.train.method != "grpo":
+            continue
+        grpo = stage.train.reward_objective
+        key, why, warning = None, None, False
+        if not grpo.rewards:
+            key = ("train", "method")
+            why = (
+                f"is grpo in stage {stage.name!r}, which has no rewards to learn from: add train.grpo: {{rewards: "
+                "[{score: sql_exec_accuracy}, {score: sql_executes, weight: 0.1}]}} (eval scores, or "
+                "{function: module:name})"
+            )
+        elif stage.data.format == PREFERENCE:
+            key = ("train", "method")
+            why = (
+                f"is grpo in stage {stage.name!r}, whose data is format: preference; GRPO generates from the "
+                "prompts of SFT data (fields or a conversation) and rewards against their targets"
+            )
+        elif experiment.model.kind != "causal":
+            key = ("train", "method")
+            why = (
+                f"is grpo, but model.kind is {experiment.model.kind}: TRL's GRPOTrainer trains causal models "
+                "only here (no seq2seq path; image-text is not supported yet): use a causal model"
+            )
+        elif stage.train.early_stopping:
+            key = ("train", "early_stopping")
+            why = f"is for SFT and DPO stages: GRPO stage {stage.name!r} has no in-training eval loss to stop on"
+        elif index == 0 and grpo.reference == "previous":
+            key = ("train", "grpo", "reference")
+            why = (
+                f"is previous, but stage {stage.name!r} is the first: there is no previous adapter; use "
+                "reference: base, or put an SFT stage before it"
+            )
+        elif index == 0 and not grpo.from_base:
+            key, warning = ("train", "method"), True
+            why = (
+                f"is grpo in the first stage {stage.name!r}: a base model that never earns a reward has no "
+                "reward variance and learns nothing (the stage stops early then); put an SFT stage before "
+                "it, or set train.grpo.from_base: true if the base model already earns rewards"
+            )
+        if why:
+            problems.append(stage_problem(experiment, index, key, why, chain, warning))
+        for number, reward in enumerate(grpo.rewards):
+            if reward.score in SQL_REWARD_SCORES and not (reward.db or experiment.eval.db):
+                place = ("train", "grpo", "rewards", number, "score")
+                why = f"{reward.score} runs each completion on a database: set db in this entry, or eval.db"
+                problems.append(stage_problem(experiment, index, place, why, chain))
+    return problems
+
+
+def stage_problem(
+    experiment: Experiment, index: int, key: tuple, why: str, chain: list[YamlFile], warning: bool = False
+) -> Problem:
+    """A problem at the stage's own key when the stage writes it, else at the experiment's."""
+    written = getattr(experiment.stages[index], key[0])
+    place = ("stages", index, *key) if key[1] in written else key
+    file, line = where(chain, place)
+    return Problem(file, ".".join(map(str, place)), why, line, warning=warning)
 
 
 def check_files(experiment: Experiment, stages: list[Stage], chain: list[YamlFile]) -> list[Problem]:

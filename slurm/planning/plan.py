@@ -507,6 +507,7 @@ def experiment_jobs(
             tracking=exp.tracking,
             prune=pruning_of(loaded),
             global_ranks=resources.tasks if resources.elastic else None,
+            functions_from=functions_folder(loaded, stage),
         )
         spec = with_definition(spec, loaded)
         deps = [Dependency(previous.id, "afterok")] if previous else list(first_deps)
@@ -578,6 +579,13 @@ def eval_job(
 
 def _ids(jobs: list[PlannedJob]) -> dict[str, PlannedJob]:
     return {j.id: j for j in jobs}
+
+
+def functions_folder(loaded: LoadedExperiment, stage) -> str | None:
+    """The config's folder, for a GRPO stage with a user's reward function (imported from there)."""
+    if stage.train.method == "grpo" and any(r.function for r in stage.train.reward_objective.rewards):
+        return str(loaded.file.parent.resolve())
+    return None
 
 
 def make_job(job_id, kind, spec, resources, deps, known: dict[str, PlannedJob]) -> PlannedJob:

@@ -135,7 +135,15 @@ def check_prune(
         names = ", ".join(stage.name for stage in stages)
         block.append(("prune", f"prunes single-stage sweeps only for now; this one has stages {names}"))
     train, data = stages[0].train, stages[0].data
-    if not data.eval:
+    if train.method == "grpo":
+        block.append(
+            (
+                "prune",
+                "is not for GRPO stages yet: a GRPO stage has no in-training eval_loss to judge a run by "
+                "(its eval is the eval job's scores); sweep it without prune",
+            )
+        )
+    elif not data.eval:
         block.append(("prune", "needs data.eval: runs are judged on their in-training eval_loss"))
     if train.eval_every_epochs is None:
         block.append(("prune", "needs train.eval_every_epochs: a run is judged at an in-training eval"))

@@ -22,6 +22,7 @@ from core.config import (
     StageSpec,
     TrainSpec,
 )
+from core.names import SQL_REWARD_SCORES
 from core.problems import Problem, did_you_mean, one_per_value
 from core.sweep import SweepMember, SweepSpec
 from core.yamlfile import YamlFile, deep_merge, where
@@ -60,33 +61,35 @@ class LoadedExperiment:
 
 def validate_experiment(raw: dict, chain: list[YamlFile]) -> tuple[Experiment | None, list[Problem]]:
     try:
-        return Experiment.model_validate(without_stages_dpo(raw)), []
+        return Experiment.model_validate(without_stages_blocks(raw)), []
     except ValidationError as exc:
         return None, [to_problem(error, chain) for error in one_per_value(exc.errors())]
 
 
-def for_dpo_stages(raw: dict) -> bool:
-    """A curriculum's own `train.dpo` is the options of its DPO stages, so that `train.dpo.beta` can be swept
-    (a sweep's keys are the experiment's): the experiment's method is not dpo, and a stage's is. It is then
-    validated in each DPO stage, and left out of the SFT stages (resolve_stages)."""
+def blocks_for_stages(raw: dict) -> list[str]:
+    """A curriculum's own method blocks (`train.dpo`, `train.grpo`) written for its stages of that method,
+    so that `train.dpo.beta` can be swept (a sweep's keys are the experiment's): the experiment's method is
+    not the block's, and a stage's is. Each is then validated in those stages, and left out of the others
+    (resolve_stages, core/config.py KEYS_OF_METHODS)."""
     train, stages = raw.get("train"), raw.get("stages")
-    return (
-        isinstance(train, dict)
-        and "dpo" in train
-        and train.get("method", "sft") != "dpo"
-        and isinstance(stages, list)
-        and any(
-            isinstance(s, dict) and isinstance(s.get("train"), dict) and s["train"].get("method") == "dpo"
-            for s in stages
-        )
-    )
+    if not isinstance(train, dict) or not isinstance(stages, list):
+        return []
+    methods = {
+        s["train"].get("method") for s in stages if isinstance(s, dict) and isinstance(s.get("train"), dict)
+    }
+    return [
+        block
+        for block, readers in KEYS_OF_METHODS.items()
+        if block in train and train.get("method", "sft") not in readers and methods & readers
+    ]
 
 
-def without_stages_dpo(raw: dict) -> dict:
-    """`raw` as the experiment's own sections are validated: a train.dpo written for its DPO stages left out."""
-    if not for_dpo_stages(raw):
+def without_stages_blocks(raw: dict) -> dict:
+    """`raw` as the experiment's own sections are validated: method blocks written for its stages left out."""
+    blocks = blocks_for_stages(raw)
+    if not blocks:
         return raw
-    return {**raw, "train": {k: v for k, v in raw["train"].items() if k != "dpo"}}
+    return {**raw, "train": {k: v for k, v in raw["train"].items() if k not in blocks}}
 
 
 def to_problem(error: dict, chain: list[YamlFile], prefix: tuple = ()) -> Problem:
@@ -143,7 +146,7 @@ def resolve_stages(
     stage's own changes, validated as the whole experiment is: every check of every section, those across
     keys too. A stage is planned, or the launch is refused with its problem; never dropped in silence."""
     stages, problems, reported = [], [], set()
-    base = without_stages_dpo(raw)
+    base = without_stages_blocks(raw)
     for index, stage in enumerate(experiment.stages):
         resolved, left_out = {}, []
         for section in ("data", "train"):
@@ -165,8 +168,21 @@ def resolve_stages(
                 "add data.eval or remove early_stopping"
             )
             problems.append(Problem(file, "train.early_stopping", message, line))
-        stages.append(Stage(stage.name, whole.data, whole.train, tuple(left_out)))
+        stages.append(Stage(stage.name, whole.data, with_reward_databases(whole), tuple(left_out)))
     return stages, problems + check_eval_split(experiment, stages, chain)
+
+
+def with_reward_databases(whole: Experiment) -> TrainSpec:
+    """A GRPO stage's train with each SQL reward's database written: its own `db`, else eval.db (the
+    database is what the reward computes against, so it is part of the stage's identity)."""
+    train = whole.train
+    if train.method != "grpo" or not whole.eval.db:
+        return train
+    rewards = [
+        reward.model_copy(update={"db": whole.eval.db}) if reward.score in SQL_REWARD_SCORES and not reward.db else reward
+        for reward in train.reward_objective.rewards
+    ]
+    return train.model_copy(update={"grpo": train.reward_objective.model_copy(update={"rewards": rewards})})
 
 
 def inherited_section(section: str, experiments: dict, stages: dict) -> tuple[dict, list[str]]:

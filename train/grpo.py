@@ -1,0 +1,390 @@
+"""A GRPO stage (`train.method: grpo`): TRL's GRPOTrainer inside the shared trainer's life cycle.
+
+GrpoRecipe is a StageRecipe (train/recipe.py): the same run folder, checkpoints and exact resume, time-limit
+stop, tracking, GPU telemetry and summary.json; its trainer comes from the one factory (stage_trainer), so it
+has the checked saves and the time-limit guard. What differs:
+
+- the data: the SFT stage's prompts as ids (a conversation's up to its last assistant turn with the
+  generation prompt; a `fields` example's prompt as the SFT stage tokenizes it: train/data.py
+  prompts_and_targets, chat.ChatPrompt), each with its target as the reference the rewards see. There is
+  no in-training eval (a GRPO step has no eval loss): the eval job scores the stage;
+- the units: `train.batch_size` x `grad_accum` counts prompts per rank and step, each with
+  `num_generations` completions; `micro_batch` counts completions (a divisor of that product x G). The
+  global batch is the written one at any world size (at_world_size), so the groups are too;
+- generation: `sampled_completions`, one function (a faster engine goes there), handed to TRL as its
+  rollout function. Completions stop at the eval's stop ids (the model's eos, and the chat template's end
+  of turn for a conversation), so what is rewarded is what the eval job would have generated;
+- the rewards (`rewards` in train.grpo): each score reward is the eval's per-example score of the completion
+  cleaned as the eval cleans a prediction (eval/rewards.py, eval/generate.py decode); a user's function
+  gets that text too. Each reward's time is logged;
+- the reference (`beta` > 0): `previous`, TRL's frozen copy of the adapter the stage starts from (its "ref"
+  adapter), or `base` (that copy deleted: TRL then disables the adapters); unset: previous after a stage;
+- a stage in which no group of the first K steps had reward variance stops with a message (core/grpo.py
+  chooses K); a few completions per logging step are kept in completions.jsonl with their rewards.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import datasets
+import torch
+from transformers import Trainer, TrainerCallback, TrainingArguments
+from transformers.trainer_callback import ExportableState
+
+from core.conversations import templated
+from core.files import append_json_line, write_json_atomic
+from core.grpo import zero_variance_steps
+from core.rundir import RunDir
+from core.split import Split, as_written, asked
+from eval.generate import decode, framing_ids
+from eval.rewards import ScoreReward, finite_or_none, user_function
+from train import chat, distributed
+from train.data import prompts_and_targets
+from train.model import trainable_in_fp32
+from train.recipe import StageRecipe, one_gpu_per_process, stage_trainer
+
+log = logging.getLogger("train.grpo")
+REFERENCE_ADAPTER = "ref"  # the name TRL gives its frozen copy of the policy's adapter (trl 1.16)
+POLICY_ADAPTER = "default"
+COMPLETIONS_PER_LOG = 4  # completions.jsonl: the first few of the latest generation, per logging step
+COMPLETIONS_MAX_BYTES = 4 * 2**20  # and no more than this in all
+
+
+class NoRewardVariance(RuntimeError):
+    """The stage learned nothing: every group's completions earned equal rewards for its first K steps."""
+
+
+# ---- the trainer ----------------------------------------------------------------------------------
+@functools.cache
+def grpo_trainer_class():
+    from trl import GRPOTrainer  # on the node only: the login node never imports TRL
+    from trl.trainer.utils import RepeatSampler
+
+    class EpochSeededRepeatSampler(RepeatSampler):
+        """TRL's sampler (each prompt num_generations times in a row), its shuffle drawn from (seed, epoch)
+        alone: TRL's draws each epoch from one generator seeded once, so a run resumed in a later epoch
+        replayed the first epoch's order (the SFT stage's EpochSeededLengthSampler, train/recipe.py)."""
+
+        def __init__(self, *args, seed: int, **kwargs):
+            super().__init__(*args, seed=seed, **kwargs)
+            self.epoch = 0
+
+        def set_epoch(self, epoch: int) -> None:
+            self.epoch = epoch
+
+        def __iter__(self):
+            if self.shuffle:
+                self.generator = torch.Generator().manual_seed(self.seed + self.epoch)
+            return super().__iter__()
+
+    class GroupRewards:
+        """GRPOTrainer's pieces of ours; composed with what every stage's trainer needs by stage_trainer."""
+
+        watch: ZeroVarianceStop | None = None
+        completions_file: Path | None = None
+
+        def _get_train_sampler(self, dataset=None):
+            dataset = dataset if dataset is not None else self.train_dataset
+            self.epoch_sampler = EpochSeededRepeatSampler(
+                dataset,
+                mini_repeat_count=self.num_generations,
+                batch_size=self.args.generation_batch_size // self.num_generations,
+                repeat_count=self.num_iterations * self.args.steps_per_generation,
+                shuffle=self.shuffle_dataset,
+                seed=self.args.seed,
+            )
+            return self.epoch_sampler
+
+        def _generate_and_score_completions(self, inputs):
+            scored = super()._generate_and_score_completions(inputs)
+            if self.watch is not None and self.model.training:
+                self.watch.saw(self._metrics["train"]["frac_reward_zero_std"][-1])
+            return scored
+
+        def log(self, logs, start_time=None):
+            if self.model.training and self.accelerator.is_main_process and self.completions_file:
+                keep_completions(self.completions_file, self.state.global_step, self._logs)
+            super().log(logs, start_time)
+
+        def _save_checkpoint(self, model, trial):
+            Trainer._save_checkpoint(self, model, trial)  # no model card README in checkpoints/
+
+    return stage_trainer("GroupRewardTrainer", GRPOTrainer, GroupRewards)
+
+
+def keep_completions(path: Path, step: int, logged) -> None:
+    """A few of the latest completions with their rewards and advantage, bounded in all (the run folder is
+    read by --tail and the report). `logged` is TRL's table of the latest generation (trainer._logs)."""
+    if path.exists() and path.stat().st_size > COMPLETIONS_MAX_BYTES:
+        return
+    prompts, completions = list(logged["prompt"]), list(logged["completion"])
+    advantages, rewards = list(logged["advantages"]), {k: list(v) for k, v in logged["rewards"].items()}
+    for i in range(min(COMPLETIONS_PER_LOG, len(completions))):
+        row = {
+            "step": step,
+            "prompt": prompts[i] if isinstance(prompts[i], str) else str(prompts[i]),
+            "completion": completions[i] if isinstance(completions[i], str) else str(completions[i]),
+            "rewards": {name: values[i] for name, values in rewards.items()},
+            "advantage": advantages[i],
+        }
+        append_json_line(path, row, root=RunDir(path.parent).run_root)
+
+
+class ZeroVarianceStop(TrainerCallback, ExportableState):
+    """Stops the stage (NoRewardVariance) when no group of its first `steps` steps had reward variance.
+    Whether one had is kept in each checkpoint (the Trainer's stateful callbacks), so a resumed run knows."""
+
+    def __init__(self, steps: int, varied: bool = False):
+        self.steps, self.varied = steps, varied
+
+    def saw(self, share_without_variance: float) -> None:
+        if share_without_variance < 1.0:
+            self.varied = True
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if not self.varied and state.global_step >= self.steps:
+            raise NoRewardVariance(
+                f"no completion group had reward variance in {self.steps} steps: start from an SFT stage or "
+                "add a partial-credit reward (e.g. sql_record_f1, sql_executes, rouge_l)"
+            )
+
+    def state(self) -> dict:
+        return {"args": {"steps": self.steps, "varied": self.varied}, "attributes": {}}
+
+
+# ---- generation -----------------------------------------------------------------------------------
+def sampled_completions(trainer, prompt_ids: list[list[int]], stop_ids: list[int]) -> list[list[int]]:
+    """One sampled completion per prompt (the prompts come repeated, num_generations times each), as ids
+    up to and with the first stop id, at most max_completion_length. The stage's one generation function:
+    plain `generate` on this rank's model, with TRL's generation settings (trainer.generation_config)."""
+    from trl.models.utils import unwrap_model_for_generation
+
+    device = trainer.accelerator.device
+    pad = trainer.processing_class.pad_token_id
+    width = max(len(ids) for ids in prompt_ids)
+    input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids in prompt_ids], device=device)
+    mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in prompt_ids], device=device)
+    with (
+        unwrap_model_for_generation(
+            trainer.model_wrapped,
+            trainer.accelerator,
+            generation_kwargs=trainer.generation_kwargs,
+            gradient_checkpointing_kwargs=trainer.args.gradient_checkpointing_kwargs,
+        ) as model,
+        torch.no_grad(),
+    ):
+        out = model.generate(input_ids=input_ids, attention_mask=mask, generation_config=trainer.generation_config)
+    completions = []
+    for row in out[:, width:].tolist():
+        end = next((i for i, token in enumerate(row) if token in stop_ids), None)
+        completions.append(row if end is None else row[: end + 1])
+    return completions
+
+
+def stop_ids_of(model, tokenizer, data, kind: str) -> list[int]:
+    """Where a completion ends, as the eval's generation ends (eval/generate.py stop_at_end_of_turn): the
+    model's own eos ids and the tokenizer's, and for a conversation the chat template's end of turn."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    eos = base.generation_config.eos_token_id
+    ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    ids += [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    if templated(data, kind):
+        ids += chat.end_of_turn_ids(tokenizer)
+    return list(dict.fromkeys(ids))
+
+
+# ---- the recipe -----------------------------------------------------------------------------------
+class GrpoRecipe(StageRecipe):
+    """A StageRecipe whose step is TRL's GRPO step; see the module docstring."""
+
+    evaluates_in_training = False
+
+    @staticmethod
+    def trainer_classes() -> tuple[type, ...]:
+        return (grpo_trainer_class(),)
+
+    def load_split(self, source: str, split: str):
+        text = chat.text_tokenizer(self.tokenizer)
+        prompts, references = prompts_and_targets(source, self.job.data, text, self.job.model.kind)
+        ids = [p.ids if isinstance(p, chat.ChatPrompt) else text(p)["input_ids"] for p in prompts]
+        self.prompt_ids: dict[str, list[int]] = {}
+        for prompt, prompt_ids in zip(prompts, ids, strict=True):
+            if self.prompt_ids.setdefault(str(prompt), prompt_ids) != prompt_ids:
+                raise ValueError(f"{source}: one prompt text has two tokenizations: {str(prompt)[:80]!r}")
+        dataset = datasets.Dataset.from_dict(
+            {"prompt": [str(p) for p in prompts], "reference": list(references), "length": list(map(len, ids))}
+        )
+        log.info("%s prompts: %d; longest %d tokens", split, len(dataset), max(map(len, ids), default=0))
+        return dataset, None
+
+    def choose_split(self) -> Split:
+        """In completions: the written split (micro_batch: N as asked; auto as batch_size x G per micro-batch,
+        since a GRPO step's memory is not modelled yet). Deterministic, so a resumed run has the same."""
+        train, generations = self.job.train, self.job.train.reward_objective.num_generations
+        completions = train.batch_size * train.grad_accum * generations
+        if train.micro_batch == "auto":
+            reason = "a GRPO step's memory is not modelled yet: batch_size x num_generations completions"
+            split = as_written(train.batch_size * generations, train.grad_accum, train.gradient_checkpointing, reason)
+        else:
+            split = asked(train.micro_batch, completions, train.gradient_checkpointing, None, None)
+        split = replace(split, world_size=self.placement.world_size)
+        if distributed.is_main():
+            write_json_atomic(RunDir(self.run_dir).split, split.as_json(), indent=1)
+        return split
+
+    def steps_per_epoch(self) -> int:
+        """Optimizer steps per epoch: TRL's sampler takes whole steps of prompts and leaves out the rest."""
+        return len(self.train_set) // self.prompts_per_step
+
+    @property
+    def prompts_per_step(self) -> int:
+        train = self.job.train
+        return train.batch_size * train.grad_accum * self.placement.world_size
+
+    def training_arguments(self) -> TrainingArguments:
+        from trl import GRPOConfig
+
+        if self.steps_per_epoch() < 1:
+            raise ValueError(
+                f"{self.job.data.train} has {len(self.train_set)} prompts, fewer than one step's "
+                f"{self.prompts_per_step} (batch_size x grad_accum x ranks): lower train.batch_size"
+            )
+        values = self.argument_values()
+        grpo, data = self.job.train.reward_objective, self.job.data
+        values |= {
+            "include_num_input_tokens_seen": "no",  # TRL counts prompt and completion tokens itself
+            "per_device_eval_batch_size": grpo.num_generations,
+        }
+        return one_gpu_per_process(
+            GRPOConfig(
+                **values,
+                gradient_checkpointing=values["activation_checkpointing"],  # TRL's default is True
+                steps_per_generation=self.split.grad_accum,  # one generation per optimizer step
+                num_generations=grpo.num_generations,
+                max_completion_length=grpo.max_completion_length,
+                temperature=grpo.temperature,
+                beta=grpo.beta,
+                loss_type=grpo.loss_type,
+                reward_weights=[reward.weight for reward in grpo.rewards],
+                shuffle_dataset=data.order != "file",
+                disable_dropout=True,  # policy, old policy and reference agree exactly where their weights do
+                log_completions=False,  # completions.jsonl instead (keep_completions)
+            )
+        )
+
+    def make_trainer(self, args: TrainingArguments, callbacks: list[TrainerCallback]) -> Trainer:
+        os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+        os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func: our generation, pinned TRL
+        grpo = self.job.train.reward_objective
+        text = chat.text_tokenizer(self.tokenizer)
+        self.stop_ids = stop_ids_of(self.model, text, self.job.data, self.job.model.kind)
+        self.strip = framing_ids(self.model, text) | set(self.stop_ids)
+        groups = self.prompts_per_step * (self.job.global_ranks or self.placement.world_size)
+        groups //= self.placement.world_size
+        self.watch = ZeroVarianceStop(zero_variance_steps(grpo.num_generations, groups))
+        trainer = grpo_trainer_class()(
+            model=self.model,
+            reward_funcs=self.reward_functions(),
+            args=args,
+            train_dataset=self.train_set,
+            processing_class=text,
+            callbacks=[*callbacks, self.watch],
+            rollout_func=self.rollout,
+        )
+        trainer.watch = self.watch
+        trainer.completions_file = RunDir(self.run_dir).completions if distributed.is_main() else None
+        # TRL's completion mask and its clipped share (completions/clipped_ratio) stop at these ids too.
+        trainer.eos_token_ids = self.stop_ids
+        trainer.generation_config.eos_token_id = self.stop_ids
+        trainable_in_fp32(trainer.model)  # as a DPO stage: TRL casts a quantized model's trainable weights
+        self.reference = None
+        if grpo.beta > 0:
+            self.reference = grpo.reference or ("previous" if self.job.init_adapter else "base")
+            adapters = trainer.model.peft_config
+            if self.reference == "base" and REFERENCE_ADAPTER in adapters:
+                trainer.model.delete_adapter(REFERENCE_ADAPTER)  # TRL then disables the adapters instead
+            if self.reference == "previous" and REFERENCE_ADAPTER not in adapters:
+                raise RuntimeError("TRL kept no frozen copy of the previous adapter; reference: previous cannot run")
+        log.info(
+            "GRPO: %d prompts x %d completions a step; stop ids %s; reference %s; no-variance stop after %d steps",
+            self.prompts_per_step,
+            grpo.num_generations,
+            self.stop_ids,
+            self.reference,
+            self.watch.steps,
+        )
+        return trainer
+
+    # ---- generation and rewards -------------------------------------------------------------------
+    def rollout(self, prompts: list[str], trainer) -> dict:
+        """TRL's rollout function: the prompts' ids (as the SFT stage renders them) and a completion each."""
+        prompt_ids = [self.prompt_ids[prompt] for prompt in prompts]
+        return {"prompt_ids": prompt_ids, "completion_ids": self.completions_for(prompt_ids), "logprobs": None}
+
+    def completions_for(self, prompt_ids: list[list[int]]) -> list[list[int]]:
+        """The completions of a step (a test's seam: fixed completions in place of sampled ones)."""
+        return sampled_completions(self.trainer, prompt_ids, self.stop_ids)
+
+    def cleaned(self, completion_ids: list[list[int]]) -> list[str]:
+        """Completions as the eval reads a prediction: the framing and stop ids left out, decoded, stripped."""
+        return decode(chat.text_tokenizer(self.tokenizer), completion_ids, self.strip)
+
+    def reward_functions(self) -> list:
+        functions = []
+        for spec in self.job.train.reward_objective.rewards:
+            if spec.score:
+                scorer = ScoreReward(spec, spec.db)  # the plan wrote eval.db where the entry has none
+                compute = functools.partial(lambda scorer, texts, refs, **_: scorer.each(texts, refs), scorer)
+            else:
+                function = user_function(spec, self.job.functions_from or ".")
+                compute = functools.partial(lambda f, texts, refs, **kw: f(completions=texts, reference=refs, **kw), function)
+            functions.append(self.timed_reward(spec.name, compute))
+        return functions
+
+    def timed_reward(self, name: str, compute):
+        def reward(prompts, completions, completion_ids, reference, log_metric=None, **columns):
+            started = time.perf_counter()
+            texts = self.cleaned(completion_ids)
+            values = compute(texts, reference, prompts=prompts, completion_ids=completion_ids, **columns)
+            if log_metric is not None:
+                log_metric(f"rewards/{name}/seconds", time.perf_counter() - started)
+            return [finite_or_none(value) for value in values]
+
+        reward.__name__ = name
+        return reward
+
+    # ---- save -----------------------------------------------------------------------------------
+    def save_model(self, folder: Path) -> None:
+        self.trainer.model.save_pretrained(folder, selected_adapters=[POLICY_ADAPTER])  # not the frozen copy
+
+    def data_summary(self) -> dict:
+        lengths = self.train_set["length"]
+        return {
+            "train_examples": len(self.train_set),  # prompts
+            "eval_examples": None,
+            "longest_prompt": max(lengths, default=0),
+            "max_completion_length": self.job.train.reward_objective.max_completion_length,
+        }
+
+    def method_summary(self) -> dict:
+        grpo = self.job.train.reward_objective
+        return {
+            "method": "grpo",
+            "reference": self.reference,
+            "num_generations": grpo.num_generations,
+            "prompts_per_step": self.prompts_per_step,
+            "zero_variance_steps": self.watch.steps,
+            "rewards": [reward.name for reward in grpo.rewards],
+        }
+
+    def write_speed(self) -> None:
+        """No speed-book row yet: a GRPO step's time is mostly generation, which the book (tokens trained per
+        second) does not model; its rows would mislead the SFT estimates of the same model."""
+        return
+
