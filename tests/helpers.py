@@ -265,6 +265,10 @@ DEMO_JOBS = {
     "sql-llama-sft-dpo/sft",
     "sql-llama-sft-dpo/dpo",
     "sql-llama-sft-dpo/eval",
+    "sql-llama-sft-grpo/sft",
+    "sql-llama-sft-grpo/eval-sft",
+    "sql-llama-sft-grpo/grpo",
+    "sql-llama-sft-grpo/eval",
 }
 
 

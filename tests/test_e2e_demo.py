@@ -53,6 +53,12 @@ def check_outputs(tmp: Path) -> None:
         # A curriculum's later stage continues its experiment's step axis from where the previous ended.
         offset = json.loads((runs / stage / "summary.json").read_text())["step_offset"]
         assert_same_curve(tensorboard_losses(runs / stage), logged_losses(runs / stage, offset))
+    # The GRPO stage continued the SFT adapter and logged its rewards, each completion's kept a few per step.
+    grpo = runs / "sql-llama-sft-grpo" / "grpo"
+    assert json.loads((grpo / "summary.json").read_text())["init_adapter"].endswith("sql-llama-sft-grpo/sft/adapter")
+    rows = [json.loads(line) for line in (grpo / "metrics.jsonl").read_text().splitlines()]
+    assert all("rewards/rouge_l/mean" in r and "frac_reward_zero_std" in r for r in rows if "loss" in r)
+    assert (grpo / "completions.jsonl").stat().st_size > 0
     for experiment in ("sql-t5-lora", "sql-llama-qlora-curriculum", "chain-first", "chain-second"):
         results = json.loads((runs / experiment / "eval" / "results.json").read_text())
         assert 0.0 <= results["rouge_l"] <= 1.0 and 0.0 <= results["sql_error_rate"] <= 1.0
@@ -126,7 +132,8 @@ def test_demo_on_the_dev_cluster(repo_root, tmp_path, slurm_cluster, tiny, capsy
     # embeddings for the ChatML markers it adds as tokens.
     bases = sorted(p.parent.name for p in (tmp_path / "runs").glob("_base-*/eval/DONE"))
     assert len(bases) == 5, bases
-    assert report.count("| complete") == 7 + 5 and report.count("| base (no adapter)") == 5
+    # 8 experiments (SFT -> GRPO's SFT stage scored too: eval.after_each_stage) and 5 bases
+    assert report.count("| complete") == 8 + 1 + 5 and report.count("| base (no adapter)") == 5
     assert "T5-p" not in report  # SocratiQ baselines belong to another task than the demo's text-to-SQL
     assert (tmp_path / "runs" / "loss_curves.png").stat().st_size > 10_000
 

@@ -137,11 +137,19 @@ def keep_completions(path: Path, step: int, logged) -> None:
 
 
 class ZeroVarianceStop(TrainerCallback, ExportableState):
-    """Stops the stage (NoRewardVariance) when no group of its first `steps` steps had reward variance.
-    Whether one had is kept in each checkpoint (the Trainer's stateful callbacks), so a resumed run knows."""
+    """Ends the stage's training when no group of its first `steps` steps had reward variance; the recipe
+    then fails the stage with `stopped_with` (NoRewardVariance), that last step logged. Whether a group
+    varied is kept in each checkpoint (the Trainer's stateful callbacks: trainer_state.json), and read back
+    when a resumed run begins."""
 
     def __init__(self, steps: int, varied: bool = False):
         self.steps, self.varied = steps, varied
+        self.stopped_with: str | None = None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        saved = state.stateful_callbacks.get(type(self).__name__) if state.stateful_callbacks else None
+        if isinstance(saved, dict):
+            self.varied = self.varied or bool(saved.get("args", {}).get("varied"))
 
     def saw(self, share_without_variance: float) -> None:
         if share_without_variance < 1.0:
@@ -149,10 +157,11 @@ class ZeroVarianceStop(TrainerCallback, ExportableState):
 
     def on_step_end(self, args, state, control, **kwargs):
         if not self.varied and state.global_step >= self.steps:
-            raise NoRewardVariance(
+            self.stopped_with = (
                 f"no completion group had reward variance in {self.steps} steps: start from an SFT stage or "
                 "add a partial-credit reward (e.g. sql_record_f1, sql_executes, rouge_l)"
             )
+            control.should_training_stop = True
 
     def state(self) -> dict:
         return {"args": {"steps": self.steps, "varied": self.varied}, "attributes": {}}
@@ -320,6 +329,12 @@ class GrpoRecipe(StageRecipe):
             self.watch.steps,
         )
         return trainer
+
+    def train(self):
+        outcome = super().train()
+        if self.watch.stopped_with:  # every rank: the share is of the gathered rewards, the same on each
+            raise NoRewardVariance(self.watch.stopped_with)
+        return outcome
 
     # ---- generation and rewards -------------------------------------------------------------------
     def rollout(self, prompts: list[str], trainer) -> dict:

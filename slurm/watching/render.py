@@ -126,12 +126,15 @@ def resources_text(job: PlannedJob) -> str:
 def batch_text(job: PlannedJob) -> str:
     """`32 (8x2x2, micro 16x1)`: examples per optimizer step = batch_size x grad_accum x tasks, and how each
     task splits its part: known (an explicit micro_batch, or preflight's choice on this GPU) or `auto`
-    (chosen at the job's start; a CPU job keeps the written split)."""
+    (chosen at the job's start; a CPU job keeps the written split). A GRPO stage's examples are prompts, each
+    with G completions (`8 x 4 completions (...)`), and its micro-batch counts completions."""
     if job.effective_batch is None:
         return "-"
     train = job.spec.train
     split = job.estimate.split or ("auto" if job.resources.gpus else "as written")
-    return f"{job.effective_batch} ({train.batch_size}x{train.grad_accum}x{job.tasks}, micro {split})"
+    completions = train.completions_per_example
+    each = f" x {completions} completions" if completions > 1 else ""
+    return f"{job.effective_batch}{each} ({train.batch_size}x{train.grad_accum}x{job.tasks}, micro {split})"
 
 
 def estimate_text(job: PlannedJob) -> str:
