@@ -299,3 +299,14 @@ def test_a_resumed_stage_remembers_that_a_group_varied_before_its_checkpoint(tin
     assert run(job, VariesAtFirst)[0] == "completed"  # 14 steps, 13 of them without variance: K is 12
     rows = [r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "loss" in r]
     assert [r["frac_reward_zero_std"] for r in rows][:2] == [0.0, 1.0] and len(rows) == 14
+
+
+def test_a_max_completion_length_shorter_than_a_reference_is_refused_by_preflight(repo_root, tmp_path, tiny, monkeypatch, capsys):
+    monkeypatch.chdir(repo_root)
+    config_dir = demo_configs(repo_root, tmp_path)
+    config = config_dir / "sql-llama-sft-grpo.yaml"
+    config.write_text(config.read_text().replace("max_completion_length: 48", "max_completion_length: 12"))
+    assert launch.main(["--exp", "sql-llama-sft-grpo", "--config-dir", str(config_dir), "--preflight"]) == 2
+    err = capsys.readouterr().err
+    assert "sql-llama-sft-grpo/grpo: the job would fail at its start: train.grpo.max_completion_length 12 cannot" in err
+    assert "raise it to at least" in err and "Traceback" not in err

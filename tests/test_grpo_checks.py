@@ -185,3 +185,65 @@ def test_the_demo_grpo_experiment_plans(repo_root, capsys, monkeypatch):
     assert launch.main(["--exp", "sql-llama-sft-grpo", "--config-dir", "configs/demo", "--dry-run"]) == 0
     assert "sql-llama-sft-grpo/grpo" in capsys.readouterr().out
 
+
+
+# -- the rewards run on the training references, in a bounded child, before queueing ---------------------
+def with_training_rows(configs: Path, rows: list[str]) -> None:
+    (configs.parent / "train.jsonl").write_text("".join(row + "\n" for row in rows))
+
+
+def test_a_gold_query_that_fails_on_the_database_is_refused_at_the_reward(tmp_path, capsys):
+    configs = experiment_folder(tmp_path, more=grpo_stage(REWARD))
+    with_training_rows(configs, ['{"question": "q", "sql": "SELECT 1"}', '{"question": "r", "sql": "SELECT nope FROM nowhere"}'])
+    code, err = dry_run(configs, capsys)
+    assert code == 2
+    assert "a.yaml:15: stages.1.train.grpo.rewards.0.score: in stage 'rl': 1 of the training data's gold queries" in err
+    assert "'SELECT nope FROM nowhere': no such table: nowhere" in err
+
+
+def test_a_reference_that_does_not_earn_one_on_its_score_is_refused(tmp_path, capsys):
+    block = "        rewards:\n          - {score: rouge_l}\n"
+    configs = experiment_folder(tmp_path, more=grpo_stage(block))
+    with_training_rows(configs, ['{"question": "q", "sql": "SELECT 1"}', '{"question": "r", "sql": "--"}'])
+    code, err = dry_run(configs, capsys)
+    assert code == 2
+    assert "rewards.0.score: in stage 'rl': the training references themselves earn less than 1.0 on rouge_l" in err
+    assert "'--': 0)" in err
+
+
+@pytest.mark.parametrize(
+    "body, expected",
+    [
+        ("    raise KeyError('reference')\n", "rewards:tiered failed on the training references: KeyError"),
+        ("    return [float('nan')] * len(completions)\n", "not a finite number"),
+        ("    return [1.0] * len(completions)\n", "no more than empty completions"),
+        ("    return [0.0]\n", "returned 1 values for 1"),
+        ("    return [len(c) > 0 for c in completions]\n", None),
+    ],
+)
+def test_a_users_reward_function_is_run_on_the_references_before_queueing(tmp_path, capsys, body, expected):
+    block = "        rewards:\n          - {function: rewards:tiered}\n"
+    configs = experiment_folder(tmp_path, more=grpo_stage(block))
+    (configs / "rewards.py").write_text(f"def tiered(completions, reference, **kwargs):\n{body}")
+    if body.startswith("    return [0.0]"):
+        with_training_rows(configs, ['{"question": "q", "sql": "SELECT 1"}', '{"question": "r", "sql": "SELECT 2"}'])
+        expected = "returned 1 values for 2 completions"
+    code, err = dry_run(configs, capsys)
+    if expected is None:
+        assert code == 0, err
+        return
+    assert code == 2 and "a.yaml:15: stages.1.train.grpo.rewards.0.function: in stage 'rl': " in err
+    assert expected in err
+
+
+@pytest.mark.slow  # waits out the bound
+def test_a_reward_function_that_runs_forever_is_stopped_by_the_child_bound(tmp_path, capsys, monkeypatch):
+    import eval.reward_check
+
+    monkeypatch.setattr(eval.reward_check, "TIME_S", 3.0)
+    block = "        rewards:\n          - {function: rewards:forever}\n"
+    configs = experiment_folder(tmp_path, more=grpo_stage(block))
+    (configs / "rewards.py").write_text("def forever(completions, **kwargs):\n    while True:\n        pass\n")
+    code, err = dry_run(configs, capsys)
+    assert code == 2 and "stages.1.train.grpo.rewards: in stage 'rl': checking the rewards" in err
+    assert "ran past 3 s" in err

@@ -43,6 +43,7 @@ CROSSING = {
     ("eval.job", "train.callbacks"),
     ("eval.job", "train.libraries"),  # `python -m eval generate` hides what the job would
     ("eval.job", "train.data"),
+    ("slurm.planning.checks", "eval.reward_check"),  # a GRPO stage's rewards checked in a bounded child
     ("train.grpo", "eval.rewards"),  # a GRPO reward is the eval's own per-example score
     ("train.grpo", "eval.generate"),  # completions cleaned as the eval cleans a prediction
 }

@@ -19,9 +19,9 @@ def fused_log_prob_loss(hidden, weight, targets, reduction: str):
     """TRL's fused LM head at the answer tokens (its chunked log-prob function, as a GPU step runs it: only
     the positions with a target): minus their log-probabilities, summed or per token. The memory model's
     stand-in for a DPO step's output layer (train/memory.py), in train/loss.py's LinearCrossEntropy form."""
-    from trl.trainer.utils import _CHUNKED_LOGPROB_CHUNK_SIZE, _ChunkedLogProbFunction
+    from train.trl_seams import imported
 
-    log_probs = _ChunkedLogProbFunction.apply(
-        hidden, weight, None, targets, 1.0, _CHUNKED_LOGPROB_CHUNK_SIZE, None, 1.0, FUSED_OUTPUTS
-    )[0]
+    chunked = imported("trl.trainer.utils", "_ChunkedLogProbFunction")
+    chunk_size = imported("trl.trainer.utils", "_CHUNKED_LOGPROB_CHUNK_SIZE")
+    log_probs = chunked.apply(hidden, weight, None, targets, 1.0, chunk_size, None, 1.0, FUSED_OUTPUTS)[0]
     return -log_probs.sum() if reduction == "sum" else -log_probs

@@ -45,9 +45,10 @@ from core.split import Split, as_written, asked
 from eval.generate import decode, framing_ids
 from eval.rewards import ScoreReward, finite_or_none, user_function
 from train import chat, distributed
-from train.data import prompts_and_targets
+from train.data import LengthReport, prompts_and_targets
 from train.model import trainable_in_fp32
 from train.recipe import StageRecipe, one_gpu_per_process, stage_trainer
+from train.trl_seams import imported
 
 log = logging.getLogger("train.grpo")
 REFERENCE_ADAPTER = "ref"  # the name TRL gives its frozen copy of the policy's adapter (trl 1.16)
@@ -64,7 +65,8 @@ class NoRewardVariance(RuntimeError):
 @functools.cache
 def grpo_trainer_class():
     from trl import GRPOTrainer  # on the node only: the login node never imports TRL
-    from trl.trainer.utils import RepeatSampler
+
+    RepeatSampler = imported("trl.trainer.utils", "RepeatSampler")
 
     class EpochSeededRepeatSampler(RepeatSampler):
         """TRL's sampler (each prompt num_generations times in a row), its shuffle drawn from (seed, epoch)
@@ -172,8 +174,7 @@ def sampled_completions(trainer, prompt_ids: list[list[int]], stop_ids: list[int
     """One sampled completion per prompt (the prompts come repeated, num_generations times each), as ids
     up to and with the first stop id, at most max_completion_length. The stage's one generation function:
     plain `generate` on this rank's model, with TRL's generation settings (trainer.generation_config)."""
-    from trl.models.utils import unwrap_model_for_generation
-
+    unwrap_model_for_generation = imported("trl.models.utils", "unwrap_model_for_generation")
     device = trainer.accelerator.device
     pad = trainer.processing_class.pad_token_id
     width = max(len(ids) for ids in prompt_ids)
@@ -208,6 +209,29 @@ def stop_ids_of(model, tokenizer, data, kind: str) -> list[int]:
     return list(dict.fromkeys(ids))
 
 
+# ---- the data -------------------------------------------------------------------------------------
+def prompts_as_trained(source: str, data, tokenizer, kind: str) -> tuple[list[str], list[str], list[list[int]]]:
+    """(prompt texts, references, prompt ids): the eval's prompts and references (train/data.py
+    prompts_and_targets), each prompt's ids those the SFT stage trains before its answer (a conversation's
+    chat.ChatPrompt ids; a `fields` prompt tokenized as train/data.py encode tokenizes it)."""
+    text = chat.text_tokenizer(tokenizer)
+    prompts, references = prompts_and_targets(source, data, text, kind)
+    ids = [p.ids if isinstance(p, chat.ChatPrompt) else text(p)["input_ids"] for p in prompts]
+    return prompts, references, ids
+
+
+def lengths_of_a_step(prompt_lengths: list[int], max_completion_length: int) -> LengthReport:
+    """The sequences a GRPO step trains, as an SFT stage's LengthReport: a prompt (never cut) and a completion
+    of at most max_completion_length, its target."""
+    longest = max(prompt_lengths, default=0) + max_completion_length
+    return LengthReport(longest, None, longest, max_completion_length, 0, 0, {})
+
+
+def tokens_per_epoch(prompt_lengths: list[int], generations: int, max_completion_length: int) -> int:
+    """Prompt and completion tokens an epoch trains at most: each prompt's num_generations sequences."""
+    return generations * sum(length + max_completion_length for length in prompt_lengths)
+
+
 # ---- the recipe -----------------------------------------------------------------------------------
 class GrpoRecipe(StageRecipe):
     """A StageRecipe whose step is TRL's GRPO step; see the module docstring."""
@@ -219,9 +243,7 @@ class GrpoRecipe(StageRecipe):
         return (grpo_trainer_class(),)
 
     def load_split(self, source: str, split: str):
-        text = chat.text_tokenizer(self.tokenizer)
-        prompts, references = prompts_and_targets(source, self.job.data, text, self.job.model.kind)
-        ids = [p.ids if isinstance(p, chat.ChatPrompt) else text(p)["input_ids"] for p in prompts]
+        prompts, references, ids = prompts_as_trained(source, self.job.data, self.tokenizer, self.job.model.kind)
         self.prompt_ids: dict[str, list[int]] = {}
         for prompt, prompt_ids in zip(prompts, ids, strict=True):
             if self.prompt_ids.setdefault(str(prompt), prompt_ids) != prompt_ids:
@@ -230,7 +252,7 @@ class GrpoRecipe(StageRecipe):
             {"prompt": [str(p) for p in prompts], "reference": list(references), "length": list(map(len, ids))}
         )
         log.info("%s prompts: %d; longest %d tokens", split, len(dataset), max(map(len, ids), default=0))
-        return dataset, None
+        return dataset, lengths_of_a_step(dataset["length"], self.job.train.reward_objective.max_completion_length)
 
     def choose_split(self) -> Split:
         """In completions: the written split (micro_batch: N as asked; auto as batch_size x G per micro-batch,
@@ -379,12 +401,22 @@ class GrpoRecipe(StageRecipe):
         self.trainer.model.save_pretrained(folder, selected_adapters=[POLICY_ADAPTER])  # not the frozen copy
 
     def data_summary(self) -> dict:
-        lengths = self.train_set["length"]
+        """As an SFT stage's, of the sequences a step trains: prompts (examples), each with a completion of at
+        most max_completion_length (the target); tokens per epoch at that most (tokens_per_epoch)."""
+        grpo = self.job.train.reward_objective
         return {
-            "train_examples": len(self.train_set),  # prompts
+            "train_examples": len(self.train_set),
+            "train_tokens": tokens_per_epoch(self.train_set["length"], grpo.num_generations, grpo.max_completion_length),
             "eval_examples": None,
-            "longest_prompt": max(lengths, default=0),
-            "max_completion_length": self.job.train.reward_objective.max_completion_length,
+            "max_length": self.lengths.max_length,
+            "max_target_length": self.lengths.max_target_length,
+            "longest_example": self.lengths.longest,
+            "longest_target": self.lengths.longest_target,
+            "longest_prompt": max(self.train_set["length"], default=0),
+            "truncated_inputs": 0,
+            "truncated_targets": 0,
+            "truncated_at": {},
+            "dropped_too_long": 0,
         }
 
     def method_summary(self) -> dict:

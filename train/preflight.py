@@ -21,6 +21,7 @@ import numpy
 from core.config import TrainJob
 from core.preflight import JobPreflight
 from core.split import Split, resolve
+from train import chat
 from train import data as data_lib
 from train import memory, pairs, vl
 from train.chat import ChatTemplateError
@@ -80,6 +81,8 @@ def token_lengths(job: TrainJob, tokenizer, config) -> dict:
     `tokenizer` is meta_model's, holding model.added_tokens as the job's does: a chat template's markers
     among them are one token each, not a dozen characters."""
     kind = job.model.kind
+    if job.train.method == "grpo":
+        return grpo_token_lengths(job, tokenizer)
     dataset, kept, lengths = lengths_of(job, job.data.train, tokenizer, config)
     eval_lengths = lengths_of(job, job.data.eval, tokenizer, config)[2] if evaluates(job) else None
     spread = {"inputs": percentiles(dataset["length"])}
@@ -100,6 +103,49 @@ def token_lengths(job: TrainJob, tokenizer, config) -> dict:
         "truncated_at": {str(k): v for k, v in lengths.truncated_at.items()},
         "step_lengths": step_lengths(kind, lengths, eval_lengths),
     }
+
+
+def grpo_token_lengths(job: TrainJob, tokenizer) -> dict:
+    """token_lengths of a GRPO stage, as its job counts them (train/grpo.py): prompts, each with
+    num_generations completions of at most max_completion_length; refused (ValueError) when that cannot hold
+    the longest training reference."""
+    from train.grpo import lengths_of_a_step, prompts_as_trained, tokens_per_epoch
+
+    grpo = job.train.reward_objective
+    _, references, ids = prompts_as_trained(job.data.train, job.data, tokenizer, job.model.kind)
+    completions_hold_references(job, tokenizer, references)
+    prompt_lengths = [len(i) for i in ids]
+    lengths = lengths_of_a_step(prompt_lengths, grpo.max_completion_length)
+    sequences = [length + grpo.max_completion_length for length in prompt_lengths]
+    return {
+        "length_percentiles": {"inputs": percentiles(sequences)},
+        "max_length": lengths.max_length,
+        "max_target_length": lengths.max_target_length,
+        "tokens_per_epoch": tokens_per_epoch(prompt_lengths, grpo.num_generations, grpo.max_completion_length),
+        "labelled_tokens": len(ids) * grpo.num_generations * grpo.max_completion_length,
+        "marker_text_conversations": None,
+        "examples": len(ids),
+        "longest_example": lengths.longest,
+        "truncated_inputs": 0,
+        "dropped_examples": 0,
+        "truncated_at": {},
+        "step_lengths": step_lengths(job.model.kind, lengths, None),
+    }
+
+
+def completions_hold_references(job: TrainJob, tokenizer, references: list[str]) -> None:
+    """A GRPO stage's max_completion_length holds its longest training reference and the end of turn after
+    it: a completion cut shorter could never equal the reference, and no reward could say it is right."""
+    text = chat.text_tokenizer(tokenizer)
+    lengths = [len(ids) + 1 for ids in text(list(references), add_special_tokens=False)["input_ids"]]
+    longest, limit = max(lengths, default=0), job.train.reward_objective.max_completion_length
+    if longest > limit:
+        longer = sum(length > limit for length in lengths)
+        raise ValueError(
+            f"train.grpo.max_completion_length {limit} cannot hold the longest training reference: raise it "
+            f"to at least {longest} (its tokens with the end of turn; {longer} of {len(lengths)} references of "
+            f"{job.data.train} are longer, and a completion cut short can never be right)"
+        )
 
 
 def lengths_of(job: TrainJob, source: str, tokenizer, config):

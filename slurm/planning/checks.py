@@ -6,7 +6,10 @@ model's kind and chat template, a DPO or GRPO stage's chain; and across the fold
 
 from __future__ import annotations
 
+import functools
+import json
 import math
+import os
 from pathlib import Path
 
 from core import chat_templates
@@ -249,12 +252,43 @@ def check_grpo(experiment: Experiment, stages: list[Stage], chain: list[YamlFile
             )
         if why:
             problems.append(stage_problem(experiment, index, key, why, chain, warning))
+        refused = bool(why) and not warning
         for number, reward in enumerate(grpo.rewards):
-            if reward.score in SQL_REWARD_SCORES and not (reward.db or experiment.eval.db):
+            if reward.score in SQL_REWARD_SCORES and not reward.db:  # the plan wrote eval.db where there is one
                 place = ("train", "grpo", "rewards", number, "score")
                 why = f"{reward.score} runs each completion on a database: set db in this entry, or eval.db"
                 problems.append(stage_problem(experiment, index, place, why, chain))
+                refused = True
+        if refused or not grpo.rewards or not Path(stage.data.train).is_file():
+            continue  # the rewards are run on the data once the stage could run at all
+        for number, what in checked_rewards(stage, str(chain[0].path.parent)):
+            place = ("train", "grpo", "rewards")
+            if number >= 0:
+                place += (number, "score" if grpo.rewards[number].score else "function")
+            problems.append(stage_problem(experiment, index, place, f"in stage {stage.name!r}: {what}", chain))
     return problems
+
+
+def checked_rewards(stage: Stage, functions_from: str) -> list[tuple[int, str]]:
+    """eval/reward_check.py's problems with a GRPO stage's rewards on its training data, once per command for
+    the same rewards, data and database contents (a sweep's points share them: weights do not count)."""
+    rewards = [reward.model_dump(exclude={"weight"}) for reward in stage.train.reward_objective.rewards]
+    files = [stage.data.train, *(r["db"] for r in rewards if r.get("db"))]
+    stamp = [(f, os.stat(f).st_mtime_ns, os.stat(f).st_size) for f in files if os.path.isfile(f)]
+    request = {
+        "train": stage.data.train,
+        "data": stage.data.model_dump(),
+        "rewards": rewards,
+        "functions_from": functions_from,
+    }
+    return reward_check_cached(json.dumps({"request": request, "stamp": stamp}, sort_keys=True))
+
+
+@functools.cache
+def reward_check_cached(key: str) -> list[tuple[int, str]]:
+    from eval.reward_check import reward_problems  # a child process: nothing of it is imported here
+
+    return reward_problems(json.loads(key)["request"])
 
 
 def stage_problem(

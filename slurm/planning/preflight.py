@@ -38,7 +38,7 @@ from train.hub_cache import (
     model_file,
 )
 
-CACHE_VERSION = 6  # bump whenever what a preflight computes changes
+CACHE_VERSION = 7  # bump whenever what a preflight computes changes
 
 
 # ---- the cache ----------------------------------------------------------------------------------------
@@ -88,6 +88,8 @@ def cache_key(job: TrainJob, gpu_mem_gb: float | None) -> str:
                 "gradient_checkpointing",
                 "precision",
                 "eval_every_epochs",
+                "method",
+                "grpo",  # its max_completion_length is checked against the references
             }
         ),
         # an in-training eval has its own peak, at the eval set's own lengths

@@ -49,6 +49,9 @@ def exact_key(spec: TrainJob) -> str:
         None if source.startswith("hf:") else stamp(Path(source)),
         spec.data.model_dump(exclude={"eval", "order", "num_workers"}),
     ]
+    if spec.train.method == "grpo":  # its count is of prompts with their completions (train/grpo.py)
+        grpo = spec.train.reward_objective
+        parts.append(["grpo", grpo.num_generations, grpo.max_completion_length])
     return content_hash(parts, CACHE_KEY_CHARS)
 
 
