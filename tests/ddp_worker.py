@@ -7,7 +7,8 @@ Runs the stage exactly as run_stage does, recording which training examples this
 (the examples carry their index through a wrapped collator), and writes {"outcome", "seen"} to OUT.json.
 STOP_AFTER sets this rank's stop flag after that many step ends, as SLURM's signal reaching only it would.
 DDP_WORKER_SLOW_TOKENIZING_S (env) makes rank 1 wait that long before it reads and tokenizes its data;
-DDP_WORKER_SLOW_SAVE_S makes rank 0 take that long to write the final adapter.
+DDP_WORKER_SLOW_SAVE_S makes rank 0 take that long to write the final adapter. DDP_WORKER_RECIPE=fixed-completions
+runs a GRPO stage with the tests' fixed completions (tests/grpo_helpers.py).
 """
 
 from __future__ import annotations
@@ -62,10 +63,13 @@ def main(job_path: str, out_path: str, stop_after: str | None = None) -> None:
             return write_adapter(self)
 
         StageRecipe.write_adapter = slow_write
-    if job.train.method == "dpo":  # as train/stage.py picks it; its pairs are not recorded
-        from train.preference import PreferenceRecipe
+    if job.train.method in ("dpo", "grpo"):  # as train/stage.py picks it; its examples are not recorded
+        from train.stage import recipe_of
 
-        recipe, seen = PreferenceRecipe(job, stop), []
+        chosen = recipe_of(job.train.method)
+        if os.environ.get("DDP_WORKER_RECIPE") == "fixed-completions":  # the GRPO tests' seam
+            from tests.grpo_helpers import FixedCompletions as chosen
+        recipe, seen = chosen(job, stop), []
         recipe.setup()
     else:
         recipe, seen = StageRecipe(job, stop), []

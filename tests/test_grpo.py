@@ -22,6 +22,8 @@ import torch
 from transformers import TrainerCallback
 
 import launch
+from tests import grpo_helpers
+from tests.grpo_helpers import RIGHT, G
 from tests.helpers import demo_configs
 from tests.train_helpers import (
     SQL,
@@ -31,15 +33,14 @@ from tests.train_helpers import (
     make_job,
     one_torch_thread,
     read_jsonl,
+    run_ranks,
 )
 from train import recipe
 from train.checkpoints import latest_valid_checkpoint, step_of
 from train.grpo import GrpoRecipe, NoRewardVariance
 
 pytestmark = pytest.mark.slow  # trains for seconds: make test-fast leaves it out
-G = 4  # completions per prompt
 PROMPTS = 2  # per step
-RIGHT = 2  # of each group's completions, this many are the reference itself (exact_match 1), the rest not
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -68,26 +69,9 @@ def grpo_job(tiny, run_dir: Path, init_adapter: Path | None = None, grpo: dict |
     return job.model_copy(update={"init_adapter": str(init_adapter) if init_adapter else None})
 
 
-class FixedCompletions(GrpoRecipe):
-    """The test seam (GrpoRecipe.completions_for): in each group of G, RIGHT completions are the prompt's
-    reference as ids plus eos, the others a wrong query of another length; recorded, with the model's own
-    gradients of the step as the optimizer is about to take it."""
-
-    right = RIGHT
-    group = G
-
-    def completions_for(self, prompt_ids):
-        references = dict(zip(self.train_set["prompt"], self.train_set["reference"], strict=True))
-        text_of = {tuple(ids): text for text, ids in self.prompt_ids.items()}
-        tokenizer, eos = self.tokenizer, self.tokenizer.eos_token_id
-        out = []
-        for index, ids in enumerate(prompt_ids):
-            reference = references[text_of[tuple(ids)]]
-            place = index % self.group
-            text = reference if place < self.right else "SELECT name FROM customers" + " WHERE age > 30" * place
-            out.append(tokenizer(text, add_special_tokens=False)["input_ids"] + [eos])
-        self.given = [*getattr(self, "given", []), (prompt_ids, out)]
-        return out
+class FixedCompletions(grpo_helpers.FixedCompletions):
+    """The seam's fixed completions, with the model's own gradients of each step as the optimizer is about to
+    take it, and those of the objective by hand."""
 
     def build_trainer(self):
         trainer = super().build_trainer()
@@ -287,7 +271,7 @@ class VariesAtFirst(AllAlike):
     def completions_for(self, prompt_ids):
         if self.trainer.state.global_step > 0:
             return super().completions_for(prompt_ids)
-        return FixedCompletions.completions_for(self, prompt_ids)
+        return grpo_helpers.FixedCompletions.completions_for(self, prompt_ids)
 
 
 def test_a_resumed_stage_remembers_that_a_group_varied_before_its_checkpoint(tiny, tmp_path):
@@ -310,3 +294,14 @@ def test_a_max_completion_length_shorter_than_a_reference_is_refused_by_prefligh
     err = capsys.readouterr().err
     assert "sql-llama-sft-grpo/grpo: the job would fail at its start: train.grpo.max_completion_length 12 cannot" in err
     assert "raise it to at least" in err and "Traceback" not in err
+
+
+def test_a_grpo_step_on_two_ranks_is_the_step_of_one_process_with_the_whole_batch(tiny, tmp_path):
+    """Each rank generates (here: is given) its own prompts' completions; the rewards' groups are whole on
+    each rank, the advantages are of the gathered rewards, the loss is over the step's tokens on every rank."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert run(grpo_job(tiny, one, max_steps=2, batch_size=2 * PROMPTS), grpo_helpers.FixedCompletions)[0] == "completed"
+    ranks = run_ranks(grpo_job(tiny, two, max_steps=2), env={"DDP_WORKER_RECIPE": "fixed-completions"})
+    assert [r["outcome"] for r in ranks] == ["completed", "completed"]
+    assert json.loads((two / "summary.json").read_text())["world_size"] == 2
+    assert_same_adapter(one, two, relative=1e-4)

@@ -247,3 +247,23 @@ def test_a_reward_function_that_runs_forever_is_stopped_by_the_child_bound(tmp_p
     code, err = dry_run(configs, capsys)
     assert code == 2 and "stages.1.train.grpo.rewards: in stage 'rl': checking the rewards" in err
     assert "ran past 3 s" in err
+
+
+@pytest.mark.slow  # imports the trainer (torch)
+def test_status_names_why_a_grpo_stage_stopped_itself_from_its_logs_last_attempt():
+    """On SLURM a stage that raised is FAILED with only its exit code; --status reads why from its log."""
+    import traceback
+
+    from slurm.watching.status import stage_stop
+    from train.grpo import NoRewardVariance  # noqa: F401 (the class whose line the log holds)
+
+    def attempt(message: str) -> str:
+        try:
+            raise NoRewardVariance(message)
+        except NoRewardVariance:
+            return "submitit INFO - Starting with JobEnvironment(job_id=7)\n" + traceback.format_exc()
+
+    first, second = attempt("no completion group had reward variance in 12 steps: old"), attempt("in 23 steps: new")
+    assert stage_stop(first) == "no completion group had reward variance in 12 steps: old"
+    assert stage_stop(first + second) == "in 23 steps: new"  # the last attempt's, not a requeued one's
+    assert stage_stop(first + "submitit INFO - Starting with JobEnvironment(job_id=7)\nstep 3\n") == ""

@@ -80,15 +80,25 @@ def test_checkpoint_rotation_through_a_link_planted_at_checkpoints_deletes_nothi
     assert fingerprint(target) == before
 
 
+GRPO = {
+    "method": "grpo",
+    "batch_size": 2,
+    "grpo": {"num_generations": 2, "max_completion_length": 8, "rewards": [{"score": "rouge_l"}], "from_base": True},
+}
+
+
 @pytest.mark.slow
-def test_link_planted_at_checkpoints_after_start_is_not_followed(tiny, tmp_path):
+@pytest.mark.parametrize("method", ["sft", "grpo"])
+def test_link_planted_at_checkpoints_after_start_is_not_followed(tiny, tmp_path, method):
     # The job started (its links were checked, the trainer set up); then `checkpoints/` became a link.
-    # The Trainer's first save is checked immediately before it writes, and fails naming it.
-    from train.recipe import StageRecipe
+    # The Trainer's first save is checked immediately before it writes, and fails naming it: every method's
+    # trainer comes from the one factory (train/recipe.py stage_trainer), the GRPO stage's too.
+    from train.stage import recipe_of
 
     target = victim(tmp_path)
     stage = tmp_path / "runs" / "t" / "s"
-    recipe = StageRecipe(make_job(tiny, stage, save_every_steps=1), threading.Event())
+    job = make_job(tiny, stage, save_every_steps=1, **(GRPO if method == "grpo" else {}))
+    recipe = recipe_of(method)(job, threading.Event())
     recipe.setup()
     before = fingerprint(target)
     if (stage / "checkpoints").exists():
@@ -97,6 +107,22 @@ def test_link_planted_at_checkpoints_after_start_is_not_followed(tiny, tmp_path)
     with pytest.raises(LinkBelowRoot, match="checkpoints"):
         recipe.train()
     assert fingerprint(target) == before
+
+
+@pytest.mark.slow  # trains a GRPO step
+def test_link_planted_at_a_grpo_stages_completions_after_start_gets_no_row(tiny, tmp_path):
+    from train.grpo import GrpoRecipe
+
+    target = tmp_path / "outside.jsonl"
+    target.write_text("")
+    stage = tmp_path / "runs" / "t" / "s"
+    recipe = GrpoRecipe(make_job(tiny, stage, **GRPO, max_steps=2), threading.Event())
+    recipe.setup()
+    (stage / "completions.jsonl").symlink_to(target)
+    with pytest.raises(LinkBelowRoot, match="completions.jsonl"):
+        recipe.train()
+    assert target.read_text() == ""
+    assert not (stage / "tb").is_symlink() and any((stage / "tb").rglob("events.out.tfevents.*"))
 
 
 def test_safe_path_below_a_root_allows_a_root_that_is_itself_a_link(tmp_path):

@@ -157,10 +157,10 @@ def start_ranks(job, ranks: int = 2, env: dict | None = None) -> list[tuple[subp
     return started
 
 
-def run_ranks(job, ranks: int = 2, timeout_s: float = 180) -> list[dict]:
-    """Run `job` as `ranks` processes (start_ranks); each rank's {"outcome", "seen"}. A hang fails the
-    test at the timeout."""
-    started = start_ranks(job, ranks)
+def run_ranks(job, ranks: int = 2, timeout_s: float = 180, env: dict | None = None) -> list[dict]:
+    """Run `job` as `ranks` processes (start_ranks, with `env`); each rank's {"outcome", "seen"}. A hang
+    fails the test at the timeout."""
+    started = start_ranks(job, ranks, env)
     try:
         codes = [process.wait(timeout=timeout_s) for process, _ in started]
     finally:

@@ -247,8 +247,10 @@ def job_status(
     state, reason = info.state, info.reason
     # The nodes it holds or held; none while it waits (a requeued job's last nodes are not its next).
     nodes = "" if state is State.PENDING else info.nodes
-    if state is State.FAILED and job.tasks > 1 and log_path:
-        reason = "; ".join(part for part in (reason, first_failed_rank(read_tail(log_path))) if part)
+    if state is State.FAILED and log_path:
+        tail = read_tail(log_path)
+        ranks = first_failed_rank(tail) if job.tasks > 1 else ""
+        reason = "; ".join(part for part in (reason, stage_stop(tail), ranks) if part)
     if done and done != job.config_hash and not state.live:  # it finished with another config: no failure
         return JobStatus(
             job,
@@ -270,6 +272,17 @@ def job_status(
 
 # srun's own line, in task 0's log (sbatch's output goes there), for each task of a step that ended badly.
 SRUN_TASK_ERROR = re.compile(r"^srun: error: (\S+): tasks? ([\d,-]+): (.+)$", re.MULTILINE)
+
+
+# A stage that ends itself with a reason a user must act on (train/grpo.py NoRewardVariance), as its log's
+# last traceback says it; SLURM's own reason for such a job is only its exit code.
+STAGE_STOP = re.compile(r"^(?:train\.grpo\.)?NoRewardVariance: (.+)$", re.MULTILINE)
+
+
+def stage_stop(log: str) -> str:
+    """The reason a stage stopped itself, from the last attempt of its log; "" when it did not."""
+    found = STAGE_STOP.findall(log.rsplit("Starting with JobEnvironment", 1)[-1])
+    return found[-1].strip() if found else ""
 
 
 def first_failed_rank(log: str) -> str:
