@@ -1,7 +1,9 @@
 """The loss curves (matplotlib, drawn headless): loss_curves.png of every experiment, a sweep point's
 replicates as one mean line with a min–max band, and each experiment's own loss.png, steps counted across
-its stages, with a preference (DPO) stage's reward accuracy and margin beside the loss. Reads each stage's
-`metrics.jsonl` (eval/report_rows.py read_metrics)."""
+its stages: each training method's loss on a panel of its own (an SFT cross-entropy and a DPO or GRPO loss
+are different quantities: on one axis a DPO loss of 0.6 after an SFT loss of 0.04 read as "17x worse"), and
+beside them a DPO stage's reward accuracy and margin, a GRPO stage's mean reward and its share of groups
+without reward variance. Reads each stage's `metrics.jsonl` (eval/report_rows.py read_metrics)."""
 
 from __future__ import annotations
 
@@ -28,13 +30,21 @@ def loss_series(jobs: list[JobRun], experiment: str) -> tuple[list, list, list]:
     return train, evals, boundaries[:-1]
 
 
-# A DPO stage's curves (TRL's log rows in metrics.jsonl), plotted beside the loss
-REWARD_KEYS = ("rewards/accuracies", "rewards/margins")
+# A DPO or GRPO stage's curves (TRL's log rows in metrics.jsonl), each method's on a panel beside the losses
+REWARD_KEYS_OF = {
+    "dpo": ("rewards/accuracies", "rewards/margins"),
+    "grpo": ("reward", "frac_reward_zero_std"),
+}
+REWARD_KEYS = tuple(key for keys in REWARD_KEYS_OF.values() for key in keys)
+REWARD_AXES = {
+    "dpo": ("reward accuracy (share) / margin", "DPO rewards (against its reference)"),
+    "grpo": ("mean reward / share of groups without variance", "GRPO rewards"),
+}
 
 
 def reward_series(jobs: list[JobRun], experiment: str) -> dict[str, list]:
     """Each REWARD_KEYS curve the experiment's stages logged, steps counted across stages as loss_series
-    counts them; {} when none did (no preference stage)."""
+    counts them; {} when none did (no preference or GRPO stage)."""
     found: dict[str, list] = {}
     offset = 0
     for job in (j for j in jobs if j.experiment == experiment and j.kind == "train"):
@@ -47,17 +57,41 @@ def reward_series(jobs: list[JobRun], experiment: str) -> dict[str, list]:
     return found
 
 
+def method_of(job: JobRun, rows: list[dict]) -> str:
+    """A training stage's method: its summary.json's, or, while it runs, what its rows log."""
+    if job.summary.get("method"):
+        return job.summary["method"]
+    for method, keys in REWARD_KEYS_OF.items():
+        if any(keys[0] in row for row in rows):
+            return method
+    return "sft"
+
+
+def losses_by_method(jobs: list[JobRun], experiment: str) -> dict[str, list]:
+    """method -> its stages' training loss points, steps counted across all stages as loss_series counts."""
+    found: dict[str, list] = {}
+    offset = 0
+    for job in (j for j in jobs if j.experiment == experiment and j.kind == "train"):
+        rows = read_metrics(job.run_dir)
+        points = [(offset + r["step"], r["loss"]) for r in rows if "loss" in r and "step" in r]
+        if points:
+            found.setdefault(method_of(job, rows), []).extend(points)
+        offset += max((r.get("step", 0) for r in rows), default=0)
+    return found
+
+
 def numeric(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def draw_rewards(ax, name: str, rewards: dict[str, list]) -> None:
+def draw_rewards(ax, name: str, rewards: dict[str, list], method: str = "dpo") -> None:
     for key, points in rewards.items():
         ax.plot(*zip(*points, strict=True), label=f"{name} {key}")
     ax.axhline(0, color="grey", linewidth=0.8)
+    ylabel, title = REWARD_AXES[method]
     ax.set_xlabel("optimizer step (across stages)")
-    ax.set_ylabel("reward accuracy (share) / margin")
-    ax.set_title(f"{name}: DPO rewards (against its reference)")
+    ax.set_ylabel(ylabel)
+    ax.set_title(f"{name}: {title}")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
 
@@ -86,19 +120,35 @@ def plot_losses(
     write_atomic_with(paths[0], partial(fig.savefig, dpi=110, bbox_inches="tight"))
     plt.close(fig)
     for name, (train, evals, boundaries) in series.items():
-        rewards = reward_series(jobs, name)
-        if rewards:  # a preference stage: its reward curves beside the loss
-            fig, (ax, beside) = plt.subplots(1, 2, figsize=(13, 4))
-            draw_rewards(beside, name, rewards)
-        else:
-            fig, ax = plt.subplots(figsize=(7, 4))
-        draw(ax, name, train, evals, boundaries, label_stages=True)
-        finish(ax, f"{name}: loss")
+        fig = experiment_figure(plt, jobs, name, (train, evals, boundaries))
         paths.append(RunRoot(run_root).loss_plot(name))
         paths[-1].parent.mkdir(parents=True, exist_ok=True)
         write_atomic_with(paths[-1], partial(fig.savefig, dpi=110, bbox_inches="tight"))
         plt.close(fig)
     return paths
+
+
+def experiment_figure(plt, jobs: list[JobRun], name: str, series: tuple):
+    """One experiment's loss.png: its loss (one panel per training method when it has several, each with
+    that method's stages), then each DPO or GRPO method's reward panel."""
+    train, evals, boundaries = series
+    by_method = losses_by_method(jobs, name)
+    rewards = reward_series(jobs, name)
+    beside = [m for m, keys in REWARD_KEYS_OF.items() if any(k in rewards for k in keys)]
+    panels = max(1, len(by_method)) + len(beside)
+    fig, axes = plt.subplots(1, panels, figsize=(7 + 6 * (panels - 1), 4), squeeze=False)
+    axes = list(axes[0])
+    if len(by_method) <= 1:
+        draw(axes[0], name, train, evals, boundaries, label_stages=True)
+        finish(axes[0], f"{name}: loss")
+    else:
+        for ax, (method, points) in zip(axes, by_method.items(), strict=False):
+            shown = evals if method == "sft" else []  # the in-training eval loss is an SFT stage's
+            draw(ax, f"{name} {method}", points, shown, boundaries, label_stages=True)
+            finish(ax, f"{name}: {method} loss")
+    for ax, method in zip(axes[max(1, len(by_method)) :], beside, strict=True):
+        draw_rewards(ax, name, {k: v for k, v in rewards.items() if k in REWARD_KEYS_OF[method]}, method)
+    return fig
 
 
 def draw_all(ax, series: dict[str, tuple], experiments: list[str], sweeps: dict[str, SweepMember]) -> None:

@@ -975,3 +975,28 @@ def test_a_stage_row_that_scored_other_data_than_its_base_has_no_delta_and_the_r
     assert one.startswith("| good @ one | ") and one.endswith("| 0.6 | – |"), one
     assert both.endswith("| 0.75 | +0.25 |"), both
     assert "good @ one: no Δ, its eval scored dev.jsonl and the base pairs.jsonl." in report
+
+
+def test_an_sft_then_grpo_experiment_plots_each_methods_loss_and_the_grpo_rewards_on_panels_of_their_own(tmp_path):
+    """Issue 49 (and 51's "17x worse"): an SFT cross-entropy and a GRPO loss on one axis compare nothing.
+    Each method's loss gets its own panel; GRPO's mean reward and share of groups without variance beside."""
+    from eval.report_plots import losses_by_method, plot_losses, reward_series
+
+    plan = plan_of(tmp_path, "rl", "plain")
+    runs = tmp_path / "runs"
+    for name in ("rl", "plain"):
+        write_stage(runs / name / "one", [3.0, 2.5], 60, 2.2)
+        write_stage(runs / name / "two", [0.69, 0.6], 60, 0.65)
+    rows = [
+        {"step": 5, "loss": 0.0, "reward": 0.25, "frac_reward_zero_std": 0.5, "rewards/rouge_l/mean": 0.25},
+        {"step": 10, "loss": 0.01, "reward": 0.5, "frac_reward_zero_std": 0.0, "rewards/rouge_l/mean": 0.5},
+    ]
+    (runs / "rl" / "two" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    jobs = job_runs(plan, {})
+    assert reward_series(jobs, "rl") == {"reward": [(15, 0.25), (20, 0.5)], "frac_reward_zero_std": [(15, 0.5), (20, 0.0)]}
+    by_method = losses_by_method(jobs, "rl")
+    assert list(by_method) == ["sft", "grpo"] and by_method["grpo"] == [(15, 0.0), (20, 0.01)]
+    assert list(losses_by_method(jobs, "plain")) == ["sft"]
+    plot_losses(jobs, ["rl", "plain"], runs)
+    widths = {name: png_width(runs / name / "loss.png") for name in ("rl", "plain")}
+    assert widths["rl"] > 2.2 * widths["plain"]  # the SFT loss, the GRPO loss and the rewards: three panels
