@@ -305,3 +305,31 @@ def test_a_grpo_step_on_two_ranks_is_the_step_of_one_process_with_the_whole_batc
     assert [r["outcome"] for r in ranks] == ["completed", "completed"]
     assert json.loads((two / "summary.json").read_text())["world_size"] == 2
     assert_same_adapter(one, two, relative=1e-4)
+
+
+def test_preflight_judges_a_grpo_step_over_its_completions_not_its_prompts(repo_root, tmp_path, tiny, monkeypatch, capsys):
+    """Before, the memory model read a GRPO stage's batch_size (prompts) as the sequences of its step: G
+    times too few. It judges batch_size x num_generations sequences of the longest prompt + completion."""
+    import json as json_
+
+    monkeypatch.chdir(repo_root)
+    config_dir = demo_configs(repo_root, tmp_path)
+    assert launch.main(["--exp", "sql-llama-sft-grpo", "--config-dir", str(config_dir), "--preflight", "--json"]) == 0
+    found = {r["job"]: r for r in json_.loads(capsys.readouterr().out)}
+    grpo, sft = found["sql-llama-sft-grpo/grpo"], found["sql-llama-sft-grpo/sft"]
+    assert grpo["split"]["micro_batch"] == 2 * 4 and grpo["split"]["grad_accum"] == 1
+    assert grpo["step_lengths"]["max_length"] == grpo["longest_example"] == grpo["max_length"]
+    assert grpo["max_length"] == max(grpo["length_percentiles"]["inputs"]) and grpo["examples"] == sft["examples"]
+    assert grpo["tokens_per_epoch"] == 4 * sum(  # each prompt's 4 sequences of prompt + 48 completion tokens
+        len(ids) + 48 for ids in prompt_ids_of(tiny)
+    )
+
+
+def prompt_ids_of(tiny) -> list[list[int]]:
+    from train.grpo import prompts_as_trained
+    from train.model import load_tokenizer
+    from core.config import DataSpec, ModelSpec
+
+    data = DataSpec(train=str(SQL / "easy.jsonl"), input_field="question", target_field="sql", prompt_template="{schema} | {question} | SQL: ")
+    tokenizer = load_tokenizer(str(tiny["tiny-llama"]), ModelSpec(name_or_path=str(tiny["tiny-llama"]), kind="causal"), data)
+    return prompts_as_trained(data.train, data, tokenizer, "causal")[2]
