@@ -325,9 +325,15 @@ class RewardSpec(Section):
     @model_validator(mode="after")
     def _one_source(self):
         if (self.score is None) == (self.function is None):
-            raise ValueError("give one of score (an eval score, e.g. sql_exec_accuracy) or function (module:name)")
-        if self.score not in SQL_REWARD_SCORES and (self.db is not None or "timeout_s" in self.model_fields_set):
-            raise ValueError("db and timeout_s are for the SQL scores (sql_exec_accuracy, sql_record_f1, sql_executes)")
+            raise ValueError(
+                "give one of score (an eval score, e.g. sql_exec_accuracy) or function (module:name)"
+            )
+        if self.score not in SQL_REWARD_SCORES and (
+            self.db is not None or "timeout_s" in self.model_fields_set
+        ):
+            raise ValueError(
+                "db and timeout_s are for the SQL scores (sql_exec_accuracy, sql_record_f1, sql_executes)"
+            )
         return self
 
     @property

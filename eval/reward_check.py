@@ -128,7 +128,9 @@ def problems_of(request: dict) -> list[tuple[int, str]]:
             right = called(function, asked, sample, sample)
             empty = called(function, asked, [""] * len(sample), sample)
         except Exception as exc:  # a user's function: whatever it raises is its problem, named
-            found.append((index, f"{spec.function} failed on the training references: {type(exc).__name__}: {exc}"))
+            found.append(
+                (index, f"{spec.function} failed on the training references: {type(exc).__name__}: {exc}")
+            )
             continue
         if sum(right) <= sum(empty):
             found.append(
@@ -143,7 +145,14 @@ def problems_of(request: dict) -> list[tuple[int, str]]:
 
 def called(function, prompts: list[str], completions: list[str], references: list[str]) -> list[float]:
     """The function called as the GRPO stage calls it; each value a finite number."""
-    values = list(function(prompts=prompts, completions=completions, completion_ids=[[]] * len(completions), reference=references))
+    values = list(
+        function(
+            prompts=prompts,
+            completions=completions,
+            completion_ids=[[]] * len(completions),
+            reference=references,
+        )
+    )
     if len(values) != len(completions):
         raise ValueError(f"returned {len(values)} values for {len(completions)} completions")
     numbers = [float(v) for v in values]
@@ -160,7 +169,9 @@ def main() -> None:
     request = json.loads(sys.stdin.read())
     try:
         found = problems_of(request)
-    except Exception as exc:  # unreadable data: said by the data checks; this says why the rewards were not checked
+    except (
+        Exception
+    ) as exc:  # unreadable data: said by the data checks; this says why the rewards were not checked
         found = [(-1, f"the rewards could not be checked: {type(exc).__name__}: {exc}")]
     sys.stdout.write(json.dumps({"problems": found}))
 

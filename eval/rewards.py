@@ -39,7 +39,9 @@ class ScoreReward:
             return exact_match_each(completions, references)
         if self.name in ("rouge_1", "rouge_2", "rouge_l"):
             return rouge_each(completions, references)[self.name]
-        return [self.sql_score(completion, gold) for completion, gold in zip(completions, references, strict=True)]
+        return [
+            self.sql_score(completion, gold) for completion, gold in zip(completions, references, strict=True)
+        ]
 
     def sql_score(self, completion: str, gold_query: str) -> float | None:
         from eval.sql import ReadOnlyDB, pair_scores

@@ -24,7 +24,9 @@ class FixedCompletions(GrpoRecipe):
         for index, ids in enumerate(prompt_ids):
             reference = references[text_of[tuple(ids)]]
             place = index % self.group
-            text = reference if place < self.right else "SELECT name FROM customers" + " WHERE age > 30" * place
+            text = (
+                reference if place < self.right else "SELECT name FROM customers" + " WHERE age > 30" * place
+            )
             out.append(tokenizer(text, add_special_tokens=False)["input_ids"] + [eos])
         self.given = [*getattr(self, "given", []), (prompt_ids, out)]
         return out

@@ -55,7 +55,9 @@ def check_outputs(tmp: Path) -> None:
         assert_same_curve(tensorboard_losses(runs / stage), logged_losses(runs / stage, offset))
     # The GRPO stage continued the SFT adapter and logged its rewards, each completion's kept a few per step.
     grpo = runs / "sql-llama-sft-grpo" / "grpo"
-    assert json.loads((grpo / "summary.json").read_text())["init_adapter"].endswith("sql-llama-sft-grpo/sft/adapter")
+    assert json.loads((grpo / "summary.json").read_text())["init_adapter"].endswith(
+        "sql-llama-sft-grpo/sft/adapter"
+    )
     rows = [json.loads(line) for line in (grpo / "metrics.jsonl").read_text().splitlines()]
     assert all("rewards/rouge_l/mean" in r and "frac_reward_zero_std" in r for r in rows if "loss" in r)
     assert (grpo / "completions.jsonl").stat().st_size > 0

@@ -92,9 +92,14 @@ class GradientsAtTheStep(TrainerCallback):
         taken = {n: p.grad.detach().clone() for n, p in params.items()}
         given = self.recipe.given[-1]
         grpo = self.recipe.job.train.reward_objective
-        loss = by_hand(model, given, exact_rewards(self.recipe, given), grpo.loss_type, grpo.max_completion_length)
+        loss = by_hand(
+            model, given, exact_rewards(self.recipe, given), grpo.loss_type, grpo.max_completion_length
+        )
         grads = torch.autograd.grad(loss, list(params.values()), allow_unused=True)
-        hand = {n: torch.zeros_like(p) if g is None else g for (n, p), g in zip(params.items(), grads, strict=True)}
+        hand = {
+            n: torch.zeros_like(p) if g is None else g
+            for (n, p), g in zip(params.items(), grads, strict=True)
+        }
         self.recipe.steps.append((taken, hand))
 
 
@@ -155,7 +160,10 @@ def exact_rewards(recipe_, given) -> list[float]:
     text_of = {tuple(ids): text for text, ids in recipe_.prompt_ids.items()}
     prompts, completions = given
     cleaned = recipe_.cleaned(completions)
-    return [float(c.lower() == references[text_of[tuple(p)]].lower()) for p, c in zip(prompts, cleaned, strict=True)]
+    return [
+        float(c.lower() == references[text_of[tuple(p)]].lower())
+        for p, c in zip(prompts, cleaned, strict=True)
+    ]
 
 
 @pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo"])
@@ -165,7 +173,9 @@ def test_one_grpo_step_is_the_gradient_of_the_objective_computed_by_hand(tiny, t
     (given,) = ran.given
     assert exact_rewards(ran, given) == ([1.0] * RIGHT + [0.0] * (G - RIGHT)) * PROMPTS
     row = read_jsonl(tmp_path / "run" / "metrics.jsonl")[0]
-    assert row["rewards/exact_match/mean"] == pytest.approx(RIGHT / G)  # the eval's exact_match, per completion
+    assert row["rewards/exact_match/mean"] == pytest.approx(
+        RIGHT / G
+    )  # the eval's exact_match, per completion
     assert row["frac_reward_zero_std"] == 0.0
     ((taken, hand),) = ran.steps
     norm = torch.sqrt(sum((g.double() ** 2).sum() for g in hand.values())).item()
@@ -181,8 +191,13 @@ def test_each_accepted_loss_takes_the_same_step_whatever_the_micro_batch_split(t
     whole = tmp_path / "whole"
     split = tmp_path / "split"
     grpo = {"loss_type": loss_type}
-    assert run(grpo_job(tiny, whole, grpo=grpo, max_steps=2, micro_batch=PROMPTS * G), FixedCompletions)[0] == "completed"
-    assert run(grpo_job(tiny, split, grpo=grpo, max_steps=2, micro_batch=2), FixedCompletions)[0] == "completed"
+    assert (
+        run(grpo_job(tiny, whole, grpo=grpo, max_steps=2, micro_batch=PROMPTS * G), FixedCompletions)[0]
+        == "completed"
+    )
+    assert (
+        run(grpo_job(tiny, split, grpo=grpo, max_steps=2, micro_batch=2), FixedCompletions)[0] == "completed"
+    )
     assert json.loads((split / "split.json").read_text())["grad_accum"] == PROMPTS * G // 2
     assert_same_adapter(whole, split, relative=1e-5)
     assert adapter_tensors(whole).keys()
@@ -196,7 +211,9 @@ def sft_adapter(tiny, tmp_path_factory) -> Path:
     return folder / "sft" / "adapter"
 
 
-def test_with_beta_the_reference_is_the_previous_adapter_so_the_kl_at_step_one_is_zero(tiny, tmp_path, sft_adapter):
+def test_with_beta_the_reference_is_the_previous_adapter_so_the_kl_at_step_one_is_zero(
+    tiny, tmp_path, sft_adapter
+):
     grpo = {"beta": 0.04}
     assert run(grpo_job(tiny, tmp_path / "prev", sft_adapter, grpo=grpo), FixedCompletions)[0] == "completed"
     first = read_jsonl(tmp_path / "prev" / "metrics.jsonl")[0]
@@ -205,7 +222,10 @@ def test_with_beta_the_reference_is_the_previous_adapter_so_the_kl_at_step_one_i
     assert summary["reference"] == "previous"
     # Against the base model the SFT adapter is a real distance: the KL term is there to be measured.
     grpo_base = grpo | {"reference": "base"}
-    assert run(grpo_job(tiny, tmp_path / "base", sft_adapter, grpo=grpo_base), FixedCompletions)[0] == "completed"
+    assert (
+        run(grpo_job(tiny, tmp_path / "base", sft_adapter, grpo=grpo_base), FixedCompletions)[0]
+        == "completed"
+    )
     assert read_jsonl(tmp_path / "base" / "metrics.jsonl")[0]["kl"] > 1e-4
     saved = json.loads((tmp_path / "prev" / "adapter" / "adapter_config.json").read_text())
     assert saved["r"] == 8  # the policy adapter, not TRL's frozen "ref" copy
@@ -237,8 +257,12 @@ class AllAlike(GrpoRecipe):
 
 
 def test_a_stage_whose_groups_never_vary_stops_at_k_steps_with_the_message(tiny, tmp_path):
-    job = grpo_job(tiny, tmp_path / "run", grpo={"num_generations": 2}, max_steps=50, batch_size=4, micro_batch=8)
-    with pytest.raises(NoRewardVariance, match="no completion group had reward variance in 12 steps: start from an SFT"):
+    job = grpo_job(
+        tiny, tmp_path / "run", grpo={"num_generations": 2}, max_steps=50, batch_size=4, micro_batch=8
+    )
+    with pytest.raises(
+        NoRewardVariance, match="no completion group had reward variance in 12 steps: start from an SFT"
+    ):
         run(job, AllAlike)
     rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
     assert [r["step"] for r in rows if "loss" in r] == list(range(1, 13))  # the 12th logged, then the stop
@@ -249,7 +273,10 @@ def test_a_stage_whose_groups_never_vary_stops_at_k_steps_with_the_message(tiny,
 def test_sft_then_grpo_through_launch_on_the_local_backend(repo_root, tmp_path, tiny, monkeypatch, capsys):
     monkeypatch.chdir(repo_root)
     config_dir = demo_configs(repo_root, tmp_path)
-    assert launch.main(["--exp", "sql-llama-sft-grpo", "--config-dir", str(config_dir), "--backend", "local"]) == 0
+    assert (
+        launch.main(["--exp", "sql-llama-sft-grpo", "--config-dir", str(config_dir), "--backend", "local"])
+        == 0
+    )
     runs = tmp_path / "runs" / "sql-llama-sft-grpo"
     summary = json.loads((runs / "grpo" / "summary.json").read_text())
     assert summary["method"] == "grpo" and summary["init_adapter"].endswith("sql-llama-sft-grpo/sft/adapter")
@@ -277,7 +304,13 @@ class VariesAtFirst(AllAlike):
 def test_a_resumed_stage_remembers_that_a_group_varied_before_its_checkpoint(tiny, tmp_path):
     """Before the checkpoint kept it, a run resumed at step 2 forgot step 1's variance and stopped at K."""
     job = grpo_job(
-        tiny, tmp_path / "run", grpo={"num_generations": 2}, max_steps=14, batch_size=4, micro_batch=8, save_every_steps=2
+        tiny,
+        tmp_path / "run",
+        grpo={"num_generations": 2},
+        max_steps=14,
+        batch_size=4,
+        micro_batch=8,
+        save_every_steps=2,
     )
     assert run(job, VariesAtFirst, StopAfter(1))[0] == "interrupted"
     assert run(job, VariesAtFirst)[0] == "completed"  # 14 steps, 13 of them without variance: K is 12
@@ -285,14 +318,19 @@ def test_a_resumed_stage_remembers_that_a_group_varied_before_its_checkpoint(tin
     assert [r["frac_reward_zero_std"] for r in rows][:2] == [0.0, 1.0] and len(rows) == 14
 
 
-def test_a_max_completion_length_shorter_than_a_reference_is_refused_by_preflight(repo_root, tmp_path, tiny, monkeypatch, capsys):
+def test_a_max_completion_length_shorter_than_a_reference_is_refused_by_preflight(
+    repo_root, tmp_path, tiny, monkeypatch, capsys
+):
     monkeypatch.chdir(repo_root)
     config_dir = demo_configs(repo_root, tmp_path)
     config = config_dir / "sql-llama-sft-grpo.yaml"
     config.write_text(config.read_text().replace("max_completion_length: 48", "max_completion_length: 12"))
     assert launch.main(["--exp", "sql-llama-sft-grpo", "--config-dir", str(config_dir), "--preflight"]) == 2
     err = capsys.readouterr().err
-    assert "sql-llama-sft-grpo/grpo: the job would fail at its start: train.grpo.max_completion_length 12 cannot" in err
+    assert (
+        "sql-llama-sft-grpo/grpo: the job would fail at its start: train.grpo.max_completion_length 12 cannot"
+        in err
+    )
     assert "raise it to at least" in err and "Traceback" not in err
 
 
@@ -300,36 +338,54 @@ def test_a_grpo_step_on_two_ranks_is_the_step_of_one_process_with_the_whole_batc
     """Each rank generates (here: is given) its own prompts' completions; the rewards' groups are whole on
     each rank, the advantages are of the gathered rewards, the loss is over the step's tokens on every rank."""
     one, two = tmp_path / "one", tmp_path / "two"
-    assert run(grpo_job(tiny, one, max_steps=2, batch_size=2 * PROMPTS), grpo_helpers.FixedCompletions)[0] == "completed"
+    assert (
+        run(grpo_job(tiny, one, max_steps=2, batch_size=2 * PROMPTS), grpo_helpers.FixedCompletions)[0]
+        == "completed"
+    )
     ranks = run_ranks(grpo_job(tiny, two, max_steps=2), env={"DDP_WORKER_RECIPE": "fixed-completions"})
     assert [r["outcome"] for r in ranks] == ["completed", "completed"]
     assert json.loads((two / "summary.json").read_text())["world_size"] == 2
     assert_same_adapter(one, two, relative=1e-4)
 
 
-def test_preflight_judges_a_grpo_step_over_its_completions_not_its_prompts(repo_root, tmp_path, tiny, monkeypatch, capsys):
+def test_preflight_judges_a_grpo_step_over_its_completions_not_its_prompts(
+    repo_root, tmp_path, tiny, monkeypatch, capsys
+):
     """Before, the memory model read a GRPO stage's batch_size (prompts) as the sequences of its step: G
     times too few. It judges batch_size x num_generations sequences of the longest prompt + completion."""
     import json as json_
 
     monkeypatch.chdir(repo_root)
     config_dir = demo_configs(repo_root, tmp_path)
-    assert launch.main(["--exp", "sql-llama-sft-grpo", "--config-dir", str(config_dir), "--preflight", "--json"]) == 0
+    assert (
+        launch.main(["--exp", "sql-llama-sft-grpo", "--config-dir", str(config_dir), "--preflight", "--json"])
+        == 0
+    )
     found = {r["job"]: r for r in json_.loads(capsys.readouterr().out)}
     grpo, sft = found["sql-llama-sft-grpo/grpo"], found["sql-llama-sft-grpo/sft"]
     assert grpo["split"]["micro_batch"] == 2 * 4 and grpo["split"]["grad_accum"] == 1
     assert grpo["step_lengths"]["max_length"] == grpo["longest_example"] == grpo["max_length"]
-    assert grpo["max_length"] == max(grpo["length_percentiles"]["inputs"]) and grpo["examples"] == sft["examples"]
+    assert (
+        grpo["max_length"] == max(grpo["length_percentiles"]["inputs"])
+        and grpo["examples"] == sft["examples"]
+    )
     assert grpo["tokens_per_epoch"] == 4 * sum(  # each prompt's 4 sequences of prompt + 48 completion tokens
         len(ids) + 48 for ids in prompt_ids_of(tiny)
     )
 
 
 def prompt_ids_of(tiny) -> list[list[int]]:
-    from train.grpo import prompts_as_trained
-    from train.model import load_tokenizer
     from core.config import DataSpec, ModelSpec
+    from train.grpo_data import prompts_as_trained
+    from train.model import load_tokenizer
 
-    data = DataSpec(train=str(SQL / "easy.jsonl"), input_field="question", target_field="sql", prompt_template="{schema} | {question} | SQL: ")
-    tokenizer = load_tokenizer(str(tiny["tiny-llama"]), ModelSpec(name_or_path=str(tiny["tiny-llama"]), kind="causal"), data)
+    data = DataSpec(
+        train=str(SQL / "easy.jsonl"),
+        input_field="question",
+        target_field="sql",
+        prompt_template="{schema} | {question} | SQL: ",
+    )
+    tokenizer = load_tokenizer(
+        str(tiny["tiny-llama"]), ModelSpec(name_or_path=str(tiny["tiny-llama"]), kind="causal"), data
+    )
     return prompts_as_trained(data.train, data, tokenizer, "causal")[2]

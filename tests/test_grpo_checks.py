@@ -10,6 +10,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from core.config import RewardSpec
@@ -101,7 +103,11 @@ REWARD = "        rewards:\n          - {score: sql_exec_accuracy}\n"
         ("        rewards:\n          - {score: bertscore_f1}\n", 15, "a second model into the training job"),
         ("        rewards:\n          - {score: sql_error_rate}\n", 15, "use sql_executes (1 - error)"),
         ("        loss_type: bnpo\n" + REWARD, 14, "bnpo is refused: it normalises by each micro-batch"),
-        ("        loss_type: cispo\n" + REWARD, 14, "not a GRPO loss run here; use one of dapo, grpo, dr_grpo"),
+        (
+            "        loss_type: cispo\n" + REWARD,
+            14,
+            "not a GRPO loss run here; use one of dapo, grpo, dr_grpo",
+        ),
         ("        num_generations: 1\n" + REWARD, 14, "greater than or equal to 2"),
         ("        rewards: []\n", 14, "is empty: a GRPO stage learns from rewards"),
         ("        rewards:\n          - {function: rewards}\n", 15, "is not module:name"),
@@ -122,7 +128,9 @@ def test_a_grpo_stage_on_a_seq2seq_model_is_refused_at_its_method(tiny, tmp_path
 def test_grpo_without_rewards_is_refused_at_its_method(tmp_path, capsys):
     more = "stages:\n  - name: sft\n  - name: rl\n    train: {method: grpo}\n"
     code, err = dry_run(experiment_folder(tmp_path, more=more), capsys)
-    assert code == 2 and "a.yaml:11: stages.1.train.method: is grpo in stage 'rl', which has no rewards" in err
+    assert (
+        code == 2 and "a.yaml:11: stages.1.train.method: is grpo in stage 'rl', which has no rewards" in err
+    )
 
 
 def test_a_grpo_block_on_an_sft_stage_is_refused(tmp_path, capsys):
@@ -134,7 +142,9 @@ def test_a_grpo_block_on_an_sft_stage_is_refused(tmp_path, capsys):
 def test_a_first_grpo_stage_is_warned_unless_it_says_it_starts_from_the_base_knowingly(tmp_path, capsys):
     warned = experiment_folder(tmp_path, more=grpo_stage(REWARD, first=""))
     code, err = dry_run(warned, capsys)
-    assert code == 0 and "stages.0.train.method: is grpo in the first stage 'rl': a base model that never" in err
+    assert (
+        code == 0 and "stages.0.train.method: is grpo in the first stage 'rl': a base model that never" in err
+    )
     (tmp_path / "b").mkdir()
     quiet = experiment_folder(tmp_path / "b", more=grpo_stage(REWARD + "        from_base: true\n", first=""))
     code, err = dry_run(quiet, capsys)
@@ -144,7 +154,10 @@ def test_a_first_grpo_stage_is_warned_unless_it_says_it_starts_from_the_base_kno
 def test_reference_previous_on_a_first_grpo_stage_is_refused(tmp_path, capsys):
     block = "        reference: previous\n        beta: 0.04\n" + REWARD
     code, err = dry_run(experiment_folder(tmp_path, more=grpo_stage(block, first="")), capsys)
-    assert code == 2 and "a.yaml:13: stages.0.train.grpo.reference: is previous, but stage 'rl' is the first" in err
+    assert (
+        code == 2
+        and "a.yaml:13: stages.0.train.grpo.reference: is previous, but stage 'rl' is the first" in err
+    )
 
 
 def test_an_sql_reward_without_any_database_is_refused_at_the_reward(tmp_path, capsys):
@@ -165,7 +178,9 @@ def test_a_sql_reward_takes_eval_db_as_its_database_in_the_plan(tmp_path, capsys
     assert launch.main(["--all", "--config-dir", str(configs), "--dry-run", "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
     rl = next(job for job in plan["jobs"] if job["id"] == "a/rl")
-    assert rl["spec"]["train"]["grpo"]["rewards"] == [{"score": "sql_exec_accuracy", "weight": 1.0, "db": str(DB)}]
+    assert rl["spec"]["train"]["grpo"]["rewards"] == [
+        {"score": "sql_exec_accuracy", "weight": 1.0, "db": str(DB)}
+    ]
 
 
 def test_prune_on_a_grpo_stage_is_refused_with_the_reason(tmp_path, capsys):
@@ -186,7 +201,6 @@ def test_the_demo_grpo_experiment_plans(repo_root, capsys, monkeypatch):
     assert "sql-llama-sft-grpo/grpo" in capsys.readouterr().out
 
 
-
 # -- the rewards run on the training references, in a bounded child, before queueing ---------------------
 def with_training_rows(configs: Path, rows: list[str]) -> None:
     (configs.parent / "train.jsonl").write_text("".join(row + "\n" for row in rows))
@@ -194,10 +208,16 @@ def with_training_rows(configs: Path, rows: list[str]) -> None:
 
 def test_a_gold_query_that_fails_on_the_database_is_refused_at_the_reward(tmp_path, capsys):
     configs = experiment_folder(tmp_path, more=grpo_stage(REWARD))
-    with_training_rows(configs, ['{"question": "q", "sql": "SELECT 1"}', '{"question": "r", "sql": "SELECT nope FROM nowhere"}'])
+    with_training_rows(
+        configs,
+        ['{"question": "q", "sql": "SELECT 1"}', '{"question": "r", "sql": "SELECT nope FROM nowhere"}'],
+    )
     code, err = dry_run(configs, capsys)
     assert code == 2
-    assert "a.yaml:15: stages.1.train.grpo.rewards.0.score: in stage 'rl': 1 of the training data's gold queries" in err
+    assert (
+        "a.yaml:15: stages.1.train.grpo.rewards.0.score: in stage 'rl': 1 of the training data's gold queries"
+        in err
+    )
     assert "'SELECT nope FROM nowhere': no such table: nowhere" in err
 
 
@@ -207,7 +227,10 @@ def test_a_reference_that_does_not_earn_one_on_its_score_is_refused(tmp_path, ca
     with_training_rows(configs, ['{"question": "q", "sql": "SELECT 1"}', '{"question": "r", "sql": "--"}'])
     code, err = dry_run(configs, capsys)
     assert code == 2
-    assert "rewards.0.score: in stage 'rl': the training references themselves earn less than 1.0 on rouge_l" in err
+    assert (
+        "rewards.0.score: in stage 'rl': the training references themselves earn less than 1.0 on rouge_l"
+        in err
+    )
     assert "'--': 0)" in err
 
 
@@ -226,7 +249,9 @@ def test_a_users_reward_function_is_run_on_the_references_before_queueing(tmp_pa
     configs = experiment_folder(tmp_path, more=grpo_stage(block))
     (configs / "rewards.py").write_text(f"def tiered(completions, reference, **kwargs):\n{body}")
     if body.startswith("    return [0.0]"):
-        with_training_rows(configs, ['{"question": "q", "sql": "SELECT 1"}', '{"question": "r", "sql": "SELECT 2"}'])
+        with_training_rows(
+            configs, ['{"question": "q", "sql": "SELECT 1"}', '{"question": "r", "sql": "SELECT 2"}']
+        )
         expected = "returned 1 values for 2 completions"
     code, err = dry_run(configs, capsys)
     if expected is None:
@@ -243,7 +268,9 @@ def test_a_reward_function_that_runs_forever_is_stopped_by_the_child_bound(tmp_p
     monkeypatch.setattr(eval.reward_check, "TIME_S", 3.0)
     block = "        rewards:\n          - {function: rewards:forever}\n"
     configs = experiment_folder(tmp_path, more=grpo_stage(block))
-    (configs / "rewards.py").write_text("def forever(completions, **kwargs):\n    while True:\n        pass\n")
+    (configs / "rewards.py").write_text(
+        "def forever(completions, **kwargs):\n    while True:\n        pass\n"
+    )
     code, err = dry_run(configs, capsys)
     assert code == 2 and "stages.1.train.grpo.rewards: in stage 'rl': checking the rewards" in err
     assert "ran past 3 s" in err
@@ -263,7 +290,10 @@ def test_status_names_why_a_grpo_stage_stopped_itself_from_its_logs_last_attempt
         except NoRewardVariance:
             return "submitit INFO - Starting with JobEnvironment(job_id=7)\n" + traceback.format_exc()
 
-    first, second = attempt("no completion group had reward variance in 12 steps: old"), attempt("in 23 steps: new")
+    first, second = (
+        attempt("no completion group had reward variance in 12 steps: old"),
+        attempt("in 23 steps: new"),
+    )
     assert stage_stop(first) == "no completion group had reward variance in 12 steps: old"
     assert stage_stop(first + second) == "in 23 steps: new"  # the last attempt's, not a requeued one's
     assert stage_stop(first + "submitit INFO - Starting with JobEnvironment(job_id=7)\nstep 3\n") == ""

@@ -83,7 +83,12 @@ def test_checkpoint_rotation_through_a_link_planted_at_checkpoints_deletes_nothi
 GRPO = {
     "method": "grpo",
     "batch_size": 2,
-    "grpo": {"num_generations": 2, "max_completion_length": 8, "rewards": [{"score": "rouge_l"}], "from_base": True},
+    "grpo": {
+        "num_generations": 2,
+        "max_completion_length": 8,
+        "rewards": [{"score": "rouge_l"}],
+        "from_base": True,
+    },
 }
 
 

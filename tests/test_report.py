@@ -977,7 +977,9 @@ def test_a_stage_row_that_scored_other_data_than_its_base_has_no_delta_and_the_r
     assert "good @ one: no Δ, its eval scored dev.jsonl and the base pairs.jsonl." in report
 
 
-def test_an_sft_then_grpo_experiment_plots_each_methods_loss_and_the_grpo_rewards_on_panels_of_their_own(tmp_path):
+def test_an_sft_then_grpo_experiment_plots_each_methods_loss_and_the_grpo_rewards_on_panels_of_their_own(
+    tmp_path,
+):
     """Issue 49 (and 51's "17x worse"): an SFT cross-entropy and a GRPO loss on one axis compare nothing.
     Each method's loss gets its own panel; GRPO's mean reward and share of groups without variance beside."""
     from eval.report_plots import losses_by_method, plot_losses, reward_series
@@ -993,7 +995,10 @@ def test_an_sft_then_grpo_experiment_plots_each_methods_loss_and_the_grpo_reward
     ]
     (runs / "rl" / "two" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     jobs = job_runs(plan, {})
-    assert reward_series(jobs, "rl") == {"reward": [(15, 0.25), (20, 0.5)], "frac_reward_zero_std": [(15, 0.5), (20, 0.0)]}
+    assert reward_series(jobs, "rl") == {
+        "reward": [(15, 0.25), (20, 0.5)],
+        "frac_reward_zero_std": [(15, 0.5), (20, 0.0)],
+    }
     by_method = losses_by_method(jobs, "rl")
     assert list(by_method) == ["sft", "grpo"] and by_method["grpo"] == [(15, 0.0), (20, 0.01)]
     assert list(losses_by_method(jobs, "plain")) == ["sft"]

@@ -45,7 +45,7 @@ from core.split import Split, as_written, asked
 from eval.generate import decode, framing_ids
 from eval.rewards import ScoreReward, finite_or_none, user_function
 from train import chat, distributed
-from train.data import LengthReport, prompts_and_targets
+from train.grpo_data import lengths_of_a_step, prompts_as_trained, tokens_per_epoch
 from train.model import trainable_in_fp32
 from train.recipe import StageRecipe, one_gpu_per_process, stage_trainer
 from train.trl_seams import imported
@@ -189,7 +189,9 @@ def sampled_completions(trainer, prompt_ids: list[list[int]], stop_ids: list[int
         ) as model,
         torch.no_grad(),
     ):
-        out = model.generate(input_ids=input_ids, attention_mask=mask, generation_config=trainer.generation_config)
+        out = model.generate(
+            input_ids=input_ids, attention_mask=mask, generation_config=trainer.generation_config
+        )
     completions = []
     for row in out[:, width:].tolist():
         end = next((i for i, token in enumerate(row) if token in stop_ids), None)
@@ -209,29 +211,6 @@ def stop_ids_of(model, tokenizer, data, kind: str) -> list[int]:
     return list(dict.fromkeys(ids))
 
 
-# ---- the data -------------------------------------------------------------------------------------
-def prompts_as_trained(source: str, data, tokenizer, kind: str) -> tuple[list[str], list[str], list[list[int]]]:
-    """(prompt texts, references, prompt ids): the eval's prompts and references (train/data.py
-    prompts_and_targets), each prompt's ids those the SFT stage trains before its answer (a conversation's
-    chat.ChatPrompt ids; a `fields` prompt tokenized as train/data.py encode tokenizes it)."""
-    text = chat.text_tokenizer(tokenizer)
-    prompts, references = prompts_and_targets(source, data, text, kind)
-    ids = [p.ids if isinstance(p, chat.ChatPrompt) else text(p)["input_ids"] for p in prompts]
-    return prompts, references, ids
-
-
-def lengths_of_a_step(prompt_lengths: list[int], max_completion_length: int) -> LengthReport:
-    """The sequences a GRPO step trains, as an SFT stage's LengthReport: a prompt (never cut) and a completion
-    of at most max_completion_length, its target."""
-    longest = max(prompt_lengths, default=0) + max_completion_length
-    return LengthReport(longest, None, longest, max_completion_length, 0, 0, {})
-
-
-def tokens_per_epoch(prompt_lengths: list[int], generations: int, max_completion_length: int) -> int:
-    """Prompt and completion tokens an epoch trains at most: each prompt's num_generations sequences."""
-    return generations * sum(length + max_completion_length for length in prompt_lengths)
-
-
 # ---- the recipe -----------------------------------------------------------------------------------
 class GrpoRecipe(StageRecipe):
     """A StageRecipe whose step is TRL's GRPO step; see the module docstring."""
@@ -243,16 +222,24 @@ class GrpoRecipe(StageRecipe):
         return (grpo_trainer_class(),)
 
     def load_split(self, source: str, split: str):
-        prompts, references, ids = prompts_as_trained(source, self.job.data, self.tokenizer, self.job.model.kind)
+        prompts, references, ids = prompts_as_trained(
+            source, self.job.data, self.tokenizer, self.job.model.kind
+        )
         self.prompt_ids: dict[str, list[int]] = {}
         for prompt, prompt_ids in zip(prompts, ids, strict=True):
             if self.prompt_ids.setdefault(str(prompt), prompt_ids) != prompt_ids:
                 raise ValueError(f"{source}: one prompt text has two tokenizations: {str(prompt)[:80]!r}")
         dataset = datasets.Dataset.from_dict(
-            {"prompt": [str(p) for p in prompts], "reference": list(references), "length": list(map(len, ids))}
+            {
+                "prompt": [str(p) for p in prompts],
+                "reference": list(references),
+                "length": list(map(len, ids)),
+            }
         )
         log.info("%s prompts: %d; longest %d tokens", split, len(dataset), max(map(len, ids), default=0))
-        return dataset, lengths_of_a_step(dataset["length"], self.job.train.reward_objective.max_completion_length)
+        return dataset, lengths_of_a_step(
+            dataset["length"], self.job.train.reward_objective.max_completion_length
+        )
 
     def choose_split(self) -> Split:
         """In completions: the written split (micro_batch: N as asked; auto as batch_size x G per micro-batch,
@@ -261,7 +248,9 @@ class GrpoRecipe(StageRecipe):
         completions = train.batch_size * train.grad_accum * generations
         if train.micro_batch == "auto":
             reason = "a GRPO step's memory is not modelled yet: batch_size x num_generations completions"
-            split = as_written(train.batch_size * generations, train.grad_accum, train.gradient_checkpointing, reason)
+            split = as_written(
+                train.batch_size * generations, train.grad_accum, train.gradient_checkpointing, reason
+            )
         else:
             split = asked(train.micro_batch, completions, train.gradient_checkpointing, None, None)
         split = replace(split, world_size=self.placement.world_size)
@@ -341,7 +330,9 @@ class GrpoRecipe(StageRecipe):
             if self.reference == "base" and REFERENCE_ADAPTER in adapters:
                 trainer.model.delete_adapter(REFERENCE_ADAPTER)  # TRL then disables the adapters instead
             if self.reference == "previous" and REFERENCE_ADAPTER not in adapters:
-                raise RuntimeError("TRL kept no frozen copy of the previous adapter; reference: previous cannot run")
+                raise RuntimeError(
+                    "TRL kept no frozen copy of the previous adapter; reference: previous cannot run"
+                )
         log.info(
             "GRPO: %d prompts x %d completions a step; stop ids %s; reference %s; no-variance stop after %d steps",
             self.prompts_per_step,
@@ -362,7 +353,11 @@ class GrpoRecipe(StageRecipe):
     def rollout(self, prompts: list[str], trainer) -> dict:
         """TRL's rollout function: the prompts' ids (as the SFT stage renders them) and a completion each."""
         prompt_ids = [self.prompt_ids[prompt] for prompt in prompts]
-        return {"prompt_ids": prompt_ids, "completion_ids": self.completions_for(prompt_ids), "logprobs": None}
+        return {
+            "prompt_ids": prompt_ids,
+            "completion_ids": self.completions_for(prompt_ids),
+            "logprobs": None,
+        }
 
     def completions_for(self, prompt_ids: list[list[int]]) -> list[list[int]]:
         """The completions of a step (a test's seam: fixed completions in place of sampled ones)."""
@@ -380,7 +375,9 @@ class GrpoRecipe(StageRecipe):
                 compute = functools.partial(lambda scorer, texts, refs, **_: scorer.each(texts, refs), scorer)
             else:
                 function = user_function(spec, self.job.functions_from or ".")
-                compute = functools.partial(lambda f, texts, refs, **kw: f(completions=texts, reference=refs, **kw), function)
+                compute = functools.partial(
+                    lambda f, texts, refs, **kw: f(completions=texts, reference=refs, **kw), function
+                )
             functions.append(self.timed_reward(spec.name, compute))
         return functions
 
@@ -406,7 +403,9 @@ class GrpoRecipe(StageRecipe):
         grpo = self.job.train.reward_objective
         return {
             "train_examples": len(self.train_set),
-            "train_tokens": tokens_per_epoch(self.train_set["length"], grpo.num_generations, grpo.max_completion_length),
+            "train_tokens": tokens_per_epoch(
+                self.train_set["length"], grpo.num_generations, grpo.max_completion_length
+            ),
             "eval_examples": None,
             "max_length": self.lengths.max_length,
             "max_target_length": self.lengths.max_target_length,
@@ -434,4 +433,3 @@ class GrpoRecipe(StageRecipe):
         """No speed-book row yet: a GRPO step's time is mostly generation, which the book (tokens trained per
         second) does not model; its rows would mislead the SFT estimates of the same model."""
         return
-

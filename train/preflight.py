@@ -21,9 +21,8 @@ import numpy
 from core.config import TrainJob
 from core.preflight import JobPreflight
 from core.split import Split, resolve
-from train import chat
+from train import chat, memory, pairs, vl
 from train import data as data_lib
-from train import memory, pairs, vl
 from train.chat import ChatTemplateError
 from train.hub_cache import first_line
 from train.loss import liger_installed
@@ -108,12 +107,14 @@ def token_lengths(job: TrainJob, tokenizer, config) -> dict:
 def completions_view(job: TrainJob) -> TrainJob:
     """A GRPO stage's training step as the memory model counts it: the policy's forward and backward over
     batch_size x num_generations sequences of prompt + completion (its step_lengths), at the split the job
-    runs (train/grpo.py choose_split: the written one). Not counted yet: the generation's KV cache and the
+    runs (train/grpo.py GrpoRecipe.choose_split: the written one). Not counted yet: the generation's KV cache and the
     reference's forward (beta > 0), which come before and beside it."""
     train, grpo = job.train, job.train.reward_objective
     completions = train.batch_size * grpo.num_generations
     micro = completions if train.micro_batch == "auto" else train.micro_batch
-    view = train.model_copy(update={"method": "sft", "grpo": None, "batch_size": completions, "micro_batch": micro})
+    view = train.model_copy(
+        update={"method": "sft", "grpo": None, "batch_size": completions, "micro_batch": micro}
+    )
     return job.model_copy(update={"train": view})
 
 
@@ -121,7 +122,7 @@ def grpo_token_lengths(job: TrainJob, tokenizer) -> dict:
     """token_lengths of a GRPO stage, as its job counts them (train/grpo.py): prompts, each with
     num_generations completions of at most max_completion_length; refused (ValueError) when that cannot hold
     the longest training reference."""
-    from train.grpo import lengths_of_a_step, prompts_as_trained, tokens_per_epoch
+    from train.grpo_data import lengths_of_a_step, prompts_as_trained, tokens_per_epoch
 
     grpo = job.train.reward_objective
     _, references, ids = prompts_as_trained(job.data.train, job.data, tokenizer, job.model.kind)
@@ -133,7 +134,9 @@ def grpo_token_lengths(job: TrainJob, tokenizer) -> dict:
         "length_percentiles": {"inputs": percentiles(sequences)},
         "max_length": lengths.max_length,
         "max_target_length": lengths.max_target_length,
-        "tokens_per_epoch": tokens_per_epoch(prompt_lengths, grpo.num_generations, grpo.max_completion_length),
+        "tokens_per_epoch": tokens_per_epoch(
+            prompt_lengths, grpo.num_generations, grpo.max_completion_length
+        ),
         "labelled_tokens": len(ids) * grpo.num_generations * grpo.max_completion_length,
         "marker_text_conversations": None,
         "examples": len(ids),

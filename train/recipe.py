@@ -384,7 +384,9 @@ class StageRecipe:
         distributed.doing(f"reading and tokenizing {self.job.data.train}")
         self.train_set, self.lengths = self.load_split(self.job.data.train, "train")
         self.eval_set = self.eval_lengths = None
-        if self.job.data.eval and self.evaluates_in_training:  # sorted: similar lengths pad little, and a loss-only eval has no order
+        if (
+            self.job.data.eval and self.evaluates_in_training
+        ):  # sorted: similar lengths pad little, and a loss-only eval has no order
             distributed.doing(f"reading and tokenizing {self.job.data.eval}")
             self.eval_set, self.eval_lengths = self.load_split(self.job.data.eval, "eval")
             self.eval_set = self.eval_set.sort("length")

@@ -49,7 +49,8 @@ IMPORTED = (
     ("trl.models.utils", "unwrap_model_for_generation"),
 )
 # Arguments of TRL's trainers that are marked experimental.
-EXPERIMENTAL = {"GRPOTrainer": ("rollout_func",)}  # our generation function (train/grpo.py sampled_completions)
+# Our generation function (train/grpo.py sampled_completions) goes through TRL's rollout_func.
+EXPERIMENTAL = {"GRPOTrainer": ("rollout_func",)}
 
 
 def imported(module: str, name: str):

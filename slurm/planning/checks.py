@@ -254,7 +254,9 @@ def check_grpo(experiment: Experiment, stages: list[Stage], chain: list[YamlFile
             problems.append(stage_problem(experiment, index, key, why, chain, warning))
         refused = bool(why) and not warning
         for number, reward in enumerate(grpo.rewards):
-            if reward.score in SQL_REWARD_SCORES and not reward.db:  # the plan wrote eval.db where there is one
+            if (
+                reward.score in SQL_REWARD_SCORES and not reward.db
+            ):  # the plan wrote eval.db where there is one
                 place = ("train", "grpo", "rewards", number, "score")
                 why = f"{reward.score} runs each completion on a database: set db in this entry, or eval.db"
                 problems.append(stage_problem(experiment, index, place, why, chain))
@@ -265,7 +267,9 @@ def check_grpo(experiment: Experiment, stages: list[Stage], chain: list[YamlFile
             place = ("train", "grpo", "rewards")
             if number >= 0:
                 place += (number, "score" if grpo.rewards[number].score else "function")
-            problems.append(stage_problem(experiment, index, place, f"in stage {stage.name!r}: {what}", chain))
+            problems.append(
+                stage_problem(experiment, index, place, f"in stage {stage.name!r}: {what}", chain)
+            )
     return problems
 
 

@@ -179,7 +179,9 @@ def with_reward_databases(whole: Experiment) -> TrainSpec:
     if train.method != "grpo" or not whole.eval.db:
         return train
     rewards = [
-        reward.model_copy(update={"db": whole.eval.db}) if reward.score in SQL_REWARD_SCORES and not reward.db else reward
+        reward.model_copy(update={"db": whole.eval.db})
+        if reward.score in SQL_REWARD_SCORES and not reward.db
+        else reward
         for reward in train.reward_objective.rewards
     ]
     return train.model_copy(update={"grpo": train.reward_objective.model_copy(update={"rewards": rewards})})
