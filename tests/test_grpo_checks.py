@@ -297,3 +297,39 @@ def test_status_names_why_a_grpo_stage_stopped_itself_from_its_logs_last_attempt
     assert stage_stop(first) == "no completion group had reward variance in 12 steps: old"
     assert stage_stop(first + second) == "in 23 steps: new"  # the last attempt's, not a requeued one's
     assert stage_stop(first + "submitit INFO - Starting with JobEnvironment(job_id=7)\nstep 3\n") == ""
+
+
+def test_sft_then_dpo_then_grpo_plans_a_chain_whose_grpo_stage_reads_the_sft_data(tmp_path, capsys):
+    """The one rule for inherited keys: the DPO stage reads its pairs, the GRPO stage the experiment's own
+    fields data (its prompts and references) and neither the DPO block nor the pairs; each stage continues the
+    adapter of the stage before it."""
+    import json
+
+    import launch
+
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text('{"prompt": "q", "chosen": "SELECT 1", "rejected": "SELECT 2"}\n')
+    more = (
+        "stages:\n  - name: sft\n  - name: dpo\n"
+        f"    data: {{train: {pairs}, format: preference}}\n"
+        "    train: {method: dpo, eval_every_epochs: null}\n"
+        "  - name: rl\n    train:\n      method: grpo\n      grpo:\n" + REWARD
+    )
+    configs = experiment_folder(tmp_path, more=more)
+    text = (
+        (configs / "a.yaml")
+        .read_text()
+        .replace("eval: {metrics: [exact_match, sql_exec], db:", "eval: {metrics: [], db:")
+    )
+    (configs / "a.yaml").write_text(text)
+    assert launch.main(["--all", "--config-dir", str(configs), "--dry-run", "--json"]) == 0
+    jobs = {job["id"]: job for job in json.loads(capsys.readouterr().out)["jobs"]}
+    dpo, rl = jobs["a/dpo"]["spec"], jobs["a/rl"]["spec"]
+    assert dpo["data"]["format"] == "preference" and dpo["init_adapter"].endswith("a/sft/adapter")
+    assert rl["init_adapter"].endswith("a/dpo/adapter") and rl["data"]["train"] == str(
+        tmp_path / "train.jsonl"
+    )
+    assert rl["data"]["target_field"] == "sql" and "dpo" not in rl["train"]
+    assert rl["train"]["method"] == "grpo" and jobs["a/rl"]["depends_on"] == [
+        {"job": "a/dpo", "kind": "afterok"}
+    ]
