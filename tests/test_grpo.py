@@ -246,6 +246,10 @@ def test_a_grpo_stage_stopped_at_a_checkpoint_resumes_to_the_same_completions_an
     assert second.given == straight.given[2:]  # the generation RNG is the checkpoint's
     assert_same_adapter(straight_dir, resumed_dir)
     assert [r["step"] for r in read_jsonl(resumed_dir / "metrics.jsonl") if "loss" in r] == [1, 2, 3, 4]
+    # completions.jsonl: a few rows per step, each step's once (the stopped run's step 3 was forgotten)
+    kept = [r["step"] for r in read_jsonl(resumed_dir / "completions.jsonl")]
+    assert kept == [r["step"] for r in read_jsonl(straight_dir / "completions.jsonl")] == sorted(kept)
+    assert set(kept) == {1, 2, 3, 4}
 
 
 class AllAlike(GrpoRecipe):

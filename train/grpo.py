@@ -110,7 +110,8 @@ def grpo_trainer_class():
             return scored
 
         def log(self, logs, start_time=None):
-            if self.model.training and self.accelerator.is_main_process and self.completions_file:
+            training_row = self.model.training and "loss" in logs  # not the run's closing summary row
+            if training_row and self.accelerator.is_main_process and self.completions_file:
                 keep_completions(self.completions_file, self.state.global_step, self._logs)
             super().log(logs, start_time)
 
@@ -305,9 +306,8 @@ class GrpoRecipe(StageRecipe):
         text = chat.text_tokenizer(self.tokenizer)
         self.stop_ids = stop_ids_of(self.model, text, self.job.data, self.job.model.kind)
         self.strip = framing_ids(self.model, text) | set(self.stop_ids)
-        groups = self.prompts_per_step * (self.job.global_ranks or self.placement.world_size)
-        groups //= self.placement.world_size
-        self.watch = ZeroVarianceStop(zero_variance_steps(grpo.num_generations, groups))
+        # A step's groups: its prompts, every rank's (the global batch at any world size: at_world_size).
+        self.watch = ZeroVarianceStop(zero_variance_steps(grpo.num_generations, self.prompts_per_step))
         trainer = grpo_trainer_class()(
             model=self.model,
             reward_funcs=self.reward_functions(),
@@ -342,6 +342,9 @@ class GrpoRecipe(StageRecipe):
             self.watch.steps,
         )
         return trainer
+
+    def step_logs(self) -> list[Path]:
+        return [*super().step_logs(), RunDir(self.run_dir).completions]
 
     def train(self):
         outcome = super().train()

@@ -479,12 +479,17 @@ class StageRecipe:
         return logged_share(split, data_lib.truncate(dataset, lengths, kind), kind), lengths
 
     def forget_metrics_after(self, step: int) -> None:
-        path = RunDir(self.run_dir).metrics
-        if not path.is_file():
-            return
-        rows = read_jsonl(path, {"step": int})  # a row cut by a kill, or unreadable, is left out
-        kept = [row for row in rows if isinstance(row.get("step"), int) and row["step"] <= step]
-        write_atomic(path, "".join(map(json_line, kept)), root=RunDir(self.run_dir).run_root)
+        """The rows each step log holds past `step` (a resumed run logs those steps again)."""
+        for path in self.step_logs():
+            if not path.is_file():
+                continue
+            rows = read_jsonl(path, {"step": int})  # a row cut by a kill, or unreadable, is left out
+            kept = [row for row in rows if isinstance(row.get("step"), int) and row["step"] <= step]
+            write_atomic(path, "".join(map(json_line, kept)), root=RunDir(self.run_dir).run_root)
+
+    def step_logs(self) -> list[Path]:
+        """The run folder's files of rows by step: metrics.jsonl (a GRPO stage's completions.jsonl too)."""
+        return [RunDir(self.run_dir).metrics]
 
     def workers(self) -> int:
         wanted = self.job.data.num_workers
