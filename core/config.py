@@ -375,9 +375,7 @@ class GrpoSpec(Section):
     def _some_reward(cls, value):
         if not value:
             raise ValueError("is empty: a GRPO stage learns from rewards, e.g. [{score: sql_exec_accuracy}]")
-        names = [reward.name for reward in value]
-        repeated = sorted({n for n in names if names.count(n) > 1})
-        if repeated:
+        if repeated := repeats(reward.name for reward in value):
             raise ValueError(f"rewards repeat: {repeated} (give one entry a weight instead)")
         return value
 
@@ -861,9 +859,7 @@ class Experiment(Section):
     def _unique_stages(cls, stages):
         if not stages:
             raise ValueError("is empty; leave it out for a single stage named 'train'")
-        names = [s.name for s in stages]
-        duplicates = sorted({n for n in names if names.count(n) > 1})
-        if duplicates:
+        if duplicates := repeats(s.name for s in stages):
             raise ValueError(f"stage names repeat: {duplicates}")
         return stages
 
@@ -1027,6 +1023,12 @@ def placeholders(template: str) -> list[str]:
         raise ValueError(
             f"prompt_template does not parse ({exc}); write literal braces as '{{{{' and '}}}}'"
         ) from None
+
+
+def repeats(names) -> list[str]:
+    """The names written more than once, sorted."""
+    names = list(names)
+    return sorted({name for name in names if names.count(name) > 1})
 
 
 def are(keys: list[str]) -> str:

@@ -48,11 +48,9 @@ from train import chat, distributed
 from train.grpo_data import lengths_of_a_step, prompts_as_trained, tokens_per_epoch
 from train.model import trainable_in_fp32
 from train.recipe import StageRecipe, one_gpu_per_process, stage_trainer
-from train.trl_seams import imported
+from train.trl_seams import POLICY_ADAPTER, imported, keep_reference
 
 log = logging.getLogger("train.grpo")
-REFERENCE_ADAPTER = "ref"  # the name TRL gives its frozen copy of the policy's adapter (trl 1.16)
-POLICY_ADAPTER = "default"
 COMPLETIONS_PER_LOG = 4  # completions.jsonl: the first few of the latest generation, per logging step
 COMPLETIONS_MAX_BYTES = 4 * 2**20  # and no more than this in all
 
@@ -326,13 +324,7 @@ class GrpoRecipe(StageRecipe):
         self.reference = None
         if grpo.beta > 0:
             self.reference = grpo.reference or ("previous" if self.job.init_adapter else "base")
-            adapters = trainer.model.peft_config
-            if self.reference == "base" and REFERENCE_ADAPTER in adapters:
-                trainer.model.delete_adapter(REFERENCE_ADAPTER)  # TRL then disables the adapters instead
-            if self.reference == "previous" and REFERENCE_ADAPTER not in adapters:
-                raise RuntimeError(
-                    "TRL kept no frozen copy of the previous adapter; reference: previous cannot run"
-                )
+            keep_reference(trainer.model, self.reference)
         log.info(
             "GRPO: %d prompts x %d completions a step; stop ids %s; reference %s; no-variance stop after %d steps",
             self.prompts_per_step,

@@ -36,10 +36,9 @@ from train.dpo_step import reference_of
 from train.model import max_positions, trainable_in_fp32
 from train.pairs import encoded_pairs, fitted, lengths_of
 from train.recipe import StageRecipe, one_gpu_per_process, stage_trainer
+from train.trl_seams import POLICY_ADAPTER, keep_reference
 
 log = logging.getLogger("train.preference")
-REFERENCE_ADAPTER = "ref"  # the name TRL gives its frozen copy of the policy's adapter
-POLICY_ADAPTER = "default"
 
 
 # ---- the trainer ----------------------------------------------------------------------------------
@@ -168,13 +167,7 @@ class PreferenceRecipe(StageRecipe):
         # the policy would differ from its reference before any step. Ours stay fp32, as in an SFT stage.
         trainable_in_fp32(trainer.model)
         self.reference = reference_of(self.job)
-        adapters = trainer.model.peft_config
-        if self.reference == "base" and REFERENCE_ADAPTER in adapters:
-            trainer.model.delete_adapter(REFERENCE_ADAPTER)  # TRL then disables the adapters instead
-        if self.reference == "previous" and REFERENCE_ADAPTER not in adapters:
-            raise RuntimeError(
-                "TRL kept no frozen copy of the previous adapter; reference: previous cannot run"
-            )
+        keep_reference(trainer.model, self.reference)
         log.info("DPO: reference %s; adapters %s", self.reference, sorted(trainer.model.peft_config))
         return trainer
 

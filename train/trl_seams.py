@@ -53,6 +53,23 @@ IMPORTED = (
 EXPERIMENTAL = {"GRPOTrainer": ("rollout_func",)}
 
 
+# The name TRL gives its frozen copy of a PeftModel's adapter when a DPO or GRPO trainer is handed one with
+# beta > 0 and no reference model (trl 1.16 DPOTrainer and GRPOTrainer __init__); its policy's is "default".
+REFERENCE_ADAPTER = "ref"
+POLICY_ADAPTER = "default"
+
+
+def keep_reference(model, reference: str) -> None:
+    """The reference of a DPO or GRPO stage as written: `previous`, TRL's frozen copy of the adapter the stage
+    started from (it must be there); `base`, that copy deleted, so TRL disables the adapters for the
+    reference's forward instead (`use_adapter(model, None)`)."""
+    adapters = model.peft_config
+    if reference == "base" and REFERENCE_ADAPTER in adapters:
+        model.delete_adapter(REFERENCE_ADAPTER)
+    if reference == "previous" and REFERENCE_ADAPTER not in adapters:
+        raise RuntimeError("TRL kept no frozen copy of the previous adapter; reference: previous cannot run")
+
+
 def imported(module: str, name: str):
     """A TRL helper listed in IMPORTED, imported (on the node only)."""
     import importlib
