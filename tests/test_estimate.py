@@ -549,3 +549,42 @@ def test_the_dry_run_names_the_jobs_that_would_run_on_a_guessed_speed(tmp_path, 
     lines = capsys.readouterr().out.splitlines()
     guessed = next(line for line in lines if line.startswith("On a guessed speed"))
     assert "/train" not in guessed and "auto/eval" in guessed and "4x" in guessed
+
+
+def decoding_row(**changes) -> EvalSpeedRecord:
+    values = dict(
+        model=MODEL["name_or_path"],
+        device_name="NVIDIA A100",
+        num_beams=1,
+        batch_size=8,
+        max_new_tokens=64,
+        batches=4,
+        startup_s=10.0,
+        decode_step_s=0.05,
+        scoring_s=1.0,
+        time=1.0,
+    )
+    return EvalSpeedRecord(**(values | changes))
+
+
+def test_a_grpo_estimate_counts_its_completions_and_its_generation_by_hand():
+    """Issue 49: a GRPO step trains num_generations completions of each prompt and first samples them; before,
+    the estimate (and `time: auto`) counted an SFT step of the prompts and no generation at all."""
+    grpo = {"num_generations": 4, "max_completion_length": 48, "rewards": [{"score": "exact_match"}]}
+    job = train_job(
+        method="grpo", grpo=grpo, max_steps=6, batch_size=2, eval_every_epochs=None, save_every_steps=100
+    )
+    sft = train_job(max_steps=6, batch_size=2, eval_every_epochs=None, save_every_steps=100)
+    estimator = Estimator([record(), record(objective="grpo")], hundred_examples, eval_book=[decoding_row()])
+    estimate, plain = estimator(job, gpus=1), estimator(sft, gpus=1)
+    # Training: 6 steps x 2 prompts = 12 examples x 100 tokens x 4 completions = 4,800 tokens at 1,000/s =
+    # 4.8 s; generation: 6 x 48 decoding steps of 8 completions at the book's 0.05 s (batch 8) = 14.4 s.
+    assert plain.seconds == pytest.approx(20 + 1.2)
+    assert estimate.seconds == pytest.approx(20 + 4.8 + 14.4)
+    assert (
+        "generation 6 x 48 decoding steps of 8 completions at 0.050 s (the eval speed book" in estimate.basis
+    )
+    assert estimate.source == "measured"
+    # Without a decoding row the generation is a guess, and the estimate says so (time: auto takes 4x).
+    guessed = Estimator([record(objective="grpo")], hundred_examples)(job, gpus=1)
+    assert guessed.source == "guess" and "guessed from the model's size" in guessed.basis

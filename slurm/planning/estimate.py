@@ -17,6 +17,10 @@ GPU models: a GPU job takes rows measured on its own GPU model (`gpu`: named by 
   the partition, guesses.gpu_model; unknown: the slowest model the rows ran on, where the job may land).
   Without such a row, a row of another model in guesses.GPUS is scaled by the ratio of their peaks (peak
   bf16 FLOP/s for training, memory bandwidth for decoding) and says so: "measured (scaled from H100)".
+GRPO stages: their training tokens (each prompt's num_generations sequences of prompt + completion) as
+  above, plus their sampling: a generation of every completion of a rank's step at once, max_completion_length
+  decoding steps each, at the eval speed book's decoding step of this model (scaled by the batch), else a
+  guess; so `time: auto` counts the generation (slurm/planning/estimate.py Estimator.generation).
 Eval jobs: batches of the answers to generate x max_new_tokens decoding steps + start-up + scoring. The
   answers are those of the first eval.limit conversations (the eval's limit counts examples): one each, or
   under `eval.turns: all` one per assistant turn (core/conversations.py scored_turns, as the eval's prompts
@@ -185,13 +189,43 @@ class Estimator:
             return Estimate(None, "unknown", f"{spec.data.train}: not a local file, not in the speed book")
         speed = training_speed(spec, gpus, self.book, gpu)
         steps, tokens = training_work(spec.train, data, max(1, gpus))
+        if spec.train.method == "grpo" and sized_by != "preflight":
+            # a file's characters count each example once; a GRPO step trains its num_generations
+            # completions of it (preflight counts them exactly: train/grpo_data.py tokens_per_epoch)
+            tokens *= spec.train.reward_objective.num_generations
         evals, saves = checkpoints(spec, data, steps, max(1, gpus))
         eval_data = self.tokens(spec.data.eval, spec.data, spec.model.name_or_path) if evals else None
         eval_s = evals * speed.eval_s(eval_data) if eval_data else 0.0
         seconds = speed.startup_s + tokens / speed.tokens_per_s + eval_s + saves * speed.save_s
         counted = " (counted by preflight)" if sized_by == "preflight" else ""
         basis = f"{tokens:,.0f} tokens{counted} in {steps} steps, {evals} evals, {saves} saves; {speed.basis}"
-        return Estimate(seconds, speed.source, basis, sized_by, startup_s=speed.startup_s)
+        source = speed.source
+        if spec.train.method == "grpo":
+            generation_s, said, measured = self.generation(spec, steps, gpus, gpu)
+            seconds += generation_s
+            basis += f"; {said}"
+            source = source if measured else "guess"
+        return Estimate(seconds, source, basis, sized_by, startup_s=speed.startup_s)
+
+    def generation(self, spec: TrainJob, steps: int, gpus: int, gpu: str | None) -> tuple[float, str, bool]:
+        """(seconds, said, from the speed book) of a GRPO stage's sampling: one generation a step, of every
+        completion of the rank's prompts at once, up to max_completion_length decoding steps (the longest
+        completion sets them), each a decoding step of the eval speed book's for this model, scaled by the
+        batch as the eval's estimate scales it; else guessed from the model's size."""
+        grpo = spec.train.reward_objective
+        batch = spec.train.batch_size * spec.train.grad_accum * grpo.num_generations
+        decoding = steps * grpo.max_completion_length
+        found = nearest_decoding(spec.model.name_or_path, batch, gpus, self.eval_book, gpu)
+        if found is not None:
+            record, target = found
+            scale, scaled = scaling(record.device_name, target, guesses.peak_bandwidth)
+            step_s = record.decode_step_s * batch / record.batch_size / scale
+            where = f"the eval speed book ({record.device_name}, batch {record.batch_size}{scaled})"
+        else:
+            parameters, _ = guesses.model_parameters(spec.model.name_or_path)
+            step_s, where = guesses.decode_step_s(parameters, gpus, 1, gpu), "guessed from the model's size"
+        said = f"generation {steps} x {grpo.max_completion_length} decoding steps of {batch} completions at {step_s:.3f} s ({where})"
+        return decoding * step_s, said, found is not None
 
     def evaluation(self, spec: EvalJob, gpus: int, gpu: str | None = None) -> Estimate:
         data = self.tokens(spec.source, spec.data, spec.model.name_or_path)
@@ -368,6 +402,20 @@ def nearest_record(
     nearest = min(map(distance, matching))
     tied = sorted((r for r in matching if distance(r) == nearest), key=lambda r: (r.tokens_per_s, r.time))
     return tied[(len(tied) - 1) // 2], target
+
+
+def nearest_decoding(
+    model: str, batch: int, gpus: int, book: list[EvalSpeedRecord], gpu: str | None = None
+) -> tuple[EvalSpeedRecord, str | None] | None:
+    """An eval row of `model` decoding greedily (one beam) on the job's kind of device: a GRPO stage's
+    sampling decodes as the eval does, one token of the whole batch a step. Nearest in batch, then newest."""
+    matching = [
+        r for r in book if r.model == model and r.num_beams == 1 and same_device_kind(r.device_name, gpus)
+    ]
+    matching, target = by_gpu_model(matching, gpus, gpu)
+    if not matching:
+        return None
+    return min(matching, key=lambda r: (abs(math.log(r.batch_size / batch)), -r.time)), target
 
 
 def nearest_eval_record(
