@@ -588,3 +588,26 @@ def test_a_grpo_estimate_counts_its_completions_and_its_generation_by_hand():
     # Without a decoding row the generation is a guess, and the estimate says so (time: auto takes 4x).
     guessed = Estimator([record(objective="grpo")], hundred_examples)(job, gpus=1)
     assert guessed.source == "guess" and "guessed from the model's size" in guessed.basis
+
+
+@pytest.mark.slow  # two plans, each running its rewards check
+def test_a_grpo_step_longer_than_the_signal_delay_is_named_under_the_plan(tmp_path):
+    """The time-limit stop lands only between steps: a GRPO step with its generation may outlast the signal
+    delay, and then a job at its limit is killed mid-step, its step lost. The plan says so, with the fix."""
+    from slurm.watching.render import totals_text
+
+    grpo = (
+        "{num_generations: 8, max_completion_length: GEN, from_base: true, rewards: [{score: exact_match}]}"
+    )
+    text = (
+        sized("rl", "{gpus: 1, signal_delay_s: 60}")
+        + f"train: {{method: grpo, max_steps: 4, grpo: {grpo}}}\n"
+    )
+    long_steps = write_experiments(tmp_path / "long", rl=text.replace("GEN", "60000"))
+    plan = plan_for(folder=long_steps, names=["rl"])
+    (job,) = [j for j in plan.jobs if j.id == "rl/train"]
+    assert job.estimate.step_s > 60 and "generation 4 x 60000 decoding steps" in job.estimate.basis
+    assert "One step of rl/train takes ~" in totals_text(plan)
+    assert "longer than its resources.signal_delay_s 60" in totals_text(plan)
+    short_steps = write_experiments(tmp_path / "short", rl=text.replace("GEN", "16"))
+    assert "One step of" not in totals_text(plan_for(folder=short_steps, names=["rl"]))

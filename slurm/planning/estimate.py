@@ -91,6 +91,8 @@ class Estimate:
     tokens: Literal["preflight", "characters", "speed book"] | None = None  # where the data's size came from
     split: str | None = None  # the micro-batch x accumulation it is estimated at (Split.short); None: auto
     startup_s: float = 0.0  # of `seconds`, the job's start-up: what a pruned run pays however early it stops
+    # one optimizer step, where one may outlast the signal delay (a GRPO step, its generation included)
+    step_s: float | None = None
 
     def to_json(self) -> dict:
         seconds = round(self.seconds) if self.seconds is not None else None
@@ -199,13 +201,14 @@ class Estimator:
         seconds = speed.startup_s + tokens / speed.tokens_per_s + eval_s + saves * speed.save_s
         counted = " (counted by preflight)" if sized_by == "preflight" else ""
         basis = f"{tokens:,.0f} tokens{counted} in {steps} steps, {evals} evals, {saves} saves; {speed.basis}"
-        source = speed.source
+        source, step_s = speed.source, None
         if spec.train.method == "grpo":
             generation_s, said, measured = self.generation(spec, steps, gpus, gpu)
             seconds += generation_s
             basis += f"; {said}"
             source = source if measured else "guess"
-        return Estimate(seconds, source, basis, sized_by, startup_s=speed.startup_s)
+            step_s = (tokens / speed.tokens_per_s + generation_s) / max(1, steps)
+        return Estimate(seconds, source, basis, sized_by, startup_s=speed.startup_s, step_s=step_s)
 
     def generation(self, spec: TrainJob, steps: int, gpus: int, gpu: str | None) -> tuple[float, str, bool]:
         """(seconds, said, from the speed book) of a GRPO stage's sampling: one generation a step, of every

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from rich.console import Console
@@ -169,6 +170,14 @@ def totals_text(plan: Plan) -> str:
             lines.append(
                 f"  sweep {sweep_of[name]}: {len(sweep.experiments())} point(s), {sweep_hours(sweep)}, "
                 f"~{format_duration(seconds)} with every point at once ({' -> '.join(path)})"
+            )
+    for job in plan.jobs:
+        step_s, delay = job.estimate.step_s, job.resources.signal_delay_s
+        if step_s is not None and step_s > delay:
+            lines.append(
+                f"One step of {job.id} takes ~{format_duration(step_s)} (its generation included), longer than "
+                f"its resources.signal_delay_s {delay}: the time-limit stop saves only between steps, so at "
+                f"its limit the job may be killed mid-step; set signal_delay_s to {math.ceil(2 * step_s)} or more"
             )
     guessed = [j.id for j in plan.jobs if j.estimate.source == "guess"]
     if guessed:
