@@ -45,6 +45,10 @@ class SpeedRecord:
     # train.method: a DPO step runs two sequences per example and a reference forward, so its speed is its
     # own; rows written before it was kept are SFT's
     objective: str = "sft"
+    # A GRPO stage's sampling, apart from its training (tokens_per_s is then the training's alone): seconds
+    # per decoding step of a generation of `decode_batch` completions. None in every other row.
+    decode_step_s: float | None = None
+    decode_batch: int | None = None
 
 
 @dataclass(frozen=True)

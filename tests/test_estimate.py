@@ -582,9 +582,16 @@ def test_a_grpo_estimate_counts_its_completions_and_its_generation_by_hand():
     assert plain.seconds == pytest.approx(20 + 1.2)
     assert estimate.seconds == pytest.approx(20 + 4.8 + 14.4)
     assert (
-        "generation 6 x 48 decoding steps of 8 completions at 0.050 s (the eval speed book" in estimate.basis
+        "generation 6 x 48 decoding steps of 8 completions at 0.050 s (an eval's row in the speed book"
+        in estimate.basis
     )
     assert estimate.source == "measured"
+    # A GRPO stage's own row of the speed book wins over the eval's: 0.02 s a step of its 16 completions,
+    # so 0.01 s for this job's 8: 6 x 48 x 0.01 = 2.88 s of generation.
+    own = record(objective="grpo", decode_step_s=0.02, decode_batch=16)
+    sampled = Estimator([own], hundred_examples, eval_book=[decoding_row()])(job, gpus=1)
+    assert sampled.seconds == pytest.approx(20 + 4.8 + 2.88)
+    assert "at 0.010 s (a GRPO stage's row in the speed book (NVIDIA A100, batch 16))" in sampled.basis
     # Without a decoding row the generation is a guess, and the estimate says so (time: auto takes 4x).
     guessed = Estimator([record(objective="grpo")], hundred_examples)(job, gpus=1)
     assert guessed.source == "guess" and "guessed from the model's size" in guessed.basis

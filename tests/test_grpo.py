@@ -289,6 +289,11 @@ def test_sft_then_grpo_through_launch_on_the_local_backend(repo_root, tmp_path, 
     assert all(0 <= r["completions/clipped_ratio"] <= 1 and "rewards/rouge_l/seconds" in r for r in rows)
     kept = read_jsonl(runs / "grpo" / "completions.jsonl")
     assert kept and set(kept[0]["rewards"]) == {"rouge_l", "sql_executes"}
+    # Its speed-book row: the training's tokens/s and the sampling's seconds per decoding step, apart.
+    from core.speeds import read_book
+
+    (row,) = [r for r in read_book(tmp_path / "runs" / "speeds.jsonl") if r.objective == "grpo"]
+    assert row.decode_step_s > 0 and row.decode_batch == 2 * 4 and row.tokens_per_s > 0
     report = (tmp_path / "runs" / "report.md").read_text()
     assert report.count("| sql-llama-sft-grpo") >= 2  # the SFT stage's row and the GRPO stage's
     assert "base (no adapter)" in report

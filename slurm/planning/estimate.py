@@ -19,8 +19,9 @@ GPU models: a GPU job takes rows measured on its own GPU model (`gpu`: named by 
   bf16 FLOP/s for training, memory bandwidth for decoding) and says so: "measured (scaled from H100)".
 GRPO stages: their training tokens (each prompt's num_generations sequences of prompt + completion) as
   above, plus their sampling: a generation of every completion of a rank's step at once, max_completion_length
-  decoding steps each, at the eval speed book's decoding step of this model (scaled by the batch), else a
-  guess; so `time: auto` counts the generation (slurm/planning/estimate.py Estimator.generation).
+  decoding steps each, at the decoding step of a GRPO stage's speed-book row of this model (its sampling,
+  timed apart from its training), else an eval row's (one beam), scaled by the batch, else a guess; so
+  `time: auto` counts the generation (Estimator.generation).
 Eval jobs: batches of the answers to generate x max_new_tokens decoding steps + start-up + scoring. The
   answers are those of the first eval.limit conversations (the eval's limit counts examples): one each, or
   under `eval.turns: all` one per assistant turn (core/conversations.py scored_turns, as the eval's prompts
@@ -213,17 +214,25 @@ class Estimator:
     def generation(self, spec: TrainJob, steps: int, gpus: int, gpu: str | None) -> tuple[float, str, bool]:
         """(seconds, said, from the speed book) of a GRPO stage's sampling: one generation a step, of every
         completion of the rank's prompts at once, up to max_completion_length decoding steps (the longest
-        completion sets them), each a decoding step of the eval speed book's for this model, scaled by the
+        completion sets them), each a decoding step of a GRPO stage's (else an eval's) speed-book row for this model, scaled by the
         batch as the eval's estimate scales it; else guessed from the model's size."""
         grpo = spec.train.reward_objective
         batch = spec.train.batch_size * spec.train.grad_accum * grpo.num_generations
         decoding = steps * grpo.max_completion_length
-        found = nearest_decoding(spec.model.name_or_path, batch, gpus, self.eval_book, gpu)
+        sampled = [r for r in self.book if r.objective == "grpo" and r.decode_step_s and r.decode_batch]
+        found = nearest_decoding(spec.model.name_or_path, batch, gpus, sampled, gpu)
+        book = "a GRPO stage's row"
+        if found is None:
+            found, book = (
+                nearest_decoding(spec.model.name_or_path, batch, gpus, self.eval_book, gpu),
+                "an eval's row",
+            )
         if found is not None:
             record, target = found
             scale, scaled = scaling(record.device_name, target, guesses.peak_bandwidth)
-            step_s = record.decode_step_s * batch / record.batch_size / scale
-            where = f"the eval speed book ({record.device_name}, batch {record.batch_size}{scaled})"
+            recorded_batch = getattr(record, "decode_batch", None) or record.batch_size
+            step_s = record.decode_step_s * batch / recorded_batch / scale
+            where = f"{book} in the speed book ({record.device_name}, batch {recorded_batch}{scaled})"
         else:
             parameters, _ = guesses.model_parameters(spec.model.name_or_path)
             step_s, where = guesses.decode_step_s(parameters, gpus, 1, gpu), "guessed from the model's size"
@@ -407,18 +416,23 @@ def nearest_record(
     return tied[(len(tied) - 1) // 2], target
 
 
-def nearest_decoding(
-    model: str, batch: int, gpus: int, book: list[EvalSpeedRecord], gpu: str | None = None
-) -> tuple[EvalSpeedRecord, str | None] | None:
-    """An eval row of `model` decoding greedily (one beam) on the job's kind of device: a GRPO stage's
-    sampling decodes as the eval does, one token of the whole batch a step. Nearest in batch, then newest."""
+def nearest_decoding(model: str, batch: int, gpus: int, book: list, gpu: str | None = None) -> tuple | None:
+    """A row of `model` that decoded on the job's kind of device: a GRPO stage's own (its decode_batch), or
+    an eval's with one beam (a GRPO stage's sampling decodes as the eval does, one token of the whole batch
+    a step). Nearest in batch, then newest; (row, the GPU model the job is estimated for)."""
+
+    def batch_of(row) -> int:
+        return getattr(row, "decode_batch", None) or row.batch_size
+
     matching = [
-        r for r in book if r.model == model and r.num_beams == 1 and same_device_kind(r.device_name, gpus)
+        r
+        for r in book
+        if r.model == model and getattr(r, "num_beams", 1) == 1 and same_device_kind(r.device_name, gpus)
     ]
     matching, target = by_gpu_model(matching, gpus, gpu)
     if not matching:
         return None
-    return min(matching, key=lambda r: (abs(math.log(r.batch_size / batch)), -r.time)), target
+    return min(matching, key=lambda r: (abs(math.log(batch_of(r) / batch)), -r.time)), target
 
 
 def nearest_eval_record(
