@@ -44,21 +44,26 @@ class ScoreReward:
         ]
 
     def sql_score(self, completion: str, gold_query: str) -> float | None:
-        from eval.sql import ReadOnlyDB, pair_scores
+        from eval.sql import pair_scores
+
+        gold = self.gold(gold_query)
+        if gold.error is not None:  # a data bug (preflight refuses it): no score, as in the eval's means
+            return None
+        return pair_scores(self.database.execute(completion, self.timeout_s), gold, gold_query)[self.name]
+
+    def gold(self, gold_query: str):
+        """The gold query's ExecResult, run once per job (the database opened at the first)."""
+        from eval.sql import ReadOnlyDB
 
         if self.database is None:
             self.database = ReadOnlyDB(self.db_path)
         if gold_query not in self.golds:
             self.golds[gold_query] = self.database.execute(gold_query, self.timeout_s)
-        gold = self.golds[gold_query]
-        if gold.error is not None:  # a data bug (preflight refuses it): no score, as in the eval's means
-            return None
-        return pair_scores(self.database.execute(completion, self.timeout_s), gold, gold_query)[self.name]
+        return self.golds[gold_query]
 
     def gold_error(self, gold_query: str) -> str | None:
-        """What running the gold query said, if it failed (the launch's check)."""
-        self.sql_score("", gold_query)
-        return self.golds[gold_query].error
+        """What running the gold query said, if it failed (the launch's check); no completion is run."""
+        return self.gold(gold_query).error
 
 
 def user_function(spec: RewardSpec, folder: str | Path) -> Callable:

@@ -37,7 +37,6 @@ import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_callback import ExportableState
 
-from core import speeds
 from core.conversations import templated
 from core.files import append_json_line, write_json_atomic
 from core.grpo import zero_variance_steps
@@ -432,42 +431,23 @@ class GrpoRecipe(StageRecipe):
             "rewards": [reward.name for reward in grpo.rewards],
         }
 
-    def write_speed(self) -> None:
-        """This stage's row in the speed book, its training and its sampling apart: tokens_per_s of the
-        steps' training alone (their time less their generations'), and decode_step_s, a generation's seconds
-        per decoding step of its decode_batch completions (slurm/planning/estimate.py Estimator.generation).
-        The first step is start-up, as for every stage; nothing when fewer than two steps ran here."""
-        book, timer, state = speeds.book_of(self.job), self.timer, self.trainer.state
-        if book is None or timer.first_step is None or timer.steps_timed == 0 or not state.global_step:
-            return
+    def measured_speed(self) -> dict | None:
+        """Its training and its sampling apart: tokens_per_s of the steps' training alone (their time less
+        their generations'), and decode_step_s, a generation's seconds per decoding step of its decode_batch
+        completions (slurm/planning/estimate.py Estimator.generation). The first step is start-up, as for
+        every stage; None when fewer than two steps ran here."""
+        timer, state = self.timer, self.trainer.state
+        if timer.first_step is None or timer.steps_timed == 0 or not state.global_step:
+            return None
         timed = [g for g in self.generations if g[0] >= timer.first_step]
         generation_s, decoding = sum(g[1] for g in timed), sum(g[2] for g in timed)
         training_s = timer.stepping_s - generation_s
         if training_s <= 0 or decoding == 0:
-            return
+            return None
         per_step = state.num_input_tokens_seen / state.global_step  # TRL counts prompt + completion tokens
-        record = speeds.SpeedRecord(
-            model=self.job.model.name_or_path,
-            method=self.job.adapter.method,
-            precision=self.placement.precision,
-            device_name=self.placement.device_name,
-            world_size=self.placement.world_size,
-            batch_size=self.split.micro_batch,
-            grad_accum=self.split.grad_accum,
-            max_length=self.lengths.max_length,
-            tokens_per_s=round(per_step * timer.steps_timed / training_s, 1),
-            startup_s=round(timer.startup_s, 2),
-            eval_s=None,
-            eval_examples=None,
-            save_s=round(sum(timer.save_s) / len(timer.save_s), 3) if timer.save_s else None,
-            data=self.job.data.train,
-            examples=len(self.train_set),
-            tokens_per_example=round(per_step / self.prompts_per_step, 2),
-            time=round(time.time(), 3),
-            calibration=self.job.calibration,
-            gradient_checkpointing=self.split.gradient_checkpointing,
-            objective="grpo",
-            decode_step_s=round(generation_s / decoding, 5),
-            decode_batch=timed[-1][3],
-        )
-        speeds.append(book, record)
+        return {
+            "tokens_per_s": round(per_step * timer.steps_timed / training_s, 1),
+            "tokens_per_example": round(per_step / self.prompts_per_step, 2),
+            "decode_step_s": round(generation_s / decoding, 5),
+            "decode_batch": timed[-1][3],
+        }

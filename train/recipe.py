@@ -753,12 +753,28 @@ class StageRecipe:
     def write_speed(self) -> None:
         """This stage's row in the speed book (core/speeds.py), from which the launcher estimates the next
         jobs on this model. Nothing when fewer than two steps ran in this process (no speed to measure)."""
-        book, timer, train = speeds.book_of(self.job), self.timer, self.job.train
-        if book is None or timer.steps_timed == 0 or timer.stepping_s <= 0:
-            return
+        book = speeds.book_of(self.job)
+        measured = self.measured_speed() if book is not None else None
+        if measured is not None:
+            speeds.append(book, self.speed_record(**measured))
+
+    def measured_speed(self) -> dict | None:
+        """What this run's timed steps measured (tokens_per_s, tokens_per_example; a GRPO stage adds its
+        sampling's); None when fewer than two steps ran in this process."""
+        timer, train = self.timer, self.job.train
+        if timer.steps_timed == 0 or timer.stepping_s <= 0:
+            return None
         examples = timer.steps_timed * train.batch_size * train.grad_accum * self.placement.world_size
         per_example = self.tokens_per_example()
-        record = speeds.SpeedRecord(
+        return {
+            "tokens_per_s": round(examples * per_example / timer.stepping_s, 1),
+            "tokens_per_example": round(per_example, 2),
+        }
+
+    def speed_record(self, **measured) -> speeds.SpeedRecord:
+        """The row: what this stage is (model, method, device, split, data) and what it `measured`."""
+        timer = self.timer
+        return speeds.SpeedRecord(
             model=self.job.model.name_or_path,
             method=self.job.adapter.method,
             precision=self.placement.precision,
@@ -767,20 +783,18 @@ class StageRecipe:
             batch_size=self.split.micro_batch,
             grad_accum=self.split.grad_accum,
             max_length=self.lengths.max_length,
-            tokens_per_s=round(examples * per_example / timer.stepping_s, 1),
             startup_s=round(timer.startup_s, 2),
             eval_s=round(sum(timer.eval_s) / len(timer.eval_s), 3) if timer.eval_s else None,
             eval_examples=len(self.eval_set) if self.eval_set is not None else None,
             save_s=round(sum(timer.save_s) / len(timer.save_s), 3) if timer.save_s else None,
             data=self.job.data.train,
             examples=len(self.train_set),
-            tokens_per_example=round(per_example, 2),
             time=round(time.time(), 3),
             calibration=self.job.calibration,
             gradient_checkpointing=self.split.gradient_checkpointing,
             objective=self.job.train.method,
+            **measured,
         )
-        speeds.append(book, record)
 
     def tokens_per_example(self) -> float:
         """Prompt + target tokens of an average training example as trained (data.trained_tokens)."""
