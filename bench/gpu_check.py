@@ -11,9 +11,11 @@ package, one GPU only):
 - "memory": preflight's estimate (train/memory.py, on the meta device) against the whole step's
   `torch.cuda.max_memory_allocated` (forward, loss, backward, AdamW step) of a Qwen2.5-0.5B-shaped model
   built from its config with random weights, LoRA r16 on every linear layer, at two shapes with the plain
-  loss and one with the fused loss (where liger-kernel is installed); and "fused_loss": Liger's fused linear
+  loss and one with the fused loss (where liger-kernel is installed); "fused_loss": Liger's fused linear
   cross-entropy against the plain loss on that model: the loss and the LoRA gradients (relative difference,
-  cosine).
+  cosine); and "grpo_memory": a GRPO stage's whole step on that model (TRL's GRPOTrainer, the generation of
+  the step's completions included: bench/preflight_memory.py measured_grpo on CUDA) against preflight's
+  estimate of it, at GRPO_SHAPES (needs TRL).
 - "demo": the demo's LoRA (sql-t5-lora) and QLoRA (sql-llama-qlora-curriculum) experiments through
   `launch.py --backend local --wait`, three tiny jobs at a time sharing the GPU (each planning for a third of
   its memory), runs and logs in a temporary folder: each stage's device and precision from summary.json,
@@ -66,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     checks = {  # a CPU runs the throughput part only, on a tiny model: the same rows, figures that run here
         "memory": memory_rows if cuda else None,
         "fused_loss": fused_against_plain if cuda and liger_installed() else None,
+        "grpo_memory": grpo_memory_rows if cuda and trl_installed() else None,
         "demo": demo_runs if cuda else None,
         "ddp": ddp_against_one_rank if gpus >= 2 else None,
         "throughput": throughput,
@@ -73,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     reasons = {
         "memory": no_gpu,
         "fused_loss": "liger-kernel is not installed (pip install -e '.[gpu]')" if cuda else no_gpu,
+        "grpo_memory": "TRL is not installed" if cuda else no_gpu,
         "demo": no_gpu,
         "ddp": f"{gpus} GPU: needs 2",
     }
@@ -95,7 +99,11 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-PARTS = {"memory": ("memory", "fused_loss"), "demo": ("demo", "ddp"), "throughput": ("throughput",)}
+PARTS = {
+    "memory": ("memory", "fused_loss", "grpo_memory"),
+    "demo": ("demo", "ddp"),
+    "throughput": ("throughput",),
+}
 STARTED = time.monotonic()
 
 
@@ -199,6 +207,46 @@ def memory_rows() -> list[dict]:
 
 
 MEMORY_SHAPES = [(2, 512), (4, 1024)]
+# (prompts per step, num_generations, micro-batch in completions, prompt tokens, completion tokens, beta)
+GRPO_SHAPES = [(8, 8, 8, 128, 256, 0.0), (4, 8, 4, 128, 256, 0.04)]
+
+
+def trl_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("trl") is not None
+
+
+def grpo_memory_rows() -> list[dict]:
+    """A GRPO step's estimate (bench/preflight_memory.py estimated_grpo: the larger of its training and its
+    generation) against TRL's whole step measured on this GPU, in GB (10**9 bytes), reserve left out."""
+    import torch
+
+    from bench import preflight_memory as bench
+    from train.memory import GB
+
+    rows = []
+    with qwen_shaped() as (folder, _):
+        for prompts, generations, micro, prompt, completion, beta in GRPO_SHAPES:
+            job = bench.grpo_job(memory_job(folder, 1), prompts, generations, micro, completion, beta)
+            predicted = bench.estimated_grpo(job, prompt)
+            torch.cuda.empty_cache()
+            measured = bench.measured_grpo(job, prompt, cuda=True)["train"]
+            rows.append(
+                {
+                    "completions": prompts * generations,
+                    "micro_batch": micro,
+                    "tokens": f"{prompt}+{completion}",
+                    "beta": beta,
+                    "peak": predicted["peak"],
+                    "estimate_gb": round(predicted["train"] / GB, 3),
+                    "measured_gb": round(measured / GB, 3),
+                    "error_percent": round(100 * (predicted["train"] / measured - 1), 1),
+                }
+            )
+    return rows
+
+
 FUSED_SHAPES = [(16, 512)]
 
 

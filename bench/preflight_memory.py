@@ -10,7 +10,12 @@ weights, fp32 trainable parameters, bf16 autocast; QLoRA through bitsandbytes' 4
   created AdamW's moments (as every step but the first finds them);
 - eval: a no-grad forward and loss at the eval batch (twice the training batch, train/recipe.py);
 - a DPO stage's train step (PREFERENCE_CASES, reference: base): TRL's own DPOTrainer.training_step, chosen
-  and rejected as one batch, the reference forward with adapters disabled, the backward, then fused AdamW.
+  and rejected as one batch, the reference forward with adapters disabled, the backward, then fused AdamW;
+- a GRPO stage's whole step (GRPO_CASES): TRL's own GRPOTrainer.training_step for each micro-batch, the first
+  generating every completion of the step at once through the stage's own generation (train/grpo.py
+  sampled_completions, each completion made to run to max_completion_length) and, with beta > 0, the
+  reference forward of the adapter's frozen copy (reference: previous); then fused AdamW. Set against the
+  larger of the estimate's training step and generation.
 
 Measured peak = what the step finds (weights, trainable parameters, moments, the batch) + the highest the
 CPU allocator's live bytes rise above that during the step (torch.profiler's allocation events carry the
@@ -25,6 +30,7 @@ import gc
 import json
 import tempfile
 import threading
+from contextlib import nullcontext
 from pathlib import Path
 from unittest.mock import patch
 
@@ -41,6 +47,15 @@ ALL_LINEAR = "all-linear"
 T5_TARGETS = ["q", "k", "v", "o", "wi_0", "wi_1", "wo"]
 MiB = 2**20
 
+# A small model with Qwen2.5's 152k vocabulary, 4 layers deep
+VOCAB152K_SMALL = {
+    "from": QWEN,
+    "num_hidden_layers": 4,
+    "hidden_size": 256,
+    "intermediate_size": 1024,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+}
 # name → (kind, config.json changes, adapter changes,
 #         [(batch, length, checkpointing[, grad_accum[, answer tokens per example]])])
 CASES = {
@@ -68,28 +83,13 @@ CASES = {
     # A small model with Qwen's vocabulary: the logits and the loss are most of the step.
     "vocab152k-small": (
         "causal",
-        {
-            "from": QWEN,
-            "num_hidden_layers": 4,
-            "hidden_size": 256,
-            "intermediate_size": 1024,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-        },
+        VOCAB152K_SMALL,
         {"rank": 16, "target_modules": ALL_LINEAR},
         [(4, 512, False), (4, 512, False, 1, 64)],  # the second: prompt-heavy, 64 answer tokens of 512
     ),
     "vocab152k-lm_head": (
         "causal",
-        {
-            "from": QWEN,
-            "num_hidden_layers": 4,
-            "hidden_size": 256,
-            "intermediate_size": 1024,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "tie_word_embeddings": False,
-        },
+        VOCAB152K_SMALL | {"tie_word_embeddings": False},
         {
             "rank": 16,
             "target_modules": ALL_LINEAR,
@@ -119,7 +119,36 @@ PREFERENCE_CASES = {
         [(4, 64, 16), (4, 128, 32), (8, 128, 64)],
     ),
 }
-QUICK = ("tiny-llama", "tiny-t5", "vocab152k-small", "tiny-llama-dpo")
+# GRPO stages (TRL's step, the generation included): name → (config.json changes, adapter,
+#   [(prompts per step, num_generations, micro-batch in completions, prompt tokens, completion tokens, beta)])
+GRPO_CASES = {
+    "tiny-llama-grpo": (
+        {"from": ROOT / "models" / "tiny-llama" / "config.json"},
+        {"rank": 8, "target_modules": ALL_LINEAR},
+        [(2, 4, 8, 32, 32, 0.0), (4, 8, 8, 64, 64, 0.0), (4, 4, 4, 64, 64, 0.04)],
+    ),
+    # A deeper, wider model with few KV heads and Qwen's vocabulary: many completions make the KV cache count.
+    "vocab152k-small-grpo": (
+        VOCAB152K_SMALL,
+        {"rank": 16, "target_modules": ALL_LINEAR},
+        [(8, 8, 8, 64, 128, 0.0), (2, 4, 8, 64, 64, 0.04)],
+    ),
+    # Eight layers of full multi-head attention with a small vocabulary: the KV cache is most of a generation.
+    "kv-heavy-grpo": (
+        {
+            "from": ROOT / "models" / "tiny-llama" / "config.json",
+            "num_hidden_layers": 8,
+            "hidden_size": 256,
+            "intermediate_size": 512,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 8,
+            "head_dim": 32,
+        },
+        {"rank": 8, "target_modules": ALL_LINEAR},
+        [(8, 8, 2, 64, 128, 0.0), (4, 8, 4, 64, 128, 0.04)],
+    ),
+}
+QUICK = ("tiny-llama", "tiny-t5", "vocab152k-small", "tiny-llama-dpo", "tiny-llama-grpo")
 
 
 # ---- the model, as a job holds it ------------------------------------------------------------------------
@@ -153,11 +182,13 @@ def gpu_like_placement():
     return replace(cpu, load_dtype=torch.bfloat16, compute_dtype=torch.bfloat16)
 
 
-def real_model(job: TrainJob):
-    """The trainer's own loading path (train/model.py load_base, new_adapter), on the CPU."""
+def real_model(job: TrainJob, cuda: bool = False):
+    """The trainer's own loading path (train/model.py load_base, new_adapter), on the CPU held as a bf16 GPU
+    holds it, or (`cuda`) on this machine's GPU as the job places it (train/device.py)."""
+    from train.device import current
     from train.model import load_base, new_adapter
 
-    base = load_base(job.model, job.adapter, gpu_like_placement())
+    base = load_base(job.model, job.adapter, current("bf16") if cuda else gpu_like_placement())
     return new_adapter(base, job.adapter, job.model.kind).train()
 
 
@@ -370,6 +401,147 @@ def measured_preference(job: TrainJob, length: int, targets: int) -> dict[str, i
     return {"weights": weights, "train": held + profiled_rise(lambda: step(inputs))}
 
 
+def grpo_job(
+    job: TrainJob, prompts: int, generations: int, micro: int, completion: int, beta: float
+) -> TrainJob:
+    """The job as a GRPO stage of `prompts` per step, each with `generations` completions of `completion`
+    tokens, split into micro-batches of `micro` completions; with beta > 0, after a stage (reference: previous)."""
+    written = job.model_dump(exclude_unset=True)
+    grpo = {"num_generations": generations, "max_completion_length": completion, "beta": beta}
+    written["train"] |= {
+        "method": "grpo",
+        "batch_size": prompts,
+        "micro_batch": micro,
+        "eval_every_epochs": None,
+        "grpo": grpo | {"rewards": [{"score": "exact_match"}]},
+    }
+    written["data"] = {"train": "unused.jsonl"}
+    job = TrainJob.model_validate(written)
+    return job.model_copy(update={"init_adapter": "unused" if beta > 0 else None})
+
+
+def measured_grpo(job: TrainJob, prompt: int, cuda: bool = False) -> dict[str, int]:
+    """Bytes: the frozen weights, and TRL's own GRPO step (GRPOTrainer.training_step per micro-batch: the
+    generation of the whole step's completions by train/grpo.py sampled_completions, each `prompt` tokens of
+    prompt and max_completion_length of completion; the reference forward when beta > 0; each micro-batch's
+    forward and backward), with the fused AdamW step and zero_grad after it. On this CPU (the allocator's
+    rise, read by profiled_rise), or `cuda`: on the GPU as the job runs it, its torch.cuda.max_memory_allocated
+    (bench/gpu_check.py)."""
+    import datasets
+    from transformers import AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+    from trl.trainer import utils as trl_utils
+
+    from train.grpo import sampled_completions
+
+    grpo, train = job.train.reward_objective, job.train
+    steps = train.batch_size * grpo.num_generations // train.micro_batch
+    model = real_model(job, cuda)
+    # A GPU's path: the prefill's output layer runs on its last position, a strided (sequences, 1, hidden)
+    # slice, which a CPU's matmul multiplies by a per-sequence copy of the output layer's weight (its bmm
+    # makes the broadcast weight contiguous: sequences x vocabulary x hidden bytes), and CUDA's strided
+    # batched GEMM does not copy.
+    if not cuda:
+        model.get_output_embeddings().register_forward_pre_hook(lambda module, args: (args[0].contiguous(),))
+    vocab = model.get_input_embeddings().weight.shape[0]
+    generator = torch.Generator().manual_seed(0)
+    prompt_ids = {
+        f"p{i}": torch.randint(4, vocab, (prompt,), generator=generator).tolist() for i in range(64)
+    }
+    tokenizer = AutoTokenizer.from_pretrained(TOKENIZER)  # TRL wants one; the prompts are token ids
+
+    def rollout(prompts: list[str], trainer) -> dict:
+        ids = [prompt_ids[p] for p in prompts]
+        return {"prompt_ids": ids, "completion_ids": sampled_completions(trainer, ids, []), "logprobs": None}
+
+    def reward(completions, **kwargs) -> list[float]:  # any rewards with variance: the memory is the same
+        return torch.rand(len(completions), generator=generator).tolist()
+
+    args = GRPOConfig(
+        output_dir=tempfile.mkdtemp(),
+        per_device_train_batch_size=train.micro_batch,
+        gradient_accumulation_steps=steps,
+        steps_per_generation=steps,
+        num_generations=grpo.num_generations,
+        max_completion_length=grpo.max_completion_length,
+        beta=grpo.beta,
+        bf16=True,
+        use_cpu=not cuda,
+        report_to=[],
+        gradient_checkpointing=train.gradient_checkpointing,
+        disable_dropout=True,
+        log_completions=False,
+    )
+    train_set = datasets.Dataset.from_dict({"prompt": list(prompt_ids)})
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=[reward],
+        args=args,
+        train_dataset=train_set,
+        processing_class=tokenizer,
+        rollout_func=rollout,
+    )
+    if "ref" in trainer.model.peft_config and grpo.beta == 0:
+        trainer.model.delete_adapter("ref")
+    # every completion runs to max_completion_length: the longest a step can generate
+    trainer.generation_config.min_new_tokens = grpo.max_completion_length
+    model, trainer.current_gradient_accumulation_steps = trainer.model, steps
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=1e-4, fused=True)  # the Trainer's adamw_torch_fused
+    rows = [{"prompt": f"p{i}"} for i in range(train.batch_size) for _ in range(grpo.num_generations)]
+
+    def step() -> None:
+        # On a CPU, a GPU's path: the fused LM head at the completion's tokens only, under bf16 autocast
+        with (
+            nullcontext() if cuda else patch.object(trl_utils, "_use_triton", lambda device: True),
+            nullcontext() if cuda else torch.autocast("cpu", torch.bfloat16),
+        ):
+            for _ in range(steps):
+                trainer.training_step(model, rows, None)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    for param in trainable:  # AdamW's moments, as every step but the first finds them
+        param.grad = torch.zeros_like(param)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    moments = [t for state in optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
+    weights = held_bytes(weight_tensors(model, trainable=False))
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+        step()
+        return {"weights": weights, "train": torch.cuda.max_memory_allocated()}
+    held = weights + held_bytes(trainable + moments)
+    return {"weights": weights, "train": held + profiled_rise(step)}
+
+
+def estimated_grpo(job: TrainJob, prompt: int) -> dict[str, float]:
+    """Bytes, without the CUDA reserve: the larger of the GRPO step's training and its generation, as
+    preflight judges it (train/preflight.py: the stage in completions)."""
+    from train.grpo_data import as_completions
+
+    completion = job.train.reward_objective.max_completion_length
+    shape = {
+        "targets": completion,
+        "batch_size": job.train.micro_batch,
+        "max_length": prompt + completion,
+        "max_target_length": completion,
+        "gradient_checkpointing": job.train.gradient_checkpointing,
+        "grad_accum": job.train.batch_size
+        * job.train.reward_objective.num_generations
+        // job.train.micro_batch,
+    }
+    estimate = measure_memory(as_completions(job), shape, None)
+    reserve = CUDA_RESERVE_GB * GB
+    peak = "generation" if estimate.generation_gb > estimate.train_gb else "train"
+    return {
+        "weights": estimate.weights_gb * GB,
+        "train": estimate.total_gb * GB - reserve,
+        "training_only": estimate.train_gb * GB - reserve,  # as judged before the generation was counted
+        "peak": peak,
+    }
+
+
 def estimated(job: TrainJob, length: int, targets: int | None = None) -> dict[str, float]:
     """Bytes, without the CUDA reserve."""
     shape = {
@@ -396,6 +568,9 @@ def rows(names) -> list[dict]:
             if name in PREFERENCE_CASES:
                 out += preference_rows(Path(tmp), name)
                 continue
+            if name in GRPO_CASES:
+                out += grpo_rows(Path(tmp), name)
+                continue
             kind, changes, adapter, shapes = CASES[name]
             folder = model_folder(Path(tmp), name, changes, kind)
             for batch, length, checkpointing, *more in shapes:
@@ -418,6 +593,26 @@ def preference_rows(root: Path, name: str) -> list[dict]:
         estimate, actual = estimated(job, length, targets), measured_preference(job, length, targets)
         gc.collect()
         out.append(row(name, job, length, "train", estimate, actual, targets))
+    return out
+
+
+def grpo_rows(root: Path, name: str) -> list[dict]:
+    changes, adapter, shapes = GRPO_CASES[name]
+    folder = model_folder(root, name, changes, "causal")
+    out = []
+    for prompts, generations, micro, prompt, completion, beta in shapes:
+        job = grpo_job(
+            bench_job(folder, "causal", adapter, 1, False), prompts, generations, micro, completion, beta
+        )
+        estimate, actual = estimated_grpo(job, prompt), measured_grpo(job, prompt)
+        gc.collect()
+        found = row(name, job, prompt + completion, "train", estimate, actual, completion)
+        found |= {
+            "batch": micro,
+            "grad_accum": prompts * generations // micro,
+            "completions": prompts * generations,
+        }
+        out.append(found | {"beta": beta, "peak": estimate["peak"]})
     return out
 
 
@@ -447,7 +642,7 @@ def main() -> int:
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK)}")
     parser.add_argument(
-        "--only", nargs="+", choices=sorted([*CASES, *PREFERENCE_CASES]), help="these cases only"
+        "--only", nargs="+", choices=sorted([*CASES, *PREFERENCE_CASES, *GRPO_CASES]), help="these cases only"
     )
     args = parser.parse_args()
     table = rows(args.only or (QUICK if args.quick else list(CASES)))

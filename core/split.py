@@ -110,10 +110,11 @@ def refuse_unless_fits(split: Split) -> Split:
     if split.fits:
         return split
     raise DoesNotFit(
-        f"batch split {split.describe()}: the training step or the in-training eval step needs "
-        f"{split.peak_gb:.2f} GB where {split.usable_gb:.2f} GB may be filled on this GPU. Lower "
-        "data.max_length, use adapter.method: qlora, ask for a GPU with more memory, or evaluate less "
-        "(data.eval's longest example sets the eval step's length)"
+        f"batch split {split.describe()}: the training step, the in-training eval step or a GRPO stage's "
+        f"generation needs {split.peak_gb:.2f} GB where {split.usable_gb:.2f} GB may be filled on this GPU. "
+        "Lower data.max_length, use adapter.method: qlora, ask for a GPU with more memory, or evaluate less "
+        "(data.eval's longest example sets the eval step's length); a GRPO stage generates a step's "
+        "completions at once: fewer prompts per step (batch_size x grad_accum) or num_generations"
     )
 
 

@@ -258,3 +258,90 @@ def test_preflight_judges_a_dpo_stage_at_its_pairs_lengths_instead_of_refusing_i
     previous = previous.model_validate(previous.model_dump())
     extra = preflight_job(previous, None).memory["weights_gb"] - result.memory["weights_gb"]
     assert extra == pytest.approx(4 * result.trainable_params / 1e9, rel=1e-9)
+
+
+# GRPO: eight-head attention over 4 layers and a small vocabulary, so that a generation's KV cache counts
+KV_HEAVY = SMALL | {
+    "num_hidden_layers": 4,
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 8,
+    "head_dim": 16,
+}
+GRPO_PROMPT, GRPO_COMPLETION = 16, 48  # tokens
+
+
+def grpo_case(tmp_path: Path, micro, prompts: int = 8, generations: int = 8, beta: float = 0.0):
+    """A GRPO stage of `prompts` x `generations` completions a step, in micro-batches of `micro` of them."""
+    folder = bench.model_folder(tmp_path, "model", KV_HEAVY, "causal")
+    job = bench.bench_job(folder, "causal", {"rank": 8, "target_modules": "all-linear"}, 1, False)
+    return bench.grpo_job(job, prompts, generations, micro, GRPO_COMPLETION, beta)
+
+
+def grpo_estimate(job, micro: int):
+    from train.grpo_data import as_completions
+    from train.memory_figures import measure_memory
+
+    train = job.train
+    completions = train.batch_size * train.reward_objective.num_generations
+    shape = {
+        "targets": GRPO_COMPLETION,
+        "batch_size": micro,
+        "max_length": GRPO_PROMPT + GRPO_COMPLETION,
+        "max_target_length": GRPO_COMPLETION,
+        "gradient_checkpointing": False,
+        "grad_accum": completions // micro,
+    }
+    return measure_memory(as_completions(written(job, micro)), shape, None)
+
+
+@pytest.mark.slow
+def test_a_grpo_generation_holds_the_kv_cache_of_all_the_steps_completions_whatever_the_micro_batch(tmp_path):
+    """A GRPO step samples all its completions at once (train/grpo.py sampled_completions): the generation's
+    line counts the step's 64 sequences at micro-batches of 1 and of 16 alike, and holds at least their KV
+    cache at full length, by hand: 2 (keys and values) x 4 layers x 8 heads x 16 dims x (16 + 48) tokens x 64
+    sequences x 2 bytes (bf16) = 8.4 MB. Before, a GRPO step was judged by its training micro-batches only."""
+    from train.memory import GB
+
+    job = grpo_case(tmp_path, 1)
+    small, large = grpo_estimate(job, 1), grpo_estimate(job, 16)
+    assert small.generation_sequences == large.generation_sequences == 8 * 8
+    assert small.generation_gb == large.generation_gb and small.train_gb < large.train_gb
+    cache = 2 * 4 * 8 * 16 * (GRPO_PROMPT + GRPO_COMPLETION) * 64 * 2
+    assert cache <= small.generation_activations_gb * GB <= 1.25 * cache  # the cache is most of it
+    assert small.total_gb == small.generation_gb  # at micro-batches of 1, the generation is the peak
+
+
+@pytest.mark.slow
+def test_micro_batch_auto_splits_a_grpo_step_to_fit_and_refuses_a_generation_that_cannot(tmp_path):
+    """`micro_batch: auto` on a GRPO stage chooses among micro-batches of completions that divide the step's
+    64 (its job chooses with the same figures: train/recipe.py fresh_split over GrpoRecipe.split_job); no
+    micro-batch helps a GPU that cannot hold the generation, refused naming it."""
+    from core.split import DoesNotFit, refuse_unless_fits, resolve, usable_gb
+    from train.grpo_data import as_completions
+    from train.memory_figures import split_figures
+
+    view = as_completions(grpo_case(tmp_path, "auto"))
+    lengths = {"max_length": GRPO_PROMPT + GRPO_COMPLETION, "max_target_length": GRPO_COMPLETION}
+    figures = split_figures(view, lengths | {"targets": GRPO_COMPLETION}, None)
+    between = (figures.peak_gb(8, False) + figures.peak_gb(16, False)) / 2
+    split = resolve(view.train, figures, between / usable_gb(1.0))
+    assert (split.micro_batch, split.grad_accum, split.gradient_checkpointing) == (8, 8, False)
+    [generation] = [line.fixed_gb for line in figures.plain if line.per_example_gb == 0]
+    too_small = resolve(view.train, figures, 0.99 * generation / usable_gb(1.0))
+    with pytest.raises(DoesNotFit, match="GRPO stage's generation"):
+        refuse_unless_fits(too_small)
+
+
+@pytest.mark.slow
+def test_a_grpo_step_is_estimated_with_its_generation_within_ten_percent(tmp_path):
+    """TRL's own GRPO step (bench/preflight_memory.py measured_grpo: the generation of the step's 64
+    completions at once, each run to 48 tokens, then 64 micro-batches of 1 and fused AdamW) against
+    preflight's estimate: within 10 %, never under by more than 5 %. Judged by its training micro-batches
+    alone, as before the generation was counted, it was well under."""
+    job = grpo_case(tmp_path, 1)
+    predicted, actual = bench.estimated_grpo(job, GRPO_PROMPT), bench.measured_grpo(job, GRPO_PROMPT)
+    assert predicted["peak"] == "generation"
+    assert -0.05 <= predicted["train"] / actual["train"] - 1 <= 0.10, (predicted, actual)
+    assert predicted["training_only"] < 0.8 * actual["train"]  # the gap this closes

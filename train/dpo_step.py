@@ -6,8 +6,10 @@ from __future__ import annotations
 
 
 def reference_of(job) -> str:
-    """The reference as it runs: the written one, else previous after a stage and base for a first."""
-    written = job.train.preference.reference
+    """A DPO or GRPO stage's reference as it runs: the written one, else previous after a stage and base for
+    a first."""
+    train = job.train
+    written = (train.reward_objective if train.method == "grpo" else train.preference).reference
     return written or ("previous" if job.init_adapter else "base")
 
 

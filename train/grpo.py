@@ -29,7 +29,6 @@ import functools
 import logging
 import os
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import datasets
@@ -38,14 +37,14 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_callback import ExportableState
 
 from core.conversations import templated
-from core.files import append_json_line, write_json_atomic
+from core.files import append_json_line
 from core.grpo import zero_variance_steps
 from core.rundir import RunDir
-from core.split import Split, as_written, asked
 from eval.generate import decode, framing_ids
 from eval.rewards import ScoreReward, finite_or_none, user_function
 from train import chat, distributed
-from train.grpo_data import lengths_of_a_step, prompts_as_trained, tokens_per_epoch
+from train.dpo_step import reference_of
+from train.grpo_data import as_completions, lengths_of_a_step, prompts_as_trained, tokens_per_epoch
 from train.model import trainable_in_fp32
 from train.recipe import StageRecipe, one_gpu_per_process, stage_trainer
 from train.trl_seams import POLICY_ADAPTER, imported, keep_reference
@@ -244,22 +243,12 @@ class GrpoRecipe(StageRecipe):
             dataset["length"], self.job.train.reward_objective.max_completion_length
         )
 
-    def choose_split(self) -> Split:
-        """In completions: the written split (micro_batch: N as asked; auto as batch_size x G per micro-batch,
-        since a GRPO step's memory is not modelled yet). Deterministic, so a resumed run has the same."""
-        train, generations = self.job.train, self.job.train.reward_objective.num_generations
-        completions = train.batch_size * train.grad_accum * generations
-        if train.micro_batch == "auto":
-            reason = "a GRPO step's memory is not modelled yet: batch_size x num_generations completions"
-            split = as_written(
-                train.batch_size * generations, train.grad_accum, train.gradient_checkpointing, reason
-            )
-        else:
-            split = asked(train.micro_batch, completions, train.gradient_checkpointing, None, None)
-        split = replace(split, world_size=self.placement.world_size)
-        if distributed.is_main():
-            write_json_atomic(RunDir(self.run_dir).split, split.as_json(), indent=1)
-        return split
+    @property
+    def split_job(self):
+        """The stage in completions (train/grpo_data.py as_completions): `micro_batch: auto` chooses among the
+        micro-batches of completions that divide the step's, with the memory model's GRPO step (its
+        generation included) on a GPU; on a CPU the written split, batch_size x num_generations per micro-batch."""
+        return as_completions(self.job)
 
     def steps_per_epoch(self) -> int:
         """Optimizer steps per epoch: TRL's sampler takes whole steps of prompts and leaves out the rest."""
@@ -327,7 +316,7 @@ class GrpoRecipe(StageRecipe):
         trainable_in_fp32(trainer.model)  # as a DPO stage: TRL casts a quantized model's trainable weights
         self.reference = None
         if grpo.beta > 0:
-            self.reference = grpo.reference or ("previous" if self.job.init_adapter else "base")
+            self.reference = reference_of(self.job)
             keep_reference(trainer.model, self.reference)
         log.info(
             "GRPO: %d prompts x %d completions a step; stop ids %s; reference %s; no-variance stop after %d steps",

@@ -3,6 +3,7 @@ SFT data's prompts as the SFT stage trains them, their references, and the seque
 
 from __future__ import annotations
 
+from core.config import TrainJob
 from train import chat
 from train.data import LengthReport, prompts_and_targets
 
@@ -29,3 +30,12 @@ def lengths_of_a_step(prompt_lengths: list[int], max_completion_length: int) -> 
 def tokens_per_epoch(prompt_lengths: list[int], generations: int, max_completion_length: int) -> int:
     """Prompt and completion tokens an epoch trains at most: each prompt's num_generations sequences."""
     return generations * sum(length + max_completion_length for length in prompt_lengths)
+
+
+def as_completions(job: TrainJob) -> TrainJob:
+    """A GRPO stage as the memory model and the split count it: its batch in completions, batch_size x
+    num_generations per rank and accumulation step (micro_batch counts completions already), so a micro-batch
+    is a number of sequences of prompt + completion, as TRL's training step takes them (train/memory.py)."""
+    train = job.train
+    completions = train.batch_size * train.reward_objective.num_generations
+    return job.model_copy(update={"train": train.model_copy(update={"batch_size": completions})})

@@ -33,11 +33,24 @@ gradients on the same batch (`reference_forward`; run here with the adapter on, 
 adapters-off forward); then the backward. `reference: previous` holds the adapter's frozen copy besides, fp32
 as the policy's (`reference_copy`, counted with the frozen weights). TRL's eval step runs both forwards
 without gradients.
+
+A GRPO step is TRL's, in three phases that do not overlap (trl 1.16 GRPOTrainer), each judged on its own:
+- the generation (the shape's `generation`): a whole step's completions of this rank sampled at once
+  (train/grpo.py sampled_completions), no gradients, the optimizer's moments held; its peak is the KV cache of
+  every sequence at its full length (prompt + completion) in the last decoding step, or the prompts' prefill
+  if that is higher (`generation_peak_bytes`). A line with no part per training example: the micro-batch does not
+  change it, only the prompts per step and num_generations do;
+- the reference forward (beta > 0), without gradients, in micro-batches over the step's sequences: under
+  the training step's peak at the same micro-batch (a forward that keeps nothing), so not judged apart;
+  `reference: previous` holds the adapter's frozen copy, as DPO's;
+- the training step: micro-batches of completions, each sequence prompt + completion, the output layer fused
+  at the completion's tokens (TRL's fused LM head, as for DPO), then the backward.
 """
 
 from __future__ import annotations
 
 import copy
+import inspect
 import math
 import weakref
 from collections.abc import Callable, Iterable
@@ -96,7 +109,12 @@ class MemoryEstimate:
     eval_activations_shared_gb: float | None
     eval_activations_per_example_gb: float | None  # per example of the eval batch
     eval_gb: float | None  # the eval step's whole peak, reserve included
-    total_gb: float  # the larger of train_gb and eval_gb: what must fit
+    total_gb: float  # the largest of train_gb, eval_gb and generation_gb: what must fit
+    generation_sequences: int | None = (
+        None  # a GRPO stage's completions sampled at once (None: no generation)
+    )
+    generation_activations_gb: float | None = None  # its peak above weights, trainable weights and moments
+    generation_gb: float | None = None  # its whole peak, reserve included
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -108,6 +126,8 @@ class MemoryEstimate:
             state = self.trainable_state_gb * EVAL_TRAINABLE_BYTES / TRAINABLE_BYTES
             fixed = self.weights_gb + state + self.eval_activations_shared_gb + CUDA_RESERVE_GB
             found.append((fixed, EVAL_BATCH_FACTOR * self.eval_activations_per_example_gb))
+        if self.generation_gb is not None:  # the same whatever the micro-batch
+            found.append((self.generation_gb, 0.0))
         return found
 
     @property
@@ -333,6 +353,59 @@ def step_peak_bytes(
     return tracker.peak
 
 
+def generation_peak_bytes(model, generation: dict) -> tuple[int, int]:
+    """Bytes a GRPO stage's generation allocates above the model and its trainable state, at their highest
+    (transformers' generate without autocast: train/grpo.py sampled_completions), for `sequences` sequences of
+    `prompt_length` + `completion_length` tokens: (prefill, last decoding step), the larger of which is the peak
+    (apart, since each extrapolates to the model's depth on its own line: at_depth)
+    - the prefill: the prompts' forward keeping their KV cache, the output layer at the last position only;
+    - the last decoding step: one token's forward on the cache grown to the whole length (each layer's cache
+      concatenated with the new token's keys and values), then the sampler's fp32 scores and probabilities.
+    `model`: the adapted model on the meta device (consumed: its tensors become fake)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    to_fake(model, mode)
+    model.eval()
+    sequences, prompt = generation["sequences"], generation["prompt_length"]
+    longest = prompt + generation["completion_length"]
+
+    def tracked(run, existing) -> int:
+        with ExitStack() as stack:
+            stack.enter_context(mode)
+            stack.enter_context(patch.object(masking_utils, "is_tracing", lambda *args, **kwargs: True))
+            tracker = stack.enter_context(LiveBytes([*model.parameters(), *model.buffers(), *existing]))
+            stack.enter_context(torch.no_grad())
+            run()
+        return tracker.peak
+
+    # transformers 5 renamed a forward's `past_key_values` to `cache`: the name this model's forward takes
+    forward_parameters = inspect.signature(model.get_base_model().forward).parameters
+    cache_key = "cache" if "cache" in forward_parameters else "past_key_values"
+
+    def forward(length: int, cache=None):
+        ids = torch.zeros(sequences, length, dtype=torch.long)
+        before = 0 if cache is None else cache.get_seq_length()
+        mask = torch.ones(sequences, before + length, dtype=torch.long)
+        kept = {cache_key: cache} if cache is not None else {}
+        return model(input_ids=ids, attention_mask=mask, use_cache=True, logits_to_keep=1, **kept)
+
+    prefill = tracked(lambda: forward(prompt), [])
+    with mode, torch.no_grad():  # the cache one token short of the whole length, not counted
+        cache = forward(longest - 1)[cache_key]
+
+    def last_step() -> None:
+        scores = forward(1, cache).logits[:, -1, :].to(copy=True, dtype=torch.float32)  # as generate samples
+        torch.softmax(scores / generation.get("temperature", 1.0), dim=-1)
+
+    # Each layer's concatenation makes its cache anew (counted) and then frees the old one (which existed
+    # before, so never counted): the step's count holds the whole grown cache, as the memory does once it has
+    # run, and while one tensor is concatenated its old copy is alive besides.
+    before = [t for layer in cache.layers for t in (layer.keys, layer.values)]
+    concatenating = max(t.untyped_storage().nbytes() for t in before)
+    return prefill, tracked(last_step, before) + concatenating
+
+
 def accumulates(shape: dict) -> bool:
     return shape.get("grad_accum", 1) > 1
 
@@ -398,7 +471,9 @@ def estimate(
     every position; the trainer's loss computes logits only there); `eval_max_length`,
     `eval_max_target_length`, `eval_targets`: the eval set's own (absent: the training set's).
     `evaluating`: the job runs in-training evals. `loss`: the trainer's loss. A preference step (module
-    docstring): `sequences` per example (absent: 1), `reference_forward`, `reference_copy` (absent: False)."""
+    docstring): `sequences` per example (absent: 1), `reference_forward`, `reference_copy` (absent: False).
+    A GRPO step: `generation`, {sequences, prompt_length, completion_length, temperature} (absent: none), and
+    `reference_copy`."""
     qlora = adapter.method == "qlora"
     compute = gpu_placement(precision).compute_dtype
     full = build(None)
@@ -428,7 +503,18 @@ def estimate(
     grads = 0 if accumulates(shape) else 4 * trainable
     train = line(lambda b: peak(b, True) - grads, 1, far)
     eval_ = line(lambda b: peak(b, False), EVAL_BATCH_FACTOR, EVAL_BATCH_FACTOR * far) if evaluating else None
-    return assemble(weights, trainable, batch, train, eval_)
+    generation = None
+    if "generation" in shape:
+
+        def generating(phase: int, layers_: int | None) -> int:
+            model = build(layers_)
+            if qlora:
+                held_as_qlora(model, compute)
+            return generation_peak_bytes(model, shape["generation"])[phase]
+
+        peaks = [at_depth(partial(generating, phase), layers) for phase in (0, 1)]
+        generation = (shape["generation"]["sequences"], max(peaks) + extra)
+    return assemble(weights, trainable, batch, train, eval_, generation)
 
 
 EVAL_KEYS = ("max_length", "max_target_length", "targets")
@@ -457,7 +543,8 @@ def line(peak: Callable[[int], int], low: int, high: int) -> tuple[float, float]
     return at_low - low * per_example, per_example
 
 
-def assemble(weights: float, trainable: int, batch: int, train, eval_) -> MemoryEstimate:
+def assemble(weights: float, trainable: int, batch: int, train, eval_, generation=None) -> MemoryEstimate:
+    """`train`, `eval_`: lines (shared, per example) in bytes; `generation`: (sequences, peak bytes) or None."""
     state = trainable * TRAINABLE_BYTES / GB
     activations = (train[0] + batch * train[1]) / GB
     train_gb = weights / GB + state + activations + CUDA_RESERVE_GB
@@ -467,6 +554,9 @@ def assemble(weights: float, trainable: int, batch: int, train, eval_) -> Memory
         eval_activations = (eval_[0] + eval_batch * eval_[1]) / GB
         eval_state = trainable * EVAL_TRAINABLE_BYTES / GB
         eval_gb = weights / GB + eval_state + eval_activations + CUDA_RESERVE_GB
+    generation_gb = None
+    if generation is not None:  # between steps: gradients freed, the moments held
+        generation_gb = (weights + trainable * EVAL_TRAINABLE_BYTES + generation[1]) / GB + CUDA_RESERVE_GB
     return MemoryEstimate(
         weights_gb=weights / GB,
         trainable_state_gb=state,
@@ -479,5 +569,8 @@ def assemble(weights: float, trainable: int, batch: int, train, eval_) -> Memory
         eval_activations_shared_gb=None if eval_ is None else eval_[0] / GB,
         eval_activations_per_example_gb=None if eval_ is None else eval_[1] / GB,
         eval_gb=eval_gb,
-        total_gb=max(train_gb, eval_gb or 0.0),
+        total_gb=max(train_gb, eval_gb or 0.0, generation_gb or 0.0),
+        generation_sequences=None if generation is None else generation[0],
+        generation_activations_gb=None if generation is None else generation[1] / GB,
+        generation_gb=generation_gb,
     )

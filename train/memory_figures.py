@@ -1,6 +1,6 @@
 """The memory model's figures for one training job: the adapted model built on the meta device (no weights),
 and train/memory.py's estimate of a step on it, at any micro-batch, with or without checkpointing and the
-fused loss, for SFT and DPO steps. Preflight (train/preflight.py) judges a job with them on the login node,
+fused loss, for SFT, DPO and GRPO steps. Preflight (train/preflight.py) judges a job with them on the login node,
 and the job itself (train/recipe.py) chooses its split with the same figures at its start."""
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def meta_model(job: TrainJob, dtype: torch.dtype = torch.float32, tokenizer=None
 
 def fused_possible(job: TrainJob, tokenizer, installed: bool) -> bool:
     """A fused loss can run for this job: the extra is `installed` and the model's output layer is plain."""
-    if not installed:
+    if not installed or job.train.method != "sft":  # TRL's DPO and GRPO steps fuse their own output layer
         return False
     reason = fusable(meta_model(job, tokenizer=tokenizer, layers=1)[0])
     if reason:
@@ -128,10 +128,11 @@ def measure_memory(job: TrainJob, shape: dict, tokenizer, fused: bool = False) -
 
     kind = job.model.kind
     loss = trainer_loss(kind, fused)
-    if job.train.method == "dpo":  # TRL's step, its LM head always fused (train/memory.py docstring)
+    if job.train.method in ("dpo", "grpo"):  # TRL's steps, their LM head always fused (train/memory.py)
         from train.dpo_step import fused_log_prob_loss
 
-        shape, loss = shape | preference_step(job), TargetTokenLoss(shifted=True, fused=fused_log_prob_loss)
+        loss = TargetTokenLoss(shifted=True, fused=fused_log_prob_loss)
+        shape = shape | (preference_step(job) if job.train.method == "dpo" else grpo_step(job, shape))
     return memory.estimate(build, kind, job.adapter, job.train.precision, shape, evaluates(job), loss)
 
 
@@ -143,9 +144,28 @@ def preference_step(job: TrainJob) -> dict:
     return {"sequences": 2, "reference_forward": True, "reference_copy": reference_of(job) == "previous"}
 
 
+def grpo_step(job: TrainJob, shape: dict) -> dict:
+    """What a GRPO step adds to the shape (train/memory.py): its generation, this rank's completions of a whole
+    step at once (`job` counts completions: train/grpo_data.py as_completions), from the longest prompt (the
+    shape's max_length less max_completion_length); and with beta > 0 under reference: previous, the adapter's
+    frozen copy."""
+    from train.dpo_step import reference_of
+
+    grpo = job.train.reward_objective
+    generation = {
+        "sequences": job.train.batch_size * job.train.grad_accum,
+        "prompt_length": shape["max_length"] - grpo.max_completion_length,
+        "completion_length": grpo.max_completion_length,
+        "temperature": grpo.temperature,
+    }
+    return {"generation": generation, "reference_copy": grpo.beta > 0 and reference_of(job) == "previous"}
+
+
 def evaluates(job: TrainJob) -> bool:
-    """Whether the job runs in-training evals (train/recipe.py StageRecipe.evaluating)."""
-    return job.data.eval is not None and job.train.eval_every_epochs is not None
+    """Whether the job runs in-training evals (train/recipe.py StageRecipe.evaluating; a GRPO step has no eval
+    loss: train/grpo.py GrpoRecipe.evaluates_in_training)."""
+    in_training = job.train.method != "grpo"
+    return in_training and job.data.eval is not None and job.train.eval_every_epochs is not None
 
 
 def trainer_loss(kind: str, fused: bool = False):

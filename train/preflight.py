@@ -24,6 +24,7 @@ from core.split import Split, resolve
 from train import chat, memory, pairs, vl
 from train import data as data_lib
 from train.chat import ChatTemplateError
+from train.grpo_data import as_completions, lengths_of_a_step, prompts_as_trained, tokens_per_epoch
 from train.hub_cache import first_line
 from train.loss import liger_installed
 from train.memory_figures import (
@@ -104,26 +105,10 @@ def token_lengths(job: TrainJob, tokenizer, config) -> dict:
     }
 
 
-def completions_view(job: TrainJob) -> TrainJob:
-    """A GRPO stage's training step as the memory model counts it: the policy's forward and backward over
-    batch_size x num_generations sequences of prompt + completion (its step_lengths), at the split the job
-    runs (train/grpo.py GrpoRecipe.choose_split: the written one). Not counted yet: the generation's KV cache and the
-    reference's forward (beta > 0), which come before and beside it."""
-    train, grpo = job.train, job.train.reward_objective
-    completions = train.batch_size * grpo.num_generations
-    micro = completions if train.micro_batch == "auto" else train.micro_batch
-    view = train.model_copy(
-        update={"method": "sft", "grpo": None, "batch_size": completions, "micro_batch": micro}
-    )
-    return job.model_copy(update={"train": view})
-
-
 def grpo_token_lengths(job: TrainJob, tokenizer) -> dict:
     """token_lengths of a GRPO stage, as its job counts them (train/grpo.py): prompts, each with
     num_generations completions of at most max_completion_length; refused (ValueError) when that cannot hold
     the longest training reference."""
-    from train.grpo_data import lengths_of_a_step, prompts_as_trained, tokens_per_epoch
-
     grpo = job.train.reward_objective
     _, references, ids = prompts_as_trained(job.data.train, job.data, tokenizer, job.model.kind)
     completions_hold_references(job, tokenizer, references)
@@ -224,7 +209,7 @@ def preflight_job(job: TrainJob, gpu_mem_gb: float | None) -> JobPreflight:
     )
     if tokenizer is not None:
         vars(result).update(token_report(job, tokenizer, config))
-    judge_memory(result, completions_view(job) if job.train.method == "grpo" else job, base_tokenizer)
+    judge_memory(result, as_completions(job) if job.train.method == "grpo" else job, base_tokenizer)
     return result
 
 

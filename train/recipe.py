@@ -407,7 +407,7 @@ class StageRecipe:
         world size it was chosen for."""
         recorded = RunDir(self.run_dir).split
         if self.resume_from:
-            train, world = self.job.train, self.placement.world_size
+            train, world = self.split_job.train, self.placement.world_size
             kept, why_not = kept_on_resume(
                 read_json(recorded, expected=dict),
                 train.batch_size * train.grad_accum,
@@ -423,8 +423,14 @@ class StageRecipe:
             write_json_atomic(recorded, split.as_json(), indent=1)
         return split
 
+    @property
+    def split_job(self) -> TrainJob:
+        """The job as its split counts it: a micro-batch of its examples (a GRPO stage's: of completions)."""
+        return self.job
+
     def fresh_split(self) -> Split:
-        train = self.job.train
+        job = self.split_job
+        train = job.train
         memory_gb = split_memory_gb(distributed.gather(free_gpu_gb(self.placement), "the ranks' free memory"))
         if memory_gb is None:
             return resolve(train, None, None, "on a CPU the split is the one written")
@@ -434,16 +440,16 @@ class StageRecipe:
             from train.memory_figures import fused_possible, split_figures
             from train.preflight import step_lengths, tokenizer_or_reason
 
-            tokenizer = tokenizer_or_reason(self.job)[0]
+            tokenizer = tokenizer_or_reason(job)[0]
             # the eval step at the eval set's own lengths: a dev set longer than the training set's
             lengths = step_lengths(
-                self.job.model.kind, self.lengths, self.eval_lengths if self.evaluating() else None
+                job.model.kind, self.lengths, self.eval_lengths if self.evaluating() else None
             )
-            figures = split_figures(self.job, lengths, tokenizer)
+            figures = split_figures(job, lengths, tokenizer)
             installed = fused_loss_possible(self.placement, liger_installed())
             fused = None
-            if fused_possible(self.job, tokenizer, installed):
-                fused = split_figures(self.job, lengths, tokenizer, fused=True)
+            if fused_possible(job, tokenizer, installed):
+                fused = split_figures(job, lengths, tokenizer, fused=True)
         except Exception as exc:  # the memory model fails on an unusual model: the written split still runs
             log.warning("memory model failed (%s: %s); keeping the written split", type(exc).__name__, exc)
             return resolve(train, None, None, "the memory model failed on this model")

@@ -38,7 +38,7 @@ from train.hub_cache import (
     model_file,
 )
 
-CACHE_VERSION = 7  # bump whenever what a preflight computes changes
+CACHE_VERSION = 8  # bump whenever what a preflight computes changes
 
 
 # ---- the cache ----------------------------------------------------------------------------------------
@@ -304,7 +304,16 @@ def does_not_fit(result: JobPreflight) -> str:
 
 
 def peak_step(memory: dict) -> str:
-    """Which step peaks: the training step, or the in-training eval at its larger batch."""
-    if (memory.get("eval_gb") or 0) > memory.get("train_gb", 0):
+    """Which step peaks: the training step, the in-training eval at its larger batch, or a GRPO stage's
+    generation of a step's completions at once."""
+    steps = {"train": memory.get("train_gb", 0), "eval": memory.get("eval_gb") or 0}
+    steps["generation"] = memory.get("generation_gb") or 0
+    peak = max(steps, key=steps.get)
+    if peak == "generation":
+        return (
+            f"its generation ({memory['generation_sequences']} completions at once, each step's: lower "
+            "train.batch_size x grad_accum or train.grpo.num_generations)"
+        )
+    if peak == "eval":
         return f"its in-training eval (batch {memory['eval_batch_size']}, twice the training batch)"
     return "a training step"
