@@ -49,10 +49,18 @@ def one_thread():
         yield
 
 
-def grpo_job(tiny, run_dir: Path, init_adapter: Path | None = None, grpo: dict | None = None, **train):
+def grpo_job(
+    tiny,
+    run_dir: Path,
+    init_adapter: Path | None = None,
+    grpo: dict | None = None,
+    adapter: dict | None = None,
+    **train,
+):
     job = make_job(
         tiny,
         run_dir,
+        adapter=adapter,
         data={
             "train": str(SQL / "easy.jsonl"),
             "input_field": "question",
@@ -184,6 +192,27 @@ def test_one_grpo_step_is_the_gradient_of_the_objective_computed_by_hand(tiny, t
     for name, gradient in hand.items():
         torch.testing.assert_close(taken[name], gradient * clip, rtol=1e-4, atol=1e-8)
     assert sum(int(g.abs().max() > 0) for g in hand.values()) >= len(hand) // 2  # B moves (A waits for B)
+
+
+def test_a_qlora_grpo_stage_takes_the_objectives_step_over_its_4bit_layers(tiny, tmp_path):
+    """QLoRA: the base held in 4 bits (bitsandbytes), the adapter trained in fp32 (TRL would cast a quantized
+    model's trainable weights to bf16: train/grpo.py keeps them fp32); one step's gradients equal the
+    objective computed by hand on the same quantized model, as LoRA's do."""
+    from bitsandbytes.nn import Linear4bit
+
+    job = grpo_job(tiny, tmp_path / "run", adapter={"method": "qlora"})
+    outcome, ran = run(job, FixedCompletions)
+    assert outcome == "completed"
+    model = ran.trainer.model
+    assert any(isinstance(module, Linear4bit) for module in model.modules())
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    assert trainable and all(p.dtype == torch.float32 for p in trainable)
+    ((taken, hand),) = ran.steps
+    norm = torch.sqrt(sum((g.double() ** 2).sum() for g in hand.values())).item()
+    clip = min(1.0, 1.0 / (norm + 1e-6))
+    for name, gradient in hand.items():
+        torch.testing.assert_close(taken[name], gradient * clip, rtol=1e-4, atol=1e-8)
+    assert sum(int(g.abs().max() > 0) for g in hand.values()) >= len(hand) // 2
 
 
 @pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo"])
