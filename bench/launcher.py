@@ -4,7 +4,8 @@
     python -m bench.launcher --submit     # also submit them, held, to the SLURM on PATH; then cancel them
 
 Targets (figures, not a test): dry run of 300 jobs <= 0.5 s, --status of 300 jobs <= 1 s with one squeue and
-at most one sacct. Every figure is the best of --repeat whole commands in fresh processes, as a user runs
+at most one sacct; the dry run of one sweep of 600 points (--sweep-points: 20 learning rates x 10 ranks x 3
+seeds, a training and an eval job each) <= 2 s of CPU, start-up included. Every figure is the best of --repeat whole commands in fresh processes, as a user runs
 them; the start-up every command pays (Python and the CLI's imports) is printed apart. Submitted jobs are
 held (an sbatch wrapper adds --hold) so nothing runs, and cancelled at the end.
 """
@@ -47,6 +48,29 @@ def write_configs(folder: Path, jobs: int) -> None:
     for index in range(jobs):
         name = f"bench-{index:04d}"
         (folder / f"{name}.yaml").write_text(f"name: {name}\ninherits: _shared.yaml\n")
+
+
+def write_sweep(folder: Path, points: int) -> None:
+    """One sweep file of `points` points (learning rates x ranks x 3 seeds) beside the shared fragment."""
+    rates = ", ".join(f"{1e-5 * 1.1**k:.3g}" for k in range(max(1, points // 30)))
+    (folder / "big-sweep.yaml").write_text(
+        "name: big-sweep\ninherits: _shared.yaml\nsweep:\n"
+        f"  grid: {{train.learning_rate: [{rates}], adapter.rank: [{', '.join(str(2 * r + 2) for r in range(10))}]}}\n"
+        "  seeds: [1, 2, 3]\n"
+    )
+
+
+def cpu_timed(argv: list[str], repeat: int) -> float:
+    """Least CPU seconds (user + system) of `python launch.py ARGV` in a fresh process."""
+    import resource
+
+    best = float("inf")
+    for _ in range(repeat):
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        subprocess.run([sys.executable, str(ROOT / "launch.py"), *argv], capture_output=True, check=True)
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        best = min(best, after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime)
+    return best
 
 
 def timed(argv: list[str], repeat: int) -> float:
@@ -110,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--jobs", type=int, default=300)
+    parser.add_argument("--sweep-points", type=int, default=600)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument(
         "--submit", action="store_true", help="submit (held) to the SLURM on PATH, then cancel"
@@ -135,6 +160,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"--status of {args.jobs} never-submitted jobs: {status:.3f} s ({calls(log, args.repeat)})")
         if args.submit:
             submit_and_watch(common, args.jobs, args.repeat, log)
+    with tempfile.TemporaryDirectory() as tmp:
+        configs = Path(tmp) / "configs"
+        configs.mkdir()
+        write_configs(configs, 0)
+        write_sweep(configs, args.sweep_points)
+        cpu = cpu_timed(["--all", "--dry-run", "--config-dir", str(configs)], args.repeat)
+        print(f"dry run of a {args.sweep_points}-point sweep: {cpu:.2f} s of CPU (target <= 2 s)")
     return 0
 
 

@@ -114,6 +114,34 @@ def test_exp_names_a_whole_sweep_or_one_point_and_after_a_sweep_waits_for_every_
     assert len(waits["depends_on"]) == 12  # every point's last job, not a dangling name
 
 
+def test_a_dry_run_shows_a_sweep_as_one_line_and_its_points_when_exp_names_it(tmp_path, capsys):
+    """Hundreds of points at a glance (issue 50): `--all --dry-run` and `--status` showed a row per job, and
+    the dry run a line per dependency edge (1,200 rows and 600 edge lines for 600 points). A sweep is one row
+    now (its points, jobs by state, GPU-hours) and its edges one count; an edge to another experiment is
+    counted under the sweep's name; `--exp SWEEP` lists every job and edge; the JSON keeps everything."""
+    folder = folder_of(tmp_path, **{"after-all": AFTER})
+    assert launch.main(["--all", "--dry-run", "--config-dir", str(folder)]) == 0
+    shown = capsys.readouterr().out
+    assert "sweep lr: 12 points" in shown and "12 PLANNED" in shown
+    assert "lr-lr1e-04-r4-s1" not in shown.split("Makespan")[0]  # no point's own row in the table
+    edges = shown.split("Dependency edges:")[1]
+    assert "lr-lr1e-04-r4-s1/train" not in edges
+    assert "sweep lr --afterany--> after-all/train (12 edge(s))" in edges
+    assert "after-all/train" in shown.split("Makespan")[0]  # an experiment of its own keeps its row
+    assert launch.main(["--exp", "lr", "--dry-run", "--config-dir", str(folder)]) == 0
+    asked = capsys.readouterr().out
+    assert "sweep lr:" not in asked.split("Makespan")[0]
+    assert all(f"lr-lr1e-04-r{rank}-s{seed}/train" in asked for rank in (4, 8) for seed in (1, 2, 3))
+    assert launch.main(["--all", "--dry-run", "--json", "--config-dir", str(folder)]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert len(plan["jobs"]) == 13 and len(plan["edges"]) == 12
+    assert launch.main(["--status", "--config-dir", str(folder)]) == 0
+    status = capsys.readouterr().out
+    assert "sweep lr: 12 points" in status and "12 PLANNED" in status and "lr-lr1e-04" not in status
+    assert launch.main(["--status", "--exp", "lr", "--config-dir", str(folder)]) == 0
+    assert "lr-lr1e-04-r4-s1/train" in capsys.readouterr().out
+
+
 DPO_SWEPT = """\
 name: beta
 model: {{name_or_path: org/model, kind: causal}}

@@ -20,6 +20,7 @@ from slurm.watching.preflight_report import run_preflight
 from slurm.watching.render import (
     edges_text,
     err,
+    folded_sweeps,
     labelled,
     out,
     packing_text,
@@ -203,14 +204,15 @@ def dry_run(request: LaunchRequest, profile) -> int:
         d.job.id: DRY_RUN_STATES[d.action] + (f" {d.scheduler_id}" if d.scheduler_id else "")
         for d in decisions
     }
-    out.print(plan_table(plan, shown, out.width))
+    folded = folded_sweeps(plan, request.experiments)  # hundreds of points at a glance
+    out.print(plan_table(plan, shown, out.width, folded))
     if left.jobs:
         out.print(totals_text(left), highlight=False, soft_wrap=True)
     else:
         out.print("Nothing left to run: every job is done.", highlight=False)
     if packing:
         out.print(packing_text(packing), highlight=False, soft_wrap=True)
-    out.print(edges_text(plan), highlight=False)
+    out.print(edges_text(plan, folded), highlight=False)
     for stage, keys in left_out.items():
         out.print(
             f"{stage} does not inherit the experiment's {', '.join(keys)}: its data.format or train.method "

@@ -9,7 +9,7 @@ from core.problems import short_path
 from slurm.planning.request import LaunchRequest
 from slurm.queueing.decisions import adopt_unrecorded
 from slurm.queueing.submit import cancel_stuck
-from slurm.watching.render import err, out, problem_lines, status_table
+from slurm.watching.render import err, folded_sweeps, out, problem_lines, status_table
 from slurm.watching.status import plan_status
 from slurm.watching.watched import Watched, watched_plan
 
@@ -23,7 +23,8 @@ def status(request: LaunchRequest, profile) -> int:
         err.print(line, highlight=False, soft_wrap=True)
     rows = plan_status(plan, profile.log_dir)
     cancel_stuck(rows, profile.log_dir)
-    out.print(status_table(rows, out.width))
+    # hundreds of points at a glance: a sweep is one row unless --exp names it (or one of its points)
+    out.print(status_table(rows, out.width, folded_sweeps(plan, request.experiments)))
     for line in [*problem_lines(rows), *origin_lines(watched, profile)]:
         out.print(line, highlight=False, soft_wrap=True)
     return 0

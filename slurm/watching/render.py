@@ -159,12 +159,13 @@ def totals_text(plan: Plan) -> str:
         lines.append(
             f"  not estimated (data fetched on the node, not in the speed book): {', '.join(unknown)}"
         )
-    sweep_of = {point: sweep for sweep, points in plan.sweeps().items() for point in points}
+    sweeps = plan.sweeps()
+    sweep_of = {point: sweep for sweep, points in sweeps.items() for point in points}
     for name in plan.experiments():
         if name not in sweep_of:
             seconds, path = plan.critical_path(name)
             lines.append(f"  {name}: ~{format_duration(seconds)} ({' -> '.join(path)})")
-        elif name == plan.sweeps()[sweep_of[name]][0]:  # a sweep is one line, where its first point is
+        elif name == sweeps[sweep_of[name]][0]:  # a sweep is one line, where its first point is
             sweep = plan.of_sweep(sweep_of[name])
             seconds, path = sweep.critical_path()
             lines.append(
@@ -222,7 +223,46 @@ def depends_text(job: PlannedJob) -> str:
     return ", ".join(f"{d.job_id} ({d.kind})" for d in job.depends_on) or "-"
 
 
-def plan_table(plan: Plan, states: dict[str, str] | None = None, width: int = WIDE) -> Table:
+def folded_sweeps(plan: Plan, asked: tuple[str, ...] | None) -> set[str]:
+    """The sweeps a dry run shows as one line each: all of them, but those `--exp` named (the sweep, or one
+    of its points), whose jobs are shown one by one."""
+    asked_for = set(asked or ())
+    return {
+        sweep
+        for sweep, points in plan.sweeps().items()
+        if sweep not in asked_for and not asked_for.intersection(points)
+    }
+
+
+def sweep_row(sweep: str, jobs: list[PlannedJob], states: dict[str, str]) -> list[str]:
+    """A folded sweep's one row: its points, their jobs' resources (where all alike), its GPU-hours and its
+    jobs by state (`1190 PLANNED, 11 COMPLETED (done)`)."""
+    points = len({j.experiment for j in jobs})
+    kinds = ", ".join(dict.fromkeys(j.kind for j in jobs))
+    resources = {resources_text(j) for j in jobs if j.kind == jobs[0].kind}
+    by_state: dict[str, int] = {}
+    for job in jobs:
+        state = states.get(job.id, State.PLANNED.value)
+        by_state[state] = by_state.get(state, 0) + 1
+    hours = sum((j.estimate.seconds or 0.0) * j.resources.total_gpus for j in jobs) / 3600
+    unknown = any(j.estimate.seconds is None for j in jobs)
+    return [
+        f"sweep {sweep}: {points} points",
+        f"{len(jobs)} jobs ({kinds})",
+        "-",
+        "each point's own",
+        resources.pop() if len(resources) == 1 else "various",
+        f"{'at least ' if unknown else '~'}{hours:.1f} GPU-hours",
+        "-",
+        "-",
+        ", ".join(f"{n} {state}" for state, n in by_state.items()),
+    ]
+
+
+def plan_table(
+    plan: Plan, states: dict[str, str] | None = None, width: int = WIDE, folded: set[str] = frozenset()
+) -> Table:
+    """The plan, a row a job; each sweep in `folded` one row, where its first job is (sweep_row)."""
     # Every run folder is RUN_ROOT/JOB: named once in the title, not in a column of its own.
     title = f"Plan: {len(plan.jobs)} jobs, run folders {plan.run_root}/JOB"
     table = Table(title=title, title_justify="left")
@@ -239,7 +279,15 @@ def plan_table(plan: Plan, states: dict[str, str] | None = None, width: int = WI
     )
     for column in columns:
         table.add_column(column, no_wrap=column in ("job", "resources", "estimate"))
+    of_sweep: dict[str, list[PlannedJob]] = {}
     for job in plan.jobs:
+        if job.sweep in folded:
+            of_sweep.setdefault(job.sweep, []).append(job)
+    for job in plan.jobs:
+        if job.sweep in folded:
+            if job is of_sweep[job.sweep][0]:
+                table.add_row(*sweep_row(job.sweep, of_sweep[job.sweep], states or {}))
+            continue
         state = (states or {}).get(job.id, State.PLANNED.value)
         table.add_row(
             job.id,
@@ -255,12 +303,56 @@ def plan_table(plan: Plan, states: dict[str, str] | None = None, width: int = WI
     return fit(table, width, PLAN_PRIORITY)
 
 
-def edges_text(plan: Plan) -> str:
-    lines = [f"  {a} --{kind}--> {b}" for a, b, kind in plan.edges()]
+def edges_text(plan: Plan, folded: set[str] = frozenset()) -> str:
+    """Each dependency edge; an edge with an end in a folded sweep is counted under the sweep's name instead
+    (`sweep lr-sweep --afterok--> report/train (12 edges)`), those inside it in one line."""
+    sweep_of = {j.id: j.sweep for j in plan.jobs if j.sweep in folded}
+    lines, counted = [], {}
+    for a, b, kind in plan.edges():
+        if a not in sweep_of and b not in sweep_of:
+            lines.append(f"  {a} --{kind}--> {b}")
+            continue
+        key = (
+            f"sweep {sweep_of[a]}" if a in sweep_of else a,
+            f"sweep {sweep_of[b]}" if b in sweep_of else b,
+            kind,
+        )
+        counted[key] = counted.get(key, 0) + 1
+    for (a, b, kind), n in counted.items():
+        inside = a == b
+        lines.append(
+            f"  {a}: {n} {kind} edge(s) between its points' own jobs (--exp {a[6:]} lists them)"
+            if inside
+            else f"  {a} --{kind}--> {b} ({n} edge(s))"
+        )
     return "Dependency edges:\n" + ("\n".join(lines) if lines else "  (none)")
 
 
-def status_table(rows: list[JobStatus], width: int = WIDE) -> Table:
+def sweep_status_row(sweep: str, rows: list[JobStatus]) -> list:
+    """A folded sweep's one status row: its points, its jobs by state, and what is left of it (the GPU-hours
+    of its jobs not completed, and their makespan with every point at once)."""
+    by_state: dict[str, int] = {}
+    for row in rows:
+        by_state[row.state.value] = by_state.get(row.state.value, 0) + 1
+    left = [row.job for row in rows if row.state is not State.COMPLETED]
+    hours = sum((j.estimate.seconds or 0.0) * j.resources.total_gpus for j in left) / 3600
+    ids = {j.id for j in left}
+    end: dict[str, float] = {}
+    for job in left:  # parents come first, as in the plan
+        start = max((end[d.job_id] for d in job.depends_on if d.job_id in ids), default=0.0)
+        end[job.id] = start + (job.estimate.seconds or 0.0)
+    points = len({row.job.experiment for row in rows})
+    left_text = (
+        f"left: ~{hours:.1f} GPU-hours, ~{format_duration(max(end.values()))} with every point at once"
+        if left
+        else "all done"
+    )
+    states = ", ".join(f"{n} {state}" for state, n in by_state.items())
+    return [f"sweep {sweep}: {points} points", "", states, left_text]
+
+
+def status_table(rows: list[JobStatus], width: int = WIDE, folded: set[str] = frozenset()) -> Table:
+    """A row a job; each sweep in `folded` one row (sweep_status_row), where its first job is."""
     table = Table(title="Status", title_justify="left")
     columns = (
         "job",
@@ -278,7 +370,15 @@ def status_table(rows: list[JobStatus], width: int = WIDE) -> Table:
     )
     for column in columns:
         table.add_column(column)
+    of_sweep: dict[str, list[JobStatus]] = {}
     for row in rows:
+        if row.job.sweep in folded:
+            of_sweep.setdefault(row.job.sweep, []).append(row)
+    for row in rows:
+        if row.job.sweep in folded:
+            if row is of_sweep[row.job.sweep][0]:
+                table.add_row(*sweep_status_row(row.job.sweep, of_sweep[row.job.sweep]))
+            continue
         style = STATE_STYLE.get(row.state, "")
         step = f"{row.step}/{row.total_steps}" if row.step is not None and row.total_steps else ""
         loss = f"{row.last_loss:.4f}" if isinstance(row.last_loss, (int, float)) else ""
