@@ -489,3 +489,21 @@ def test_flipping_eval_pruned_leaves_every_training_stage_unchanged(tmp_path, ca
     text = PRUNED.replace("keep: 0.5", "keep: 0.5\n    eval_pruned: false")
     (folder / "pr.yaml").write_text(text.format(data=tmp_path / "d.jsonl"))
     assert train_hashes() == before and len(before) == 2
+
+
+def test_a_folded_sweeps_own_edges_are_one_counted_line(tmp_path, capsys):
+    """Each point's eval waits on its training: 4 points, 4 afterok edges inside the sweep, said in one line
+    that names how to list them, none per point."""
+    folder = tmp_path / "configs"
+    folder.mkdir()
+    write_cluster_yaml(folder, tmp_path)
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"q": "x", "a": "y"}\n')
+    swept = SWEPT.format(data=data, second_lr="3.0e-4").replace("  seeds: [1, 2, 3]\n", "")
+    swept = swept.replace("eval: {metrics: []}", "eval: {metrics: [exact_match]}")
+    swept = swept.replace(f"data: {{train: {data},", f"data: {{train: {data}, eval: {data},")
+    (folder / "lr.yaml").write_text(swept)
+    assert launch.main(["--all", "--dry-run", "--config-dir", str(folder)]) == 0
+    edges = capsys.readouterr().out.split("Dependency edges:")[1]
+    assert "sweep lr: 4 afterok edge(s) between its points' own jobs (--exp lr lists them)" in edges
+    assert "/train --afterok-->" not in edges
