@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from eval import job, score
+from eval import job, score, shared
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -16,6 +16,7 @@ def main(argv: list[str] | None = None) -> int:
     subcommands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     score.add_parser(subcommands)
     job.add_parser(subcommands)
+    shared.add_parser(subcommands)
     args = parser.parse_args(argv)
     return args.run(args)
 

@@ -55,6 +55,34 @@ def load_for_eval(job: EvalJob, placement: Placement):
     return model.eval(), tokenizer
 
 
+def base_for_eval(job: EvalJob, placement: Placement):
+    """The base model alone, held as the job's adapter's eval holds it (4-bit for QLoRA): the base that
+    eval/shared.py puts each adapter on in turn."""
+    return load_base(job.model, job.adapter, placement)
+
+
+def adapter_on_base(base, job: EvalJob):
+    """(model, tokenizer): the job's adapter on `base` (base_for_eval's), as load_for_eval loads it
+    (train/model.py load_trained: the adapter folder's tokenizer, PeftModel.from_pretrained, not
+    trainable), or the base alone for a base-model eval; in eval mode, stopping at the chat template's end
+    of turn. `model.unload()` gives the base back, nothing merged. An adapter that adds tokens is refused:
+    its embeddings are its own."""
+    from peft import PeftModel
+
+    if job.adapter_dir is None:
+        model, tokenizer = base, load_tokenizer(job.model.name_or_path, job.model, job.data)
+    else:
+        tokenizer = load_tokenizer(job.adapter_dir, job.model, job.data)
+        if len(text_tokenizer(tokenizer)) > base.get_input_embeddings().weight.shape[0]:
+            raise ValueError(
+                f"{job.adapter_dir} adds tokens to the base model: its embeddings are its own, so it is "
+                "scored by an eval job of its own, not a shared one"
+            )
+        model = PeftModel.from_pretrained(base, job.adapter_dir, is_trainable=False)
+    stop_at_end_of_turn(job, model, tokenizer)
+    return model.eval(), tokenizer
+
+
 def stop_at_end_of_turn(job: EvalJob, model, tokenizer) -> None:
     """For chat prompts, generation ends at the chat template's end-of-turn token, as a chat endpoint's
     does: a base model given a template (ChatML's <|im_end|> as an added token) has only its own eos in

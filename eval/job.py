@@ -30,16 +30,24 @@ def run_eval(job: EvalJob, stop: threading.Event | None = None) -> dict | None:
     """Generate, score, write predictions.jsonl and results.json; returns the results. None when `stop`
     was set before every prediction was made: those made are kept, and the next run of this job generates
     only the rest (eval/predictions.py)."""
-    from eval.generate import eval_placement, explicit_decoding, load_for_eval
+    from eval.generate import eval_placement, load_for_eval
+
+    started = time.time()
+    placement = eval_placement(job.adapter_dir)
+    model, tokenizer = load_for_eval(job, placement)  # a chat prompt needs the tokenizer's template
+    return scored(job, model, tokenizer, placement, started, stop)
+
+
+def scored(job: EvalJob, model, tokenizer, placement, started: float, stop=None) -> dict | None:
+    """run_eval's work once the job's model is loaded (an adapter on its base, or the base alone), so that
+    one process can score several adapters of one base (eval/shared.py) exactly as their own jobs do."""
+    from eval.generate import explicit_decoding
     from eval.score import fail_if_unscored
     from train.data import prompts_and_targets
 
     out = Path(job.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     source = job.source  # data.eval, or the training data when eval.split: train says so
-    started = time.time()
-    placement = eval_placement(job.adapter_dir)
-    model, tokenizer = load_for_eval(job, placement)  # a chat prompt needs the tokenizer's template
     prompts, references = prompts_and_targets(
         source, job.data, tokenizer, job.model.kind, job.eval.limit, job.eval.turns
     )

@@ -1,0 +1,136 @@
+"""One eval process for several adapters of one base model (issue 50): the base is loaded once, and each
+adapter is put on it in turn (peft's PeftModel.from_pretrained, then `unload`: the base's own layers back,
+nothing merged), then scored by the same steps as its own eval job (eval/job.py `scored`) into its own
+eval folder. Adapters are switched between whole passes, so each adapter's batches are those its own job
+generates: under greedy decoding the predictions are the same token for token. A base-model eval of the same
+base may be one of the jobs (its row, scored once).
+
+Progress is kept in the shared job's own folder (`scored.json`, the eval folders done): a requeued or killed
+process starts again at the first adapter not yet scored, and within it from its kept predictions
+(eval/predictions.py). Each adapter's results carry `adapter_changes_output` (eval/job.py adapter_check), so
+an adapter that changes nothing, the silent fault of tools that score many adapters at once, is warned about
+in the report.
+
+    python -m eval generate-shared SHARED_DIR CONFIG.yaml [CONFIG.yaml ...]
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import threading
+import time
+from pathlib import Path
+
+from core.config import EvalJob
+from core.files import read_json, write_json_atomic
+from core.rundir import RunDir
+
+log = logging.getLogger("eval.shared")
+SCORED = "scored.json"
+ADAPTER_CONFIG = "adapter_config.json"  # peft's: a saved adapter has it
+
+
+def sharing_key(job: EvalJob) -> str:
+    """What must be equal for eval jobs to share a process: the base model, how it is held (quantization,
+    the adapter's method), the data scored, and the eval's settings (generation, metrics, split)."""
+    adapter = job.adapter.model_dump(include={"method", "quant_type", "double_quant"})
+    parts = {"model": job.model.model_dump(), "adapter": adapter, "data": job.data.model_dump()}
+    parts |= {"eval": job.eval.model_dump(exclude={"resources"}), "pairs": job.preference_pairs is not None}
+    return json.dumps(parts, sort_keys=True, default=str)
+
+
+def not_shareable(jobs: list[EvalJob]) -> str | None:
+    """Why these eval jobs cannot share one process; None when they can."""
+    if len({sharing_key(job) for job in jobs}) > 1:
+        return "their base model, quantization, data or eval settings differ (eval/shared.py sharing_key)"
+    outs = [job.out_dir for job in jobs]
+    if len(set(outs)) < len(outs):
+        return "two of them write to one eval folder"
+    return None
+
+
+def run_shared_eval(
+    jobs: list[EvalJob], shared_dir: Path, stop: threading.Event | None = None
+) -> list[dict | None]:
+    """Each job's results (run_eval's), in order; a job not reached because `stop` was set is None (its
+    predictions made so far are kept, and the next run starts there); a job whose adapter folder holds no
+    adapter (its training failed) is `{"not_scored": why}`, and the others are scored. Jobs scored by an
+    earlier run of this shared job (scored.json) are not scored again: their results are read back."""
+    from eval.generate import adapter_on_base, base_for_eval, eval_placement
+    from eval.job import scored
+
+    reason = not_shareable(jobs)
+    if reason is not None:
+        raise ValueError(f"these eval jobs cannot share a process: {reason}")
+    shared_dir.mkdir(parents=True, exist_ok=True)
+    done = set(read_json(shared_dir / SCORED, expected=list) or [])
+    results: list[dict | None] = []
+    base, held = None, None  # the base model and the placement it was loaded for
+    for job in jobs:
+        if job.out_dir in done:
+            log.info("%s: scored by an earlier run of this job", job.out_dir)
+            results.append(read_json(RunDir.of(job.out_dir).results, expected=dict))
+            continue
+        if stop is not None and stop.is_set():
+            results.append(None)
+            continue
+        if job.adapter_dir is not None and not (Path(job.adapter_dir) / ADAPTER_CONFIG).is_file():
+            # its training failed or was pruned before it saved: the others are still scored
+            log.warning("%s: not scored: %s holds no adapter", job.out_dir, job.adapter_dir)
+            results.append({"not_scored": f"{job.adapter_dir} holds no adapter (its training did not end)"})
+            continue
+        started = time.time()
+        placement = eval_placement(job.adapter_dir)
+        if base is None or placement != held:  # adapters trained in another precision: loaded again
+            base, held = base_for_eval(job, placement), placement
+        model, tokenizer = adapter_on_base(base, job)
+        try:
+            result = scored(job, model, tokenizer, placement, started, stop)
+        finally:
+            base = model.unload() if model is not base else base
+        results.append(result)
+        if result is not None:
+            done.add(job.out_dir)
+            write_json_atomic(shared_dir / SCORED, sorted(done), indent=1)
+    return results
+
+
+def add_parser(subparsers) -> None:
+    """Registers `generate-shared`: several eval jobs of one base model in one process."""
+    parser = subparsers.add_parser(
+        "generate-shared", help="score several adapters of one base model in one process"
+    )
+    parser.add_argument("shared_dir", type=Path, help="this shared job's folder (its progress: scored.json)")
+    parser.add_argument("configs", type=Path, nargs="+", help="each eval job's config.yaml")
+    parser.set_defaults(run=run)
+
+
+def run(args) -> int:
+    import yaml
+    from pydantic import ValidationError
+
+    from eval.score import UnscoredError
+    from train.libraries import hide, unused_libraries
+
+    jobs, specs = [], []
+    for config in args.configs:
+        try:
+            specs.append(yaml.safe_load(config.read_text(encoding="utf-8")))
+            jobs.append(EvalJob.model_validate(specs[-1]))
+        except (OSError, yaml.YAMLError, ValidationError) as exc:
+            print(f"error: {config}: not an eval job's config.yaml ({exc})", file=sys.stderr)
+            return 2
+    # before peft is imported, as a job does (train/libraries.py): what no job of them uses
+    hide(tuple(set.intersection(*(set(unused_libraries(spec)) for spec in specs))))
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        results = run_shared_eval(jobs, args.shared_dir)
+    except (UnscoredError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    for job, result in zip(jobs, results, strict=True):
+        scores = {k: v for k, v in (result or {}).items() if isinstance(v, float)}
+        print(f"{job.out_dir}: {json.dumps(scores)}")
+    return 0
