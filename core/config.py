@@ -918,6 +918,10 @@ class TrainJob(Section):
     # each rank accumulates more (core/split.py elastic_accumulation). None: the ranks it runs on. Left out
     # of its identity, which counts those ranks already (slurm/planning/plan.py make_job).
     global_ranks: Annotated[Int, Field(ge=1)] | None = Field(None, exclude_if=lambda value: value is None)
+    # An elastic job's ranks at its smallest size (its fewest nodes): where each rank accumulates the most, so
+    # where a GRPO stage's generation (a step's completions of a rank at once) is largest. Preflight judges
+    # it there; None once the job runs (it knows its ranks) and for a job of one size. How it runs.
+    fewest_ranks: Annotated[Int, Field(ge=1)] | None = Field(None, exclude_if=lambda value: value is None)
     # A GRPO stage with a user's reward function: the config's folder, which it is imported from. Where the
     # code is found, not what it computes (HOW_IT_RUNS); left out when unset.
     functions_from: str | None = Field(None, exclude_if=lambda value: value is None)
@@ -936,6 +940,7 @@ class TrainJob(Section):
 HOW_IT_RUNS = {
     "tracking": True,
     "global_ranks": True,
+    "fewest_ranks": True,
     "functions_from": True,
     "train": {"micro_batch"},
     "prune": {"measured_under", "runs", "eval_pruned"},

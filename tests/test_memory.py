@@ -345,3 +345,25 @@ def test_a_grpo_step_is_estimated_with_its_generation_within_ten_percent(tmp_pat
     assert predicted["peak"] == "generation"
     assert -0.05 <= predicted["train"] / actual["train"] - 1 <= 0.10, (predicted, actual)
     assert predicted["training_only"] < 0.8 * actual["train"]  # the gap this closes
+
+
+def test_an_elastic_grpo_stage_is_judged_by_the_generation_of_its_fewest_ranks(tmp_path):
+    """`nodes: 1-2` keeps the global batch: on 1 node each rank accumulates twice the steps, and so
+    generates twice the completions at once. Preflight judged the generation at the largest size (8 x 2 x 4
+    = 64 completions a rank), where it is smallest; on the fewest ranks it is 128. A job that runs knows its
+    ranks (train/recipe.py at_world_size): its own figure is its own accumulation's."""
+    from train.grpo_data import as_completions
+    from train.memory_figures import grpo_step
+    from train.recipe import at_world_size
+
+    job = grpo_case(tmp_path, "auto", prompts=8, generations=4)
+    job = job.model_copy(update={"train": job.train.model_copy(update={"grad_accum": 2})})
+    shape = {"max_length": GRPO_PROMPT + GRPO_COMPLETION}
+    fixed = grpo_step(as_completions(job), shape)["generation"]["sequences"]
+    elastic = job.model_copy(update={"global_ranks": 8, "fewest_ranks": 4})
+    assert fixed == 8 * 2 * 4
+    assert grpo_step(as_completions(elastic), shape)["generation"]["sequences"] == 2 * fixed
+    on_four = at_world_size(elastic, 4)
+    assert on_four.fewest_ranks is None and on_four.train.grad_accum == 4
+    assert grpo_step(as_completions(on_four), shape)["generation"]["sequences"] == 2 * fixed
+    assert grpo_step(as_completions(at_world_size(elastic, 8)), shape)["generation"]["sequences"] == fixed

@@ -182,12 +182,13 @@ def test_an_elastic_job_on_fewer_ranks_accumulates_more_and_a_fixed_one_is_left_
     shape = '{gpus: 1, nodes: "1-2", cpus: 8, mem_gb: 32, time: "01:00:00", partition: multi}'
     folder = write_experiments(tmp_path, stretchy=sized("stretchy", shape))
     job = plan_for(["train.batch_size=2"], ["stretchy"], folder=folder).job("stretchy/train").spec
-    assert at_world_size(job, 2) is job
+    assert job.fewest_ranks == 1  # where preflight judges its GRPO generation; the running job knows its own
+    assert at_world_size(job, 2) == job.model_copy(update={"fewest_ranks": None})
     shrunk = at_world_size(job, 1)
     assert (shrunk.train.batch_size, shrunk.train.grad_accum) == (2, 2 * job.train.grad_accum)
     with pytest.raises(ValueError, match="cannot share grad_accum"):
         at_world_size(job.model_copy(update={"global_ranks": 3}), 2)
-    fixed = job.model_copy(update={"global_ranks": None})
+    fixed = job.model_copy(update={"global_ranks": None, "fewest_ranks": None})
     assert at_world_size(fixed, 1) is fixed
 
 

@@ -14,7 +14,7 @@ import torch
 from transformers import AutoConfig
 
 from core.config import TrainJob
-from core.split import MemoryFigures, StepLine
+from core.split import MemoryFigures, StepLine, elastic_accumulation
 from train import memory
 from train.chat import text_tokenizer
 from train.loss import TargetTokenLoss, fusable
@@ -148,12 +148,15 @@ def grpo_step(job: TrainJob, shape: dict) -> dict:
     """What a GRPO step adds to the shape (train/memory.py): its generation, this rank's completions of a whole
     step at once (`job` counts completions: train/grpo_data.py as_completions), from the longest prompt (the
     shape's max_length less max_completion_length); and with beta > 0 under reference: previous, the adapter's
-    frozen copy."""
+    frozen copy. An elastic job is judged on its fewest ranks, where each rank accumulates, and so generates,
+    the most (core/split.py elastic_accumulation)."""
     from train.dpo_step import reference_of
 
-    grpo = job.train.reward_objective
+    grpo, accum = job.train.reward_objective, job.train.grad_accum
+    if job.global_ranks is not None and job.fewest_ranks is not None:
+        accum = elastic_accumulation(accum, job.global_ranks, job.fewest_ranks) or accum
     generation = {
-        "sequences": job.train.batch_size * job.train.grad_accum,
+        "sequences": job.train.batch_size * accum,
         "prompt_length": shape["max_length"] - grpo.max_completion_length,
         "completion_length": grpo.max_completion_length,
         "temperature": grpo.temperature,

@@ -308,7 +308,10 @@ def at_world_size(job: TrainJob, world_size: int) -> TrainJob:
     """The job as this run takes it on `world_size` ranks. An elastic job (`nodes: min-max`) keeps the
     global batch of its largest size: each rank accumulates grad_accum x global_ranks / world_size steps
     (core/split.py elastic_accumulation), so that the steps, the schedule and the examples in each step (the
-    sampler groups by the global batch) are the same whatever SLURM gave it. Any other job: as it is."""
+    sampler groups by the global batch) are the same whatever SLURM gave it. Any other job: as it is. Either
+    way the job now knows its ranks: its fewest (what preflight judged it at) no longer apply."""
+    if job.fewest_ranks is not None:
+        job = job.model_copy(update={"fewest_ranks": None})
     if job.global_ranks is None or job.global_ranks == world_size:
         return job
     accum = elastic_accumulation(job.train.grad_accum, job.global_ranks, world_size)

@@ -507,6 +507,7 @@ def experiment_jobs(
             tracking=exp.tracking,
             prune=pruning_of(loaded),
             global_ranks=resources.tasks if resources.elastic else None,
+            fewest_ranks=resources.min_nodes * resources.tasks_per_node if resources.elastic else None,
             functions_from=functions_folder(loaded, stage),
         )
         spec = with_definition(spec, loaded)
