@@ -31,12 +31,12 @@ def adapters(tiny, tmp_path_factory) -> list[Path]:
     return found
 
 
-def eval_job(tiny, adapter: Path | None, out_dir: Path, **evaluation) -> EvalJob:
+def eval_job(tiny, adapter: Path | None, out_dir: Path, method: str = "lora", **evaluation) -> EvalJob:
     return EvalJob(
         experiment="t",
         stage="s",
         model=model_spec(tiny),
-        adapter={"rank": 8, "alpha": 16, "dropout": 0.0},
+        adapter={"rank": 8, "alpha": 16, "dropout": 0.0, "method": method},
         data=sql_data("easy", eval_split="dev"),
         eval={"metrics": ["exact_match", "rouge"], "limit": 8, "batch_size": 2, "max_new_tokens": 6}
         | evaluation,
@@ -72,6 +72,23 @@ def test_one_process_scoring_three_adapters_and_the_base_writes_what_four_eval_j
     predictions = [[r["prediction"] for r in written(Path(j.out_dir))[0]] for j in shared]
     assert len({tuple(p) for p in predictions}) > 1  # the adapters were really switched
     assert all(results[k]["adapter_changes_output"] is not None for k in (1, 2, 3))
+
+
+def test_a_qlora_adapter_scored_on_the_shared_4bit_base_writes_what_its_own_job_writes(tiny, tmp_path):
+    """QLoRA: the base held in 4 bits once, the adapter put on it and taken off again (peft's unload leaves
+    the 4-bit layers as they were): the same predictions as its own job, and the base row's too."""
+    run_dir = tmp_path / "trained"
+    job = make_job(tiny, run_dir, max_steps=2, adapter={"method": "qlora"})
+    assert run_stage(job) == "completed"
+    adapter = run_dir / "adapter"
+    jobs = (("base", None), ("q", adapter))
+    alone = [eval_job(tiny, a, tmp_path / "alone" / n, "qlora", limit=4) for n, a in jobs]
+    shared = [eval_job(tiny, a, tmp_path / "shared" / n, "qlora", limit=4) for n, a in jobs]
+    for one in alone:
+        run_eval(one)
+    run_shared_eval(shared, tmp_path / "shared-job")
+    for one, many in zip(alone, shared, strict=True):
+        assert written(Path(many.out_dir)) == written(Path(one.out_dir)), many.out_dir
 
 
 def test_a_stopped_shared_eval_starts_again_at_the_first_adapter_not_scored(tiny, adapters, tmp_path):
