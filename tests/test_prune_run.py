@@ -104,7 +104,16 @@ def test_a_pruned_sweep_stops_its_hopeless_rates_at_rung_1_and_a_relaunch_queues
     check_the_report_shows_the_pruning_and_picks_a_completed_point(tmp_path / "runs")
     assert launch.main(["--all", "--config-dir", str(folder), "--backend", "local"]) == 0
     assert "Nothing to submit" in capsys.readouterr().out
+    check_the_status_shows_the_sweep_and_on_exp_each_pruned_run(folder, capsys)
+
+
+def check_the_status_shows_the_sweep_and_on_exp_each_pruned_run(folder: Path, capsys) -> None:
+    """The sweep is one row of --status (its runs by state); --exp asha shows each run, a pruned one with
+    its rung, eval_loss and cutoff."""
     assert launch.main(["--status", "--config-dir", str(folder)]) == 0
+    status = " ".join(capsys.readouterr().out.split())
+    assert "sweep asha: 6 points" in status and "3 PRUNED" in status, status
+    assert launch.main(["--status", "--exp", "asha", "--config-dir", str(folder)]) == 0
     status = " ".join(capsys.readouterr().out.split())
     assert status.count("PRUNED") >= 3 and "at rung 1: eval_loss" in status, status
 
@@ -126,9 +135,7 @@ def test_a_pruned_sweep_on_the_cluster_stops_its_hopeless_rates_and_a_relaunch_q
     leaving = squeue_ids(under=tmp_path)  # ended, perhaps still COMPLETING when --wait returns
     assert launch_on_slurm(folder) == 0
     assert "Nothing to submit" in capsys.readouterr().out and squeue_ids(under=tmp_path) <= leaving
-    assert launch.main(["--status", "--config-dir", str(folder)]) == 0
-    status = " ".join(capsys.readouterr().out.split())
-    assert status.count("PRUNED") >= 3 and "at rung 1: eval_loss" in status, status
+    check_the_status_shows_the_sweep_and_on_exp_each_pruned_run(folder, capsys)
     assert launch.main(["--report", "--config-dir", str(folder)]) == 0
     check_the_report_shows_the_pruning_and_picks_a_completed_point(tmp_path / "runs")
 
