@@ -16,6 +16,7 @@ in the report.
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import sys
@@ -85,6 +86,10 @@ def run_shared_eval(
         placement = eval_placement(job.adapter_dir)
         if base is None or placement != held:  # adapters trained in another precision: loaded again
             base, held = base_for_eval(job, placement), placement
+            own = copy.deepcopy(base.generation_config)
+        # each job's eval finds the model's own generation_config, as its own job would: the eval's decoding
+        # replaces it (eval/generate.py explicit_decoding) and records what it overrode
+        base.generation_config = copy.deepcopy(own)
         model, tokenizer = adapter_on_base(base, job)
         try:
             result = scored(job, model, tokenizer, placement, started, stop)

@@ -108,6 +108,26 @@ def test_a_stopped_shared_eval_starts_again_at_the_first_adapter_not_scored(tiny
         assert written(Path(job.out_dir)) == written(reference)
 
 
+def test_each_adapter_finds_the_models_own_generation_config_as_its_own_job_does(tiny, adapters, tmp_path):
+    """A hub model's generation_config (here a repetition_penalty and sampling) is replaced by the eval's
+    decoding, and each results.json says what was overridden. Before, the second adapter of a shared process
+    found the first one's decoding in its place and recorded nothing overridden."""
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny["tiny-llama"], model)
+    config = json.loads((model / "generation_config.json").read_text())
+    config |= {"repetition_penalty": 1.3, "do_sample": True}
+    (model / "generation_config.json").write_text(json.dumps(config))
+    spec = {"model": {"name_or_path": str(model), "kind": "causal"}}
+    jobs = [eval_job(tiny, a, tmp_path / f"s{k}").model_copy(update=spec) for k, a in enumerate(adapters[:2])]
+    jobs = [EvalJob.model_validate(job.model_dump()) for job in jobs]
+    results = run_shared_eval(jobs, tmp_path / "shared")
+    assert [r["generation_overridden"] for r in results] == [
+        {"repetition_penalty": 1.3, "do_sample": True}
+    ] * 2
+
+
 def test_a_point_whose_training_left_no_adapter_is_reported_not_scored_and_the_others_are(
     tiny, adapters, tmp_path
 ):
