@@ -112,7 +112,7 @@ def check_the_status_shows_the_sweep_and_on_exp_each_pruned_run(folder: Path, ca
     its rung, eval_loss and cutoff."""
     assert launch.main(["--status", "--config-dir", str(folder)]) == 0
     status = " ".join(capsys.readouterr().out.split())
-    assert "sweep asha: 6 points" in status and "3 PRUNED" in status, status
+    assert "sweep asha: 6 points" in status and "3 PRUNED" in status and "all done" in status, status
     assert launch.main(["--status", "--exp", "asha", "--config-dir", str(folder)]) == 0
     status = " ".join(capsys.readouterr().out.split())
     assert status.count("PRUNED") >= 3 and "at rung 1: eval_loss" in status, status

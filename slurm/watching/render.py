@@ -330,11 +330,11 @@ def edges_text(plan: Plan, folded: set[str] = frozenset()) -> str:
 
 def sweep_status_row(sweep: str, rows: list[JobStatus]) -> list:
     """A folded sweep's one status row: its points, its jobs by state, and what is left of it (the GPU-hours
-    of its jobs not completed, and their makespan with every point at once)."""
+    of its jobs not finished, a pruned run being finished, and their makespan with every point at once)."""
     by_state: dict[str, int] = {}
     for row in rows:
         by_state[row.state.value] = by_state.get(row.state.value, 0) + 1
-    left = [row.job for row in rows if row.state is not State.COMPLETED]
+    left = [row.job for row in rows if not row.state.finished]
     hours = sum((j.estimate.seconds or 0.0) * j.resources.total_gpus for j in left) / 3600
     ids = {j.id for j in left}
     end: dict[str, float] = {}
