@@ -54,9 +54,9 @@ import inspect
 import math
 import weakref
 from collections.abc import Callable, Iterable
-from contextlib import ExitStack, nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import asdict, dataclass
-from functools import partial
+from functools import cache, partial
 from unittest.mock import patch
 
 import torch
@@ -110,9 +110,7 @@ class MemoryEstimate:
     eval_activations_per_example_gb: float | None  # per example of the eval batch
     eval_gb: float | None  # the eval step's whole peak, reserve included
     total_gb: float  # the largest of train_gb, eval_gb and generation_gb: what must fit
-    generation_sequences: int | None = (
-        None  # a GRPO stage's completions sampled at once (None: no generation)
-    )
+    generation_sequences: int | None = None  # a GRPO stage's completions sampled at once (None: none)
     generation_activations_gb: float | None = None  # its peak above weights, trainable weights and moments
     generation_gb: float | None = None  # its whole peak, reserve included
 
@@ -309,6 +307,17 @@ def step_labels(kind: str, batch: int, length: int, target_length: int | None, t
     return labels
 
 
+@contextmanager
+def counting(mode, existing: Iterable[torch.Tensor]):
+    """Inside `mode` (fake tensors), a LiveBytes of what the ops create above the `existing` tensors."""
+    with ExitStack() as stack:
+        stack.enter_context(mode)
+        # The mask helpers ask "is this mask all ones?", which fake tensors cannot answer: they take the
+        # branch they take under torch.compile, which asks none (a padded batch's full mask).
+        stack.enter_context(patch.object(masking_utils, "is_tracing", lambda *args, **kwargs: True))
+        yield stack.enter_context(LiveBytes(existing))
+
+
 def step_peak_bytes(
     model, kind: str, shape: dict, precision: str, training: bool, loss: Loss | None = None
 ) -> int:
@@ -335,13 +344,7 @@ def step_peak_bytes(
     existing += [p.grad for p in model.parameters() if p.grad is not None]
     dtype = autocast_dtype(precision)
     reference = shape.get("reference_forward", False)
-    with ExitStack() as stack:
-        stack.enter_context(mode)
-        # The mask helpers ask "is this mask all ones?", which fake tensors cannot answer: they take the
-        # branch they take under torch.compile, which asks none (a padded batch's full mask).
-        stack.enter_context(patch.object(masking_utils, "is_tracing", lambda *args, **kwargs: True))
-        tracker = stack.enter_context(LiveBytes(existing))
-        stack.enter_context(torch.enable_grad() if training else torch.no_grad())
+    with counting(mode, existing) as tracker, torch.enable_grad() if training else torch.no_grad():
         with torch.autocast("cpu", dtype=dtype) if dtype is not None else nullcontext():
             value = run_loss(model, dict(inputs), loss, positions)
             if reference:  # TRL's reference forward comes after the policy's, before the backward
@@ -371,11 +374,7 @@ def generation_peak_bytes(model, generation: dict) -> tuple[int, int]:
     longest = prompt + generation["completion_length"]
 
     def tracked(run, existing) -> int:
-        with ExitStack() as stack:
-            stack.enter_context(mode)
-            stack.enter_context(patch.object(masking_utils, "is_tracing", lambda *args, **kwargs: True))
-            tracker = stack.enter_context(LiveBytes([*model.parameters(), *model.buffers(), *existing]))
-            stack.enter_context(torch.no_grad())
+        with counting(mode, [*model.parameters(), *model.buffers(), *existing]) as tracker, torch.no_grad():
             run()
         return tracker.peak
 
@@ -506,13 +505,14 @@ def estimate(
     generation = None
     if "generation" in shape:
 
-        def generating(phase: int, layers_: int | None) -> int:
+        @cache  # one model and one run per depth give both phases
+        def generating(layers_: int | None) -> tuple[int, int]:
             model = build(layers_)
             if qlora:
                 held_as_qlora(model, compute)
-            return generation_peak_bytes(model, shape["generation"])[phase]
+            return generation_peak_bytes(model, shape["generation"])
 
-        peaks = [at_depth(partial(generating, phase), layers) for phase in (0, 1)]
+        peaks = [at_depth(lambda layers_, k=phase: generating(layers_)[k], layers) for phase in (0, 1)]
         generation = (shape["generation"]["sequences"], max(peaks) + extra)
     return assemble(weights, trainable, batch, train, eval_, generation)
 
