@@ -24,7 +24,7 @@ def status(request: LaunchRequest, profile) -> int:
     rows = plan_status(plan, profile.log_dir)
     cancel_stuck(rows, profile.log_dir)
     # hundreds of points at a glance: a sweep is one row unless --exp names it (or one of its points)
-    out.print(status_table(rows, out.width, folded_sweeps(plan, request.experiments)))
+    out.print(status_table(rows, out.width, folded_sweeps(plan, request.experiments), plan))
     for line in [*problem_lines(rows), *origin_lines(watched, profile)]:
         out.print(line, highlight=False, soft_wrap=True)
     return 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections import Counter
 from pathlib import Path
 
 from rich.console import Console
@@ -234,28 +235,36 @@ def folded_sweeps(plan: Plan, asked: tuple[str, ...] | None) -> set[str]:
     }
 
 
-def sweep_row(sweep: str, jobs: list[PlannedJob], states: dict[str, str]) -> list[str]:
-    """A folded sweep's one row: its points, their jobs' resources (where all alike), its GPU-hours and its
-    jobs by state (`1190 PLANNED, 11 COMPLETED (done)`)."""
-    points = len({j.experiment for j in jobs})
+def by_folded_sweep(items: list, sweep_of, folded: set[str]) -> dict[str, list]:
+    """Each folded sweep's items (jobs or status rows), in order: its one row goes where its first one is."""
+    found: dict[str, list] = {}
+    for item in items:
+        if sweep_of(item) in folded:
+            found.setdefault(sweep_of(item), []).append(item)
+    return found
+
+
+def counted_states(states: list[str]) -> str:
+    """`1190 PLANNED, 11 COMPLETED (done)`: how many of each state, in the order first seen."""
+    return ", ".join(f"{n} {state}" for state, n in Counter(states).items())
+
+
+def sweep_row(sweep: Plan, states: dict[str, str]) -> list[str]:
+    """A folded sweep's one row (`sweep` its part of the plan): its points, their jobs' resources (where
+    all alike), its GPU-hours and its jobs by state."""
+    jobs = sweep.jobs
     kinds = ", ".join(dict.fromkeys(j.kind for j in jobs))
     resources = {resources_text(j) for j in jobs if j.kind == jobs[0].kind}
-    by_state: dict[str, int] = {}
-    for job in jobs:
-        state = states.get(job.id, State.PLANNED.value)
-        by_state[state] = by_state.get(state, 0) + 1
-    hours = sum((j.estimate.seconds or 0.0) * j.resources.total_gpus for j in jobs) / 3600
-    unknown = any(j.estimate.seconds is None for j in jobs)
     return [
-        f"sweep {sweep}: {points} points",
+        f"sweep {jobs[0].sweep}: {len(sweep.experiments())} points",
         f"{len(jobs)} jobs ({kinds})",
         "-",
         "each point's own",
         resources.pop() if len(resources) == 1 else "various",
-        f"{'at least ' if unknown else '~'}{hours:.1f} GPU-hours",
+        f"{'at least ' if sweep.unestimated() else '~'}{sweep.gpu_hours():.1f} GPU-hours",
         "-",
         "-",
-        ", ".join(f"{n} {state}" for state, n in by_state.items()),
+        counted_states([states.get(j.id, State.PLANNED.value) for j in jobs]),
     ]
 
 
@@ -279,14 +288,11 @@ def plan_table(
     )
     for column in columns:
         table.add_column(column, no_wrap=column in ("job", "resources", "estimate"))
-    of_sweep: dict[str, list[PlannedJob]] = {}
-    for job in plan.jobs:
-        if job.sweep in folded:
-            of_sweep.setdefault(job.sweep, []).append(job)
+    of_sweep = by_folded_sweep(list(plan.jobs), lambda job: job.sweep, folded)
     for job in plan.jobs:
         if job.sweep in folded:
             if job is of_sweep[job.sweep][0]:
-                table.add_row(*sweep_row(job.sweep, of_sweep[job.sweep], states or {}))
+                table.add_row(*sweep_row(plan.of_sweep(job.sweep), states or {}))
             continue
         state = (states or {}).get(job.id, State.PLANNED.value)
         table.add_row(
@@ -328,31 +334,24 @@ def edges_text(plan: Plan, folded: set[str] = frozenset()) -> str:
     return "Dependency edges:\n" + ("\n".join(lines) if lines else "  (none)")
 
 
-def sweep_status_row(sweep: str, rows: list[JobStatus]) -> list:
+def sweep_status_row(sweep: str, rows: list[JobStatus], plan: Plan) -> list:
     """A folded sweep's one status row: its points, its jobs by state, and what is left of it (the GPU-hours
     of its jobs not finished, a pruned run being finished, and their makespan with every point at once)."""
-    by_state: dict[str, int] = {}
-    for row in rows:
-        by_state[row.state.value] = by_state.get(row.state.value, 0) + 1
-    left = [row.job for row in rows if not row.state.finished]
-    hours = sum((j.estimate.seconds or 0.0) * j.resources.total_gpus for j in left) / 3600
-    ids = {j.id for j in left}
-    end: dict[str, float] = {}
-    for job in left:  # parents come first, as in the plan
-        start = max((end[d.job_id] for d in job.depends_on if d.job_id in ids), default=0.0)
-        end[job.id] = start + (job.estimate.seconds or 0.0)
-    points = len({row.job.experiment for row in rows})
+    left = plan.only({row.job.id for row in rows if not row.state.finished})
     left_text = (
-        f"left: ~{hours:.1f} GPU-hours, ~{format_duration(max(end.values()))} with every point at once"
-        if left
+        f"left: ~{left.gpu_hours():.1f} GPU-hours, ~{format_duration(left.critical_path()[0])} with every "
+        "point at once"
+        if left.jobs
         else "all done"
     )
-    states = ", ".join(f"{n} {state}" for state, n in by_state.items())
-    return [f"sweep {sweep}: {points} points", "", states, left_text]
+    points = len({row.job.experiment for row in rows})
+    return [f"sweep {sweep}: {points} points", "", counted_states([r.state.value for r in rows]), left_text]
 
 
-def status_table(rows: list[JobStatus], width: int = WIDE, folded: set[str] = frozenset()) -> Table:
-    """A row a job; each sweep in `folded` one row (sweep_status_row), where its first job is."""
+def status_table(
+    rows: list[JobStatus], width: int = WIDE, folded: set[str] = frozenset(), plan: Plan | None = None
+) -> Table:
+    """A row a job; each sweep in `folded` one row (sweep_status_row, from `plan`), where its first job is."""
     table = Table(title="Status", title_justify="left")
     columns = (
         "job",
@@ -370,14 +369,11 @@ def status_table(rows: list[JobStatus], width: int = WIDE, folded: set[str] = fr
     )
     for column in columns:
         table.add_column(column)
-    of_sweep: dict[str, list[JobStatus]] = {}
-    for row in rows:
-        if row.job.sweep in folded:
-            of_sweep.setdefault(row.job.sweep, []).append(row)
+    of_sweep = by_folded_sweep(rows, lambda row: row.job.sweep, folded)
     for row in rows:
         if row.job.sweep in folded:
             if row is of_sweep[row.job.sweep][0]:
-                table.add_row(*sweep_status_row(row.job.sweep, of_sweep[row.job.sweep]))
+                table.add_row(*sweep_status_row(row.job.sweep, of_sweep[row.job.sweep], plan))
             continue
         style = STATE_STYLE.get(row.state, "")
         step = f"{row.step}/{row.total_steps}" if row.step is not None and row.total_steps else ""
