@@ -221,20 +221,33 @@ def add_parser(subparsers) -> None:
     parser.set_defaults(run=run)
 
 
-def run(args) -> int:
+def jobs_of_configs(paths: list[Path]) -> list[EvalJob]:
+    """Each eval job's config.yaml (written at submission), validated (ValueError naming the first that is
+    none); then this process is readied as a job is: the optional libraries none of them uses hidden before
+    peft is imported (train/libraries.py), and the job's logging."""
     import yaml
     from pydantic import ValidationError
 
     from train.libraries import hide, unused_libraries
 
-    try:
-        spec = yaml.safe_load(args.config.read_text(encoding="utf-8"))
-        job = EvalJob.model_validate(spec)
-    except (OSError, yaml.YAMLError, ValidationError) as exc:
-        print(f"error: {args.config}: not an eval job's config.yaml ({exc})", file=sys.stderr)
-        return 2
-    hide(unused_libraries(spec))  # before peft is imported, as a job does (train/libraries.py)
+    specs, jobs = [], []
+    for path in paths:
+        try:
+            specs.append(yaml.safe_load(path.read_text(encoding="utf-8")))
+            jobs.append(EvalJob.model_validate(specs[-1]))
+        except (OSError, yaml.YAMLError, ValidationError) as exc:
+            raise ValueError(f"{path}: not an eval job's config.yaml ({exc})") from None
+    hide(tuple(set.intersection(*(set(unused_libraries(spec)) for spec in specs))))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return jobs
+
+
+def run(args) -> int:
+    try:
+        (job,) = jobs_of_configs([args.config])
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     from eval.score import UnscoredError
 
     try:

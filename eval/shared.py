@@ -113,24 +113,11 @@ def add_parser(subparsers) -> None:
 
 
 def run(args) -> int:
-    import yaml
-    from pydantic import ValidationError
-
+    from eval.job import jobs_of_configs
     from eval.score import UnscoredError
-    from train.libraries import hide, unused_libraries
 
-    jobs, specs = [], []
-    for config in args.configs:
-        try:
-            specs.append(yaml.safe_load(config.read_text(encoding="utf-8")))
-            jobs.append(EvalJob.model_validate(specs[-1]))
-        except (OSError, yaml.YAMLError, ValidationError) as exc:
-            print(f"error: {config}: not an eval job's config.yaml ({exc})", file=sys.stderr)
-            return 2
-    # before peft is imported, as a job does (train/libraries.py): what no job of them uses
-    hide(tuple(set.intersection(*(set(unused_libraries(spec)) for spec in specs))))
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        jobs = jobs_of_configs(args.configs)
         results = run_shared_eval(jobs, args.shared_dir)
     except (UnscoredError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -42,7 +42,6 @@ CROSSING = {
     ("eval.generate", "train.vl"),
     ("eval.job", "train.callbacks"),
     ("eval.job", "train.libraries"),  # `python -m eval generate` hides what the job would
-    ("eval.shared", "train.libraries"),  # `python -m eval generate-shared` too
     ("eval.job", "train.data"),
     ("slurm.planning.checks", "eval.reward_check"),  # a GRPO stage's rewards checked in a bounded child
     ("train.grpo", "eval.rewards"),  # a GRPO reward is the eval's own per-example score
