@@ -41,6 +41,11 @@ class JobRecord:
     def on_slurm(self) -> bool:
         return not self.local
 
+    @property
+    def array(self) -> bool:
+        """A task of a SLURM job array (`123_4`, SLURM's own spelling: a job of its own has no `_`)."""
+        return self.on_slurm and "_" in self.job_id
+
     @classmethod
     def from_json(cls, raw) -> JobRecord | None:
         """The record an entry of `jobs` holds; None for one that is not an object with a job id (a hand
@@ -77,23 +82,30 @@ class JobRecord:
 @dataclass(frozen=True)
 class Submission:
     """A submission under way (job.json's `submitting`, see record_intent): the token its SLURM comment
-    carries, when it was written, whether it is a pack's unit, the code it runs."""
+    carries, when it was written, whether it is a pack's unit, its task in a job array, the code it runs."""
 
     token: str
     at: str | None = None
     pack: bool = False
     code: dict | None = None
+    array_task: int | None = None
+
+    def job_id(self, queued_as: str) -> str:
+        """Its job's id, from the id squeue shows for its token (an array's tasks share one token)."""
+        return queued_as if self.array_task is None else f"{queued_as.split('_')[0]}_{self.array_task}"
 
     @classmethod
     def from_json(cls, raw) -> Submission | None:
         if not is_kind(raw, dict) or not is_kind(raw.get("token"), str):
             return None
         code = raw.get("code")
+        task = raw.get("array_task")
         return cls(
             token=raw["token"],
             at=_text(raw.get("at")),
             pack=raw.get("pack") is True,
             code=code if is_kind(code, dict) and code else None,
+            array_task=task if is_kind(task, int) else None,
         )
 
     def to_json(self) -> dict:
@@ -102,6 +114,7 @@ class Submission:
             "at": self.at,
             "pack": self.pack,
             **({"code": self.code} if self.code else {}),
+            **({"array_task": self.array_task} if self.array_task is not None else {}),
         }
 
 
@@ -135,14 +148,18 @@ def record_job(
 
 
 def record_intent(
-    run_dir: Path, code: dict | None = None, pack: bool = False, token: str | None = None
+    run_dir: Path,
+    code: dict | None = None,
+    pack: bool = False,
+    token: str | None = None,
+    array_task: int | None = None,
 ) -> str:
     """Before sbatch: the token the job's SLURM comment will carry (slurm/queueing/backends.py). If the launch dies or
     cannot write job.json once sbatch has queued it, the next launch (or --cancel, --status) finds the
     job in the queue by this token and records it (slurm/queueing/decisions.py adopt_unrecorded), instead of
     queueing it a second time. Raises OSError when job.json cannot be written: then nothing is queued."""
-    token = token or uuid.uuid4().hex  # a pack's units share their allocation's
-    intent = Submission(token, time.strftime(TIME_STAMP), pack, code or None)
+    token = token or uuid.uuid4().hex  # a pack's units share their allocation's, an array's tasks theirs
+    intent = Submission(token, time.strftime(TIME_STAMP), pack, code or None, array_task)
     write_jobs(run_dir, job_records(run_dir), intent)
     return token
 

@@ -36,8 +36,13 @@ RUN_ROOT = {
 
 # LOG_DIR/: folders beside the experiments' log folders.
 PACKS = "packs"  # slurm/queueing/backends.py: packed allocations' submitit folders
+ARRAYS = "arrays"  # slurm/queueing/backends.py: job arrays' submitit folder
 CODE_SNAPSHOTS = ".code"  # slurm/queueing/snapshot.py
-LOG_ROOT = {PACKS: "the packed allocations' logs", CODE_SNAPSHOTS: "the code snapshots"}
+LOG_ROOT = {
+    PACKS: "the packed allocations' logs",
+    ARRAYS: "the job arrays' logs",
+    CODE_SNAPSHOTS: "the code snapshots",
+}
 
 # RUN_ROOT/EXP/: what shares an experiment's folder with its stages.
 EVAL = "eval"  # the eval of the last stage; the others' are eval-STAGE (eval_folder)

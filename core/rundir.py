@@ -191,6 +191,11 @@ class LogRoot:
         """LOG_DIR/packs: the packed allocations' submitit folder."""
         return self.path / layout.PACKS
 
+    @property
+    def arrays(self) -> Path:
+        """LOG_DIR/arrays: the job arrays' submitit folder (each task's log is `ARRAY_TASK_0_log.out`)."""
+        return self.path / layout.ARRAYS
+
     def code_snapshot(self, digest: str) -> Path:
         return self.path / layout.CODE_SNAPSHOTS / digest
 

@@ -9,6 +9,7 @@
       seeds: [1, 2, 3]    # training seeds: every point trained once per seed, into train.seed
       select: {metric: eval_loss, mode: min}   # kept for the report
       prune: {rungs: [1, 2], keep: 0.33, min_points: 3, eval_pruned: true}  # stop losing runs early
+      parallel: 4         # on SLURM, at most 4 of the points' array tasks run at once
 
 Points are grid's product (first key slowest) x the zip groups' product x random's draws, each replicated
 over `seeds`. A point is the experiment's raw config with `nested(point.values)` deep-merged in, named
@@ -112,6 +113,7 @@ class Sweep:
     swept: tuple[str, ...]  # the keys grid, zip and random vary (train.seed from seeds is not one)
     select: SweepSelect | None
     prune: PruneSpec | None = None
+    parallel: int | None = None
 
 
 @dataclass(frozen=True)
@@ -290,6 +292,9 @@ class SweepSpec(Section):
     seeds: Annotated[tuple[int, ...], PlainValidator(distinct_seeds)] = ()
     select: SweepSelect | None = None
     prune: PruneSpec | None = None
+    # On SLURM: at most this many of the points' jobs of one array run at once (sbatch --array=...%K);
+    # None: as many as the cluster's GPU cap lets this user hold.
+    parallel: Annotated[Int, Field(ge=1)] | None = None
 
     @field_validator("grid", "zip", "random")
     @classmethod
@@ -431,7 +436,9 @@ def expand(block: object, experiment_name: str) -> Sweep:
     axes = spec.axes()
     points = name_points(list(combinations(axes)), spec.seeds, experiment_name)
     swept = tuple(key for axis in axes for key in axis.keys)
-    return Sweep(points=tuple(points), swept=swept, select=spec.select, prune=spec.prune)
+    return Sweep(
+        points=tuple(points), swept=swept, select=spec.select, prune=spec.prune, parallel=spec.parallel
+    )
 
 
 def nested(values: dict) -> dict:
@@ -721,6 +728,7 @@ class SweepMember:
     select: SweepSelect | None
     prune: PruneSpec | None = None  # the sweep's `prune:` block: its runs may stop at a rung
     size: int = 1  # the sweep's runs (points x seeds): a pruned sweep's expected cost depends on it
+    parallel: int | None = None  # `parallel:`: how many of its array's tasks may run at once
 
 
 def source_of(block: dict, key: str, seeded: bool) -> KeyPath:

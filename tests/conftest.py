@@ -208,7 +208,8 @@ def explain_jobs(tmp: Path, lines: int = 25) -> str:
 def squeue_ids(under: Path | None = None) -> set[str]:
     """Ids in the queue; with `under`, only jobs whose submission script lies below it (submitit writes
     it into the job's log folder), so jobs other tests left finishing cannot change a test's count."""
-    done = subprocess.run(["squeue", "-h", "-o", "%i|%o"], capture_output=True, text=True, check=True)
+    # -r: one id per array task, pending ones too (`123_4`, not `123_[0-11]`)
+    done = subprocess.run(["squeue", "-h", "-r", "-o", "%i|%o"], capture_output=True, text=True, check=True)
     rows = (line.split("|", 1) for line in done.stdout.splitlines() if "|" in line)
     return {job_id for job_id, command in rows if under is None or command.startswith(f"{under}/")}
 

@@ -32,28 +32,31 @@ def steps_per_epoch(repo_root: Path, batch_size: int = 8) -> int:
     return math.ceil(len(rows) / batch_size)
 
 
-def test_scontrol_requeue_mid_run_resumes_to_the_same_adapter(
+def test_scontrol_requeue_of_an_array_task_mid_run_resumes_to_the_same_adapter(
     repo_root, tmp_path, slurm_cluster, tiny, monkeypatch
 ):
-    # Two identical experiments run side by side on the cluster (same CPU count, so the same arithmetic);
-    # only one of them is requeued mid-run: at its first checkpoint (step 8) of 150, mid-epoch.
+    # Two points of one sweep, identical but for how often they checkpoint, run side by side as one job
+    # array (same CPU count, so the same arithmetic); only one task is requeued mid-run: at its first
+    # checkpoint (step 8) of 150, mid-epoch.
     monkeypatch.chdir(repo_root)
-    folder = fault_experiment(repo_root, tmp_path, "requeued", epochs=5, save=8)
-    fault_experiment(repo_root, tmp_path, "straight", epochs=5, save=8)
+    extra = "sweep: {grid: {train.save_every_steps: [8, 16]}}"
+    folder = fault_experiment(repo_root, tmp_path, "fault", epochs=5, save=8, extra=extra)
     assert submit(folder) == 0
-    run_dir = tmp_path / "runs" / "requeued" / "train"
-    job_id = slurm_id(tmp_path, "requeued/train")
+    requeued, straight = "fault-save_every_steps8/train", "fault-save_every_steps16/train"
+    run_dir = tmp_path / "runs" / requeued
+    job_id = slurm_id(tmp_path, requeued)
+    assert job_id.endswith("_0") and slurm_id(tmp_path, straight) == job_id[:-1] + "1"  # tasks of one array
     wait_until(lambda: latest_valid_checkpoint(run_dir / "checkpoints"), "a first checkpoint")
     subprocess.run(["scontrol", "requeue", job_id], check=True)
-    assert submit(folder, "--wait") == 0  # nothing new is submitted; it waits for the requeued job
-    assert slurm_id(tmp_path, "requeued/train") == job_id  # same SLURM job, second run
+    assert submit(folder, "--wait") == 0  # nothing new is submitted; it waits for the requeued task
+    assert slurm_id(tmp_path, requeued) == job_id  # same task of the same array, second run
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["resumed_from"] is not None
     assert_every_step_logged_once(run_dir, summary["global_step"])
     # TensorBoard (on by default) shows the same curve: the steps the first run logged after its
     # checkpoint, logged again after the requeue, are purged, not drawn twice.
     assert_same_curve(tensorboard_losses(run_dir), logged_losses(run_dir))
-    assert_same_adapter(tmp_path / "runs" / "straight" / "train", run_dir)
+    assert_same_adapter(tmp_path / "runs" / straight, run_dir)
 
 
 def training_steps_per_second(tiny, run_dir: Path, steps: int = 100) -> float:

@@ -65,7 +65,11 @@ def test_a_time_over_the_partitions_max_time_is_refused_at_its_line(
 def test_a_plan_over_the_users_submit_limit_is_refused_whole_not_halfway(
     repo_root, tmp_path, tiny, slurm_cluster, capsys
 ):
-    folder = folder_with(tmp_path, {"qos": "limited"}, a={}, b={}, c={}, d={})
+    # a's two points would be one job array: each of its tasks counts as a job, as SLURM counts them.
+    folder = folder_with(tmp_path, {"qos": "limited"}, b={}, c={})
+    (folder / "a.yaml").write_text(
+        EXPERIMENT.format(name="a", gpus=0, time="00:05:00") + "sweep: {seeds: [1, 2]}\n"
+    )
     code, said = launched(folder, capsys)
     assert code == 2, said
     assert "this launch queues 4 job(s) and you have 0 queued under QOS limited" in said

@@ -7,7 +7,9 @@ on 32 examples, scored on 16, since no assertion looks at what was learned, only
 
 from __future__ import annotations
 
+import json
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -104,12 +106,45 @@ def test_a_sweep_runs_on_the_cluster_and_a_relaunch_queues_nothing(
     (tmp_path / "configs" / "experiments").mkdir()
     argv = ["--all", "--config-dir", str(folder), "--backend", "slurm", "--no-preflight"]
     assert launch.main([*argv, "--wait"]) == 0
-    assert "Submitted 4 job(s)" in capsys.readouterr().out
+    assert "Submitted 4 job(s) in 1 submission(s), 1 of them job arrays" in capsys.readouterr().out
+    array = array_tasks(tmp_path)
+    assert sorted(array.values()) == [f"{array_id(array)}_{i}" for i in range(4)]
+    # sacct keeps one record per task (its state may still read RUNNING while the task completes)
+    assert sorted(accounted(array_id(array))) == sorted(array.values())
     leaving = squeue_ids(under=tmp_path)  # ended, perhaps still COMPLETING when --wait returns
     assert launch.main(argv) == 0
     assert "Nothing to submit" in capsys.readouterr().out and squeue_ids(under=tmp_path) <= leaving
     assert launch.main(["--report", "--config-dir", str(folder)]) == 0
     check_the_report_and_the_removed_points(tmp_path, repo_root, folder, capsys, CLUSTER)
+    # The sweep edited: a rate added. Its two new points are a new array; the others are not touched.
+    sweep_folder(tmp_path, repo_root, rates="1.0e-3, 3.0e-3, 5.0e-3", **CLUSTER)
+    assert launch.main([*argv, "--wait"]) == 0
+    assert "Submitted 2 job(s) in 1 submission(s), 1 of them job arrays" in capsys.readouterr().out
+    grown = array_tasks(tmp_path)
+    added = {point: task for point, task in grown.items() if point not in array}
+    assert sorted(added) == ["sweep-lr0.005-r4-s1", "sweep-lr0.005-r4-s2"]
+    assert array_id(added) != array_id(array) and {p: grown[p] for p in array} == array
+
+
+def array_tasks(tmp: Path) -> dict[str, str]:
+    """Each point's recorded SLURM job: its array task (`123_4`)."""
+    return {
+        job.parent.parent.name: json.loads(job.read_text())["jobs"][-1]["job_id"]
+        for job in (tmp / "runs").glob("sweep-*/train/job.json")
+    }
+
+
+def array_id(tasks: dict[str, str]) -> str:
+    (found,) = {task.split("_")[0] for task in tasks.values()}  # one array
+    return found
+
+
+def accounted(job_id: str) -> dict[str, str]:
+    """sacct's JobID → State for every task of the array `job_id`."""
+    text = subprocess.run(
+        ["sacct", "-n", "-P", "-X", "-j", job_id, "-o", "JobID,State"], capture_output=True, text=True
+    ).stdout
+    return dict(line.split("|", 1) for line in text.splitlines() if line.strip())
 
 
 def test_cancel_removed_stops_the_queued_points_a_sweep_no_longer_has_and_only_those(
@@ -133,6 +168,23 @@ def test_cancel_removed_stops_the_queued_points_a_sweep_no_longer_has_and_only_t
             lambda: len(squeue_ids(under=tmp_path)) == 6, "the 6 cancelled jobs to leave the queue", 60
         )
         assert squeue_ids(under=tmp_path) < queued
+        # The points are tasks of one array: cancelling one point, then retrying it, touches that task alone.
+        tasks = array_tasks(tmp_path)
+        assert len({task.split("_")[0] for task in tasks.values()}) == 1
+        assert launch.main(["--cancel", "--exp", "sweep-lr0.001-r4-s1", "--config-dir", str(folder)]) == 0
+        wait_until(lambda: len(squeue_ids(under=tmp_path)) == 5, "the cancelled task to leave the queue", 60)
+        assert squeue_ids(under=tmp_path) == queued - {tasks[p] for p in tasks if "lr0.003" in p} - {
+            tasks["sweep-lr0.001-r4-s1"]
+        }
+        capsys.readouterr()
+        retry = ["--all", "--retry-failed", "--config-dir", str(folder), *long]
+        assert launch.main(retry) == 0
+        assert "Submitted 1 job(s)" in capsys.readouterr().out
+        again = array_tasks(tmp_path)
+        assert again["sweep-lr0.001-r4-s1"] != tasks["sweep-lr0.001-r4-s1"]
+        assert {p: t for p, t in again.items() if p != "sweep-lr0.001-r4-s1"} == {
+            p: t for p, t in tasks.items() if p != "sweep-lr0.001-r4-s1"
+        }
     finally:
         launch.main(["--cancel", "--all", "--config-dir", str(folder), "train.epochs=500"])
 

@@ -425,6 +425,7 @@ def test_bertscore_needs_its_model_named_with_file_and_line(config_dir, capsys):
         "report.csv",
         "loss_curves.png",
         "packs",
+        "arrays",
         "Report.md",
     ],
 )

@@ -41,6 +41,8 @@ class ClusterLimits:
     partition_time_s: dict[str, Cap] = field(default_factory=dict)  # partition → MaxTime
     partition_nodes: dict[str, Cap] = field(default_factory=dict)  # partition → TotalNodes
     default_partition: str | None = None
+    # SLURM's MaxArraySize: an array task's index is below it (slurm/planning/arrays.py splits larger ones)
+    max_array_size: int = 1001
 
 
 # What read_limits asks sacctmgr for, in this order (parse_limits reads the columns by position).
@@ -62,17 +64,20 @@ def read_limits(account: str | None, qos: str | None) -> tuple[ClusterLimits | N
         return None, "sacctmgr or scontrol did not answer"
     qos = qos or default_qos(assoc_text)
     qos_text = run_client([*sacctmgr, "qos", qos, f"format={QOS_FIELDS}"]) or ""
-    queued = run_client(["squeue", "-h", "-u", user, "-q", qos, "-o", "%i"]) or ""
+    # -r: a pending array is one line per task, each a job for MaxSubmitJobs
+    queued = run_client(["squeue", "-h", "-r", "-u", user, "-q", qos, "-o", "%i"]) or ""
+    config = run_client(["scontrol", "show", "config"]) or ""
     where = f"association {user}/{account or 'default'}"
-    return parse_limits(qos, qos_text, where, assoc_text, partitions, queued), ""
+    return parse_limits(qos, qos_text, where, assoc_text, partitions, queued, config), ""
 
 
 def parse_limits(
-    qos: str, qos_text: str, where: str, assoc_text: str, partitions: str, queued: str
+    qos: str, qos_text: str, where: str, assoc_text: str, partitions: str, queued: str, config: str = ""
 ) -> ClusterLimits:
     """The limits read_limits' commands printed: `sacctmgr -n -P show qos QOS format=QOS_FIELDS`, `...
     show assoc ... format=ASSOC_FIELDS` (`where` names that association in messages), `scontrol show
-    partition -o` and `squeue -h -o %i` (the user's jobs queued under `qos`). Of a limit set both on the
+    partition -o`, `squeue -h -r -o %i` (the user's jobs queued under `qos`) and `scontrol show config`
+    (its MaxArraySize; SLURM's default where it is not said). Of a limit set both on the
     QOS and on the association, the tighter binds; one set on neither (empty, UNLIMITED, -1) is None."""
     caps: dict[str, Cap] = {}
     for _, submit, per_user, per_job, wall in rows(qos_text, 5)[:1]:
@@ -95,7 +100,14 @@ def parse_limits(
         partition_time_s=times,
         partition_nodes=partition_nodes(partitions),
         default_partition=default,
+        **({"max_array_size": size} if (size := max_array_size(config)) else {}),
     )
+
+
+def max_array_size(config: str) -> int | None:
+    """MaxArraySize in `scontrol show config` output (`MaxArraySize = 1001`)."""
+    found = re.search(r"^MaxArraySize\s*=\s*(\d+)", config, re.MULTILINE)
+    return int(found.group(1)) if found else None
 
 
 def association_row(text: str) -> list[str] | None:
@@ -274,14 +286,17 @@ def pack_never_starting(resources, limits: ClusterLimits) -> list[Problem]:
     return problems
 
 
-def cluster_problems(jobs, files: dict[str, str], profile, say, pack=None) -> list[Problem]:
+def cluster_problems(
+    jobs, files: dict[str, str], profile, say, pack=None
+) -> tuple[list[Problem], ClusterLimits | None]:
     """What would keep `jobs` (or `pack`, their one allocation) from ever running here, before any is
-    queued; `say(line)` tells that the limits could not be read (then none are checked)."""
+    queued, and the limits it was judged by; `say(line)` tells that the limits could not be read (then
+    none are checked, and they are None). A job array's tasks count as jobs, as SLURM counts them."""
     limits, why = read_limits(profile.account, profile.qos)
     if limits is None:
         say(f"the cluster's limits could not be read ({why}); queueing without checking them")
-        return []
+        return [], None
     problems = pack_never_starting(pack, limits) if pack is not None else never_starting(jobs, limits, files)
     if (over := over_submit_limit(1 if pack is not None else len(jobs), limits)) is not None:
         problems.append(over)
-    return problems
+    return problems, limits

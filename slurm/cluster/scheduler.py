@@ -27,7 +27,7 @@ from submitit.core.utils import pickle_load
 from core.config import ascii_int
 from core.files import read_window
 from core.job_records import JobRecord, current_job, mark_cancelled
-from core.rundir import log_folder
+from core.rundir import LogRoot, log_folder
 from core.writer_lock import holder
 from slurm.cluster.client import run_client
 
@@ -57,8 +57,9 @@ class RecordedLocalJob(submitit.LocalJob):
 
 
 def scheduler_job(log_root: str, plan_id: str, record: JobRecord, run_dir: Path) -> submitit.Job:
-    """The submitit job behind `run_dir`'s job.json record; its log folder is `log_root/EXP/STAGE`."""
-    folder = log_folder(log_root, plan_id)
+    """The submitit job behind `run_dir`'s job.json record; its log folder is `log_root/EXP/STAGE`, or
+    the arrays' folder for a task of a job array (one folder per submission: slurm/queueing/backends.py)."""
+    folder = LogRoot.of(log_root).arrays if record.array else log_folder(log_root, plan_id)
     if record.local:
         return RecordedLocalJob(folder, record.job_id, record.submitted_at, Path(run_dir))
     return submitit.SlurmJob(folder, record.job_id)
@@ -326,7 +327,7 @@ def queued_by_token() -> dict[str, str] | None:
     {} where SLURM is not installed (nothing can be queued), None when squeue does not answer."""
     if not shutil.which("squeue"):
         return {}
-    text = run_client(["squeue", "-h", "-u", getpass.getuser(), "-o", "%i|%k"])
+    text = run_client(["squeue", "-h", "-r", "-u", getpass.getuser(), "-o", "%i|%k"])
     return None if text is None else parse_comments(text)
 
 

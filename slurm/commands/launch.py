@@ -166,7 +166,7 @@ def placement_refusals(decisions, refusals, files: dict[str, str], profile, back
     else:
         from slurm.cluster.limits import cluster_problems
 
-        problems = cluster_problems(todo, files, profile, lambda line: None)
+        problems, _ = cluster_problems(todo, files, profile, lambda line: None)
         by_file = {}
         for problem in problems:
             by_file.setdefault(problem.file, []).append(problem)

@@ -123,6 +123,8 @@ class Plan:
     # experiment → the job that scores its base model (eval.baseline), or why it has none
     base_of: dict[str, str] = field(default_factory=dict)
     base_left_out: dict[str, str] = field(default_factory=dict)
+    # sweep → its `parallel:` (how many of its array's tasks may run at once), where written
+    sweep_parallel: dict[str, int] = field(default_factory=dict)
 
     def job(self, job_id: str) -> PlannedJob:
         return next(j for j in self.jobs if j.id == job_id)
@@ -267,9 +269,12 @@ def build_plan(
     last_job: dict[str, str] = {}
     base_of: dict[str, str] = {}
     base_left_out: dict[str, str] = {}
+    parallel: dict[str, int] = {}
     for loaded in order_by_after(experiments):
         chained = [Dependency(last_job[t], "afterany") for t in loaded.experiment.after if t in last_job]
         sweep = loaded.sweep.sweep if loaded.sweep is not None else None
+        if loaded.sweep is not None and loaded.sweep.parallel is not None:
+            parallel[sweep] = loaded.sweep.parallel
         for job in experiment_jobs(loaded, profile, chained, jobs):
             jobs[job.id] = replace(estimated(job, estimator, profile, str(loaded.file)), sweep=sweep)
         last_job[loaded.name] = job.id
@@ -285,7 +290,7 @@ def build_plan(
             if base.id not in jobs:  # shared: planned once for every experiment it is the base of
                 jobs[base.id] = estimated(base, estimator, profile, str(loaded.file))
             base_of[exp.name] = base.id
-    return Plan(tuple(jobs.values()), profile.run_dir, profile.log_dir, base_of, base_left_out)
+    return Plan(tuple(jobs.values()), profile.run_dir, profile.log_dir, base_of, base_left_out, parallel)
 
 
 def base_eval_job(loaded: LoadedExperiment, profile: ClusterProfile) -> PlannedJob:

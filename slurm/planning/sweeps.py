@@ -43,7 +43,15 @@ def expanded(
         ]
         values = {k: v for k, v in point.values.items() if k in sweep.swept}
         member = SweepMember(
-            name, point.point, values, point.seed, sweep.swept, sweep.select, sweep.prune, len(sweep.points)
+            name,
+            point.point,
+            values,
+            point.seed,
+            sweep.swept,
+            sweep.select,
+            sweep.prune,
+            len(sweep.points),
+            sweep.parallel,
         )
         config = deep_merge(base, nested(point.values)) | {"name": point_name(name, point, held)}
         points.append((config, [*given, *chain], member))

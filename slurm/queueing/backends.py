@@ -31,6 +31,7 @@ from core.states import State, jobs_verdict, parent_verdict
 from slurm.cluster.local_gpus import GpuPool, VisibleGpus, gpus_needed, too_many_gpus
 from slurm.cluster.profile import ClusterProfile
 from slurm.cluster.scheduler import COMMENT_MARK, cancel, local_failure, reached_time_limit, stop_local
+from slurm.planning.arrays import JobArray
 from slurm.planning.pack import Unit
 from slurm.planning.plan import PlannedJob
 from slurm.queueing.jobs import EvalStage, ExportStage, TrainStage
@@ -77,6 +78,23 @@ class SlurmBackend:
         )
         below.check(self.profile.log_dir, self.log_folder(job))  # submitit writes there: see _start
         return executor.submit(job_callable(job), *job_args(job, self.workdir)).job_id
+
+    def submit_array(self, array: JobArray, parents: list[tuple[str, str]], token: str = "") -> list[str]:
+        """Queue `array` as one SLURM job array (submitit's batch: `--array=0-N%K`), task i running
+        array.jobs[i] with its own spec; every task's log is in the arrays' folder. Returns each task's id
+        (`123_4`), in order."""
+        folder = LogRoot.of(self.profile.log_dir).arrays
+        executor = submitit.SlurmExecutor(folder=folder, max_num_timeout=array.resources.max_requeues)
+        first = array.jobs[0]
+        params = sbatch_parameters(
+            array.name, array.resources, first.tasks, parents, self.profile, self.code.folder
+        )
+        what = f"runs {len(array.jobs)} points of sweep {first.sweep}, stage {first.stage}"
+        executor.update_parameters(**params, array_parallelism=array.parallel, **job_comment(token, what))
+        below.check(self.profile.log_dir, folder)
+        with executor.batch():
+            jobs = [executor.submit(job_callable(job), *job_args(job, self.workdir)) for job in array.jobs]
+        return [str(job.job_id) for job in jobs]
 
     def log_folder(self, job: PlannedJob) -> Path:
         return log_folder(self.profile.log_dir, job.id)

@@ -145,7 +145,7 @@ def adopt_unrecorded(plan: Plan, forget_missing: bool) -> list[str]:
         )
     found = []
     for job, intent in intents:
-        job_id = (queued or {}).get(intent.token)
+        job_id = intent.job_id(queued[intent.token]) if intent.token in (queued or {}) else None
         try:
             if job_id:
                 adopt(job, job_id, intent)

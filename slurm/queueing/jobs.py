@@ -74,7 +74,10 @@ class StageJob(submitit.helpers.Checkpointable):
 
 def this_job_id() -> str | None:
     """The scheduler's id of this process's job, the same on all its ranks and its requeues: the local
-    controller's pid (submitit's local job id), or SLURM's job id; None when run by hand."""
+    controller's pid (submitit's local job id), or SLURM's job id (`123_4` for a task of an array, as
+    job.json records it: its SLURM_JOB_ID is a number of its own); None when run by hand."""
+    if os.environ.get("SLURM_ARRAY_JOB_ID") and os.environ.get("SLURM_ARRAY_TASK_ID"):
+        return f"{os.environ['SLURM_ARRAY_JOB_ID']}_{os.environ['SLURM_ARRAY_TASK_ID']}"
     return os.environ.get("SUBMITIT_LOCAL_JOB_ID") or os.environ.get("SLURM_JOB_ID") or None
 
 

@@ -25,6 +25,7 @@ from core.job_records import current_job, forget_intent, mark_cancelled, record_
 from core.problems import ConfigError
 from core.rundir import RunRoot, record_origin, write_spec
 from core.states import NEVER_STARTS_MARK, State
+from slurm.planning.arrays import JobArray, Submission, submissions
 from slurm.planning.pack import pack_plan, pack_resources, unit_of
 from slurm.planning.plan import Plan, PlannedJob
 from slurm.queueing.decisions import (
@@ -163,11 +164,26 @@ def record_origins(plan: Plan, config_dir: Path, files: dict[str, str]) -> None:
 def queue(plan: Plan, profile, decisions, skipped: dict[str, str], code, files) -> Submitted:
     from slurm.queueing.backends import SlurmBackend
 
-    refuse_never_starting([d.job for d in decisions if d.action == "submit"], files, profile)
-    ids = submit_to_slurm(decisions, SlurmBackend(profile, Path.cwd(), code))
+    todo = [d.job for d in decisions if d.action == "submit"]
+    limits = refuse_never_starting(todo, files, profile)
+    waits_on = {d.job.id for d in decisions if d.action in ("submit", "queued")}
+    batches = slurm_submissions(todo, waits_on, plan, limits)
+    ids = submit_to_slurm(decisions, batches, SlurmBackend(profile, Path.cwd(), code))
     states = {d.job.id: f"submitted {ids[d.job.id]}" for d in decisions if d.action == "submit"}
-    watch = f"Submitted {len(states)} job(s). Watch: squeue --me, python launch.py --status, --tail EXP"
+    sbatches = len(batches)
+    arrays = [b for b in batches if isinstance(b, JobArray)]
+    how = f" in {sbatches} submission(s), {len(arrays)} of them job arrays" if arrays else ""
+    watch = f"Submitted {len(states)} job(s){how}. Watch: squeue --me, python launch.py --status, --tail EXP"
     return Submitted({**skipped, **states}, (watch,))
+
+
+def slurm_submissions(todo: list[PlannedJob], waits_on: set[str], plan: Plan, limits) -> list[Submission]:
+    """The jobs to queue as sbatch calls: a sweep's trainings as job arrays (slurm/planning/arrays.py),
+    within the cluster's MaxArraySize and GPU cap where they could be read."""
+    if limits is None:
+        return submissions(todo, waits_on, plan.sweep_parallel)
+    cap = limits.gpus_per_user.value if limits.gpus_per_user else None
+    return submissions(todo, waits_on, plan.sweep_parallel, limits.max_array_size, cap)
 
 
 def queue_pack(plan: Plan, profile, decisions, skipped: dict[str, str], pack, code, files) -> Submitted:
@@ -187,16 +203,19 @@ def queue_pack(plan: Plan, profile, decisions, skipped: dict[str, str], pack, co
     return Submitted({**skipped, **states}, (packing_text(packing), watch))
 
 
-def refuse_never_starting(jobs, files, profile, pack=None) -> None:
+def refuse_never_starting(jobs, files, profile, pack=None):
     """The cluster's limits (slurm/cluster/limits.py), read now: a job SLURM would leave pending forever, or a
-    launch it would refuse halfway, is refused whole before the first sbatch."""
+    launch it would refuse halfway, is refused whole before the first sbatch. Returns the limits (None:
+    they could not be read)."""
     from slurm.cluster.limits import cluster_problems
 
     def say(line: str) -> None:
         err.print(warning(line), highlight=False, soft_wrap=True)
 
-    if problems := cluster_problems(jobs, files or {}, profile, say, pack=pack):
+    problems, limits = cluster_problems(jobs, files or {}, profile, say, pack=pack)
+    if problems:
         raise ConfigError(problems)
+    return limits
 
 
 def run_here(plan: Plan, profile, decisions, code) -> int:
@@ -296,29 +315,34 @@ def parents_of(job: PlannedJob, ids: dict[str, str]) -> list[tuple[str, str]]:
     return [(ids[d.job_id], d.kind) for d in job.depends_on if d.job_id in ids]
 
 
-def submit_to_slurm(decisions: list[Decision], backend) -> dict[str, str]:
-    """Queue every job that needs it, parents first; returns plan id → SLURM id for queued jobs.
+def submit_to_slurm(decisions: list[Decision], batches: list[Submission], backend) -> dict[str, str]:
+    """Queue every job that needs it, parents first, each of `batches` with one sbatch (a job, or a job
+    array); returns plan id → SLURM id for queued jobs (`123_4` for an array's task).
 
     The scheduler refusing one cancels what this launch had queued. A run folder that cannot be written,
     or Ctrl-C, stops the launch with what it queued kept and recorded, and says what that is."""
     ids = {d.job.id: d.scheduler_id for d in decisions if d.action == "queued"}
     todo = [d.job for d in decisions if d.action == "submit"]
     submitted: list[str] = []
-    for job in todo:
+    for batch in batches:
+        first = batch.jobs[0] if isinstance(batch, JobArray) else batch
         try:
-            ids[job.id] = submit_one(job, parents_of(job, ids), backend)
+            if isinstance(batch, JobArray):
+                ids.update(submit_array(batch, ids, backend))
+            else:
+                ids[batch.id] = submit_one(batch, parents_of(batch, ids), backend)
         except SchedulerRefused as exc:
-            backend.cancel([ids[j] for j in submitted])
+            backend.cancel(list(dict.fromkeys(ids[j] for j in submitted)))
             raise LaunchError(
-                f"submitting {job.id} failed, so the {len(submitted)} job(s) queued by this launch were "
+                f"submitting {first.id} failed, so the {len(submitted)} job(s) queued by this launch were "
                 f"cancelled: {exc}"
             ) from None
         except OSError as exc:
-            raise LaunchError(partly_submitted(submitted, todo, ids, f"{job.id}: {exc}")) from None
+            raise LaunchError(partly_submitted(submitted, todo, ids, f"{first.id}: {exc}")) from None
         except KeyboardInterrupt:
-            what = f"interrupted while submitting {job.id} (if sbatch queued it, a relaunch finds and records it)"
+            what = f"interrupted while submitting {first.id} (if sbatch queued it, a relaunch finds and records it)"
             raise Interrupted(partly_submitted(submitted, todo, ids, what)) from None
-        submitted.append(job.id)
+        submitted += [j.id for j in batch.jobs] if isinstance(batch, JobArray) else [batch.id]
     return ids
 
 
@@ -358,6 +382,39 @@ def partly_submitted(submitted: list[str], todo: list[PlannedJob], ids: dict[str
         f"{len(submitted)} of {len(todo)} job(s) submitted{listed}; {what}; relaunch to finish (what is "
         "queued stays queued and is not queued again)"
     )
+
+
+def submit_array(array: JobArray, ids: dict[str, str], backend) -> dict[str, str]:
+    """Write each task's spec and intent (one token, its task index), sbatch the array, record each task
+    as `ARRAY_TASK`. Returns plan id → task id. Failures are submit_one's, for the array as a whole."""
+    code = backend.code.provenance()
+    token = None
+    for task, job in enumerate(array.jobs):
+        archive_stale(job)
+        write_spec(Path(job.run_dir), job.spec.model_dump(), code)
+        token = record_intent(Path(job.run_dir), code, token=token, array_task=task)
+    parents = [(ids[job_id], kind) for job_id, kind in array.parents if job_id in ids]
+    if array.follows is not None:  # task i after task i of the previous stage's array
+        parents.append((ids[array.follows.jobs[0].id].split("_")[0], "aftercorr"))
+    try:
+        tasks = backend.submit_array(array, parents, token)
+    except OSError:
+        raise
+    except Exception as exc:
+        for job in array.jobs:
+            with contextlib.suppress(OSError):
+                forget_intent(Path(job.run_dir))
+        raise SchedulerRefused(str(exc).strip()) from None
+    try:
+        for job, task_id in zip(array.jobs, tasks, strict=True):
+            record_job(Path(job.run_dir), task_id, "slurm", code)
+    except OSError as exc:
+        backend.cancel([tasks[0].split("_")[0]])
+        raise OSError(
+            f"queued as SLURM job array {tasks[0].split('_')[0]}, then cancelled: {job.id}'s job.json cannot "
+            f"be written ({exc})"
+        ) from None
+    return {job.id: task_id for job, task_id in zip(array.jobs, tasks, strict=True)}
 
 
 def submit_pack(decisions: list[Decision], backend, resources: Resources) -> dict[str, str]:

@@ -90,7 +90,10 @@ class Allocation:
 
 
 def _squeue() -> dict[str, SchedulerInfo]:
-    return parse_squeue(run_client(["squeue", "-h", "-u", getpass.getuser(), "-o", SQUEUE_FORMAT]) or "")
+    # -r: one line per array task, pending ones too (else `123_[0-11%4]` on one line)
+    return parse_squeue(
+        run_client(["squeue", "-h", "-r", "-u", getpass.getuser(), "-o", SQUEUE_FORMAT]) or ""
+    )
 
 
 def _sacct(job_ids: list[str]) -> dict[str, SchedulerInfo]:
