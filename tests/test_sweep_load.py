@@ -114,6 +114,18 @@ def test_exp_names_a_whole_sweep_or_one_point_and_after_a_sweep_waits_for_every_
     assert len(waits["depends_on"]) == 12  # every point's last job, not a dangling name
 
 
+def test_a_dry_run_for_slurm_says_a_sweep_is_one_job_array_and_what_waits_on_it(tmp_path, capsys):
+    folder = folder_of(tmp_path, **{"after-all": AFTER})
+    argv = ["--all", "--dry-run", "--backend", "slurm", "--config-dir", str(folder)]
+    assert launch.main(argv) == 0
+    said = " ".join(capsys.readouterr().out.split())
+    assert "On SLURM, 2 submission(s): job array lr/train-array: 12 points of sweep lr" in said
+    assert "1 other job(s), one sbatch each" in said
+    assert launch.main([*argv, "--json"]) == 0
+    (array,) = json.loads(capsys.readouterr().out)["job_arrays"]
+    assert len(array["tasks"]) == 12 and array["after_task_of"] is None and array["waits_on"] == []
+
+
 def test_a_dry_run_shows_a_sweep_as_one_line_and_its_points_when_exp_names_it(tmp_path, capsys):
     """Hundreds of points at a glance (issue 50): `--all --dry-run` and `--status` showed a row per job, and
     the dry run a line per dependency edge (1,200 rows and 600 edge lines for 600 points). A sweep is one row

@@ -9,15 +9,17 @@ from pathlib import Path
 
 from core.problems import ConfigError, Problem
 from core.states import State
+from slurm.planning.arrays import JobArray, slurm_submissions
 from slurm.planning.experiments import load_selected, parse_overrides
 from slurm.planning.pack import pack_plan
 from slurm.planning.plan import Plan, build_plan, calibration_plan, estimated_again
-from slurm.planning.request import LaunchRequest
+from slurm.planning.request import LaunchRequest, backend_here
 from slurm.planning.validation import LoadedExperiment
 from slurm.queueing.decisions import weigh
 from slurm.queueing.submit import submit, wait
 from slurm.watching.preflight_report import run_preflight
 from slurm.watching.render import (
+    arrays_text,
     edges_text,
     err,
     folded_sweeps,
@@ -152,12 +154,11 @@ def placement_refusals(decisions, refusals, files: dict[str, str], profile, back
     """What a launch on `backend` (auto: this machine's) refuses of the jobs it would submit, as the launch
     judges it: more GPUs or nodes than this machine has (local), or limits the cluster would never meet
     (SLURM: read as the launch reads them). Those jobs are `refused` (L2: before, PLANNED). Returns
-    (decisions, refusals) with them."""
-    from slurm.planning.request import backend_here
-
+    (decisions, refusals) with them, and the cluster's limits where SLURM's were read (else None)."""
     todo = [d.job for d in decisions if d.action == "submit"]
+    limits = None
     if not todo:
-        return decisions, refusals
+        return decisions, refusals, limits
     if backend_here(backend) == "local":
         from slurm.cluster.local_gpus import VisibleGpus, too_many_gpus
 
@@ -166,7 +167,7 @@ def placement_refusals(decisions, refusals, files: dict[str, str], profile, back
     else:
         from slurm.cluster.limits import cluster_problems
 
-        problems, _ = cluster_problems(todo, files, profile, lambda line: None)
+        problems, limits = cluster_problems(todo, files, profile, lambda line: None)
         by_file = {}
         for problem in problems:
             by_file.setdefault(problem.file, []).append(problem)
@@ -174,7 +175,7 @@ def placement_refusals(decisions, refusals, files: dict[str, str], profile, back
         refusals = [*refusals, *(p for rest in by_file.values() for p in rest)]  # the allocation's own
     refused = {job_id for job_id, problems in found.items() if problems}
     decided = [replace(d, action="refused") if d.job.id in refused else d for d in decisions]
-    return decided, [*refusals, *dict.fromkeys(p for problems in found.values() for p in problems)]
+    return decided, [*refusals, *dict.fromkeys(p for problems in found.values() for p in problems)], limits
 
 
 def dry_run(request: LaunchRequest, profile) -> int:
@@ -185,7 +186,7 @@ def dry_run(request: LaunchRequest, profile) -> int:
     plan = run.plan
     pack = requested_pack(request, profile)
     decisions, refusals = weigh(plan, force=request.force)
-    decisions, refusals = placement_refusals(decisions, refusals, run.files, profile, request.backend)
+    decisions, refusals, limits = placement_refusals(decisions, refusals, run.files, profile, request.backend)
     states = {d.job.id: d.action if d.action != "submit" else "planned" for d in decisions}
     left = plan.left(states)
     packing = None
@@ -195,9 +196,15 @@ def dry_run(request: LaunchRequest, profile) -> int:
     left_out = {
         f"{e.name}/{s.name}": list(s.left_out) for e in run.experiments for s in e.stages if s.left_out
     }
+    batches = []
+    if not packing and (limits is not None or backend_here(request.backend) == "slurm"):
+        todo = [d.job for d in decisions if d.action == "submit"]
+        waits_on = {d.job.id for d in decisions if d.action in ("submit", "queued")}
+        batches = slurm_submissions(todo, waits_on, plan.sweep_parallel, limits)
     if request.as_json:
         extra = {"packing": packing.to_json()} if packing else {}
         extra |= {"inherited_keys_left_out": left_out} if left_out else {}
+        extra |= {"job_arrays": [b.to_json() for b in batches if isinstance(b, JobArray)]}
         print(json.dumps({**plan.to_json(states), **extra}, indent=1))
         return 0
     shown = {
@@ -212,6 +219,8 @@ def dry_run(request: LaunchRequest, profile) -> int:
         out.print("Nothing left to run: every job is done.", highlight=False)
     if packing:
         out.print(packing_text(packing), highlight=False, soft_wrap=True)
+    for line in arrays_text(batches):
+        out.print(line, highlight=False, soft_wrap=True)
     out.print(edges_text(plan, folded), highlight=False)
     for stage, keys in left_out.items():
         out.print(

@@ -49,6 +49,16 @@ class JobArray:
         first = self.jobs[0]
         return f"{first.sweep}/{first.stage}-array"
 
+    def to_json(self) -> dict:
+        return {
+            "name": self.name,
+            "tasks": [job.id for job in self.jobs],
+            "at_once": self.parallel,
+            "time": self.resources.time,
+            "after_task_of": self.follows.name if self.follows is not None else None,
+            "waits_on": [{"job": job_id, "kind": kind} for job_id, kind in self.parents],
+        }
+
 
 Submission = PlannedJob | JobArray
 
@@ -100,6 +110,17 @@ def submissions(
             seen.add(id(array))
             ordered.append(array)
     return ordered
+
+
+def slurm_submissions(
+    todo: list[PlannedJob], waits_on: set[str], parallel_of: dict[str, int], limits
+) -> list[Submission]:
+    """`submissions` within the cluster's MaxArraySize and QOS GPU cap, where its limits (a
+    slurm/cluster/limits.py ClusterLimits) could be read; None: SLURM's defaults, no cap."""
+    if limits is None:
+        return submissions(todo, waits_on, parallel_of)
+    cap = limits.gpus_per_user.value if limits.gpus_per_user else None
+    return submissions(todo, waits_on, parallel_of, limits.max_array_size, cap)
 
 
 def previous_of(job: PlannedJob, arrays: dict[str, JobArray]) -> str:

@@ -25,7 +25,7 @@ from core.job_records import current_job, forget_intent, mark_cancelled, record_
 from core.problems import ConfigError
 from core.rundir import RunRoot, record_origin, write_spec
 from core.states import NEVER_STARTS_MARK, State
-from slurm.planning.arrays import JobArray, Submission, submissions
+from slurm.planning.arrays import JobArray, Submission, slurm_submissions
 from slurm.planning.pack import pack_plan, pack_resources, unit_of
 from slurm.planning.plan import Plan, PlannedJob
 from slurm.queueing.decisions import (
@@ -167,7 +167,7 @@ def queue(plan: Plan, profile, decisions, skipped: dict[str, str], code, files) 
     todo = [d.job for d in decisions if d.action == "submit"]
     limits = refuse_never_starting(todo, files, profile)
     waits_on = {d.job.id for d in decisions if d.action in ("submit", "queued")}
-    batches = slurm_submissions(todo, waits_on, plan, limits)
+    batches = slurm_submissions(todo, waits_on, plan.sweep_parallel, limits)
     ids = submit_to_slurm(decisions, batches, SlurmBackend(profile, Path.cwd(), code))
     states = {d.job.id: f"submitted {ids[d.job.id]}" for d in decisions if d.action == "submit"}
     sbatches = len(batches)
@@ -175,15 +175,6 @@ def queue(plan: Plan, profile, decisions, skipped: dict[str, str], code, files) 
     how = f" in {sbatches} submission(s), {len(arrays)} of them job arrays" if arrays else ""
     watch = f"Submitted {len(states)} job(s){how}. Watch: squeue --me, python launch.py --status, --tail EXP"
     return Submitted({**skipped, **states}, (watch,))
-
-
-def slurm_submissions(todo: list[PlannedJob], waits_on: set[str], plan: Plan, limits) -> list[Submission]:
-    """The jobs to queue as sbatch calls: a sweep's trainings as job arrays (slurm/planning/arrays.py),
-    within the cluster's MaxArraySize and GPU cap where they could be read."""
-    if limits is None:
-        return submissions(todo, waits_on, plan.sweep_parallel)
-    cap = limits.gpus_per_user.value if limits.gpus_per_user else None
-    return submissions(todo, waits_on, plan.sweep_parallel, limits.max_array_size, cap)
 
 
 def queue_pack(plan: Plan, profile, decisions, skipped: dict[str, str], pack, code, files) -> Submitted:

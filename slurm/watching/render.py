@@ -14,6 +14,7 @@ from core.durations import format_duration, format_eta, slurm_time
 from core.files import NotARegularFile, read_window
 from core.layout import BASE_EVAL_PREFIX
 from core.states import NEVER_STARTS, NEVER_STARTS_MARK, State
+from slurm.planning.arrays import JobArray
 from slurm.planning.estimate import GUESS_MARGIN
 from slurm.planning.pack import Packing
 from slurm.planning.plan import Plan, PlannedJob
@@ -218,6 +219,27 @@ def packing_text(packing: Packing) -> str:
         ]
         lines.append(f"  lane {lane}: " + (" -> ".join(steps) or "(idle)"))
     return "\n".join(lines)
+
+
+def arrays_text(batches) -> list[str]:
+    """How a launch on SLURM would queue what is left: one line per job array (its points, stage, %K,
+    its time limit and what it waits on), then the count of jobs queued one sbatch each. Nothing when no
+    job is an array."""
+    arrays = [b for b in batches if isinstance(b, JobArray)]
+    if not arrays:
+        return []
+    lines = [f"On SLURM, {len(batches)} submission(s):"]
+    for array in arrays:
+        first = array.jobs[0]
+        waits = f", task i after task i of {array.follows.name}" if array.follows is not None else ""
+        lines.append(
+            f"  job array {array.name}: {len(array.jobs)} points of sweep {first.sweep}, at most "
+            f"{array.parallel} at once, {array.resources.time} each{waits}"
+        )
+    alone = len(batches) - len(arrays)
+    if alone:
+        lines.append(f"  {alone} other job(s), one sbatch each")
+    return lines
 
 
 def depends_text(job: PlannedJob) -> str:
