@@ -7,6 +7,7 @@ load time instead of being silently ignored after hours in the queue.
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from typing import Annotated, Literal
@@ -718,6 +719,10 @@ class EvalSpec(Section):
     # The base model scored without an adapter on the same prompts, one shared job per base + eval data +
     # settings (slurm/planning/plan.py): the report's "base (no adapter)" row. Not the eval's identity.
     baseline: bool = Field(False, exclude=True)
+    # On SLURM, a sweep's evals that load the same base with the same data and settings are one job that
+    # loads it once and scores each adapter in turn (slurm/planning/shared_evals.py); false: a job each.
+    # How it runs, not what it computes: not in the eval's identity.
+    shared: bool = Field(True, exclude=True)
     split: Literal[SPLITS] = Field(
         "eval",
         description="the data scored: data.eval, or `train` to knowingly score on the training data",
@@ -987,6 +992,19 @@ class EvalJob(Section):
     def source(self) -> str:
         """The data file scored: the split's file."""
         return self.data.eval if self.eval.split == "eval" else self.data.train
+
+    @property
+    def sharing_key(self) -> str:
+        """What must be equal for eval jobs to share one process (eval/shared.py): the base model, how it
+        is held (quantization, the adapter's method), the data scored, and the eval's settings (generation,
+        metrics, split)."""
+        adapter = self.adapter.model_dump(include={"method", "quant_type", "double_quant"})
+        # What only training reads is left out, as a base-model eval leaves it (slurm/planning/plan.py
+        # base_eval_content): a point's eval and its base row read the same examples.
+        data = self.data.model_copy(update={"train": self.source, "order": "shuffle", "num_workers": "auto"})
+        parts = {"model": self.model.model_dump(), "adapter": adapter, "data": data.model_dump()}
+        parts |= {"eval": self.eval.model_dump(), "pairs": self.preference_pairs is not None}
+        return json.dumps(parts, sort_keys=True, default=str)
 
 
 class ExportJob(Section):

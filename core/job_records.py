@@ -23,12 +23,16 @@ class JobRecord:
     "local" (a record without one predates local runs: SLURM). `pack`: the job id is a packed allocation's,
     which runs this job as one of its units (lane.json). `gpus`: the devices a local job was given (SLURM
     keeps its own record, read back through sacct). `code`: the code it ran (git commit, dirty tree,
-    snapshot folder). `cancelled_at`: a local job's cancellation (SLURM's is in its own record)."""
+    snapshot folder). `cancelled_at`: a local job's cancellation, or an array task's (SLURM keeps no record
+    of one cancelled before it started). `shared`:
+    the job id is a shared eval's, which scores this eval folder among others (slurm/queueing/jobs.py
+    SharedEvalStage)."""
 
     job_id: str
     backend: str = "slurm"
     submitted_at: str | None = None
     pack: bool = False
+    shared: bool = False
     gpus: tuple[str, ...] | None = None
     code: dict | None = None
     cancelled_at: str | None = None
@@ -58,6 +62,7 @@ class JobRecord:
             backend=_text(raw.get("backend")) or "slurm",
             submitted_at=_text(raw.get("submitted_at")),
             pack=raw.get("pack") is True,
+            shared=raw.get("shared") is True,
             gpus=tuple(str(g) for g in gpus) if is_kind(gpus, list) else None,
             code=code if is_kind(code, dict) and code else None,
             cancelled_at=_text(raw.get("cancelled_at")),
@@ -72,6 +77,8 @@ class JobRecord:
             body["gpus"] = list(self.gpus)
         if self.pack:
             body["pack"] = True
+        if self.shared:
+            body["shared"] = True
         if self.code:
             body["code"] = self.code
         if self.cancelled_at is not None:
@@ -82,13 +89,15 @@ class JobRecord:
 @dataclass(frozen=True)
 class Submission:
     """A submission under way (job.json's `submitting`, see record_intent): the token its SLURM comment
-    carries, when it was written, whether it is a pack's unit, its task in a job array, the code it runs."""
+    carries, when it was written, whether it is a pack's unit or a shared eval's member, its task in a job
+    array, the code it runs."""
 
     token: str
     at: str | None = None
     pack: bool = False
     code: dict | None = None
     array_task: int | None = None
+    shared: bool = False
 
     def job_id(self, queued_as: str) -> str:
         """Its job's id, from the id squeue shows for its token (an array's tasks share one token)."""
@@ -106,6 +115,7 @@ class Submission:
             pack=raw.get("pack") is True,
             code=code if is_kind(code, dict) and code else None,
             array_task=task if is_kind(task, int) else None,
+            shared=raw.get("shared") is True,
         )
 
     def to_json(self) -> dict:
@@ -115,6 +125,7 @@ class Submission:
             "pack": self.pack,
             **({"code": self.code} if self.code else {}),
             **({"array_task": self.array_task} if self.array_task is not None else {}),
+            **({"shared": True} if self.shared else {}),
         }
 
 
@@ -129,6 +140,7 @@ def record_job(
     code: dict | None = None,
     pack: bool = False,
     gpus: tuple[str, ...] | None = None,
+    shared: bool = False,
 ) -> None:
     """Records a submission (JobRecord says what each argument is). The folder's submission intent is
     cleared: the job it announced is recorded. Recording the job that is already the last record adds
@@ -139,6 +151,7 @@ def record_job(
         backend,
         time.strftime(TIME_STAMP),
         pack=pack,
+        shared=shared,
         gpus=tuple(gpus) if gpus is not None else None,
         code=code or None,
     )
@@ -153,13 +166,14 @@ def record_intent(
     pack: bool = False,
     token: str | None = None,
     array_task: int | None = None,
+    shared: bool = False,
 ) -> str:
     """Before sbatch: the token the job's SLURM comment will carry (slurm/queueing/backends.py). If the launch dies or
     cannot write job.json once sbatch has queued it, the next launch (or --cancel, --status) finds the
     job in the queue by this token and records it (slurm/queueing/decisions.py adopt_unrecorded), instead of
     queueing it a second time. Raises OSError when job.json cannot be written: then nothing is queued."""
     token = token or uuid.uuid4().hex  # a pack's units share their allocation's, an array's tasks theirs
-    intent = Submission(token, time.strftime(TIME_STAMP), pack, code or None, array_task)
+    intent = Submission(token, time.strftime(TIME_STAMP), pack, code or None, array_task, shared)
     write_jobs(run_dir, job_records(run_dir), intent)
     return token
 
@@ -185,8 +199,9 @@ def write_jobs(run_dir: Path, jobs: list[JobRecord], submitting: Submission | No
 
 
 def mark_cancelled(run_dir: Path, job_id: str | None = None) -> None:
-    """A local job leaves no scheduler record: its cancellation is noted on its job.json entry (the last
-    one; with `job_id`, only if it is that job's and not noted yet)."""
+    """A local job leaves no scheduler record, nor does a SLURM array task cancelled before it started: its
+    cancellation is noted on its job.json entry (the last one; with `job_id`, only if it is that job's and
+    not noted yet)."""
     jobs = job_records(run_dir)
     if not jobs or (job_id is not None and (jobs[-1].job_id != str(job_id) or jobs[-1].cancelled_at)):
         return

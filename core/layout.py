@@ -37,10 +37,12 @@ RUN_ROOT = {
 # LOG_DIR/: folders beside the experiments' log folders.
 PACKS = "packs"  # slurm/queueing/backends.py: packed allocations' submitit folders
 ARRAYS = "arrays"  # slurm/queueing/backends.py: job arrays' submitit folder
+SHARED_EVALS = "shared-evals"  # slurm/queueing/backends.py: shared evals' submitit folder and progress
 CODE_SNAPSHOTS = ".code"  # slurm/queueing/snapshot.py
 LOG_ROOT = {
     PACKS: "the packed allocations' logs",
     ARRAYS: "the job arrays' logs",
+    SHARED_EVALS: "the shared evals' logs",
     CODE_SNAPSHOTS: "the code snapshots",
 }
 

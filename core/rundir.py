@@ -196,6 +196,12 @@ class LogRoot:
         """LOG_DIR/arrays: the job arrays' submitit folder (each task's log is `ARRAY_TASK_0_log.out`)."""
         return self.path / layout.ARRAYS
 
+    @property
+    def shared_evals(self) -> Path:
+        """LOG_DIR/shared-evals: the shared evals' submitit folder; each one's progress (scored.json) in
+        a folder of its own there, named by its submission's token."""
+        return self.path / layout.SHARED_EVALS
+
     def code_snapshot(self, digest: str) -> Path:
         return self.path / layout.CODE_SNAPSHOTS / digest
 

@@ -33,19 +33,10 @@ SCORED = "scored.json"
 ADAPTER_CONFIG = "adapter_config.json"  # peft's: a saved adapter has it
 
 
-def sharing_key(job: EvalJob) -> str:
-    """What must be equal for eval jobs to share a process: the base model, how it is held (quantization,
-    the adapter's method), the data scored, and the eval's settings (generation, metrics, split)."""
-    adapter = job.adapter.model_dump(include={"method", "quant_type", "double_quant"})
-    parts = {"model": job.model.model_dump(), "adapter": adapter, "data": job.data.model_dump()}
-    parts |= {"eval": job.eval.model_dump(exclude={"resources"}), "pairs": job.preference_pairs is not None}
-    return json.dumps(parts, sort_keys=True, default=str)
-
-
 def not_shareable(jobs: list[EvalJob]) -> str | None:
     """Why these eval jobs cannot share one process; None when they can."""
-    if len({sharing_key(job) for job in jobs}) > 1:
-        return "their base model, quantization, data or eval settings differ (eval/shared.py sharing_key)"
+    if len({job.sharing_key for job in jobs}) > 1:
+        return "their base model, quantization, data or eval settings differ (EvalJob.sharing_key)"
     outs = [job.out_dir for job in jobs]
     if len(set(outs)) < len(outs):
         return "two of them write to one eval folder"

@@ -28,6 +28,7 @@ CROSSING = {
     ("slurm.queueing.jobs", "train.libraries"),  # what a job may import, decided before it imports it
     ("slurm.queueing.jobs", "eval.job"),
     ("slurm.queueing.jobs", "eval.export"),
+    ("slurm.queueing.jobs", "eval.shared"),  # one process scoring several adapters of one base
     ("slurm.planning.preflight", "train.preflight"),  # login-node preflight (torch on a cache miss only)
     ("slurm.planning.preflight", "train.hub_cache"),
     ("slurm.planning.checks", "train.hub_cache"),  # a cached hub model's own template, for the dry run

@@ -16,7 +16,7 @@ import pytest
 
 import launch
 from tests.conftest import squeue_ids, write_cluster_yaml
-from tests.helpers import first_examples, tiny_sql_base, wait_until
+from tests.helpers import first_examples, slurm_id, tiny_sql_base, wait_until
 
 SWEEP = """\
 name: sweep
@@ -219,3 +219,63 @@ def test_cancel_removed_cancels_nothing_a_broken_or_moved_config_still_holds(
         for where in (folder, moved):
             if where.is_dir():
                 launch.main(["--cancel", "--all", "--config-dir", str(where), "train.epochs=500"])
+
+
+SHARED = """\
+name: sweep
+inherits: _tiny-sql.yaml
+data: {{train: {train}, eval: {eval}}}
+train: {{batch_size: 16}}
+eval: {{metrics: [exact_match], baseline: true, max_new_tokens: 8}}
+sweep:
+  grid:
+    train.epochs: [1, 400]
+    train.learning_rate: [1.0e-3, 2.0e-3]
+"""
+
+
+def test_a_sweeps_evals_are_one_shared_job_that_scores_each_trained_point_and_not_a_cancelled_one(
+    repo_root, tmp_path, tiny, slurm_cluster, monkeypatch, capsys
+):
+    """Issue 50, item 2 on the cluster: four points and their base row are scored by one eval job after
+    every training ended (two trained, two cancelled), each into its own eval folder; the cancelled points
+    are BLOCKED "not scored", and --cancel --exp of a point leaves the shared job to the others."""
+    monkeypatch.chdir(tmp_path)
+    folder = tmp_path / "configs"
+    folder.mkdir()
+    write_cluster_yaml(folder, tmp_path)
+    tiny_sql_base(folder)
+    train = first_examples("easy", 32, tmp_path / "data" / "train.jsonl")
+    dev = first_examples("dev", 8, tmp_path / "data" / "dev.jsonl")
+    (folder / "sweep.yaml").write_text(SHARED.format(train=train, eval=dev))
+    argv = ["--all", "--config-dir", str(folder), "--backend", "slurm", "--no-preflight"]
+    assert launch.main(argv) == 0
+    said = " ".join(capsys.readouterr().out.split())
+    assert "Submitted 9 job(s) in 2 submission(s): 1 job array(s), 1 shared eval(s)" in said
+    long_points = ["sweep-ep400-lr0.001", "sweep-ep400-lr0.002"]
+    for point in long_points:  # the long trainings cancelled: the shared eval stays for the others
+        assert launch.main(["--cancel", "--exp", point, "--config-dir", str(folder)]) == 0
+        assert f"{point}/eval is scored by a shared eval with other points: left queued" in " ".join(
+            capsys.readouterr().out.split()
+        )
+    runs = tmp_path / "runs"
+    shared = {slurm_id(tmp_path, f"{point}/eval") for point in array_points(runs)}
+    assert len(shared) == 1  # one eval job for every point
+    (shared_id,) = shared
+    wait_until(lambda: shared_id not in squeue_ids(), "the shared eval to end", 300)
+    capsys.readouterr()
+    assert launch.main(["--status", "--exp", "sweep", "--config-dir", str(folder)]) == 0
+    rows = {line.split("│")[1].strip(): line for line in capsys.readouterr().out.splitlines() if "│" in line}
+    for point in ("sweep-ep1-lr0.001", "sweep-ep1-lr0.002"):
+        results = json.loads((runs / point / "eval" / "results.json").read_text())
+        assert "exact_match" in results and (runs / point / "eval" / "DONE").exists()
+    for point in long_points:
+        assert not (runs / point / "eval" / "DONE").exists()
+        assert "BLOCKED" in rows[f"{point}/eval"] and "not scored" in rows[f"{point}/eval"], rows
+    (base,) = [p for p in runs.iterdir() if p.name.startswith("_base-")]
+    assert json.loads((base / "eval" / "job.json").read_text())["jobs"][-1]["job_id"] in shared
+    assert (base / "eval" / "DONE").exists()
+
+
+def array_points(runs: Path) -> list[str]:
+    return sorted(p.name for p in runs.glob("sweep-*") if (p / "eval" / "job.json").exists())

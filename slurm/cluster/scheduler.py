@@ -58,8 +58,14 @@ class RecordedLocalJob(submitit.LocalJob):
 
 def scheduler_job(log_root: str, plan_id: str, record: JobRecord, run_dir: Path) -> submitit.Job:
     """The submitit job behind `run_dir`'s job.json record; its log folder is `log_root/EXP/STAGE`, or
-    the arrays' folder for a task of a job array (one folder per submission: slurm/queueing/backends.py)."""
-    folder = LogRoot.of(log_root).arrays if record.array else log_folder(log_root, plan_id)
+    the arrays' folder for a task of a job array, the shared evals' for an eval scored by one (a folder
+    for many jobs: slurm/queueing/backends.py)."""
+    if record.array:
+        folder = LogRoot.of(log_root).arrays
+    elif record.shared:
+        folder = LogRoot.of(log_root).shared_evals
+    else:
+        folder = log_folder(log_root, plan_id)
     if record.local:
         return RecordedLocalJob(folder, record.job_id, record.submitted_at, Path(run_dir))
     return submitit.SlurmJob(folder, record.job_id)
@@ -82,10 +88,12 @@ def cancel_rows(rows, log_root: str) -> list[str]:
     """The status rows' jobs, through submitit (scancel), or by stopping the local processes for sure, as
     each job.json record says; returns the plan ids of local jobs whose processes still run after every
     signal. A local job is noted cancelled first: its launcher, if alive, then sees it cancelled, not
-    failed, and starts nothing new."""
+    failed, and starts nothing new; so is an array task."""
     records = {r.job.id: current_job(Path(r.job.run_dir)) for r in rows}
     for row in rows:
-        if (record := records[row.job.id]).local:
+        # A local job leaves no scheduler record, nor does an array task cancelled before it started
+        # (SLURM's accounting never gets one): job.json notes the cancellation for --status.
+        if (record := records[row.job.id]).local or record.array:
             mark_cancelled(Path(row.job.run_dir), record.job_id)
     jobs = {r.job.id: scheduler_job(log_root, r.job.id, records[r.job.id], Path(r.job.run_dir)) for r in rows}
     still = set(cancel(list(jobs.values())))

@@ -36,9 +36,8 @@ def cancel(request: LaunchRequest, profile) -> int:
         build_plan(watched_of(request, profile, None, named=False).experiments, profile) if narrowed else None
     )
     rows = plan_status(everything, profile.log_dir) if everything else []  # one squeue call for both
-    return cancel_live(
-        without_shared_bases(plan, everything, rows), profile.log_dir, sharing_packs(plan, rows)
-    )
+    kept = without_shared_evals(without_shared_bases(plan, everything, rows), rows)
+    return cancel_live(kept, profile.log_dir, sharing_packs(plan, rows))
 
 
 def cancel_live(plan: Plan, log_root: str, sharing: dict[str, list[str]] | None = None) -> int:
@@ -81,13 +80,38 @@ def without_shared_bases(plan: Plan, everything: Plan | None, rows: list[JobStat
 def sharing_packs(plan: Plan, everything: list[JobStatus]) -> dict[str, list[str]]:
     """Packed job id → the live units of other experiments in it: cancelling the pack would stop them;
     `everything`: the status of the run root's plan ([]: nothing narrowed, nothing else to stop)."""
+    return live_sharers(plan, everything, lambda record: record.pack)
+
+
+def live_sharers(plan: Plan, everything: list[JobStatus], sharing) -> dict[str, list[str]]:
+    """Job id → the live jobs outside `plan` whose record (`sharing(record)`) it also runs."""
     chosen = {job.id for job in plan.jobs}
     others: dict[str, list[str]] = {}
     for row in everything:
         record = current_job(Path(row.job.run_dir))
-        if record and record.pack and row.state.live and row.job.id not in chosen:
+        if record and sharing(record) and row.state.live and row.job.id not in chosen:
             others.setdefault(row.scheduler_id, []).append(row.job.id)
     return others
+
+
+def without_shared_evals(plan: Plan, everything: list[JobStatus]) -> Plan:
+    """--cancel --exp POINT: the point's jobs, less its eval when a shared eval scores it with points not
+    named (cancelling it would stop theirs). That eval stays queued and reports the point not scored once
+    its training is cancelled; said in a line."""
+    sharers = live_sharers(plan, everything, lambda record: record.shared)
+    kept = [
+        row.job.id
+        for row in everything
+        if row.job.id in {j.id for j in plan.jobs} and row.scheduler_id in sharers
+    ]
+    for job_id in kept:
+        out.print(
+            f"{job_id} is scored by a shared eval with other points: left queued (it reports this point not "
+            "scored once its training ended)",
+            highlight=False,
+            soft_wrap=True,
+        )
+    return plan.only({j.id for j in plan.jobs} - set(kept))
 
 
 def cancel_removed(request: LaunchRequest, profile) -> int:
@@ -105,7 +129,8 @@ def cancel_removed(request: LaunchRequest, profile) -> int:
         for stage in sorted(p for p in run_root.experiment(name).iterdir() if p.is_dir())
         if (record := current_job(stage)) and not RunDir(stage).done.exists()
     }
-    packed = sorted(job for job, record in records.items() if record.pack)
+    # a pack or a shared eval also runs jobs of experiments still in a config: not this cancel's to stop
+    packed = sorted(job for job, record in records.items() if record.pack or record.shared)
     live_slurm = query_slurm([r.job_id for r in records.values() if r.on_slurm])
     jobs = {
         job: scheduler_job(profile.log_dir, job, record, run_root.stage(job).path)

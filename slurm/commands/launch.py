@@ -14,12 +14,13 @@ from slurm.planning.experiments import load_selected, parse_overrides
 from slurm.planning.pack import pack_plan
 from slurm.planning.plan import Plan, build_plan, calibration_plan, estimated_again
 from slurm.planning.request import LaunchRequest, backend_here
+from slurm.planning.shared_evals import SharedEval
 from slurm.planning.validation import LoadedExperiment
 from slurm.queueing.decisions import weigh
 from slurm.queueing.submit import submit, wait
 from slurm.watching.preflight_report import run_preflight
 from slurm.watching.render import (
-    arrays_text,
+    batches_text,
     edges_text,
     err,
     folded_sweeps,
@@ -200,11 +201,12 @@ def dry_run(request: LaunchRequest, profile) -> int:
     if not packing and (limits is not None or backend_here(request.backend) == "slurm"):
         todo = [d.job for d in decisions if d.action == "submit"]
         waits_on = {d.job.id for d in decisions if d.action in ("submit", "queued")}
-        batches = slurm_submissions(todo, waits_on, plan.sweep_parallel, limits)
+        batches = slurm_submissions(todo, waits_on, plan.sweep_parallel, limits, profile.max_time_s)
     if request.as_json:
         extra = {"packing": packing.to_json()} if packing else {}
         extra |= {"inherited_keys_left_out": left_out} if left_out else {}
         extra |= {"job_arrays": [b.to_json() for b in batches if isinstance(b, JobArray)]}
+        extra |= {"shared_evals": [b.to_json() for b in batches if isinstance(b, SharedEval)]}
         print(json.dumps({**plan.to_json(states), **extra}, indent=1))
         return 0
     shown = {
@@ -219,7 +221,7 @@ def dry_run(request: LaunchRequest, profile) -> int:
         out.print("Nothing left to run: every job is done.", highlight=False)
     if packing:
         out.print(packing_text(packing), highlight=False, soft_wrap=True)
-    for line in arrays_text(batches):
+    for line in batches_text(batches):
         out.print(line, highlight=False, soft_wrap=True)
     out.print(edges_text(plan, folded), highlight=False)
     for stage, keys in left_out.items():

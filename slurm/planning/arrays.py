@@ -15,7 +15,8 @@ keeps its point's run folder, spec and job.json record (`ARRAY_TASK` ids, `123_4
 - **At once.** K, the tasks that may run at once: the sweep's `parallel:`, at most the GPUs the QOS lets
   this user hold over the GPUs a task asks (so an array never queues past it); neither: every task.
 - Multi-node and elastic points are arrays as any other (each task is a whole allocation of its own);
-  evals, exports and packed launches are never arrays.
+  evals, exports and packed launches are never arrays (a sweep's evals are one shared eval instead:
+  slurm/planning/shared_evals.py).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 from core.config import Resources
 from core.durations import slurm_time
 from slurm.planning.plan import PlannedJob
+from slurm.planning.shared_evals import with_shared_evals
 
 # SLURM's default MaxArraySize (slurm.conf): task indices 0..1000.
 DEFAULT_MAX_ARRAY_SIZE = 1001
@@ -113,14 +115,18 @@ def submissions(
 
 
 def slurm_submissions(
-    todo: list[PlannedJob], waits_on: set[str], parallel_of: dict[str, int], limits
-) -> list[Submission]:
-    """`submissions` within the cluster's MaxArraySize and QOS GPU cap, where its limits (a
-    slurm/cluster/limits.py ClusterLimits) could be read; None: SLURM's defaults, no cap."""
+    todo: list[PlannedJob], waits_on: set[str], parallel_of: dict[str, int], limits, max_time_s=None
+) -> list:
+    """The sbatch calls that queue `todo` on SLURM, in order: a job, a job array (`submissions`, within
+    the cluster's MaxArraySize and QOS GPU cap where its `limits`, a slurm/cluster/limits.py
+    ClusterLimits, could be read; None: SLURM's defaults, no cap), or a shared eval
+    (slurm/planning/shared_evals.py; `max_time_s`: the longest limit one may have)."""
     if limits is None:
-        return submissions(todo, waits_on, parallel_of)
-    cap = limits.gpus_per_user.value if limits.gpus_per_user else None
-    return submissions(todo, waits_on, parallel_of, limits.max_array_size, cap)
+        batches = submissions(todo, waits_on, parallel_of)
+    else:
+        cap = limits.gpus_per_user.value if limits.gpus_per_user else None
+        batches = submissions(todo, waits_on, parallel_of, limits.max_array_size, cap)
+    return with_shared_evals(batches, waits_on, max_time_s)
 
 
 def previous_of(job: PlannedJob, arrays: dict[str, JobArray]) -> str:

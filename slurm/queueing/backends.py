@@ -34,7 +34,8 @@ from slurm.cluster.scheduler import COMMENT_MARK, cancel, local_failure, reached
 from slurm.planning.arrays import JobArray
 from slurm.planning.pack import Unit
 from slurm.planning.plan import PlannedJob
-from slurm.queueing.jobs import EvalStage, ExportStage, TrainStage
+from slurm.planning.shared_evals import SharedEval
+from slurm.queueing.jobs import EvalStage, ExportStage, SharedEvalStage, TrainStage
 from slurm.queueing.lanes import PackJob
 from slurm.queueing.snapshot import CodeSnapshot
 from slurm.watching.status import timed_out_text
@@ -95,6 +96,20 @@ class SlurmBackend:
         with executor.batch():
             jobs = [executor.submit(job_callable(job), *job_args(job, self.workdir)) for job in array.jobs]
         return [str(job.job_id) for job in jobs]
+
+    def submit_shared_eval(self, evals: SharedEval, parents: list[tuple[str, str]], token: str = "") -> str:
+        """Queue the one job that scores `evals` in turn (slurm/queueing/jobs.py SharedEvalStage); its log
+        and its progress are in the shared evals' folder. Returns its SLURM job id."""
+        folder = LogRoot.of(self.profile.log_dir).shared_evals
+        executor = submitit.SlurmExecutor(folder=folder, max_num_timeout=evals.resources.max_requeues)
+        params = sbatch_parameters(evals.name, evals.resources, 1, parents, self.profile, self.code.folder)
+        what = f"scores {len(evals.jobs)} adapters of one base"
+        executor.update_parameters(**params, **job_comment(token, what))
+        below.check(self.profile.log_dir, folder)
+        specs = [job.spec.model_dump() for job in evals.jobs]
+        hashes = [job.config_hash for job in evals.jobs]
+        progress = str(folder / (token or "by-hand"))
+        return executor.submit(SharedEvalStage(), specs, hashes, progress, str(self.workdir)).job_id
 
     def log_folder(self, job: PlannedJob) -> Path:
         return log_folder(self.profile.log_dir, job.id)

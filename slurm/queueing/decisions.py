@@ -161,7 +161,7 @@ def adopt_unrecorded(plan: Plan, forget_missing: bool) -> list[str]:
 
 
 def adopt(job: PlannedJob, job_id: str, intent: Submission) -> None:
-    record_job(Path(job.run_dir), job_id, "slurm", intent.code, pack=intent.pack)
+    record_job(Path(job.run_dir), job_id, "slurm", intent.code, pack=intent.pack, shared=intent.shared)
 
 
 def unknown_if_queued(job: PlannedJob) -> str:

@@ -50,17 +50,7 @@ class StageJob(submitit.helpers.Checkpointable):
     holds_folder = True  # one writer per folder (an export commits its files atomically itself)
 
     def __call__(self, spec: dict, config_hash: str, workdir: str) -> str:
-        die_with_controller()
-        os.chdir(workdir)
-        redact_job_output()
-        rank = _export_distributed_environment()
-        _configure_logging(rank)
-        if int(os.environ.get("SLURM_JOB_NUM_NODES", "1")) > 1:
-            log.info(placement_line())
-        # The GPUs SLURM or the local backend gave this task, as it got them (torch renumbers them).
-        log.info("CUDA_VISIBLE_DEVICES=%s", os.environ.get("CUDA_VISIBLE_DEVICES", "(not set)"))
-        _use_allocated_cpus()  # before torch is imported
-        hide(unused_libraries(spec))  # before peft is imported: a LoRA job never loads bitsandbytes
+        rank = ready_process(spec, workdir)
         folder = Path(spec.get("run_dir") or spec["out_dir"])
         refuse_links_in(folder)
         if not self.holds_folder:
@@ -70,6 +60,22 @@ class StageJob(submitit.helpers.Checkpointable):
 
     def run(self, spec: dict, config_hash: str) -> str:
         raise NotImplementedError
+
+
+def ready_process(spec: dict, workdir: str) -> int:
+    """What every job does first, in this order (StageJob's docstring); returns this task's rank."""
+    die_with_controller()
+    os.chdir(workdir)
+    redact_job_output()
+    rank = _export_distributed_environment()
+    _configure_logging(rank)
+    if int(os.environ.get("SLURM_JOB_NUM_NODES", "1")) > 1:
+        log.info(placement_line())
+    # The GPUs SLURM or the local backend gave this task, as it got them (torch renumbers them).
+    log.info("CUDA_VISIBLE_DEVICES=%s", os.environ.get("CUDA_VISIBLE_DEVICES", "(not set)"))
+    _use_allocated_cpus()  # before torch is imported
+    hide(unused_libraries(spec))  # before peft is imported: a LoRA job never loads bitsandbytes
+    return rank
 
 
 def this_job_id() -> str | None:
@@ -173,6 +179,45 @@ class EvalStage(StageJob):
             )
         mark_done(Path(job.out_dir), config_hash)
         return job.out_dir
+
+
+class SharedEvalStage(submitit.helpers.Checkpointable):
+    """Score several eval jobs of one base model in one process (eval/shared.py run_shared_eval), each into
+    its own eval folder, which it holds for its life as EvalStage holds its one, and marks DONE once
+    scored. A member already DONE (scored by its own job, or before a requeue) is not scored again; a
+    pruned one with `prune.eval_pruned: false` is skipped as EvalStage skips it; one whose training left
+    no adapter is not scored (its status says why). On USR2 or TERM it stops after the current batch and
+    requeues as EvalStage does: the next run starts at the first member not scored."""
+
+    def __call__(self, specs: list[dict], hashes: list[str], progress: str, workdir: str) -> list[str]:
+        from contextlib import ExitStack
+
+        from core.config import EvalJob
+        from core.rundir import is_done
+        from eval.shared import run_shared_eval
+
+        ready_process(specs[0], workdir)
+        jobs = [(EvalJob.model_validate(spec), h) for spec, h in zip(specs, hashes, strict=True)]
+        left = [(job, h) for job, h in jobs if not is_done(Path(job.out_dir), h, "eval")]
+        with ExitStack() as held:
+            for job, _ in left:
+                refuse_links_in(Path(job.out_dir))
+                held.enter_context(hold_folder(Path(job.out_dir), this_job_id()))
+            for job, h in [(job, h) for job, h in left if skipped_as_pruned(job)]:
+                mark_done(Path(job.out_dir), h)
+                left.remove((job, h))
+            stop = StopRequest()
+            requeue = stop.listen()
+            results = run_shared_eval([job for job, _ in left], Path(progress), stop.event)
+            for (job, h), result in zip(left, results, strict=True):
+                if result is not None and "not_scored" not in result:
+                    mark_done(Path(job.out_dir), h)
+        if any(result is None for result in results):
+            if stop.signal in (signal.SIGUSR2, None) and requeue is not None:
+                requeue(signal.SIGUSR2, None)  # submitit: checkpoint() → scontrol requeue → exit
+            name = stop.signal.name if stop.signal else "USR2"
+            raise RuntimeError(f"a shared eval stopped by {name}; its predictions are kept")
+        return [job.out_dir for job, _ in jobs]
 
 
 def skipped_as_pruned(job) -> bool:

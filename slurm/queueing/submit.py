@@ -25,9 +25,10 @@ from core.job_records import current_job, forget_intent, mark_cancelled, record_
 from core.problems import ConfigError
 from core.rundir import RunRoot, record_origin, write_spec
 from core.states import NEVER_STARTS_MARK, State
-from slurm.planning.arrays import JobArray, Submission, slurm_submissions
+from slurm.planning.arrays import JobArray, slurm_submissions
 from slurm.planning.pack import pack_plan, pack_resources, unit_of
 from slurm.planning.plan import Plan, PlannedJob
+from slurm.planning.shared_evals import SharedEval
 from slurm.queueing.decisions import (
     Decision,
     adopt_unrecorded,
@@ -167,12 +168,13 @@ def queue(plan: Plan, profile, decisions, skipped: dict[str, str], code, files) 
     todo = [d.job for d in decisions if d.action == "submit"]
     limits = refuse_never_starting(todo, files, profile)
     waits_on = {d.job.id for d in decisions if d.action in ("submit", "queued")}
-    batches = slurm_submissions(todo, waits_on, plan.sweep_parallel, limits)
+    batches = slurm_submissions(todo, waits_on, plan.sweep_parallel, limits, profile.max_time_s)
     ids = submit_to_slurm(decisions, batches, SlurmBackend(profile, Path.cwd(), code))
     states = {d.job.id: f"submitted {ids[d.job.id]}" for d in decisions if d.action == "submit"}
-    sbatches = len(batches)
-    arrays = [b for b in batches if isinstance(b, JobArray)]
-    how = f" in {sbatches} submission(s), {len(arrays)} of them job arrays" if arrays else ""
+    arrays = sum(isinstance(b, JobArray) for b in batches)
+    evals = sum(isinstance(b, SharedEval) for b in batches)
+    how = f" in {len(batches)} submission(s): {arrays} job array(s), {evals} shared eval(s)"
+    how = how if arrays or evals else ""
     watch = f"Submitted {len(states)} job(s){how}. Watch: squeue --me, python launch.py --status, --tail EXP"
     return Submitted({**skipped, **states}, (watch,))
 
@@ -306,9 +308,9 @@ def parents_of(job: PlannedJob, ids: dict[str, str]) -> list[tuple[str, str]]:
     return [(ids[d.job_id], d.kind) for d in job.depends_on if d.job_id in ids]
 
 
-def submit_to_slurm(decisions: list[Decision], batches: list[Submission], backend) -> dict[str, str]:
-    """Queue every job that needs it, parents first, each of `batches` with one sbatch (a job, or a job
-    array); returns plan id → SLURM id for queued jobs (`123_4` for an array's task).
+def submit_to_slurm(decisions: list[Decision], batches: list, backend) -> dict[str, str]:
+    """Queue every job that needs it, parents first, each of `batches` with one sbatch (a job, a job
+    array, or a shared eval); returns plan id → SLURM id for queued jobs (`123_4` for an array's task).
 
     The scheduler refusing one cancels what this launch had queued. A run folder that cannot be written,
     or Ctrl-C, stops the launch with what it queued kept and recorded, and says what that is."""
@@ -316,10 +318,12 @@ def submit_to_slurm(decisions: list[Decision], batches: list[Submission], backen
     todo = [d.job for d in decisions if d.action == "submit"]
     submitted: list[str] = []
     for batch in batches:
-        first = batch.jobs[0] if isinstance(batch, JobArray) else batch
+        first = batch if isinstance(batch, PlannedJob) else batch.jobs[0]
         try:
             if isinstance(batch, JobArray):
                 ids.update(submit_array(batch, ids, backend))
+            elif isinstance(batch, SharedEval):
+                ids.update(submit_shared_eval(batch, ids, backend))
             else:
                 ids[batch.id] = submit_one(batch, parents_of(batch, ids), backend)
         except SchedulerRefused as exc:
@@ -333,7 +337,7 @@ def submit_to_slurm(decisions: list[Decision], batches: list[Submission], backen
         except KeyboardInterrupt:
             what = f"interrupted while submitting {first.id} (if sbatch queued it, a relaunch finds and records it)"
             raise Interrupted(partly_submitted(submitted, todo, ids, what)) from None
-        submitted += [j.id for j in batch.jobs] if isinstance(batch, JobArray) else [batch.id]
+        submitted += [batch.id] if isinstance(batch, PlannedJob) else [j.id for j in batch.jobs]
     return ids
 
 
@@ -377,35 +381,63 @@ def partly_submitted(submitted: list[str], todo: list[PlannedJob], ids: dict[str
 
 def submit_array(array: JobArray, ids: dict[str, str], backend) -> dict[str, str]:
     """Write each task's spec and intent (one token, its task index), sbatch the array, record each task
-    as `ARRAY_TASK`. Returns plan id → task id. Failures are submit_one's, for the array as a whole."""
-    code = backend.code.provenance()
-    token = None
-    for task, job in enumerate(array.jobs):
-        archive_stale(job)
-        write_spec(Path(job.run_dir), job.spec.model_dump(), code)
-        token = record_intent(Path(job.run_dir), code, token=token, array_task=task)
+    as `ARRAY_TASK`. Returns plan id → task id."""
     parents = [(ids[job_id], kind) for job_id, kind in array.parents if job_id in ids]
     if array.follows is not None:  # task i after task i of the previous stage's array
         parents.append((ids[array.follows.jobs[0].id].split("_")[0], "aftercorr"))
+    tasks = submit_together(
+        array.jobs, lambda token: backend.submit_array(array, parents, token), backend, array=True
+    )
+    return dict(zip((job.id for job in array.jobs), tasks, strict=True))
+
+
+def submit_shared_eval(evals: SharedEval, ids: dict[str, str], backend) -> dict[str, str]:
+    """Write each member's spec and intent, sbatch the one job that scores them after their trainings
+    ended however they ended (`afterany`; an array's tasks as the array), record it in each member's
+    job.json. Returns plan id → its job id."""
+    parents = sorted({(ids[job_id].split("_")[0], "afterany") for job_id in evals.parents if job_id in ids})
+    (job_id,) = set(
+        submit_together(
+            evals.jobs,
+            lambda token: [backend.submit_shared_eval(evals, parents, token)] * len(evals.jobs),
+            backend,
+            shared=True,
+        )
+    )
+    return {job.id: job_id for job in evals.jobs}
+
+
+def submit_together(jobs, sbatch, backend, array: bool = False, shared: bool = False) -> list[str]:
+    """submit_one for several jobs queued by one sbatch (`sbatch(token)` → each job's id, in order): every
+    spec and intent written first (one token; an array's task index), each job recorded after. A failure
+    is submit_one's, for them all: nothing queued, or what was queued cancelled."""
+    code = backend.code.provenance()
+    token = None
+    for task, job in enumerate(jobs):
+        archive_stale(job)
+        write_spec(Path(job.run_dir), job.spec.model_dump(), code)
+        token = record_intent(
+            Path(job.run_dir), code, token=token, array_task=task if array else None, shared=shared
+        )
     try:
-        tasks = backend.submit_array(array, parents, token)
+        job_ids = sbatch(token)
     except OSError:
         raise
     except Exception as exc:
-        for job in array.jobs:
+        for job in jobs:
             with contextlib.suppress(OSError):
                 forget_intent(Path(job.run_dir))
         raise SchedulerRefused(str(exc).strip()) from None
+    queued = job_ids[0].split("_")[0]
     try:
-        for job, task_id in zip(array.jobs, tasks, strict=True):
-            record_job(Path(job.run_dir), task_id, "slurm", code)
+        for job, job_id in zip(jobs, job_ids, strict=True):
+            record_job(Path(job.run_dir), job_id, "slurm", code, shared=shared)
     except OSError as exc:
-        backend.cancel([tasks[0].split("_")[0]])
+        backend.cancel([queued])
         raise OSError(
-            f"queued as SLURM job array {tasks[0].split('_')[0]}, then cancelled: {job.id}'s job.json cannot "
-            f"be written ({exc})"
+            f"queued as SLURM job {queued}, then cancelled: {job.id}'s job.json cannot be written ({exc})"
         ) from None
-    return {job.id: task_id for job, task_id in zip(array.jobs, tasks, strict=True)}
+    return job_ids
 
 
 def submit_pack(decisions: list[Decision], backend, resources: Resources) -> dict[str, str]:

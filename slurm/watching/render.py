@@ -18,6 +18,7 @@ from slurm.planning.arrays import JobArray
 from slurm.planning.estimate import GUESS_MARGIN
 from slurm.planning.pack import Packing
 from slurm.planning.plan import Plan, PlannedJob
+from slurm.planning.shared_evals import SharedEval
 from slurm.watching.status import JobStatus
 
 WIDE = 160  # columns, when output goes to a file or a CI log: no terminal to fit
@@ -221,22 +222,28 @@ def packing_text(packing: Packing) -> str:
     return "\n".join(lines)
 
 
-def arrays_text(batches) -> list[str]:
-    """How a launch on SLURM would queue what is left: one line per job array (its points, stage, %K,
-    its time limit and what it waits on), then the count of jobs queued one sbatch each. Nothing when no
-    job is an array."""
-    arrays = [b for b in batches if isinstance(b, JobArray)]
-    if not arrays:
+def batches_text(batches) -> list[str]:
+    """How a launch on SLURM would queue what is left: one line per job array (its points, stage, %K, its
+    time limit, what it follows) and per shared eval (the evals it scores), then the count of jobs queued
+    one sbatch each. Nothing when every job is queued on its own."""
+    together = [b for b in batches if isinstance(b, JobArray | SharedEval)]
+    if not together:
         return []
     lines = [f"On SLURM, {len(batches)} submission(s):"]
-    for array in arrays:
-        first = array.jobs[0]
-        waits = f", task i after task i of {array.follows.name}" if array.follows is not None else ""
+    for batch in together:
+        first = batch.jobs[0]
+        if isinstance(batch, SharedEval):
+            lines.append(
+                f"  shared eval {batch.name}: scores {len(batch.jobs)} adapters of one base in one job, "
+                f"after their trainings ended, {batch.resources.time} in all"
+            )
+            continue
+        waits = f", task i after task i of {batch.follows.name}" if batch.follows is not None else ""
         lines.append(
-            f"  job array {array.name}: {len(array.jobs)} points of sweep {first.sweep}, at most "
-            f"{array.parallel} at once, {array.resources.time} each{waits}"
+            f"  job array {batch.name}: {len(batch.jobs)} points of sweep {first.sweep}, at most "
+            f"{batch.parallel} at once, {batch.resources.time} each{waits}"
         )
-    alone = len(batches) - len(arrays)
+    alone = len(batches) - len(together)
     if alone:
         lines.append(f"  {alone} other job(s), one sbatch each")
     return lines

@@ -5,7 +5,7 @@ from __future__ import annotations
 import getpass
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from pathlib import Path
 
@@ -244,9 +244,11 @@ def job_status(
     if backend == "local":
         info = local_info(submitted, record, job)
     else:
-        info = scheduler.get(scheduler_id, SchedulerInfo(State.UNKNOWN, "not known to squeue or sacct"))
+        info = scheduler.get(scheduler_id, unknown_to_slurm(record))
         if record.pack:
             info = packed_unit_info(run_dir, scheduler_id, info)
+        if record.shared:
+            info = shared_eval_info(info, scheduler_id, failed_parent and earlier[failed_parent])
     state, reason = info.state, info.reason
     # The nodes it holds or held; none while it waits (a requeued job's last nodes are not its next).
     nodes = "" if state is State.PENDING else info.nodes
@@ -271,6 +273,28 @@ def job_status(
         state = State.BLOCKED
         reason = f"parent {parent} {earlier[parent].state.value}" if failed_parent else "a parent failed"
     return JobStatus(job, state, reason=reason, elapsed=info.elapsed, stuck=stuck, nodes=nodes, **common)
+
+
+def unknown_to_slurm(record: JobRecord) -> SchedulerInfo:
+    """A SLURM job neither squeue nor sacct knows: CANCELLED if it is an array task --cancel noted (one
+    cancelled before it started never gets an accounting record), else UNKNOWN."""
+    if record.array and record.cancelled_at:
+        return SchedulerInfo(State.CANCELLED, f"cancelled at {record.cancelled_at.replace('T', ' ')}")
+    return SchedulerInfo(State.UNKNOWN, "not known to squeue or sacct")
+
+
+def shared_eval_info(info: SchedulerInfo, shared_id: str, failed_parent: JobStatus | None) -> SchedulerInfo:
+    """An eval not DONE whose record is a shared eval's (slurm/queueing/jobs.py SharedEvalStage), as its
+    own state: waiting or scoring in it while it runs; once it ended, not scored because its training did
+    not end well (BLOCKED), or FAILED with the shared job (before: COMPLETED, a row without scores)."""
+    if info.state.live:
+        return replace(info, reason=info.reason or f"in shared eval {shared_id}, one adapter at a time")
+    if failed_parent is not None:
+        why = f"not scored: its training {failed_parent.job.id} {failed_parent.state.value}"
+        return replace(info, state=State.BLOCKED, reason=why)
+    if info.state is State.COMPLETED:
+        return replace(info, state=State.FAILED, reason=f"shared eval {shared_id} ended without scoring it")
+    return info
 
 
 # srun's own line, in task 0's log (sbatch's output goes there), for each task of a step that ended badly.
