@@ -15,7 +15,7 @@ import pytest
 
 import launch
 from core.config import PruneJob
-from core.job_records import record_job
+from core.job_records import current_job, record_job
 from core.pruning import judged, rung_records
 from core.rundir import RunDir
 from tests.conftest import squeue_ids, write_cluster_yaml
@@ -71,6 +71,14 @@ def check_the_report_shows_the_pruning_and_picks_a_completed_point(runs: Path) -
     assert sum("1/1 done" in line for line in section.splitlines()) == 3
 
 
+def job_log(runs: Path, job: str) -> str:
+    """The log of a job's last submission, where its record says it is (an array task's: the arrays')."""
+    from slurm.cluster.scheduler import scheduler_job
+
+    record = current_job(runs / job)
+    return scheduler_job(str(runs.parent / "logs"), job, record, runs / job).paths.stdout.read_text()
+
+
 def check_the_hopeless_runs_were_pruned_at_rung_1(runs: Path) -> None:
     records = {r.run: r for r in rung_records(runs, "asha", 1)}
     assert set(records) == set(GOOD + HOPELESS), records
@@ -86,7 +94,7 @@ def check_the_hopeless_runs_were_pruned_at_rung_1(runs: Path) -> None:
         assert not stage.pruned.exists(), (name, records[name])
         assert json.loads(stage.summary.read_text())["epochs_done"] == 2
     for name in GOOD + HOPELESS:  # each run's job log says what its rung decided, and from what
-        log = "".join(p.read_text() for p in (runs.parent / "logs" / name / "train").glob("*_log.*"))
+        log = job_log(runs, f"{name}/train")
         verdict = ": stop" if name in HOPELESS else ": go on"
         assert "pruning, rung 1: eval_loss" in log and verdict in log, (name, log[-2000:])
 

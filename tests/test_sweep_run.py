@@ -106,7 +106,9 @@ def test_a_sweep_runs_on_the_cluster_and_a_relaunch_queues_nothing(
     (tmp_path / "configs" / "experiments").mkdir()
     argv = ["--all", "--config-dir", str(folder), "--backend", "slurm", "--no-preflight"]
     assert launch.main([*argv, "--wait"]) == 0
-    assert "Submitted 4 job(s) in 1 submission(s), 1 of them job arrays" in capsys.readouterr().out
+    assert (
+        "Submitted 4 job(s) in 1 submission(s): 1 job array(s), 0 shared eval(s)" in capsys.readouterr().out
+    )
     array = array_tasks(tmp_path)
     assert sorted(array.values()) == [f"{array_id(array)}_{i}" for i in range(4)]
     # sacct keeps one record per task (its state may still read RUNNING while the task completes)
@@ -119,7 +121,9 @@ def test_a_sweep_runs_on_the_cluster_and_a_relaunch_queues_nothing(
     # The sweep edited: a rate added. Its two new points are a new array; the others are not touched.
     sweep_folder(tmp_path, repo_root, rates="1.0e-3, 3.0e-3, 5.0e-3", **CLUSTER)
     assert launch.main([*argv, "--wait"]) == 0
-    assert "Submitted 2 job(s) in 1 submission(s), 1 of them job arrays" in capsys.readouterr().out
+    assert (
+        "Submitted 2 job(s) in 1 submission(s): 1 job array(s), 0 shared eval(s)" in capsys.readouterr().out
+    )
     grown = array_tasks(tmp_path)
     added = {point: task for point, task in grown.items() if point not in array}
     assert sorted(added) == ["sweep-lr0.005-r4-s1", "sweep-lr0.005-r4-s2"]
@@ -261,11 +265,16 @@ def test_a_sweeps_evals_are_one_shared_job_that_scores_each_trained_point_and_no
     runs = tmp_path / "runs"
     shared = {slurm_id(tmp_path, f"{point}/eval") for point in array_points(runs)}
     assert len(shared) == 1  # one eval job for every point
-    (shared_id,) = shared
-    wait_until(lambda: shared_id not in squeue_ids(), "the shared eval to end", 300)
-    capsys.readouterr()
-    assert launch.main(["--status", "--exp", "sweep", "--config-dir", str(folder)]) == 0
-    rows = {line.split("│")[1].strip(): line for line in capsys.readouterr().out.splitlines() if "│" in line}
+
+    def rows_once_ended() -> dict[str, str] | None:
+        """--status's rows, once no row is live (sacct may say RUNNING a moment after squeue lost it)."""
+        capsys.readouterr()
+        assert launch.main(["--status", "--exp", "sweep", "--config-dir", str(folder)]) == 0
+        lines = [line for line in capsys.readouterr().out.splitlines() if "│" in line]
+        live = any(state in line for line in lines for state in ("RUNNING", "PENDING", "COMPLETING"))
+        return None if live else {line.split("│")[1].strip(): line for line in lines}
+
+    rows = wait_until(rows_once_ended, "the shared eval to end", 300)
     for point in ("sweep-ep1-lr0.001", "sweep-ep1-lr0.002"):
         results = json.loads((runs / point / "eval" / "results.json").read_text())
         assert "exact_match" in results and (runs / point / "eval" / "DONE").exists()
