@@ -19,6 +19,11 @@ from slurm import cli
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
+    return argument_parser().parse_args(argv)
+
+
+def argument_parser() -> argparse.ArgumentParser:
+    """Every option of the command line, with its help: what --help prints and docs/reference/ lists."""
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -28,7 +33,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     add_verbs(parser.add_mutually_exclusive_group())
     add_options(parser)
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="e.g. train.learning_rate=1e-4")
-    return parser.parse_args(argv)
+    return parser
 
 
 def add_verbs(action) -> None:

@@ -84,11 +84,18 @@ class Section(BaseModel):
 class ModelSpec(Section):
     """The base model: a hub id (validated here, downloaded only on a compute node) or a local folder."""
 
-    name_or_path: str
+    name_or_path: str = Field(
+        description="The base model: a hub id or a local folder (`./…` or `/…`, which must exist). Preflight fetches a hub model on the login node and the jobs read it offline; with `cluster.yaml` `hub_downloads: nodes`, each job fetches it."
+    )
     # image-text: a vision-language model (Qwen2.5-VL, Qwen3-VL) through AutoModelForImageTextToText and
     # AutoProcessor; its examples carry an image (data.image_field) besides their text.
-    kind: Literal["seq2seq", "causal", "image-text"]
-    revision: str | None = None
+    kind: Literal["seq2seq", "causal", "image-text"] = Field(
+        description="`seq2seq` (T5, FLAN-T5), `causal` (Llama, Qwen, …) or `image-text` (Qwen2.5-VL, Qwen3-VL, loaded with `AutoModelForImageTextToText` and `AutoProcessor`; needs `data.image_field`). A kind the model's `config.json` contradicts is refused, naming the right one."
+    )
+    revision: str | None = Field(
+        None,
+        description="The hub revision (branch, tag or commit) of `name_or_path`; `null` takes the hub's default.",
+    )
     added_tokens: list[str] = Field(default_factory=list, description="special tokens added before training")
 
 
@@ -113,19 +120,47 @@ def kind_mismatch(kind: str, model_config: dict) -> str | None:
 
 
 class AdapterSpec(Section):
-    method: Literal["lora", "qlora"] = "lora"
-    rank: Annotated[Int, Field(ge=1, le=1024)] = 16
-    alpha: Annotated[Float, Field(gt=0)] = 32
-    dropout: Annotated[Float, Field(ge=0, lt=1)] = 0.05
-    target_modules: list[str] | Literal["all-linear"] = "all-linear"
-    modules_to_save: list[str] = Field(default_factory=list)
-    allow_full_modules: bool = False
-    max_trainable_percent: Annotated[Float, Field(gt=0, le=100)] = 10.0
-    quant_type: Literal["nf4", "fp4"] = "nf4"
-    double_quant: bool = True
+    method: Literal["lora", "qlora"] = Field(
+        "lora",
+        description="`lora`, or `qlora`: the base model loaded in 4 bits (bitsandbytes) with LoRA on top.",
+    )
+    rank: Annotated[Int, Field(ge=1, le=1024)] = Field(16, description="The LoRA rank, 1 to 1024.")
+    alpha: Annotated[Float, Field(gt=0)] = Field(
+        32, description="The LoRA alpha (> 0); the update is scaled by `alpha / rank`."
+    )
+    dropout: Annotated[Float, Field(ge=0, lt=1)] = Field(
+        0.05, description="The LoRA dropout, in [0, 1); DPO and GRPO stages train without dropout."
+    )
+    target_modules: list[str] | Literal["all-linear"] = Field(
+        "all-linear",
+        description="The modules LoRA adapts: a non-empty list of module names, or `all-linear`. For `image-text` only the language model's Linear layers are adapted, by full name (a bare name would also hit the vision tower); `adapter_config.json` lists exactly what was trained.",
+    )
+    modules_to_save: list[str] = Field(
+        default_factory=list,
+        description="Extra modules trained in full and saved with the adapter. Embedding and output layers (`embed_tokens`, `lm_head`, `shared`, `wte`, `word_embeddings`, `embed_out`, `output`) are refused unless `allow_full_modules: true`: they make tens of percent of the model trainable.",
+    )
+    allow_full_modules: bool = Field(
+        False,
+        description="Allows embedding and output layers in `modules_to_save`, which otherwise refuses them.",
+    )
+    max_trainable_percent: Annotated[Float, Field(gt=0, le=100)] = Field(
+        10.0,
+        description="The trainer refuses to start when more than this percent of the model's parameters is trainable, naming the modules responsible; in (0, 100].",
+    )
+    quant_type: Literal["nf4", "fp4"] = Field(
+        "nf4",
+        description="`qlora`'s 4-bit quantisation type: `nf4` or `fp4`. An `image-text` model keeps its vision tower and `lm_head` out of 4-bit.",
+    )
+    double_quant: bool = Field(
+        True, description="`qlora`: also quantise the quantisation constants (double quantisation)."
+    )
     # image-text: LoRA goes on the language model's layers only, unless this widens it to the vision tower
     # (and its merger); the vision tower always stays out of 4-bit.
-    train_vision: bool = Field(False, exclude_if=lambda value: value is False)
+    train_vision: bool = Field(
+        False,
+        exclude_if=lambda value: value is False,
+        description="`image-text` only: also adapt every Linear of the vision tower and its projector/merger (the vision tower still stays out of 4-bit).",
+    )
 
     @field_validator("target_modules")
     @classmethod
@@ -166,21 +201,50 @@ KEYS_OF_METHODS = {"dpo": {"dpo"}, "grpo": {"grpo"}}
 class DataSpec(Section):
     """Where examples come from and how they become tokens. Paths are local files or `hf:NAME:SPLIT`."""
 
-    train: str
-    eval: str | None = None
-    input_field: str = "input"
-    target_field: str = "target"
+    train: str = Field(
+        description="The training data: a `.jsonl`, `.csv` or `.parquet` file, or `hf:NAME:SPLIT` (e.g. `hf:b-mc2/sql-create-context:train[:95%]`). Required; `image-text` data must be a local file."
+    )
+    eval: str | None = Field(
+        None,
+        description="The held-out data, in the same forms as `train`; optional. The in-training loss eval, `train.early_stopping`, a sweep's `prune` and the eval job's default `eval.split: eval` read it.",
+    )
+    input_field: str = Field(
+        "input", description="`format: fields` only: the column holding the model's input."
+    )
+    target_field: str = Field(
+        "target", description="`format: fields` only: the column holding the target answer."
+    )
     prompt_template: str | None = Field(None, description="e.g. 'question: {question} schema: {schema}'")
-    max_length: Int | Literal["auto"] = "auto"
-    max_target_length: Int | Literal["auto"] = "auto"
+    max_length: Int | Literal["auto"] = Field(
+        "auto",
+        description="The token limit of an example's input (a causal model's prompt and answer together): a number ≥ 8, or `auto`, the smallest multiple of 8 covering the longest example, capped at the model's `max_position_embeddings`. Examples cut are counted (`summary.json` `truncated_inputs`).",
+    )
+    max_target_length: Int | Literal["auto"] = Field(
+        "auto",
+        description="`seq2seq` only (a causal answer counts inside `max_length`): the token limit of a target, a number ≥ 8 or `auto` (the smallest multiple of 8 covering the longest target, capped at the model's positions). Targets cut are counted (`truncated_targets`).",
+    )
     order: Literal["shuffle", "file"] = Field("shuffle", description="'file' keeps a curriculum's order")
-    num_workers: Annotated[Int, Field(ge=0)] | Literal["auto"] = "auto"
+    num_workers: Annotated[Int, Field(ge=0)] | Literal["auto"] = Field(
+        "auto", description="Dataloader workers: a number ≥ 0, or `auto` (up to 4 on a GPU, none on a CPU)."
+    )
     # image-text only (left out of the spec, and so of its hash, when unset): the field holding each
     # example's image path, relative to the data file; and the bounds the processor resizes images into
     # (pixels, width x height), which decide how many image tokens an example costs.
-    image_field: str | None = Field(None, exclude_if=lambda value: value is None)
-    min_pixels: Annotated[Int, Field(ge=1)] | None = Field(None, exclude_if=lambda value: value is None)
-    max_pixels: Annotated[Int, Field(ge=1)] | None = Field(None, exclude_if=lambda value: value is None)
+    image_field: str | None = Field(
+        None,
+        exclude_if=lambda value: value is None,
+        description="`image-text` only, and required there: the column holding each example's image path, relative to the data file. Every image must exist (a missing one is refused before anything is queued); local data files only, no `hf:`.",
+    )
+    min_pixels: Annotated[Int, Field(ge=1)] | None = Field(
+        None,
+        exclude_if=lambda value: value is None,
+        description="`image-text` only: the smallest size (width × height, in pixels) the processor resizes each image into; unset, the processor's own. It decides how many image tokens an example costs and is saved with the adapter, so the eval resizes the same way.",
+    )
+    max_pixels: Annotated[Int, Field(ge=1)] | None = Field(
+        None,
+        exclude_if=lambda value: value is None,
+        description="`image-text` only: the largest size (width × height, in pixels) the processor resizes each image into, at least `min_pixels`; unset, the processor's own. An example whose prompt, image and answer tokens exceed `max_length` is dropped and counted (`dropped_too_long`), never truncated.",
+    )
     # How an example is written (core/conversations.py): `fields` (input_field, target_field,
     # prompt_template) or a conversation: `messages` ([{role, content}], OpenAI/TRL), `sharegpt`
     # ([{from, value}]), `alpaca` (instruction, input, output). Conversations are rendered with the model's
@@ -188,10 +252,26 @@ class DataSpec(Section):
     # learn only the assistant turns (`train_on: all` learns every token). Each is left out of the spec
     # (and so of its hash) at its default, as image_field: stages trained before these keys existed keep
     # their identity.
-    format: Literal[DATA_FORMATS] = Field("fields", exclude_if=lambda value: value == "fields")
-    messages_field: str | None = Field(None, exclude_if=lambda value: value is None)
-    chat_template: str | None = Field(None, exclude_if=lambda value: value is None)
-    train_on: Literal["assistant", "all"] = Field("assistant", exclude_if=lambda value: value == "assistant")
+    format: Literal[DATA_FORMATS] = Field(
+        "fields",
+        exclude_if=lambda value: value == "fields",
+        description="How an example is written: `fields` (`input_field`, `target_field`, `prompt_template`); a conversation: `messages` (`{role, content}` turns), `sharegpt` (`{from, value}` turns) or `alpaca` (`instruction`, optional `input`, `output`); or `preference` (`{prompt, chosen, rejected}`, for `dpo` stages). `seq2seq` refuses `messages` and `sharegpt`.",
+    )
+    messages_field: str | None = Field(
+        None,
+        exclude_if=lambda value: value is None,
+        description="`messages` and `sharegpt` only: the column holding the turns; unset, `messages` for `messages` and `conversations` for `sharegpt`.",
+    )
+    chat_template: str | None = Field(
+        None,
+        exclude_if=lambda value: value is None,
+        description="Conversations and `preference` pairs only, not `seq2seq`: the template that renders them for training and eval, saved with the adapter and the export. Unset, the tokenizer's own (a model without one is refused); else `chatml`, `llama-3` or inline Jinja.",
+    )
+    train_on: Literal["assistant", "all"] = Field(
+        "assistant",
+        exclude_if=lambda value: value == "assistant",
+        description="Conversations only (`messages`, `sharegpt`, `alpaca`; causal and image-text models): `assistant` puts the loss on each assistant turn's content and end-of-turn token, never on system/user turns or headers; `all` on every token.",
+    )
 
     @property
     def conversation_field(self) -> str:
@@ -266,9 +346,17 @@ class DataSpec(Section):
 
 
 class EarlyStopping(Section):
-    patience: Annotated[Int, Field(ge=1)] = 2
-    threshold: Annotated[Float, Field(ge=0)] = 0.0
-    metric: str = "eval_loss"
+    patience: Annotated[Int, Field(ge=1)] = Field(
+        2,
+        description="Stop after this many in-training evals (≥ 1) without an improvement of more than `threshold`.",
+    )
+    threshold: Annotated[Float, Field(ge=0)] = Field(
+        0.0, description="The smallest improvement of the metric (≥ 0) that counts as one."
+    )
+    metric: str = Field(
+        "eval_loss",
+        description="The metric watched: `eval_loss` (also written `loss`), the only one the loss-only in-training eval computes.",
+    )
 
     @field_validator("metric")
     @classmethod
@@ -284,11 +372,20 @@ class EarlyStopping(Section):
 class DpoSpec(Section):
     """`train.dpo`: the preference objective of a `train.method: dpo` stage (TRL's DPOTrainer)."""
 
-    beta: Annotated[Float, Field(gt=0)] = 0.1
-    loss_type: Literal[DPO_LOSSES] = "sigmoid"
+    beta: Annotated[Float, Field(gt=0)] = Field(
+        0.1, description="DPO's beta (> 0): how strongly the policy is held to the reference."
+    )
+    loss_type: Literal[DPO_LOSSES] = Field(
+        "sigmoid",
+        description="TRL's DPO loss: `sigmoid` (default), `hinge`, `ipo`, `exo_pair`, `nca_pair`, `robust`, `bco_pair`, `sppo_hard`, `aot`, `aot_unpaired`, `apo_zero`, `apo_down`, `discopop` or `sigmoid_norm`.",
+    )
     # What the policy is compared against: the previous stage's adapter frozen, or the base model with
     # adapters disabled. Unset: previous after another stage, base for a first (or only) stage.
-    reference: Literal["previous", "base"] | None = Field(None, exclude_if=lambda value: value is None)
+    reference: Literal["previous", "base"] | None = Field(
+        None,
+        exclude_if=lambda value: value is None,
+        description="What the policy is compared against: `previous` (the previous stage's adapter, frozen) or `base` (the base model with adapters disabled). Unset: `previous` after another stage, `base` for a first stage, where `previous` is refused.",
+    )
 
 
 class RewardSpec(Section):
@@ -296,13 +393,29 @@ class RewardSpec(Section):
     the example's reference (`score`), or a user's function (`function: "module:name"`, importable from the
     config's folder, called as TRL calls a reward function). The terms are summed with their weights."""
 
-    score: str | None = Field(None, exclude_if=lambda value: value is None)
-    function: str | None = Field(None, exclude_if=lambda value: value is None)
-    weight: Float = 1.0
+    score: str | None = Field(
+        None,
+        exclude_if=lambda value: value is None,
+        description="An eval score of the completion against the example's target, by the eval's own per-example code: `exact_match`, `rouge_1`, `rouge_2`, `rouge_l`, `sql_exec_accuracy`, `sql_record_f1` (partial credit) or `sql_executes` (1 when it runs); `bleu`, `bertscore_f1`, `sql_error_rate` are refused. Give `score` or `function`.",
+    )
+    function: str | None = Field(
+        None,
+        exclude_if=lambda value: value is None,
+        description="`module:name`: a function in a .py file beside the config, called as TRL calls a reward function (`completions` are the cleaned texts, `reference` the targets). Give `score` or `function`, not both.",
+    )
+    weight: Float = Field(1.0, description="This term's weight in the summed reward.")
     # SQL scores only: the database the completions run against (default: eval.db), and each query's limit
     # (shorter than the eval's: a training step waits for every completion's query).
-    db: str | None = Field(None, exclude_if=lambda value: value is None)
-    timeout_s: Annotated[Float, Field(gt=0, le=60)] = Field(1.0, exclude_if=lambda value: value == 1.0)
+    db: str | None = Field(
+        None,
+        exclude_if=lambda value: value is None,
+        description="SQL scores only: the SQLite database the completions run against; unset, `eval.db` (one of the two is required).",
+    )
+    timeout_s: Annotated[Float, Field(gt=0, le=60)] = Field(
+        1.0,
+        exclude_if=lambda value: value == 1.0,
+        description="SQL scores only: each completion query's time limit in seconds, in (0, 60]; shorter than the eval's, since a training step waits for every query.",
+    )
 
     @field_validator("score")
     @classmethod
@@ -350,14 +463,38 @@ class GrpoSpec(Section):
     advantage is its reward against its group's. `beta` > 0 adds a KL term to `reference`. `from_base`:
     a first stage that knowingly starts from the base model (else preflight warns)."""
 
-    num_generations: Annotated[Int, Field(ge=2)] = 4
-    max_completion_length: Annotated[Int, Field(ge=1)] = 128
-    temperature: Annotated[Float, Field(gt=0)] = 1.0
-    beta: Annotated[Float, Field(ge=0)] = 0.0
-    loss_type: str = "dapo"
-    reference: Literal["previous", "base"] | None = Field(None, exclude_if=lambda value: value is None)
-    rewards: list[RewardSpec] = Field(default_factory=list)  # none written: refused before queueing
-    from_base: bool = Field(False, exclude=True)  # a warning's switch, not what the stage computes
+    num_generations: Annotated[Int, Field(ge=2)] = Field(
+        4,
+        description="Completions sampled per prompt (a group), ≥ 2. `train.batch_size` × `grad_accum` counts prompts; `train.micro_batch` counts completions.",
+    )
+    max_completion_length: Annotated[Int, Field(ge=1)] = Field(
+        128,
+        description="The most tokens a completion may have (≥ 1); it stops earlier at the eval's stop ids (eos, and the chat template's end of turn). The share cut is logged as `completions/clipped_ratio`.",
+    )
+    temperature: Annotated[Float, Field(gt=0)] = Field(
+        1.0, description="The sampling temperature of the completions (> 0)."
+    )
+    beta: Annotated[Float, Field(ge=0)] = Field(
+        0.0, description="The weight of a KL term against `reference` (≥ 0); `0.0` adds none."
+    )
+    loss_type: str = Field(
+        "dapo",
+        description="`dapo`, `grpo` or `dr_grpo`: the losses whose step is the same for any split into micro-batches and ranks. `bnpo` is refused (it normalises per micro-batch).",
+    )
+    reference: Literal["previous", "base"] | None = Field(
+        None,
+        exclude_if=lambda value: value is None,
+        description="What the KL term (`beta` > 0) compares against: `previous` (the adapter the stage starts from, frozen) or `base`. Unset: `previous` after another stage, `base` for a first stage, where `previous` is refused.",
+    )
+    rewards: list[RewardSpec] = Field(
+        default_factory=list,
+        description="The reward terms, summed with their `weight`: each an eval score (`score`) or a user's function (`function`). At least one is required, and no reward name (the score, or the function's name) may repeat.",
+    )  # none written: refused before queueing
+    from_base: bool = Field(
+        False,
+        exclude=True,
+        description="`true` says a first GRPO stage knowingly starts from the base model; otherwise the launch warns (a model that never earns a reward learns nothing). Not part of the stage's identity.",
+    )  # a warning's switch, not what the stage computes
 
     @field_validator("loss_type")
     @classmethod
@@ -386,28 +523,81 @@ class TrainSpec(Section):
     # (data.format: preference); grpo: TRL's GRPOTrainer on the SFT data's prompts, rewarded by train.grpo.
     # Left out of the spec (and so of its hash) at their defaults: every stage trained before these keys
     # existed keeps its identity.
-    method: Literal["sft", "dpo", "grpo"] = Field("sft", exclude_if=lambda value: value == "sft")
-    dpo: DpoSpec | None = Field(None, exclude_if=lambda value: value is None)
-    grpo: GrpoSpec | None = Field(None, exclude_if=lambda value: value is None)
-    epochs: Annotated[Float, Field(gt=0)] = 3
-    max_steps: Annotated[Int, Field(ge=1)] | None = None
-    learning_rate: Annotated[Float, Field(gt=0)] = 2e-4
-    batch_size: Annotated[Int, Field(ge=1)] = 8
-    grad_accum: Annotated[Int, Field(ge=1)] = 1
+    method: Literal["sft", "dpo", "grpo"] = Field(
+        "sft",
+        exclude_if=lambda value: value == "sft",
+        description="`sft` (next-token loss on the answers), `dpo` (TRL's `DPOTrainer` on `data.format: preference` pairs) or `grpo` (TRL's `GRPOTrainer`, rewarded by `train.grpo`, on `fields` or conversation data). `dpo` and `grpo` train causal models only.",
+    )
+    dpo: DpoSpec | None = Field(
+        None,
+        exclude_if=lambda value: value is None,
+        description="A `dpo` stage's objective (`beta`, `loss_type`, `reference`); read by `dpo` stages only and refused on an `sft` stage.",
+    )
+    grpo: GrpoSpec | None = Field(
+        None,
+        exclude_if=lambda value: value is None,
+        description="A `grpo` stage's settings: sampling, loss, reference and `rewards`; refused on any other stage.",
+    )
+    epochs: Annotated[Float, Field(gt=0)] = Field(
+        3, description="Passes over the training data (> 0, fractions allowed); `max_steps` overrides it."
+    )
+    max_steps: Annotated[Int, Field(ge=1)] | None = Field(
+        None, description="Optimizer steps to train (≥ 1); when set, it overrides `epochs`."
+    )
+    learning_rate: Annotated[Float, Field(gt=0)] = Field(
+        2e-4, description="The peak learning rate: above 0 and below 1e-2 (LoRA diverges above)."
+    )
+    batch_size: Annotated[Int, Field(ge=1)] = Field(
+        8,
+        description="Examples per rank per accumulation step (≥ 1); the effective batch is `batch_size` × `grad_accum` × ranks, however `micro_batch` splits it. A GRPO stage counts prompts.",
+    )
+    grad_accum: Annotated[Int, Field(ge=1)] = Field(
+        1,
+        description="Accumulation steps per optimizer step (≥ 1); the effective batch is `batch_size` × `grad_accum` × ranks. An elastic job (`resources.nodes: min-max`) accumulates `grad_accum` × max / n on n nodes.",
+    )
     # How the effective batch (batch_size x grad_accum per rank) is split on a GPU: auto chooses the
     # largest micro-batch that fits (core/split.py); N is honoured as written. Not part of a stage's
     # identity: the split does not change what is computed.
-    micro_batch: Literal["auto"] | Annotated[Int, Field(ge=1)] = "auto"
-    warmup_ratio: Annotated[Float, Field(ge=0, le=0.5)] = 0.03
-    weight_decay: Annotated[Float, Field(ge=0, le=1)] = 0.0
-    scheduler: Literal["linear", "cosine", "constant", "constant_with_warmup"] = "linear"
-    precision: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
-    gradient_checkpointing: bool = False
-    eval_every_epochs: Annotated[Float, Field(gt=0)] | None = 1
-    early_stopping: EarlyStopping | None = None
-    save_every_steps: Annotated[Int, Field(ge=1)] = 200
-    logging_steps: Annotated[Int, Field(ge=1)] = 10
-    seed: Annotated[Int, Field(ge=0, le=2**32 - 1)] = 42  # what torch, numpy and random all accept
+    micro_batch: Literal["auto"] | Annotated[Int, Field(ge=1)] = Field(
+        "auto",
+        description="How a GPU splits each rank's `batch_size` × `grad_accum` (× `grpo.num_generations` in a GRPO stage): `auto` takes the largest divisor whose step fits the GPU's free memory without gradient checkpointing; `N` must divide it and is used as written. Not part of the stage's identity.",
+    )
+    warmup_ratio: Annotated[Float, Field(ge=0, le=0.5)] = Field(
+        0.03, description="The share of steps spent warming up the learning rate, in [0, 0.5]."
+    )
+    weight_decay: Annotated[Float, Field(ge=0, le=1)] = Field(
+        0.0, description="The optimizer's (AdamW) weight decay, in [0, 1]."
+    )
+    scheduler: Literal["linear", "cosine", "constant", "constant_with_warmup"] = Field(
+        "linear",
+        description="The learning-rate schedule: `linear`, `cosine`, `constant` or `constant_with_warmup`.",
+    )
+    precision: Literal["auto", "bf16", "fp16", "fp32"] = Field(
+        "auto",
+        description="`auto` (bf16 on a GPU that has it, fp16 AMP on one that has not, fp32 on a CPU), `bf16`, `fp16` or `fp32`. What a device cannot do falls back with a warning; `summary.json` records what ran, and the eval loads the adapter in it.",
+    )
+    gradient_checkpointing: bool = Field(
+        False,
+        description="Keeps gradient checkpointing on (saves memory, costs about 30% speed) whatever `micro_batch` chooses; `micro_batch: auto` turns it on by itself only when nothing fits without it.",
+    )
+    eval_every_epochs: Annotated[Float, Field(gt=0)] | None = Field(
+        1,
+        description="How often, in epochs (> 0), the loss-only in-training eval runs on `data.eval`; `null`: never.",
+    )
+    early_stopping: EarlyStopping | None = Field(
+        None,
+        description="`{patience, threshold, metric}`: stop when the in-training eval loss stops improving. Needs `data.eval` and `eval_every_epochs`; refused on GRPO stages.",
+    )
+    save_every_steps: Annotated[Int, Field(ge=1)] = Field(
+        200,
+        description="Checkpoint interval in steps (≥ 1): where a resume after a time limit or preemption starts.",
+    )
+    logging_steps: Annotated[Int, Field(ge=1)] = Field(
+        10, description="Steps between rows of `metrics.jsonl` (≥ 1)."
+    )
+    seed: Annotated[Int, Field(ge=0, le=2**32 - 1)] = Field(
+        42, description="The training seed, 0 to 2^32 − 1; a sweep's `seeds` set it per replicate."
+    )  # what torch, numpy and random all accept
 
     @field_validator("learning_rate")
     @classmethod
@@ -554,22 +744,57 @@ class Resources(Section):
     # gpus > 1: one process (SLURM task) per GPU, data parallel (DDP); `gpus`, `cpus` and `mem_gb` are each
     # node's, `cpus` split evenly over a node's tasks. `nodes` > 1: the same on every node, one DDP run of
     # nodes x gpus ranks (slurm/cluster/rendezvous.py: where they meet).
-    gpus: Annotated[Int, Field(ge=0)] = 1
-    nodes: Annotated[Int, BeforeValidator(whole_nodes), Field(ge=1)] = 1
+    gpus: Annotated[Int, Field(ge=0)] = Field(
+        1,
+        description="GPUs per node (≥ 0; 0 runs on CPUs). N > 1 trains data parallel: one SLURM task and DDP rank per GPU, `cpus` split evenly over them. At most `cluster.yaml`'s `max_gpus_per_node`.",
+    )
+    nodes: Annotated[Int, BeforeValidator(whole_nodes), Field(ge=1)] = Field(
+        1,
+        description="Nodes of the job (≥ 1), each with the same `gpus`, `cpus` and `mem_gb`: one DDP run of nodes × `gpus` ranks. `min-max` (e.g. `1-2`) is elastic, read as `nodes: max` and `min_nodes: min`, keeping max nodes' global batch at every size. At most `cluster.yaml`'s `max_nodes`.",
+    )
     # `nodes: 1-2` (SLURM's --nodes=min-max): elastic, the job starts on what SLURM gives and may come back
     # on fewer nodes after a requeue; read as nodes 2 (what the global batch, GPU-hours and the budget count)
     # and min_nodes 1. Left out at None, so every fixed-size job keeps its spec.
-    min_nodes: Annotated[Int, Field(ge=1)] | None = Field(None, exclude_if=lambda value: value is None)
+    min_nodes: Annotated[Int, Field(ge=1)] | None = Field(
+        None,
+        exclude_if=lambda value: value is None,
+        description="An elastic job's fewest nodes, at most `nodes`; usually written through `nodes: min-max`. Unset: a fixed size.",
+    )
     # "auto": the plan sets it from the job's estimate (slurm/planning/estimate.py); every consumer sees a time.
-    time: SlurmTimeOrAuto = "04:00:00"
-    mem_gb: Annotated[Float, Field(gt=0)] = 32
-    cpus: Annotated[Int, Field(ge=1)] = 8
-    partition: SlurmNames | None = None
-    account: SlurmNames | None = None
-    qos: SlurmNames | None = None
-    constraint: SlurmConstraint | None = None
-    signal_delay_s: Annotated[Int, Field(ge=10)] = 120
-    max_requeues: Annotated[Int, Field(ge=0)] = 3
+    time: SlurmTimeOrAuto = Field(
+        "04:00:00",
+        description="The time limit: `HH:MM:SS` or `D-HH:MM:SS` (an unquoted `6:00:00` is read right), or `auto`: the job's estimate × 1.3 (× 4 for a guessed speed) + `signal_delay_s` + 5 minutes, rounded up to 5 minutes, at most `cluster.yaml`'s `max_time`. `auto` is refused with `hf:` data.",
+    )
+    mem_gb: Annotated[Float, Field(gt=0)] = Field(
+        32, description="Memory per node in GB (> 0); at most `cluster.yaml`'s `max_mem_gb_per_node`."
+    )
+    cpus: Annotated[Int, Field(ge=1)] = Field(
+        8,
+        description="CPUs per node (≥ 1), split evenly over its tasks; at most `cluster.yaml`'s `max_cpus_per_node`.",
+    )
+    partition: SlurmNames | None = Field(
+        None,
+        description="The SLURM partition; unset, `cluster.yaml`'s. Letters, digits, `_`, `-` and `.`, with `,` between several.",
+    )
+    account: SlurmNames | None = Field(
+        None,
+        description="The SLURM account; unset, `cluster.yaml`'s. Letters, digits, `_`, `-` and `.`, with `,` between several.",
+    )
+    qos: SlurmNames | None = Field(
+        None,
+        description="The SLURM QOS; unset, `cluster.yaml`'s. Letters, digits, `_`, `-` and `.`, with `,` between several.",
+    )
+    constraint: SlurmConstraint | None = Field(
+        None,
+        description="The SLURM `--constraint`: features joined by `&`, `|` or `,`, grouped with `[ ]` or `( )`, counted with `*N` (e.g. `a100&ib`); no spaces, quotes or shell characters.",
+    )
+    signal_delay_s: Annotated[Int, Field(ge=10)] = Field(
+        120,
+        description="Seconds before the limit SLURM sends USR2 (≥ 10): the job checkpoints, requeues and resumes. `signal_delay_s` + 30 must stay below a written `time` (SLURM may signal up to 30 s early).",
+    )
+    max_requeues: Annotated[Int, Field(ge=0)] = Field(
+        3, description="Time-limit requeues (≥ 0) before the job is left failed."
+    )
     mail: list[MailType] = Field(default_factory=list, description="sbatch --mail-type, e.g. [END, FAIL]")
 
     @model_validator(mode="before")
@@ -656,11 +881,24 @@ class EvalResources(Resources):
     `auto` (the plan sets it from the eval's estimate), or EVAL_TIME_WITHOUT_ESTIMATE for an `hf:` dataset.
     """
 
-    gpus: Annotated[Int, Field(ge=0)] | None = None
-    time: SlurmTimeOrAuto | None = None
-    mem_gb: Annotated[Float, Field(gt=0)] | None = None
-    cpus: Annotated[Int, Field(ge=1)] | None = None
-    mail: list[MailType] | None = None
+    gpus: Annotated[Int, Field(ge=0)] | None = Field(
+        None,
+        description="The eval job's GPUs: 0 or 1 (generation runs as one process). Unset: 1, or 0 when `resources.gpus` is 0.",
+    )
+    time: SlurmTimeOrAuto | None = Field(
+        None,
+        description="The eval job's limit: `HH:MM:SS`, `D-HH:MM:SS` or `auto` (the eval's estimate × 1.3 + `signal_delay_s` + 5 minutes; at least an hour while its speed is a guess). Unset: `auto`, or `01:00:00` when the scored data is `hf:`, where `auto` is refused.",
+    )
+    mem_gb: Annotated[Float, Field(gt=0)] | None = Field(
+        None, description="The eval job's memory per node in GB (> 0); unset, the training job's."
+    )
+    cpus: Annotated[Int, Field(ge=1)] | None = Field(
+        None, description="The eval job's CPUs (≥ 1); unset, the training job's."
+    )
+    mail: list[MailType] | None = Field(
+        None,
+        description="The eval job's sbatch `--mail-type`s; unset, the training job's, and `[]` silences them.",
+    )
 
     @model_validator(mode="after")
     def _signal_inside_the_limit(self):
@@ -688,21 +926,38 @@ class GenerationSpec(Section):
     the base model's generation_config.json says (a Qwen Instruct model's repetition_penalty 1.05, its
     sampling, top_k, ...) is overridden: it would change the predictions (eval/generate.py)."""
 
-    repetition_penalty: Annotated[Float, Field(gt=0)] = 1.0
-    no_repeat_ngram_size: Annotated[Int, Field(ge=0)] = 0
+    repetition_penalty: Annotated[Float, Field(gt=0)] = Field(
+        1.0,
+        description="> 0: 1.0 is none; above 1 discourages tokens already in the output (and, for causal models, the prompt).",
+    )
+    no_repeat_ngram_size: Annotated[Int, Field(ge=0)] = Field(
+        0, description="Above 0, never repeat an n-gram of this size; 0 is none."
+    )
     length_penalty: Float = Field(1.0, description="beam search only: above 1 favours longer outputs")
 
 
 class EvalSpec(Section):
-    metrics: list[Metric] = Field(default_factory=lambda: list(DEFAULT_METRICS))
-    num_beams: Annotated[Int, Field(ge=1, le=16)] = 1
-    max_new_tokens: Annotated[Int, Field(ge=1)] = 128
-    batch_size: Annotated[Int, Field(ge=1)] = 16
+    metrics: list[Metric] = Field(
+        default_factory=lambda: list(DEFAULT_METRICS),
+        description="What the eval job scores: any of `rouge`, `rouge_l`, `bleu`, `exact_match`, `sql_exec` (needs `db`) and `bertscore` (needs `bertscore_model`); `[]` runs no eval job.",
+    )
+    num_beams: Annotated[Int, Field(ge=1, le=16)] = Field(
+        1, description="1 decodes greedily, more (up to 16) by beam search; never sampled."
+    )
+    max_new_tokens: Annotated[Int, Field(ge=1)] = Field(
+        128, description="The most tokens generated per prediction (≥ 1)."
+    )
+    batch_size: Annotated[Int, Field(ge=1)] = Field(
+        16, description="Examples generated per batch in the eval job (≥ 1)."
+    )
     db: str | None = Field(
         None,
         description="SQLite file the sql_exec metric runs queries against (read-only)",
     )
-    sql_timeout_s: Annotated[Float, Field(gt=0)] = SQL_TIMEOUT_S
+    sql_timeout_s: Annotated[Float, Field(gt=0)] = Field(
+        SQL_TIMEOUT_S,
+        description="`sql_exec`'s limit per query in seconds, fetching its rows included (> 0); `python -m eval score --sql-timeout-s` has the same default.",
+    )
     # Left out of the spec (and so of its hash) at their defaults, as `split` below: evals finished before
     # these keys existed are not run again.
     bertscore_model: str | None = Field(
@@ -715,14 +970,24 @@ class EvalSpec(Section):
         description="rescale bertscore with bert-score's baseline for the model (hub ids it ships one for)",
         exclude_if=lambda rescale: rescale is False,
     )
-    after_each_stage: bool = False
+    after_each_stage: bool = Field(
+        False, description="Also evaluates every intermediate stage, each a report row `EXP @ STAGE`."
+    )
     # The base model scored without an adapter on the same prompts, one shared job per base + eval data +
     # settings (slurm/planning/plan.py): the report's "base (no adapter)" row. Not the eval's identity.
-    baseline: bool = Field(False, exclude=True)
+    baseline: bool = Field(
+        False,
+        exclude=True,
+        description="Also scores the base model without an adapter on the same prompts, metrics, generation settings and split: the report's `base (no adapter)` row and Δ columns. One shared job per base model + eval data + settings; not part of the identity. `true` in `base.yaml`; none with `model.added_tokens`.",
+    )
     # On SLURM, a sweep's evals that load the same base with the same data and settings are one job that
     # loads it once and scores each adapter in turn (slurm/planning/shared_evals.py); false: a job each.
     # How it runs, not what it computes: not in the eval's identity.
-    shared: bool = Field(True, exclude=True)
+    shared: bool = Field(
+        True,
+        exclude=True,
+        description="On SLURM, a sweep's evals that load the same base model the same way, on the same examples and settings, run as one job scoring each adapter in turn after every training ended; `false`: a job each. Not part of the eval's identity.",
+    )
     split: Literal[SPLITS] = Field(
         "eval",
         description="the data scored: data.eval, or `train` to knowingly score on the training data",
@@ -735,16 +1000,25 @@ class EvalSpec(Section):
         # Left out of the spec (and so of its hash) at its default, as `split`: evals finished before this
         # key existed are not run again.
         exclude_if=lambda generation: generation == GenerationSpec(),
+        description="The decoding settings besides `num_beams` and `max_new_tokens`; the base model's `generation_config.json` settings are overridden (only its bos, eos, pad and decoder-start ids are kept). At its defaults, not part of the eval's hash.",
     )
     # Scheduler business, not the job's identity: changing it does not make a finished eval run again.
-    resources: EvalResources = Field(default_factory=EvalResources, exclude=True)
+    resources: EvalResources = Field(
+        default_factory=EvalResources,
+        exclude=True,
+        description="The eval job's own allocation (the keys of `resources`); what it leaves out is the training job's. Not part of the eval's identity.",
+    )
     limit: Annotated[Int, Field(ge=1)] | None = Field(
         None, description="score only the first N eval examples"
     )
     # A conversation of several exchanges: score its last assistant turn only (the prompt is everything
     # before it), or every assistant turn, each given the conversation before it as written (`all`). Left
     # out of the spec (and so of its hash) at its default, as `split`.
-    turns: Literal["last", "all"] = Field("last", exclude_if=lambda turns: turns == "last")
+    turns: Literal["last", "all"] = Field(
+        "last",
+        exclude_if=lambda turns: turns == "last",
+        description="Conversations (`messages`, `sharegpt`): `last` scores each conversation's last assistant turn, given everything before it; `all` scores every assistant turn, each given the conversation before it. `all` is refused for other formats and for `image-text`.",
+    )
 
     @model_validator(mode="after")
     def _metrics_have_their_inputs(self):
@@ -757,9 +1031,17 @@ class EvalSpec(Section):
 class StageSpec(Section):
     """One training stage as written in YAML: a name plus changes to `data` and `train`."""
 
-    name: str
-    data: dict = Field(default_factory=dict)
-    train: dict = Field(default_factory=dict)
+    name: str = Field(
+        description="The stage's name, unique in the experiment: letters, digits, `-`, `_`, `.` (starting with a letter or digit, at most 64), and none the run folders reserve (e.g. `eval`, `export`, `eval-…`, `export-…`, `…-calibrate`). The job is `EXP/NAME`."
+    )
+    data: dict = Field(
+        default_factory=dict,
+        description="The stage's changes to the experiment's `data`, merged key by key over it. It does not inherit the experiment's keys its `format` does not read, nor `data.train`/`data.eval` when its `format` differs from the experiment's.",
+    )
+    train: dict = Field(
+        default_factory=dict,
+        description="The stage's changes to the experiment's `train`, merged key by key over it; the experiment's `train.dpo` and `train.grpo` reach only stages of that `method`.",
+    )
 
     @field_validator("name")
     @classmethod
@@ -772,23 +1054,38 @@ Tracker = Literal["tensorboard", "wandb"]
 
 
 class Experiment(Section):
-    name: str
-    description: str = ""
+    name: str = Field(
+        description="Letters, digits, `-`, `_`, `.` (starting with a letter or digit, at most 64 characters); it becomes `runs/NAME/` and the SLURM job name `NAME/STAGE`. Names the run and log folders use themselves (`report.md`, `packs`, …) are refused."
+    )
+    description: str = Field("", description="Free text, shown in the report.")
     task: str | None = Field(
         None,
         description="what the experiment is measured on (e.g. squad-qg); the report puts published baselines "
         "of the same task beside it, and only those",
     )
-    model: ModelSpec
-    adapter: AdapterSpec = AdapterSpec()
-    data: DataSpec
-    train: TrainSpec = TrainSpec()
-    eval: EvalSpec = EvalSpec()
-    resources: Resources = Resources()
+    model: ModelSpec = Field(description="The base model (`model:` section).")
+    adapter: AdapterSpec = Field(AdapterSpec(), description="The LoRA or QLoRA adapter (`adapter:` section).")
+    data: DataSpec = Field(
+        description="The data and how examples become tokens (`data:` section); each stage merges its own `data` over it."
+    )
+    train: TrainSpec = Field(
+        TrainSpec(),
+        description="How each stage trains (`train:` section); each stage merges its own `train` over it.",
+    )
+    eval: EvalSpec = Field(
+        EvalSpec(),
+        description="The eval job: metrics, decoding, the split scored and its own resources (`eval:` section).",
+    )
+    resources: Resources = Field(
+        Resources(), description="Each training job's SLURM allocation (`resources:` section)."
+    )
     tracking: list[Tracker] = Field(
         default_factory=lambda: ["tensorboard"], description="tensorboard (RUN_DIR/tb), wandb (opt-in)"
     )
-    stages: list[StageSpec] = Field(default_factory=lambda: [StageSpec(name="train")])
+    stages: list[StageSpec] = Field(
+        default_factory=lambda: [StageSpec(name="train")],
+        description="Training stages in order, each `{name, data, train}`; stage N+1 starts from stage N's adapter (`afterok`). Left out: one stage named `train`. Not empty; names are unique.",
+    )
     after: list[str] = Field(
         default_factory=list,
         description="experiments that must end first (ordering only)",
@@ -875,10 +1172,19 @@ class PruneSpec(Section):
     recorded at that rung so far, once there are `min_points` of them. The experiment-level checks (eval
     data, eval_every_epochs, rungs below epochs, one stage) are slurm/planning/sweeps.py check_prune's."""
 
-    rungs: list[Annotated[Float, Field(gt=0)]]
-    keep: Annotated[Float, Field(gt=0, lt=1)]
-    min_points: Annotated[Int, Field(ge=1)] = 3
-    eval_pruned: bool = True  # a pruned run's best checkpoint is still evaluated
+    rungs: list[Annotated[Float, Field(gt=0)]] = Field(
+        description="Epochs at which each run is judged on its in-training `eval_loss`: above 0, strictly rising, multiples of `train.eval_every_epochs` and below `train.epochs`. Required."
+    )
+    keep: Annotated[Float, Field(gt=0, lt=1)] = Field(
+        description="In (0, 1): a run stops at a rung when its loss is above this quantile (linear interpolation) of every loss recorded there so far, its own included. Required."
+    )
+    min_points: Annotated[Int, Field(ge=1)] = Field(
+        3, description="With fewer losses than this (≥ 1) recorded at a rung, every run goes on."
+    )
+    eval_pruned: bool = Field(
+        True,
+        description="Whether a pruned run's best checkpoint is still evaluated. Not part of the run's identity.",
+    )  # a pruned run's best checkpoint is still evaluated
 
     @field_validator("rungs")
     @classmethod

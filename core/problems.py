@@ -32,6 +32,18 @@ class ConfigError(Exception):
         super().__init__("\n".join(str(p) for p in self.problems))
 
 
+class LaunchError(Exception):
+    """A launch stopped midway; the message says what it left queued or running. Exit code 1."""
+
+    exit_code = 1
+
+
+class Interrupted(LaunchError):
+    """Ctrl-C during a launch; the message says what it left queued and what it stopped."""
+
+    exit_code = 130
+
+
 def short_path(path: str) -> str:
     """Paths under the current folder are shown relative to it, as the user typed them."""
     try:

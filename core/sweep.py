@@ -268,8 +268,12 @@ ZipGroup = Annotated[
 class SweepSelect(Section):
     """Which score picks the best point in the report, and whether a lower or a higher one is better."""
 
-    metric: str
-    mode: Literal["min", "max"]
+    metric: str = Field(
+        description="The score that picks the best point, judged on the eval split: `eval_loss` (the in-training eval's best loss) or a score that `eval.metrics` compute (e.g. `rouge_l`, `sql_exec_accuracy`, `bertscore`); preference pairs add `preference_accuracy` and `preference_margin`."
+    )
+    mode: Literal["min", "max"] = Field(
+        description="`min` or `max`: whether a lower or a higher `metric` is better."
+    )
 
     @field_validator("metric")
     @classmethod
@@ -282,19 +286,43 @@ class SweepSelect(Section):
 class SweepSpec(Section):
     """The `sweep:` block as written; the module's docstring says what each key does."""
 
-    grid: dict[SweptKey, Annotated[list, PlainValidator(grid_values)]] = Field(default_factory=dict)
-    zip: list[ZipGroup] = Field(default_factory=list)
-    random: dict[SweptKey, Annotated[Distribution, PlainValidator(distribution)]] = Field(
-        default_factory=dict
+    grid: dict[SweptKey, Annotated[list, PlainValidator(grid_values)]] = Field(
+        default_factory=dict,
+        description="Dotted key → non-empty list of values; the points are the product of all lists, first key slowest. Keys are the experiment's (`train.learning_rate`), not `name`, `sweep` or list items; a value is listed once and a key swept in one place only.",
     )
-    samples: Annotated[Int, Field(ge=1)] = 0  # 0: no random, no draws
-    seed: Int = 0
-    seeds: Annotated[tuple[int, ...], PlainValidator(distinct_seeds)] = ()
-    select: SweepSelect | None = None
-    prune: PruneSpec | None = None
+    zip: list[ZipGroup] = Field(
+        default_factory=list,
+        description="Groups of dotted key → list that change together: a group's lists have one length and give its rows in order; the groups multiply with `grid` and `random`.",
+    )
+    random: dict[SweptKey, Annotated[Distribution, PlainValidator(distribution)]] = Field(
+        default_factory=dict,
+        description="Dotted key → one distribution, drawn `samples` times: `uniform: [lo, hi]`, `loguniform: [lo, hi]` (lo > 0), `int: [lo, hi]` (both included) or `choice: [...]`. Drawn floats are rounded to 3 significant digits. Needs `samples`.",
+    )
+    samples: Annotated[Int, Field(ge=1)] = Field(
+        0, description="How many draws `random` makes (≥ 1); required with `random` and refused without it."
+    )  # 0: no random, no draws
+    seed: Int = Field(
+        0,
+        description="The seed of `random`'s draws: the same file always gives the same points. Only with `random`; training seeds go in `seeds`.",
+    )
+    seeds: Annotated[tuple[int, ...], PlainValidator(distinct_seeds)] = Field(
+        (),
+        description="Training seeds (distinct whole numbers): every point is trained once per seed, into `train.seed`. A sweep makes at most 1000 runs (points × seeds).",
+    )
+    select: SweepSelect | None = Field(
+        None,
+        description="`{metric, mode}`: the score by which the report marks the best point, and whether lower or higher wins.",
+    )
+    prune: PruneSpec | None = Field(
+        None,
+        description="Stops losing runs early (asynchronous successive halving) on their in-training `eval_loss`. Needs `data.eval`, `train.eval_every_epochs`, one stage, no `train.max_steps` and no GRPO stage.",
+    )
     # On SLURM: at most this many of the points' jobs of one array run at once (sbatch --array=...%K);
     # None: as many as the cluster's GPU cap lets this user hold.
-    parallel: Annotated[Int, Field(ge=1)] | None = None
+    parallel: Annotated[Int, Field(ge=1)] | None = Field(
+        None,
+        description="On SLURM, at most this many of the points' array tasks run at once (≥ 1); unset, as many as the QOS GPU cap lets this user hold, else all.",
+    )
 
     @field_validator("grid", "zip", "random")
     @classmethod

@@ -50,7 +50,7 @@ from eval.report_tables import (
 
 
 class BaselinesError(ValueError):
-    """baselines.yaml is not as documented (configs/README.md)."""
+    """baselines.yaml is not as documented (docs/configuring.md)."""
 
     def __init__(self, message: str, path: Path):
         super().__init__(message)

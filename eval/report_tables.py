@@ -57,7 +57,7 @@ def description_lines(
     names: list[str], descriptions: dict[str, str], sweeps: dict[str, SweepMember]
 ) -> list[str]:
     """`- **NAME**: its description` for each experiment of a table that has one (a sweep's once, by its
-    name): what configs/README.md promises `description:` is for."""
+    name): what docs/configuring.md promises `description:` is for."""
     shown: dict[str, str] = {}
     for name in names:
         text = " ".join(str(descriptions.get(name) or "").split())

@@ -8,11 +8,10 @@ import errno
 from pathlib import Path
 
 from core.files import NotARegularFile, forget_warnings, links_below
-from core.problems import ConfigError, Problem
+from core.problems import ConfigError, LaunchError, Problem
 from slurm.cluster.profile import load_profile
 from slurm.commands import cancel, export, launch, report, sync, watch
 from slurm.planning.request import LaunchRequest, action_of, nothing_done, request_from
-from slurm.queueing.submit import LaunchError
 from slurm.watching.render import err, error, warning
 
 # What a read-only, full or hand-altered run folder raises where a command writes (the report, the launch

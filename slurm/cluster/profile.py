@@ -48,9 +48,18 @@ def mail_address(value: str) -> str:
 class ClusterProfile(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)  # as every config section
 
-    partition: SlurmNames | None = None
-    account: SlurmNames | None = None
-    qos: SlurmNames | None = None
+    partition: SlurmNames | None = Field(
+        None,
+        description="The default SLURM partition of every job (`null`: the cluster's default); an experiment's `resources.partition` wins. Letters, digits, `_`, `-` and `.`, with `,` between several.",
+    )
+    account: SlurmNames | None = Field(
+        None,
+        description="The default SLURM account of every job; an experiment's `resources.account` wins. Letters, digits, `_`, `-` and `.`, with `,` between several.",
+    )
+    qos: SlurmNames | None = Field(
+        None,
+        description="The default SLURM QOS of every job; an experiment's `resources.qos` wins. Letters, digits, `_`, `-` and `.`, with `,` between several.",
+    )
     setup: list[Annotated[str, AfterValidator(no_literal_secret)]] = Field(
         default_factory=list, description="shell lines run before each job"
     )
@@ -60,16 +69,33 @@ class ClusterProfile(BaseModel):
         "this machine's Hugging Face cache, which the nodes share; SLURM jobs run with HF_HUB_OFFLINE=1 and "
         "HF_DATASETS_OFFLINE=1) or 'nodes' (each job downloads at its start; preflight only warns)",
     )
-    run_dir: str = "runs"
-    log_dir: Annotated[str, AfterValidator(one_line)] = "logs"
-    max_gpus_per_node: Annotated[Int, Field(ge=0)] = 8
+    run_dir: str = Field(
+        "runs",
+        description="Where run folders go, relative to where `launch.py` runs. Kept as written: it is part of each stage's identity.",
+    )
+    log_dir: Annotated[str, AfterValidator(one_line)] = Field(
+        "logs",
+        description="Where job logs go, relative to where `launch.py` runs (made absolute when read); named in every job's `#SBATCH --output` line, so no newlines or control characters.",
+    )
+    max_gpus_per_node: Annotated[Int, Field(ge=0)] = Field(
+        8,
+        description="GPUs of one node (≥ 0): `resources.gpus` or `eval.resources.gpus` above it is refused before anything is queued.",
+    )
     max_nodes: Annotated[Int, Field(ge=1)] | None = Field(
         None,
         description="nodes one job may span (resources.nodes); unset: the partition's count, read at launch",
     )
-    max_cpus_per_node: Annotated[Int, Field(ge=1)] = 64
-    max_mem_gb_per_node: Annotated[Float, Field(gt=0)] = 512
-    local_parallel_jobs: Annotated[Int, Field(ge=1)] = 1
+    max_cpus_per_node: Annotated[Int, Field(ge=1)] = Field(
+        64,
+        description="CPUs of one node (≥ 1): `resources.cpus` or `eval.resources.cpus` above it is refused.",
+    )
+    max_mem_gb_per_node: Annotated[Float, Field(gt=0)] = Field(
+        512,
+        description="Memory of one node in GB (> 0): `resources.mem_gb` or `eval.resources.mem_gb` above it is refused.",
+    )
+    local_parallel_jobs: Annotated[Int, Field(ge=1)] = Field(
+        1, description="Jobs run at once with `--backend local` (≥ 1)."
+    )
     mail_user: Annotated[str, AfterValidator(mail_address)] | None = Field(
         None, description="sbatch --mail-user for jobs whose resources.mail asks for mail"
     )
@@ -100,7 +126,10 @@ class ClusterProfile(BaseModel):
     )
 
     # The longest limit `resources.time: auto` may ask for: set it to the partition's MaxTime.
-    max_time: SlurmTime = "2-00:00:00"
+    max_time: SlurmTime = Field(
+        "2-00:00:00",
+        description="The longest limit `time: auto` asks for (also what a job without an estimate gets), `HH:MM:SS` or `D-HH:MM:SS`: set it to the partition's `MaxTime`. `budget` defaults to it.",
+    )
 
     @property
     def max_time_s(self) -> int:

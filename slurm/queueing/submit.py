@@ -22,7 +22,7 @@ from rich.live import Live
 
 from core.config import Resources
 from core.job_records import current_job, forget_intent, mark_cancelled, record_intent, record_job
-from core.problems import ConfigError
+from core.problems import ConfigError, Interrupted, LaunchError
 from core.rundir import RunRoot, record_origin, write_spec
 from core.states import NEVER_STARTS_MARK, State
 from slurm.planning.arrays import JobArray, slurm_submissions
@@ -61,18 +61,6 @@ class Submitted:
     shown: dict[str, str]
     said: tuple[str, ...] = ()
     code: int = 0
-
-
-class LaunchError(Exception):
-    """A launch stopped midway; the message says what it left queued or running. Exit code 1."""
-
-    exit_code = 1
-
-
-class Interrupted(LaunchError):
-    """Ctrl-C during a launch; the message says what it left queued and what it stopped."""
-
-    exit_code = 130
 
 
 def submit(
