@@ -7,7 +7,7 @@ PY      := .venv/bin/python
 STATE   ?= /tmp/slurm-lora-dev
 TORCH   ?= torch==2.13.0
 
-.PHONY: demo test test-fast venv cluster cluster-down lint
+.PHONY: demo test test-fast venv cluster cluster-down lint docs docs-serve
 
 venv: .venv/.installed
 .venv/.installed: pyproject.toml
@@ -40,6 +40,13 @@ test: venv models/.built cluster
 # (`slow` marks the rest: end-to-end runs, DDP, resumes, anything over 1 s in --durations=0; make test runs them).
 test-fast: venv models/.built
 	$(PY) -m pytest -q -n 2 -m "not cluster and not slow" -p no:cacheprovider
+
+# The docs site (mkdocs.yml): built strictly into site/, or served with live reload at http://127.0.0.1:8000.
+docs: venv
+	$(PY) -m mkdocs build --strict -q
+
+docs-serve: venv
+	$(PY) -m mkdocs serve
 
 lint: venv
 	$(PY) -m ruff check . && $(PY) -m ruff format --check .

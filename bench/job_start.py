@@ -13,7 +13,7 @@ Figures, each in fresh processes, as a job or a user pays them:
 - launch: `launch.py --exp sql-t5-lora --config-dir configs/demo --backend local --wait` on 32 training rows,
   1 epoch, 4 eval prompts: the launcher and every process under it (its jobs, their submitit controllers),
   with a cold cache (the first launch: preflight and tokenization) and a warm one (a relaunch). Target <= 13 s.
-Measure on a quiet machine (README "Tests": load < 0.5 at the start). The demo's tiny models must be built
+Measure on a quiet machine (docs/testing.md: load < 0.5 at the start). The demo's tiny models must be built
 (`python -m demo.tiny models`) in each checkout.
 """
 

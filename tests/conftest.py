@@ -125,7 +125,7 @@ def repository_left_alone():
     assert not written, f"tests wrote into the repository: {written[:10]}"
 
 
-# The whole suite's budget on CI's quiet 2-core machine (README "Tests": what each feature may add to it and
+# The whole suite's budget on CI's quiet 2-core machine (docs/testing.md: what each feature may add to it and
 # how a change measures its share). Printed against the wall time at the end of every run of `make test`.
 SUITE_BUDGET_MIN = 33
 _STARTED = time.monotonic()

@@ -1,6 +1,6 @@
-"""Docstrings and README's "How it works" name code as `path/module.py name` or `package.module.name`; a rename
+"""Docstrings and docs/how-it-works.md name code as `path/module.py name` or `package.module.name`; a rename
 or a move leaves such a reference pointing at nothing (core/split.py once named `train/device.py split_for_job`,
-which never existed). This reads the product's docstrings and that README section and resolves every reference
+which never existed). This reads the product's docstrings and that page and resolves every reference
 against the source with `ast` (nothing is imported: the trainer's modules need torch)."""
 
 from __future__ import annotations
@@ -83,10 +83,7 @@ def _docstrings(path: Path):
 
 
 def _how_it_works() -> str:
-    readme = (ROOT / "README.md").read_text()
-    start = readme.index("## How it works")
-    end = readme.find("\n## ", start + 1)
-    return readme[start : end if end > 0 else None]
+    return (ROOT / "docs" / "how-it-works.md").read_text()
 
 
 def _broken(text: str) -> list[str]:
@@ -112,7 +109,7 @@ def test_no_docstring_names_a_function_or_file_that_does_not_exist():
 
 def test_readme_how_it_works_names_only_code_that_exists():
     broken = _broken(_how_it_works())
-    assert not broken, "README 'How it works' references that do not resolve:\n" + "\n".join(broken)
+    assert not broken, "docs/how-it-works.md references that do not resolve:\n" + "\n".join(broken)
 
 
 def test_reference_checker_catches_a_renamed_function():

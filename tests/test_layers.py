@@ -1,4 +1,4 @@
-"""The floors (README "How it works"): core/ is the ground floor and imports nothing of the project; the
+"""The floors (docs/how-it-works.md): core/ is the ground floor and imports nothing of the project; the
 trainer (train/) and eval (eval/) never import the scheduler layer (slurm/); no module imports itself back
 through others. Read from the source (every import, a function's own included), not from what one run
 happens to import."""
@@ -97,7 +97,7 @@ def test_each_floor_imports_only_the_floors_below_it_and_the_named_crossings():
     assert wrong == []
 
 
-# The wings of slurm/, lowest first (README "How it works"): a wing imports core/ and the wings below it,
+# The wings of slurm/, lowest first (docs/how-it-works.md): a wing imports core/ and the wings below it,
 # the commands import any wing, the door (slurm/cli.py) anything of slurm/.
 WINGS = ("slurm.cluster", "slurm.planning", "slurm.watching", "slurm.queueing", "slurm.commands", "slurm.cli")
 

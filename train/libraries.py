@@ -1,6 +1,6 @@
 """Which optional libraries a job's process may load, decided from its spec before anything imports them.
 
-A job imports what its stage uses (README "How it works": a job imports what its stage uses). Two libraries would load whether used
+A job imports what its stage uses (docs/how-it-works.md: a job imports what its stage uses). Two libraries would load whether used
 or not, so they are hidden from the jobs that do not use them:
 - bitsandbytes: peft imports it whenever it is installed (peft/import_utils.py `is_bnb_available` is a
   `find_spec`, and peft.helpers then imports it), and bitsandbytes imports torch's inductor and dynamo
