@@ -31,7 +31,6 @@ def test_watching_goes_on_when_another_yaml_is_broken(repo_root, tmp_path, monke
         "--status": (0, "fine/train"),
         "--tail": (1, "fine/train has not been submitted"),
         "--cancel": (0, "Cancelled 0 job(s)"),
-        "--report": (0, "wrote"),
     }
     for action, (code, printed) in expected.items():
         capsys.readouterr()
@@ -41,6 +40,19 @@ def test_watching_goes_on_when_another_yaml_is_broken(repo_root, tmp_path, monke
         assert re.search(r"warning: \S*broken\.yaml:3", err), (action, err)
         assert printed in out, (action, out)
     assert launch.main(["--all", "--config-dir", str(folder), "--dry-run"]) == 2  # submitting still refuses
+
+
+def test_report_on_a_run_root_that_holds_no_run_says_so_and_writes_nothing(tmp_path, monkeypatch, capsys):
+    """Before: an empty runs/report.md and exit 0, when the runs were in another folder's run root (a
+    named --config-dir reports its experiments, run or not: not this case)."""
+    monkeypatch.chdir(tmp_path)
+    folder = tmp_path / "configs" / "experiments"  # the default folder, its cluster.yaml's run root
+    folder.mkdir(parents=True)
+    write_cluster_yaml(folder, tmp_path)
+    assert launch.main(["--report"]) == 1
+    said = " ".join(capsys.readouterr().err.split())
+    assert f"nothing to report: the run root {tmp_path / 'runs'}/ holds no run" in said
+    assert not (tmp_path / "runs" / "report.md").exists()
 
 
 @pytest.mark.slow
