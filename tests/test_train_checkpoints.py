@@ -124,3 +124,14 @@ def test_a_stop_on_an_eval_step_saves_before_it_evaluates_and_resumes_as_if_neve
     ]
     assert [s for s, _ in evals] == [s for s, _ in expected] == [6, 12]
     assert [loss for _, loss in evals] == pytest.approx([loss for _, loss in expected], abs=1e-6)
+    # summary.json says which checkpoint adapter/ is (the best eval's, not always the last step's) and
+    # final_train_loss is the last logged step's (before: the run's mean under that name).
+    summary = json.loads((straight / "summary.json").read_text())
+    best_step = min(expected, key=lambda row: row[1])[0]
+    assert summary["adapter_from"]["step"] == best_step and summary["adapter_from"]["of_steps"] == 12
+    assert "best eval_loss" in summary["adapter_from"]["why"]
+    best = load_file(str(straight / "checkpoints" / f"checkpoint-{best_step}" / "adapter_model.safetensors"))
+    assert all((weight - adapters[0][name]).abs().max().item() == 0 for name, weight in best.items())
+    losses = [r["loss"] for r in read_jsonl(straight / "metrics.jsonl") if "loss" in r]
+    assert summary["final_train_loss"] == pytest.approx(losses[-1], abs=1e-6)
+    assert summary["mean_train_loss"] != summary["final_train_loss"]

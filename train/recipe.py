@@ -667,6 +667,8 @@ class StageRecipe:
         if distributed.is_main():
             distributed.doing("writing the adapter and summary.json")
             self.write_adapter()
+            origin = self.adapter_origin()
+            log.info("adapter/ holds step %s of %s: %s", origin["step"], origin["of_steps"], origin["why"])
             self.write_summary(devices)
             self.write_speed()
         # No rank reports "completed" before the adapter is there; a rank 0 slow to write it is no failure.
@@ -712,7 +714,10 @@ class StageRecipe:
             "global_step": state.global_step,
             "epochs_done": round(state.epoch or 0, 4),
             "best_eval_loss": min(eval_losses) if eval_losses else None,
-            "final_train_loss": self.train_metrics.get("train_loss"),
+            # the last logged step's loss; the run's mean is another figure (before: the mean, so named)
+            "final_train_loss": next((r["loss"] for r in reversed(state.log_history) if "loss" in r), None),
+            "mean_train_loss": self.train_metrics.get("train_loss"),
+            "adapter_from": self.adapter_origin(),
             **self.data_summary(),
             "device": self.placement.device,
             "device_name": self.placement.device_name,
@@ -730,6 +735,23 @@ class StageRecipe:
             **self.method_summary(),
         }
         write_json_atomic(RunDir(self.run_dir).summary, summary, indent=1, root=RunDir(self.run_dir).run_root)
+
+    def adapter_origin(self) -> dict:
+        """Which weights adapter/ holds: the best checkpoint by the eval (load_best_model_at_end), which the
+        next stage starts from, or the last step's (before: said nowhere, and read as "the final adapter")."""
+        state, args = self.trainer.state, self.trainer.args
+        if args.load_best_model_at_end and state.best_model_checkpoint:
+            step = int(Path(state.best_model_checkpoint).name.rsplit("-", 1)[-1])
+            epoch = next((r.get("epoch") for r in state.log_history if r.get("step") == step), None)
+            metric = args.metric_for_best_model
+            why = f"the best {metric} ({state.best_metric:.6g}) of the evals, not the last step's"
+            return {"step": step, "epoch": epoch, "of_steps": state.global_step, "why": why}
+        return {
+            "step": state.global_step,
+            "epoch": state.epoch,
+            "of_steps": state.global_step,
+            "why": "the last step",
+        }
 
     def data_summary(self) -> dict:
         """summary.json's figures of the training data as it was trained: sizes, lengths, what was cut."""
