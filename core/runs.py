@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from core.states import State
+from core.sweep import SweepMember
 
 
 @dataclass(frozen=True)
@@ -62,3 +63,23 @@ class BaseEval:
     out_dir: str  # where its results.json is
     model: str  # the base model (name_or_path), for the row's label
     left_out: str | None = None  # why this experiment has no base row; then job_id/out_dir are ""
+
+
+@dataclass(frozen=True)
+class ReportInput:
+    """Everything one report is made of (eval/report.py write_report), in one value. `jobs`: the run root's,
+    in plan order; `baselines`: the baselines.yaml file(s) found; `tasks`: experiment → its `task:`
+    (None: not set); `gpu_hour_cost`: cluster.yaml's, for a cost per experiment and in total; `usage`: what
+    the packs held, and which jobs sacct knew nothing of; `sweeps`: experiment → the sweep point it is
+    (absent: not a point); `base_evals`: experiment → its base-model eval
+    (absent: none, no delta); `descriptions`: experiment → its `description:`."""
+
+    jobs: list[JobRun]
+    run_root: Path
+    baselines: Path | list[Path] | None = None
+    tasks: dict[str, str | None] = field(default_factory=dict)
+    gpu_hour_cost: float | None = None
+    usage: PlanUsage | None = None
+    sweeps: dict[str, SweepMember] = field(default_factory=dict)
+    base_evals: dict[str, BaseEval] = field(default_factory=dict)
+    descriptions: dict[str, str] = field(default_factory=dict)

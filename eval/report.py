@@ -34,8 +34,7 @@ import yaml
 
 from core.files import write_atomic
 from core.rundir import RunRoot
-from core.runs import BaseEval, JobRun, PlanUsage
-from core.sweep import SweepMember
+from core.runs import JobRun, ReportInput
 from eval.report_plots import plot_losses
 from eval.report_rows import JOB_COLUMNS, present_columns, scored_rows, tasks_of, with_deltas
 from eval.report_sweeps import sweep_points, sweep_section
@@ -77,28 +76,21 @@ def baseline_sets(path: Path | None) -> dict[str, tuple[list[dict], str]]:
     return found
 
 
-def write_report(
-    jobs: list[JobRun],
-    run_root: Path,
-    baselines: Path | list[Path] | None = None,
-    tasks: dict[str, str | None] | None = None,
-    gpu_hour_cost: float | None = None,
-    usage: PlanUsage | None = None,
-    sweeps: dict[str, SweepMember] | None = None,
-    base_evals: dict[str, BaseEval] | None = None,
-    descriptions: dict[str, str] | None = None,
-) -> list[Path]:
+def write_report(report: ReportInput) -> list[Path]:
     """report.md (one table per task, each with the published baselines of that task, then one table per
-    sweep), report.csv (every row, with its task) and the loss curves. `jobs`: the run root's, in plan
-    order (core/runs.py; nothing else: the report never drives the plan). `tasks`: experiment name → its
-    `task:` (None: not set); `gpu_hour_cost` (cluster.yaml) adds a cost per experiment and in total;
-    `usage`: what the packs held, which jobs sacct knew nothing of (a job's own figure is its `used`;
-    without one it counts its Trainer clock); `sweeps`: experiment name → the sweep point it is (absent:
-    not a sweep point); `base_evals`: experiment name → its base-model eval (absent: none, no Δ);
-    `descriptions`: experiment name → its `description:`, listed under its task's table."""
-    if not all(isinstance(job, JobRun) for job in jobs):  # a plan handed in would be read half-right
-        raise TypeError("write_report takes the run root's jobs as core.runs.JobRun records")
-    tasks, sweeps, base_evals = tasks or {}, sweeps or {}, base_evals or {}
+    sweep), report.csv (every row, with its task) and the loss curves, from `report` (core/runs.py
+    ReportInput says what each part is: the run root's records, nothing of the plan or the scheduler).
+    A job's own usage figure is its `used`; without one it counts its Trainer clock."""
+    if not isinstance(report, ReportInput) or not all(isinstance(job, JobRun) for job in report.jobs):
+        raise TypeError("write_report takes a core.runs.ReportInput of the run root's JobRun records")
+    jobs, run_root, gpu_hour_cost, usage = report.jobs, report.run_root, report.gpu_hour_cost, report.usage
+    tasks, sweeps, base_evals, descriptions = (
+        report.tasks,
+        report.sweeps,
+        report.base_evals,
+        report.descriptions,
+    )
+    baselines = report.baselines
     rows, bases, job_rows, stages = scored_rows(jobs, tasks, base_evals, gpu_hour_cost)
     published = published_baselines(baselines)
     groups = tasks_of(rows)
@@ -126,9 +118,7 @@ def write_report(
             md += [to_markdown(members, columns + extra_columns), ""]
         md += incomparable_lines([r for r in staged if r["task"] == task])
         md += left_out_lines([r["experiment"] for r in plain if r["task"] == task], base_evals)
-        md += description_lines(
-            [r["experiment"] for r in rows if r["task"] == task], descriptions or {}, sweeps
-        )
+        md += description_lines([r["experiment"] for r in rows if r["task"] == task], descriptions, sweeps)
         if task in published and published[task][1]:
             md += [f"Published baselines ({task}): {published[task][1]}.", ""]
         for sweep, points in sweep_points([r for r in rows if r["task"] == task], sweeps).items():

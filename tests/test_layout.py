@@ -8,6 +8,7 @@ from pathlib import Path
 
 from core.layout import taken_experiment_name, taken_stage_name
 from core.rundir import write_spec
+from core.runs import ReportInput
 from core.speeds import book_of, eval_book_of
 from eval.report import write_report
 from slurm.cluster.profile import load_profile
@@ -45,7 +46,7 @@ def make_everything_a_run_makes(tmp_path: Path) -> None:
     runs, first = tmp_path / "runs", plan.jobs[0]
     Path(first.run_dir).mkdir(parents=True)
     (Path(first.run_dir) / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 2.0}) + "\n")
-    written = write_report(job_runs(plan), runs)
+    written = write_report(ReportInput(job_runs(plan), runs))
     with launch_lock(runs, lambda holder: None):
         pass
     record_exact_tokens(runs, [(first.spec, 1, 10)])

@@ -18,7 +18,7 @@ from submitit.core.utils import DelayedSubmission, JobPaths
 
 import launch
 from core.job_records import job_records, record_job
-from core.runs import BaseEval
+from core.runs import BaseEval, ReportInput
 from core.states import State
 from eval.report import write_report
 from slurm.cluster.profile import load_profile
@@ -83,7 +83,9 @@ def test_report_rows_plots_and_a_failed_experiment(tmp_path, repo_root):
     states = {"broken/one": "FAILED", "broken/two": "BLOCKED", "broken/eval": "BLOCKED"}
 
     tasks = {"good": "socratiq-qg", "broken": None}
-    written = write_report(job_runs(plan, states), runs, repo_root / "configs" / "baselines.yaml", tasks)
+    written = write_report(
+        ReportInput(job_runs(plan, states), runs, repo_root / "configs" / "baselines.yaml", tasks)
+    )
 
     rows = {r["experiment"]: r for r in csv.DictReader((runs / "report.csv").open())}
     assert rows["good"]["status"] == "complete"
@@ -115,7 +117,7 @@ def test_report_shows_which_split_was_scored(tmp_path):
         results = {"n": 1, "exact_match": 1.0, "split": split, "source": str(tmp_path / "d.jsonl")}
         (runs / name / "eval" / "results.json").write_text(json.dumps(results))
 
-    write_report(job_runs(plan), runs)
+    write_report(ReportInput(job_runs(plan), runs))
 
     rows = {r["experiment"]: r for r in csv.DictReader((runs / "report.csv").open())}
     assert rows["held-out"]["eval_split"] == "eval"
@@ -169,14 +171,14 @@ def test_baselines_are_shown_only_beside_experiments_on_their_task(tmp_path, rep
         "  - {task: socratiq-qg, source: Ang, baselines: [{name: T5-p, rouge_l: 0.211}]}\n"
         "  - {task: spider, source: Yu, baselines: [{name: Seq2SQL, exact_match: 0.1}]}\n"
     )
-    write_report(job_runs(plan), runs, baselines, {"sql": "spider"})
+    write_report(ReportInput(job_runs(plan), runs, baselines, {"sql": "spider"}))
     rows = {r["experiment"]: r for r in csv.DictReader((runs / "report.csv").open())}
     assert set(rows) == {"sql", "Seq2SQL"} and rows["Seq2SQL"]["task"] == "spider"
     assert "Ang" not in (runs / "report.md").read_text()
 
     baselines.write_text("source: Ang\nbaselines: [{name: T5-p, rouge_l: 0.211}]\n")
     with pytest.raises(BaselinesError, match="set 1 has no `task`"):
-        write_report(job_runs(plan), runs, baselines, {"sql": "spider"})
+        write_report(ReportInput(job_runs(plan), runs, baselines, {"sql": "spider"}))
 
 
 def test_a_pipe_in_a_baselines_name_does_not_move_its_number_into_another_column(tmp_path):
@@ -185,7 +187,7 @@ def test_a_pipe_in_a_baselines_name_does_not_move_its_number_into_another_column
     runs = tmp_path / "runs"
     baselines = tmp_path / "baselines.yaml"
     baselines.write_text("task: spider\nbaselines: [{name: 'T5 | base', exact_match: 0.123}]\n")
-    write_report(job_runs(plan), runs, baselines, {"sql": "spider"})
+    write_report(ReportInput(job_runs(plan), runs, baselines, {"sql": "spider"}))
     lines = (runs / "report.md").read_text().splitlines()
     head = next(line for line in lines if line.startswith("| experiment"))
     row = next(line for line in lines if "T5" in line)
@@ -199,7 +201,7 @@ def test_a_pipe_in_a_baselines_name_does_not_move_its_number_into_another_column
 def test_an_experiments_description_is_in_the_report_as_configs_readme_says(tmp_path):
     plan = plan_of(tmp_path, "sql")
     runs = tmp_path / "runs"
-    write_report(job_runs(plan), runs, descriptions={"sql": "T5-small on the shop\nSQL data"})
+    write_report(ReportInput(job_runs(plan), runs, descriptions={"sql": "T5-small on the shop\nSQL data"}))
     assert "- **sql**: T5-small on the shop SQL data" in (runs / "report.md").read_text()
 
 
@@ -212,7 +214,9 @@ def test_our_bertscore_f1_fills_the_bertscore_column_of_the_published_baselines(
     (runs / "qg" / "eval" / "results.json").write_text(
         json.dumps({"n": 3, "bleu": 0.02, "bertscore_f1": 0.7})
     )
-    write_report(job_runs(plan), runs, repo_root / "configs" / "baselines.yaml", {"qg": "socratiq-qg"})
+    write_report(
+        ReportInput(job_runs(plan), runs, repo_root / "configs" / "baselines.yaml", {"qg": "socratiq-qg"})
+    )
     reader = csv.DictReader((runs / "report.csv").open())
     rows = {r["experiment"]: r for r in reader}
     assert "bertscore_f1" not in reader.fieldnames
@@ -250,7 +254,7 @@ def test_mean_gpu_utilisation_and_non_pad_tokens_per_second_per_experiment(tmp_p
                 (runs / name / stage / "metrics.jsonl").write_text(
                     "".join(json.dumps(r) + "\n" for r in rows)
                 )
-    write_report(job_runs(plan), runs)
+    write_report(ReportInput(job_runs(plan), runs))
     rows = {r["experiment"]: r for r in csv.DictReader((runs / "report.csv").open())}
     assert float(rows["gpu"]["gpu_util_%"]) == 80.0  # (80 + 90 + 70) / 3: a row without samples is no 0 %
     assert float(rows["gpu"]["tokens_per_s"]) == float(rows["cpu"]["tokens_per_s"]) == 25.0
@@ -290,7 +294,7 @@ def test_gpu_hours_are_what_sacct_says_every_requeue_and_the_eval_job_held(tmp_p
     (runs / "good" / "eval" / "results.json").write_text(json.dumps({"n": 4, "exact_match": 0.5}))
 
     usage = recorded_usage(plan, tmp_path / "logs")
-    write_report(job_runs(plan, usage=usage), runs, usage=usage, gpu_hour_cost=2.5)
+    write_report(ReportInput(job_runs(plan, usage=usage), runs, usage=usage, gpu_hour_cost=2.5))
 
     rows = {r["experiment"]: r for r in csv.DictReader((runs / "report.csv").open())}
     assert float(rows["good"]["gpu_hours"]) == round((43 * 1 + 19 * 1 + 3 * 2) / 3600, 4)
@@ -323,7 +327,7 @@ def test_a_pack_counts_its_whole_allocation_idle_lanes_included_shared_by_lane_t
     )
 
     usage = recorded_usage(plan, logs)
-    write_report(job_runs(plan, usage=usage), runs, usage=usage)
+    write_report(ReportInput(job_runs(plan, usage=usage), runs, usage=usage))
 
     rows = {r["experiment"]: r for r in csv.DictReader((runs / "report.csv").open())}
     assert float(rows["a"]["gpu_hours"]) == round(16 * 3.5 / 4 / 3600, 4)  # 14 of the 16 GPU-seconds
@@ -457,7 +461,7 @@ def test_a_sweep_is_one_row_per_point_with_mean_and_sample_std_of_its_seeds_and_
     for seed, loss, em in ((1, 2.0, 0.2), (2, 2.5, 0.3), (3, 3.0, 0.4)):
         write_replicate(runs, f"lr-lr3e-04-r8-s{seed}", loss, {"exact_match": em})
 
-    write_report(job_runs(plan), runs, sweeps=sweeps)
+    write_report(ReportInput(job_runs(plan), runs, sweeps=sweeps))
 
     report = (runs / "report.md").read_text()
     task_table, sweep_part = report.split("### Sweep: lr")
@@ -486,7 +490,7 @@ def test_a_point_with_a_failed_seed_says_2_of_3_done_and_is_not_selected_on_a_me
     write_replicate(runs, "lr-lr3e-04-r8-s2", 0.7, {"exact_match": 0.9})
     states = {"lr-lr3e-04-r8-s3/one": "FAILED", "lr-lr3e-04-r8-s3/eval": "BLOCKED"}
 
-    write_report(job_runs(plan, states), runs, sweeps=sweeps)
+    write_report(ReportInput(job_runs(plan, states), runs, sweeps=sweeps))
 
     report = (runs / "report.md").read_text()
     assert md_line(report, "| lr3e-04-r8 ") == (
@@ -507,7 +511,7 @@ def test_a_sweep_is_never_selected_on_a_test_split(tmp_path):
     write_replicate(runs, "lr-lr1e-04-r8", 1.0, {"exact_match": 0.6})
     write_replicate(runs, "lr-lr3e-04-r8", 2.0, {"exact_match": 0.4})
 
-    write_report(job_runs(plan), runs, sweeps=sweeps)
+    write_report(ReportInput(job_runs(plan), runs, sweeps=sweeps))
 
     report = (runs / "report.md").read_text()
     assert md_line(report, "| lr1e-04-r8 ").startswith(
@@ -518,7 +522,7 @@ def test_a_sweep_is_never_selected_on_a_test_split(tmp_path):
     # The same scores on a test split: choosing by them would make them an optimistic estimate.
     for name in ("lr-lr1e-04-r8", "lr-lr3e-04-r8"):
         (runs / name / "eval" / "results.json").write_text(json.dumps({"exact_match": 0.5, "split": "test"}))
-    write_report(job_runs(plan), runs, sweeps=sweeps)
+    write_report(ReportInput(job_runs(plan), runs, sweeps=sweeps))
 
     report = (runs / "report.md").read_text()
     assert "✓" not in report and "| best |" not in report
@@ -530,7 +534,7 @@ def test_a_sweep_is_never_selected_on_a_test_split(tmp_path):
     # Nor on the training data (eval.split: train), which the row already flags.
     for name in ("lr-lr1e-04-r8", "lr-lr3e-04-r8"):
         (runs / name / "eval" / "results.json").write_text(json.dumps({"exact_match": 0.5, "split": "train"}))
-    write_report(job_runs(plan), runs, sweeps=sweeps)
+    write_report(ReportInput(job_runs(plan), runs, sweeps=sweeps))
     report = (runs / "report.md").read_text()
     assert "✓" not in report and "none marked: the selection cannot be made on the training data" in report
 
@@ -542,7 +546,7 @@ def test_report_csv_keeps_each_seeds_row_with_its_sweep_point_seed_and_swept_val
     for seed, loss in ((1, 1.0), (2, 1.2), (3, 1.4)):
         write_replicate(runs, f"lr-lr1e-04-r8-s{seed}", loss, {"exact_match": 0.5})
 
-    write_report(job_runs(plan), runs, sweeps=sweeps)
+    write_report(ReportInput(job_runs(plan), runs, sweeps=sweeps))
 
     reader = csv.DictReader((runs / "report.csv").open())
     rows = {r["experiment"]: r for r in reader}
@@ -558,7 +562,7 @@ def test_report_csv_keeps_each_seeds_row_with_its_sweep_point_seed_and_swept_val
     assert rows["lr-lr3e-04-r8-s3"]["status"] == "missing: not run yet"
     assert (rows["plain"]["sweep"], rows["plain"]["seed"], rows["plain"]["adapter.rank"]) == ("", "", "")
     # Without `sweeps` (a caller that does not pass them) the report is as before: a row per experiment.
-    write_report(job_runs(plan), runs)
+    write_report(ReportInput(job_runs(plan), runs))
     reader = csv.DictReader((runs / "report.csv").open())
     assert "sweep" not in reader.fieldnames and "### Sweep" not in (runs / "report.md").read_text()
     assert "| lr-lr1e-04-r8-s2 | complete |" in (runs / "report.md").read_text()
@@ -595,7 +599,7 @@ def test_a_sweep_points_loss_curves_are_one_mean_line_with_a_min_max_band_over_s
     assert (vertices[:, 0].min(), vertices[:, 0].max()) == (5, 10)
     assert (vertices[:, 1].min(), vertices[:, 1].max()) == (2.0, 4.0)
     plt.close(fig)
-    written = write_report(job_runs(plan), runs, sweeps=sweeps)
+    written = write_report(ReportInput(job_runs(plan), runs, sweeps=sweeps))
     assert runs / "loss_curves.png" in written and runs / "lr-lr1e-04-r8-s3" / "loss.png" in written
 
 
@@ -656,7 +660,11 @@ def test_base_model_row_heads_its_task_table_with_its_own_scores_and_gpu_hours(t
     plan, base, usage = scored_plan(tmp_path)
     runs = tmp_path / "runs"
 
-    write_report(job_runs(plan, usage=usage), runs, usage=usage, gpu_hour_cost=2.5, base_evals={"good": base})
+    write_report(
+        ReportInput(
+            job_runs(plan, usage=usage), runs, usage=usage, gpu_hour_cost=2.5, base_evals={"good": base}
+        )
+    )
 
     header, first, second = table_of((runs / "report.md").read_text())
     assert header == (
@@ -679,7 +687,7 @@ def test_delta_is_the_adapters_score_minus_the_bases_not_the_reverse(tmp_path):
     plan, base, usage = scored_plan(tmp_path)
     runs = tmp_path / "runs"
 
-    write_report(job_runs(plan, usage=usage), runs, usage=usage, base_evals={"good": base})
+    write_report(ReportInput(job_runs(plan, usage=usage), runs, usage=usage, base_evals={"good": base}))
 
     good = table_of((runs / "report.md").read_text())[2]
     # exact_match 0.75 - 0.5 = +0.25; bleu 0.2 - 0.3 = -0.1 (not -0.09999999999999998 in the csv).
@@ -697,7 +705,7 @@ def test_an_earlier_stage_scored_after_it_has_its_row_above_the_experiments_with
     write_scores(tmp_path / "runs" / "good" / "eval", exact_match=0.75, bleu=0.2)
     runs = tmp_path / "runs"
 
-    write_report(job_runs(plan), runs, base_evals={"good": base})
+    write_report(ReportInput(job_runs(plan), runs, base_evals={"good": base}))
 
     _, base_line, one, both = table_of((runs / "report.md").read_text())
     assert base_line.startswith("| base (no adapter) |")
@@ -733,7 +741,7 @@ def test_experiments_sharing_a_base_are_compared_with_it_and_another_base_model_
     write_scores(shared.out_dir, exact_match=0.5)
     write_scores(own.out_dir, exact_match=0.2)
 
-    write_report(job_runs(plan), runs, base_evals={"a": shared, "b": shared, "c": own})
+    write_report(ReportInput(job_runs(plan), runs, base_evals={"a": shared, "b": shared, "c": own}))
 
     table = table_of((runs / "report.md").read_text())
     assert table[0].endswith("| eval_split | exact_match | Δ exact_match |")
@@ -752,13 +760,13 @@ def test_a_base_eval_not_run_yet_says_so_and_its_experiments_get_no_delta(tmp_pa
     runs = tmp_path / "runs"
     write_scores(runs / "good" / "eval", exact_match=0.75)
 
-    write_report(job_runs(plan), runs, base_evals={"good": base})
+    write_report(ReportInput(job_runs(plan), runs, base_evals={"good": base}))
 
     base_line, good = table_of((runs / "report.md").read_text())[1:]
     assert base_line == "| base (no adapter) | missing: not run yet | org/model | – | – | – | – | – |"
     assert good.endswith("| eval | 0.75 | – |")  # not 0.75 - 0 = +0.75
 
-    write_report(job_runs(plan, {"baselines/abc123": "FAILED"}), runs, base_evals={"good": base})
+    write_report(ReportInput(job_runs(plan, {"baselines/abc123": "FAILED"}), runs, base_evals={"good": base}))
     assert table_of((runs / "report.md").read_text())[1].startswith(
         "| base (no adapter) | missing: eval FAILED |"
     )
@@ -772,7 +780,7 @@ def test_a_left_out_base_says_why_under_the_table_and_gives_no_delta(tmp_path):
     write_scores(base.out_dir, exact_match=0.5)
     left_out = BaseEval("", "", "org/model", left_out="it adds tokens the base model lacks")
 
-    write_report(job_runs(plan), runs, base_evals={"good": base, "tokens": left_out})
+    write_report(ReportInput(job_runs(plan), runs, base_evals={"good": base, "tokens": left_out}))
 
     report = (runs / "report.md").read_text()
     table = table_of(report)
@@ -787,7 +795,9 @@ def test_report_csv_has_the_base_row_and_a_delta_column_after_each_score(tmp_pat
     runs = tmp_path / "runs"
 
     write_report(
-        job_runs(plan, usage=usage), runs, usage=usage, tasks={"good": "qa"}, base_evals={"good": base}
+        ReportInput(
+            job_runs(plan, usage=usage), runs, usage=usage, tasks={"good": "qa"}, base_evals={"good": base}
+        )
     )
 
     reader = csv.DictReader((runs / "report.csv").open())
@@ -807,7 +817,9 @@ def test_a_baselines_eval_job_without_a_train_job_does_not_crash_the_report(tmp_
     runs = tmp_path / "runs"
     write_scores(base.out_dir, exact_match=0.5)
 
-    write_report(job_runs(plan), runs)  # a caller that passes no base_evals: the report as before
+    write_report(
+        ReportInput(job_runs(plan), runs)
+    )  # a caller that passes no base_evals: the report as before
 
     report = (runs / "report.md").read_text()
     rows = [r["experiment"] for r in csv.DictReader((runs / "report.csv").open())]
@@ -826,7 +838,9 @@ def test_a_sweep_points_delta_is_the_mean_of_its_seeds_minus_the_base(tmp_path):
         write_replicate(runs, f"lr-lr3e-04-r8-s{seed}", loss, {"exact_match": em})
     write_scores(base.out_dir, exact_match=0.25)
 
-    write_report(job_runs(plan), runs, sweeps=sweeps, base_evals=dict.fromkeys(plan.experiments(), base))
+    write_report(
+        ReportInput(job_runs(plan), runs, sweeps=sweeps, base_evals=dict.fromkeys(plan.experiments(), base))
+    )
 
     report = (runs / "report.md").read_text()
     task_table, sweep_part = report.split("### Sweep: lr")
@@ -839,7 +853,9 @@ def test_a_sweep_points_delta_is_the_mean_of_its_seeds_minus_the_base(tmp_path):
     gone = BaseEval("", "", "org/model", left_out="it adds tokens")
     left_out = {name: gone for name in plan.experiments() if name.startswith("lr-lr3e-04")}
     write_report(
-        job_runs(plan), runs, sweeps=sweeps, base_evals=dict.fromkeys(plan.experiments(), base) | left_out
+        ReportInput(
+            job_runs(plan), runs, sweeps=sweeps, base_evals=dict.fromkeys(plan.experiments(), base) | left_out
+        )
     )
     report = (runs / "report.md").read_text()
     assert "| 0.3 ± 0.1 | – | 1 ± 0 |" in md_line(report, "| lr3e-04-r8 ")
@@ -865,7 +881,7 @@ def test_a_point_whose_score_is_nan_is_never_marked_best(tmp_path, more):
         loss, em = (float("nan"), float("nan")) if nan else (0.5, 0.9)
         write_replicate(runs, f"lr-lr1e-04-r8-s{seed}", loss, {"exact_match": em})
         write_replicate(runs, f"lr-lr3e-04-r8-s{seed}", 2.0, {"exact_match": 0.3})
-    write_report(job_runs(plan), runs, sweeps=sweeps)
+    write_report(ReportInput(job_runs(plan), runs, sweeps=sweeps))
     sweep_part = (runs / "report.md").read_text().split("### Sweep: lr")[1]
     assert "✓" in md_line(sweep_part, "| lr3e-04-r8 ") and "✓" not in md_line(sweep_part, "| lr1e-04-r8 ")
     assert "eval split): lr3e-04-r8" in sweep_part
@@ -879,7 +895,7 @@ def test_the_report_renderer_refuses_slurms_plan_and_reads_typed_rows_only(tmp_p
     # see; now it takes the ground floor's JobRun records, and a plan handed in is refused, not half-read.
     plan = plan_of(tmp_path, "good")
     with pytest.raises(TypeError):
-        write_report(plan, tmp_path / "runs")
+        write_report(ReportInput(plan, tmp_path / "runs"))
     rows = job_runs(plan, {"good/one": "FAILED"})
     assert [type(r).__module__ for r in rows] == ["core.runs"] * len(plan.jobs)
     assert rows[0].state is State.FAILED and rows[0].summary == {}
@@ -907,7 +923,7 @@ def test_a_point_with_a_pruned_seed_is_never_the_best_and_the_pruning_and_its_sa
     record = judged(runs, "lr", pruned, "h", 1, 9.0, spec)
     mark_pruned(runs / pruned / "one", record)
 
-    write_report(job_runs(plan), runs, sweeps=sweeps)
+    write_report(ReportInput(job_runs(plan), runs, sweeps=sweeps))
 
     report = (runs / "report.md").read_text()
     assert md_line(report, "| lr1e-04-r8 ").startswith(
@@ -968,7 +984,7 @@ def test_a_stage_row_that_scored_other_data_than_its_base_has_no_delta_and_the_r
     ):
         write_scores(folder, source, exact_match=em)
 
-    write_report(job_runs(plan), runs, base_evals={"good": base})
+    write_report(ReportInput(job_runs(plan), runs, base_evals={"good": base}))
 
     report = (runs / "report.md").read_text()
     _, _, one, both = table_of(report)

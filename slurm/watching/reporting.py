@@ -8,7 +8,7 @@ from pathlib import Path
 
 from core.problems import ConfigError, Problem
 from core.rundir import RunDir
-from core.runs import BaseEval, JobRun, PlanUsage
+from core.runs import BaseEval, JobRun, PlanUsage, ReportInput
 from core.states import State
 from core.yamlfile import find_inherited
 from slurm.planning.plan import Plan, build_plan
@@ -44,15 +44,17 @@ def written_report(
     usage = plan_usage(plan, profile.log_dir)  # what each job held: sacct, or a local job's own clock
     try:
         return write_report(
-            job_runs(plan, states, usage),
-            Path(profile.run_dir),
-            baselines,
-            tasks,
-            profile.gpu_hour_cost,
-            usage,
-            sweeps={name: e.sweep for name, e in experiments.items() if e.sweep is not None},
-            base_evals=base_evals(plan),
-            descriptions={name: e.experiment.description for name, e in experiments.items()},
+            ReportInput(
+                job_runs(plan, states, usage),
+                Path(profile.run_dir),
+                baselines,
+                tasks,
+                profile.gpu_hour_cost,
+                usage,
+                sweeps={name: e.sweep for name, e in experiments.items() if e.sweep is not None},
+                base_evals=base_evals(plan),
+                descriptions={name: e.experiment.description for name, e in experiments.items()},
+            )
         )
     except BaselinesError as exc:
         raise ConfigError([Problem(str(exc.path), "task", str(exc))]) from None
