@@ -83,16 +83,10 @@ def write_report(report: ReportInput) -> list[Path]:
     A job's own usage figure is its `used`; without one it counts its Trainer clock."""
     if not isinstance(report, ReportInput) or not all(isinstance(job, JobRun) for job in report.jobs):
         raise TypeError("write_report takes a core.runs.ReportInput of the run root's JobRun records")
-    jobs, run_root, gpu_hour_cost, usage = report.jobs, report.run_root, report.gpu_hour_cost, report.usage
-    tasks, sweeps, base_evals, descriptions = (
-        report.tasks,
-        report.sweeps,
-        report.base_evals,
-        report.descriptions,
-    )
-    baselines = report.baselines
+    jobs, run_root, tasks, sweeps = report.jobs, report.run_root, report.tasks, report.sweeps
+    base_evals, usage, gpu_hour_cost = report.base_evals, report.usage, report.gpu_hour_cost
     rows, bases, job_rows, stages = scored_rows(jobs, tasks, base_evals, gpu_hour_cost)
-    published = published_baselines(baselines)
+    published = published_baselines(report.baselines)
     groups = tasks_of(rows)
     extra = [b | {"task": task} for task in groups if task in published for b in published[task][0]]
     plain = [r for r in rows if r["experiment"] not in sweeps]  # sweep points get their sweep's table
@@ -118,7 +112,9 @@ def write_report(report: ReportInput) -> list[Path]:
             md += [to_markdown(members, columns + extra_columns), ""]
         md += incomparable_lines([r for r in staged if r["task"] == task])
         md += left_out_lines([r["experiment"] for r in plain if r["task"] == task], base_evals)
-        md += description_lines([r["experiment"] for r in rows if r["task"] == task], descriptions, sweeps)
+        md += description_lines(
+            [r["experiment"] for r in rows if r["task"] == task], report.descriptions, sweeps
+        )
         if task in published and published[task][1]:
             md += [f"Published baselines ({task}): {published[task][1]}.", ""]
         for sweep, points in sweep_points([r for r in rows if r["task"] == task], sweeps).items():
