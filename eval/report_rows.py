@@ -31,6 +31,7 @@ COLUMNS = (
     "tokens_per_s",
     "cost",
     "best_eval_loss",
+    "stage_eval_losses",
     "eval_split",
     "eval_turns",
     *REPORT_COLUMNS.values(),
@@ -156,7 +157,14 @@ def scores_row(
     first = train_jobs[0]
     summaries = [j.summary for j in train_jobs]
     runtime_s = sum(s.get("train_runtime_s") or 0 for s in summaries)
-    losses = [s["best_eval_loss"] for s in summaries if s.get("best_eval_loss") is not None]
+    # Each stage's own best eval loss: an SFT stage's cross-entropy and a DPO stage's loss are not one
+    # quantity, so the row's figure is the stage it scores (the last that evaluated), not their minimum
+    # (before: an SFT -> DPO row showed the SFT stage's).
+    losses = [
+        (job.stage, s["best_eval_loss"])
+        for job, s in zip(train_jobs, summaries, strict=True)
+        if isinstance(s.get("best_eval_loss"), int | float) and math.isfinite(s["best_eval_loss"])
+    ]
     results = read_results(eval_job.run_dir) if eval_job else {}
     row = {
         "experiment": label,
@@ -171,7 +179,10 @@ def scores_row(
         "gpu_hours": total_gpu_hours([job_rows[j.id] for j in jobs]),
         "gpu_util_%": mean_gpu_util(train_jobs),
         "tokens_per_s": tokens_per_s(summaries),
-        "best_eval_loss": min(finite) if (finite := [v for v in losses if math.isfinite(v)]) else None,
+        "best_eval_loss": losses[-1][1] if losses else None,
+        "stage_eval_losses": " → ".join(f"{stage} {loss:.4g}" for stage, loss in losses)
+        if len(losses) > 1
+        else None,
     }
     row["eval_split"] = split_marker(results)
     row["eval_source"] = results.get("source")  # the file scored: a Δ compares rows of one file only

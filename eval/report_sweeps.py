@@ -24,7 +24,7 @@ from eval.report_tables import left_out_lines, to_markdown
 # The numbers a sweep's points are compared on: losses, scores, and what a point cost.
 SWEEP_METRICS = ("best_eval_loss", *REPORT_COLUMNS.values(), "train_min", "gpu_hours", "cost")
 INCOMPLETE = "incomplete"
-EVAL_LOSS = "best_eval_loss"  # the in-training eval on the eval split, the best of all stages
+EVAL_LOSS = "best_eval_loss"  # the in-training eval on the eval split, of the last stage that evaluated
 
 
 def sweep_points(rows: list[dict], sweeps: dict[str, SweepMember]) -> dict[str, dict[str, list[dict]]]:

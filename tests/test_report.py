@@ -72,6 +72,18 @@ def write_stage(run_dir: Path, losses: list[float], runtime_s: float, eval_loss:
     (run_dir / "summary.json").write_text(json.dumps(summary))
 
 
+def test_a_rows_best_eval_loss_is_its_scored_stages_and_each_stages_is_listed_not_their_minimum(tmp_path):
+    """Before: an SFT -> DPO row's best_eval_loss was the minimum over its stages, the SFT stage's
+    cross-entropy beside a DPO loss, read as the DPO stage's."""
+    plan = plan_of(tmp_path, "good")
+    runs = tmp_path / "runs"
+    write_stage(runs / "good" / "one", [3.0, 2.5], 60, 0.9)
+    write_stage(runs / "good" / "two", [0.7, 0.6], 60, 1.6)
+    write_report(ReportInput(job_runs(plan), runs))
+    row = next(r for r in csv.DictReader((runs / "report.csv").open()) if r["experiment"] == "good")
+    assert float(row["best_eval_loss"]) == 1.6 and row["stage_eval_losses"] == "one 0.9 → two 1.6"
+
+
 def test_report_rows_plots_and_a_failed_experiment(tmp_path, repo_root):
     plan = plan_of(tmp_path, "good", "broken")
     runs = tmp_path / "runs"
