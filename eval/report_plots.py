@@ -67,15 +67,20 @@ def method_of(job: JobRun, rows: list[dict]) -> str:
     return "sft"
 
 
-def losses_by_method(jobs: list[JobRun], experiment: str) -> dict[str, list]:
-    """method -> its stages' training loss points, steps counted across all stages as loss_series counts."""
-    found: dict[str, list] = {}
+def losses_by_method(jobs: list[JobRun], experiment: str) -> dict[str, tuple[list, list]]:
+    """method -> (its stages' training loss points, their eval loss points), steps counted across all stages
+    as loss_series counts: an SFT cross-entropy and a DPO or GRPO loss are not one quantity, so neither are
+    their evals (before: every stage's eval on the SFT panel, one dashed line from SFT's to DPO's)."""
+    found: dict[str, tuple[list, list]] = {}
     offset = 0
     for job in (j for j in jobs if j.experiment == experiment and j.kind == "train"):
         rows = read_metrics(job.run_dir)
         points = [(offset + r["step"], r["loss"]) for r in rows if "loss" in r and "step" in r]
-        if points:
-            found.setdefault(method_of(job, rows), []).extend(points)
+        evals = [(offset + r["step"], r["eval_loss"]) for r in rows if "eval_loss" in r and "step" in r]
+        if points or evals:
+            train, evaluated = found.setdefault(method_of(job, rows), ([], []))
+            train.extend(points)
+            evaluated.extend(evals)
         offset += max((r.get("step", 0) for r in rows), default=0)
     return found
 
@@ -142,9 +147,8 @@ def experiment_figure(plt, jobs: list[JobRun], name: str, series: tuple):
         draw(axes[0], name, train, evals, boundaries, label_stages=True)
         finish(axes[0], f"{name}: loss")
     else:
-        for ax, (method, points) in zip(axes, by_method.items(), strict=False):
-            shown = evals if method == "sft" else []  # the in-training eval loss is an SFT stage's
-            draw(ax, f"{name} {method}", points, shown, boundaries, label_stages=True)
+        for ax, (method, (points, own_evals)) in zip(axes, by_method.items(), strict=False):
+            draw(ax, f"{name} {method}", points, own_evals, boundaries, label_stages=True)
             finish(ax, f"{name}: {method} loss")
     for ax, method in zip(axes[max(1, len(by_method)) :], beside, strict=True):
         draw_rewards(ax, name, {k: v for k, v in rewards.items() if k in REWARD_KEYS_OF[method]}, method)

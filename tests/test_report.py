@@ -1020,6 +1020,7 @@ def test_an_sft_then_grpo_experiment_plots_each_methods_loss_and_the_grpo_reward
     rows = [
         {"step": 5, "loss": 0.0, "reward": 0.25, "frac_reward_zero_std": 0.5, "rewards/rouge_l/mean": 0.25},
         {"step": 10, "loss": 0.01, "reward": 0.5, "frac_reward_zero_std": 0.0, "rewards/rouge_l/mean": 0.5},
+        {"step": 10, "eval_loss": 0.05},
     ]
     (runs / "rl" / "two" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     jobs = job_runs(plan, {})
@@ -1028,7 +1029,8 @@ def test_an_sft_then_grpo_experiment_plots_each_methods_loss_and_the_grpo_reward
         "frac_reward_zero_std": [(15, 0.5), (20, 0.0)],
     }
     by_method = losses_by_method(jobs, "rl")
-    assert list(by_method) == ["sft", "grpo"] and by_method["grpo"] == [(15, 0.0), (20, 0.01)]
+    assert list(by_method) == ["sft", "grpo"] and by_method["grpo"] == ([(15, 0.0), (20, 0.01)], [(20, 0.05)])
+    assert by_method["sft"][1] == [(10, 2.2)]  # the SFT panel's evals are the SFT stage's alone
     assert list(losses_by_method(jobs, "plain")) == ["sft"]
     plot_losses(jobs, ["rl", "plain"], runs)
     widths = {name: png_width(runs / name / "loss.png") for name in ("rl", "plain")}
