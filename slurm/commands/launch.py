@@ -179,13 +179,22 @@ def placement_refusals(decisions, refusals, files: dict[str, str], profile, back
     return decided, [*refusals, *dict.fromkeys(p for problems in found.values() for p in problems)], limits
 
 
+def slurm_batches(decisions, plan: Plan, limits, profile, backend: str) -> list:
+    """How a launch on SLURM would queue what is left (slurm/planning/arrays.py slurm_submissions): nothing
+    when it would run here."""
+    if limits is None and backend_here(backend) != "slurm":
+        return []
+    todo = [d.job for d in decisions if d.action == "submit"]
+    waits_on = {d.job.id for d in decisions if d.action in ("submit", "queued")}
+    return slurm_submissions(todo, waits_on, plan.sweep_parallel, limits, profile.max_time_s)
+
+
 def dry_run(request: LaunchRequest, profile) -> int:
     """The plan, each job in the state a relaunch would give it (done, queued, still running, refused,
     or planned: to be submitted), with the makespan and GPU-hours of what is left and, for a pack, the
     lanes of what is left. Reads the run folders and asks squeue once (only if some job was queued)."""
-    run = loaded(request, profile)
+    run, pack = loaded(request, profile), requested_pack(request, profile)
     plan = run.plan
-    pack = requested_pack(request, profile)
     decisions, refusals = weigh(plan, force=request.force)
     decisions, refusals, limits = placement_refusals(decisions, refusals, run.files, profile, request.backend)
     states = {d.job.id: d.action if d.action != "submit" else "planned" for d in decisions}
@@ -197,16 +206,12 @@ def dry_run(request: LaunchRequest, profile) -> int:
     left_out = {
         f"{e.name}/{s.name}": list(s.left_out) for e in run.experiments for s in e.stages if s.left_out
     }
-    batches = []
-    if not packing and (limits is not None or backend_here(request.backend) == "slurm"):
-        todo = [d.job for d in decisions if d.action == "submit"]
-        waits_on = {d.job.id for d in decisions if d.action in ("submit", "queued")}
-        batches = slurm_submissions(todo, waits_on, plan.sweep_parallel, limits, profile.max_time_s)
+    batches = [] if packing else slurm_batches(decisions, plan, limits, profile, request.backend)
     if request.as_json:
         extra = {"packing": packing.to_json()} if packing else {}
         extra |= {"inherited_keys_left_out": left_out} if left_out else {}
-        extra |= {"job_arrays": [b.to_json() for b in batches if isinstance(b, JobArray)]}
-        extra |= {"shared_evals": [b.to_json() for b in batches if isinstance(b, SharedEval)]}
+        for key, kind in (("job_arrays", JobArray), ("shared_evals", SharedEval)):
+            extra[key] = [b.to_json() for b in batches if isinstance(b, kind)]
         print(json.dumps({**plan.to_json(states), **extra}, indent=1))
         return 0
     shown = {
