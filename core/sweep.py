@@ -9,7 +9,7 @@
       seeds: [1, 2, 3]    # training seeds: every point trained once per seed, into train.seed
       select: {metric: eval_loss, mode: min}   # kept for the report
       prune: {rungs: [1, 2], keep: 0.33, min_points: 3, eval_pruned: true}  # stop losing runs early
-      parallel: 4         # on SLURM, at most 4 of the points' array tasks run at once
+      parallel: 4         # on SLURM, at most 4 tasks of each of its job arrays run at once
 
 Points are grid's product (first key slowest) x the zip groups' product x random's draws, each replicated
 over `seeds`. A point is the experiment's raw config with `nested(point.values)` deep-merged in, named
@@ -321,7 +321,7 @@ class SweepSpec(Section):
     # None: as many as the cluster's GPU cap lets this user hold.
     parallel: Annotated[Int, Field(ge=1)] | None = Field(
         None,
-        description="On SLURM, at most this many of the points' array tasks run at once (≥ 1); unset, as many as the QOS GPU cap lets this user hold, else all.",
+        description="On SLURM, at most this many tasks of each of the sweep's job arrays run at once (≥ 1; a second stage's array, or a relaunch's new points, are arrays of their own); unset, as many as the QOS GPU cap lets this user hold, else all.",
     )
 
     @field_validator("grid", "zip", "random")

@@ -44,12 +44,14 @@ def not_shareable(jobs: list[EvalJob]) -> str | None:
 
 
 def run_shared_eval(
-    jobs: list[EvalJob], shared_dir: Path, stop: threading.Event | None = None
+    jobs: list[EvalJob], shared_dir: Path, stop: threading.Event | None = None, on_scored=None
 ) -> list[dict | None]:
     """Each job's results (run_eval's), in order; a job not reached because `stop` was set is None (its
     predictions made so far are kept, and the next run starts there); a job whose adapter folder holds no
     adapter (its training failed) is `{"not_scored": why}`, and the others are scored. Jobs scored by an
-    earlier run of this shared job (scored.json) are not scored again: their results are read back."""
+    earlier run of this shared job (scored.json) are not scored again: their results are read back.
+    `on_scored(job, results)` is called as soon as each is scored (the launcher's job marks it DONE then, so
+    a hard kill loses no finished member)."""
     from eval.generate import adapter_on_base, base_for_eval, eval_placement
     from eval.job import scored
 
@@ -90,6 +92,8 @@ def run_shared_eval(
         if result is not None:
             done.add(job.out_dir)
             write_json_atomic(shared_dir / SCORED, sorted(done), indent=1)
+            if on_scored is not None:
+                on_scored(job, result)
     return results
 
 

@@ -84,7 +84,7 @@ def test_a_sweep_larger_than_max_array_size_is_split_and_its_next_stage_split_th
     batches = submissions(todo, {j.id for j in todo}, plan.sweep_parallel, max_array_size=5)
     first = [a for a in arrays_of(batches) if a.jobs[0].stage == "first"]
     second = [a for a in arrays_of(batches) if a.jobs[0].stage == "second"]
-    assert [len(a.jobs) for a in first] == [5, 5, 2] == [len(a.jobs) for a in second]
+    assert [len(a.jobs) for a in first] == [4, 4, 4] == [len(a.jobs) for a in second]  # even: never one alone
     for parents, children in zip(first, second, strict=True):
         assert children.follows is parents  # aftercorr: task i after task i
         for parent, child in zip(parents.jobs, children.jobs, strict=True):
@@ -154,3 +154,26 @@ def test_max_array_size_is_read_from_scontrol_show_config():
 
     text = "MaxArraySize            = 250\nMaxJobCount             = 10000\n"
     assert max_array_size(text) == 250 and max_array_size("MaxJobCount = 1\n") is None
+
+
+def test_a_job_after_one_point_waits_for_the_shared_eval_that_scores_that_point(tmp_path):
+    """Review of issue 50: a shared eval is placed where its last member was, so an experiment `after:` an
+    earlier point came before it, and lost its wait (its parent had no SLURM id yet)."""
+    from slurm.planning.arrays import slurm_submissions
+    from slurm.planning.shared_evals import SharedEval
+
+    first = sweep_plan(tmp_path).sweeps()["lr"][0]
+    (tmp_path / "configs" / "after-one.yaml").write_text(
+        PLAIN.format(data=tmp_path / "d.jsonl").replace("name: plain", "name: after-one")
+        + f"after: [{first}]\n"
+    )
+    plan = plan_for(folder=tmp_path / "configs")
+    todo = list(plan.jobs)
+    batches = slurm_submissions(todo, {j.id for j in todo}, plan.sweep_parallel, None)
+    ids = [b.id if not isinstance(b, JobArray | SharedEval) else b.name for b in batches]
+    (shared,) = [i for i, b in enumerate(batches) if isinstance(b, SharedEval)]
+    assert len(batches[shared].jobs) == 13  # the 12 points' evals and their base row
+    assert ids.index("after-one/train") > shared
+    assert sorted(j.id for b in batches for j in (b.jobs if hasattr(b, "jobs") else (b,))) == sorted(
+        j.id for j in todo
+    )

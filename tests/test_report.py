@@ -319,6 +319,20 @@ def test_gpu_hours_are_what_sacct_says_every_requeue_and_the_eval_job_held(tmp_p
     assert "All jobs: 0.02 GPU-hours allocated" in report and "Trainer's clock, a lower bound" not in report
 
 
+def test_a_shared_evals_allocation_is_charged_once_split_evenly_over_the_evals_it_scored(tmp_path):
+    """Before: each eval a shared eval scored was charged the whole of its allocation, so a sweep's
+    GPU-hours counted it once per point."""
+    plan = plan_of(tmp_path, "a", "b")
+    runs = tmp_path / "runs"
+    for name in ("a", "b"):
+        record_job(runs / name / "eval", "1", "slurm", shared=True)  # job 1: 3 s on 2 GPUs
+    usage = recorded_usage(plan, tmp_path / "logs")
+    evals = [usage.jobs[f"{name}/eval"] for name in ("a", "b")]
+    assert [u.gpu_hours for u in evals] == [pytest.approx(3 * 2 / 3600 / 2)] * 2
+    assert sum(u.gpu_hours for u in evals) == pytest.approx(3 * 2 / 3600)
+    assert evals[0].source == "sacct: 1/2 of shared eval 1"
+
+
 def test_a_pack_counts_its_whole_allocation_idle_lanes_included_shared_by_lane_time(tmp_path):
     plan = plan_of(tmp_path, "a", "b")
     runs, logs = tmp_path / "runs", tmp_path / "logs"

@@ -10,10 +10,11 @@ keeps its point's run folder, spec and job.json record (`ARRAY_TASK` ids, `123_4
   own parent's task (`afterok:123_4`), as a job that is not in an array always was.
 - **Time limits.** An array's tasks share one `--time`. Points whose limit is written share it or go to
   another array; points of `time: auto` share the longest of their estimates' limits.
-- **Size.** SLURM's MaxArraySize bounds a task's index: a larger group is split into several arrays (a
-  later stage is split the same way, so `aftercorr` still pairs task i with task i).
-- **At once.** K, the tasks that may run at once: the sweep's `parallel:`, at most the GPUs the QOS lets
-  this user hold over the GPUs a task asks (so an array never queues past it); neither: every task.
+- **Size.** SLURM's MaxArraySize bounds a task's index: a larger group is split into several arrays of
+  even sizes (a later stage is split the same way, so `aftercorr` still pairs task i with task i).
+- **At once.** K, the tasks of one array that may run at once: the sweep's `parallel:`, at most the GPUs
+  the QOS lets this user hold over the GPUs a task asks; neither: every task. K is per array: a sweep's
+  second-stage array, or a relaunch's new points, runs K more beside it.
 - Multi-node and elastic points are arrays as any other (each task is a whole allocation of its own);
   evals, exports and packed launches are never arrays (a sweep's evals are one shared eval instead:
   slurm/planning/shared_evals.py).
@@ -95,8 +96,7 @@ def submissions(
         parents = groups.get(key[-1]) if key[-1] else None
         if len(jobs) < 2 or (parents is not None and not corresponds(jobs, parents, arrays)):
             continue  # each is a job of its own (after its parent's task)
-        for start in range(0, len(jobs), max_array_size):
-            chunk = tuple(jobs[start : start + max_array_size])
+        for chunk in pieces(jobs, max_array_size):
             follows = arrays[previous_of(chunk[0], arrays)] if parents is not None else None
             array = JobArray(
                 chunk, shared_resources(chunk), at_once(chunk, parallel_of, gpus_per_user), follows, key[3]
@@ -120,13 +120,66 @@ def slurm_submissions(
     """The sbatch calls that queue `todo` on SLURM, in order: a job, a job array (`submissions`, within
     the cluster's MaxArraySize and QOS GPU cap where its `limits`, a slurm/cluster/limits.py
     ClusterLimits, could be read; None: SLURM's defaults, no cap), or a shared eval
-    (slurm/planning/shared_evals.py; `max_time_s`: the longest limit one may have)."""
+    (slurm/planning/shared_evals.py; `max_time_s`: cluster.yaml's longest limit, lowered to the QOS's
+    MaxWall and the partitions' MaxTime). Where sharing evals would make a job come before what it waits
+    on, the evals are each a job of their own."""
     if limits is None:
         batches = submissions(todo, waits_on, parallel_of)
     else:
         cap = limits.gpus_per_user.value if limits.gpus_per_user else None
         batches = submissions(todo, waits_on, parallel_of, limits.max_array_size, cap)
-    return with_shared_evals(batches, waits_on, max_time_s)
+
+    def longest(resources) -> int | None:
+        """cluster.yaml's max_time, lowered to the QOS's MaxWall and the partition's MaxTime."""
+        if limits is None:
+            return max_time_s
+        partition = limits.partition_time_s.get(resources.partition or limits.default_partition or "")
+        walls = [c.value for c in (limits.max_wall_s, partition) if c is not None]
+        return min([t for t in (max_time_s, *walls) if t is not None], default=None)
+
+    shared = in_dependency_order(with_shared_evals(batches, waits_on, longest))
+    return shared if shared is not None else in_dependency_order(batches) or list(todo)
+
+
+def in_dependency_order(batches: list) -> list | None:
+    """`batches` reordered so that each comes after every batch it waits on (the one before it in the list
+    where possible); None when they wait on each other in a circle."""
+    owner = {job.id: index for index, batch in enumerate(batches) for job in jobs_of(batch)}
+    needs = [
+        {
+            owner[d.job_id]
+            for job in jobs_of(batch)
+            for d in job.depends_on
+            if owner.get(d.job_id, index) != index
+        }
+        for index, batch in enumerate(batches)
+    ]
+    ordered: list[int] = []
+    placed: set[int] = set()
+    while len(ordered) < len(batches):
+        ready = next((i for i in range(len(batches)) if i not in placed and needs[i] <= placed), None)
+        if ready is None:
+            return None
+        ordered.append(ready)
+        placed.add(ready)
+    return [batches[i] for i in ordered]
+
+
+def jobs_of(batch) -> tuple[PlannedJob, ...]:
+    return (batch,) if isinstance(batch, PlannedJob) else batch.jobs
+
+
+def pieces(jobs: list[PlannedJob], most: int) -> list[tuple[PlannedJob, ...]]:
+    """`jobs` in as few arrays of at most `most` tasks as there must be, of even sizes: never a piece of one
+    (which submitit would queue as a job, not an array; 101 points at most 100 are 51 and 50)."""
+    count = -(-len(jobs) // most)
+    size, extra = divmod(len(jobs), count)
+    found, start = [], 0
+    for index in range(count):
+        end = start + size + (index < extra)
+        found.append(tuple(jobs[start:end]))
+        start = end
+    return found
 
 
 def previous_of(job: PlannedJob, arrays: dict[str, JobArray]) -> str:

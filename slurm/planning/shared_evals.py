@@ -10,7 +10,8 @@ row, its hash and its DONE.
   holds a GPU while a training runs, and a point whose training failed or was cancelled is left
   unscored (its row says why) while the others are scored.
 - **Time limit.** The sum of its members' limits, split into several shared evals where that would pass
-  the cluster's longest (`max_time` of cluster.yaml); a requeue goes on at the first adapter not scored.
+  the longest a job may ask (cluster.yaml's `max_time`, the partition's MaxTime and the QOS's MaxWall, where
+  they could be read); a requeue goes on at the first adapter not scored.
 - Only on SLURM, only evals of sweep points (and their base row), never a point whose `eval.shared` is
   false; a group of one is a job of its own.
 """
@@ -56,23 +57,37 @@ def shared(job: PlannedJob) -> bool:
     )
 
 
-def with_shared_evals(batches: list, waits_on: set[str], max_time_s: int | None = None) -> list:
+def with_shared_evals(batches: list, waits_on: set[str], longest=None) -> list:
     """`batches` (slurm/planning/arrays.py submissions, in their order) with every group of two or more
-    shareable evals replaced by its SharedEval(s), each where its last member was: after the trainings
-    its members wait for. `waits_on`: plan ids still to end (queued by this launch or an earlier one)."""
+    shareable evals of one sweep replaced by its SharedEval(s), each where its last member was: after the
+    trainings its members wait for (slurm/planning/arrays.py in_dependency_order then checks that every
+    job still comes after what it waits on). A base row joins the first sweep whose evals are its eval.
+    `waits_on`: plan ids still to end (queued by this launch or an earlier one); `longest(resources)`: the
+    longest time limit a job of those resources may ask, in seconds (None: no bound known)."""
     groups: dict[tuple, list[PlannedJob]] = {}
+    bases: dict[tuple, list[PlannedJob]] = {}
     for batch in batches:
         if isinstance(batch, PlannedJob) and shared(batch):
             key = (batch.spec.sharing_key, repr(batch.resources.model_dump(exclude={"time"})))
-            groups.setdefault(key, []).append(batch)
+            if batch.sweep is None:
+                bases.setdefault(key, []).append(batch)
+            else:  # one sweep's: evals of another may be waited on by its trainings (`after:`)
+                groups.setdefault((*key, batch.sweep), []).append(batch)
+    for key, jobs in groups.items():
+        for base in bases.pop(key[:2], []):
+            jobs.insert(0, base)
     last_of: dict[str, list[SharedEval]] = {}  # the id of a group's last member → its shared evals
     members: set[str] = set()
     for jobs in groups.values():
-        if len(jobs) < 2 or all(j.sweep is None for j in jobs):
+        if len(jobs) < 2:
             continue
-        chunks = by_time(jobs, max_time_s)
-        last_of[jobs[-1].id] = [
-            SharedEval(chunk, summed_resources(chunk), parents_of(chunk, waits_on)) for chunk in chunks
+        chunks = by_time(jobs, longest(jobs[0].resources) if longest else None)
+        last = max(jobs, key=lambda job: next(i for i, b in enumerate(batches) if b is job))
+        last_of[last.id] = [  # a piece of one is its own job
+            SharedEval(chunk, summed_resources(chunk), parents_of(chunk, waits_on))
+            if len(chunk) > 1
+            else chunk[0]
+            for chunk in chunks
         ]
         members.update(j.id for j in jobs)
     placed: list = []

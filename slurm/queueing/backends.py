@@ -90,6 +90,9 @@ class SlurmBackend:
         params = sbatch_parameters(
             array.name, array.resources, first.tasks, parents, self.profile, self.code.folder
         )
+        # A task whose aftercorr parent failed would wait forever (DependencyNeverSatisfied) on a cluster
+        # without kill_invalid_depend, and the shared eval waiting on the whole array with it.
+        params["additional_parameters"]["kill-on-invalid-dep"] = "yes"
         what = f"runs {len(array.jobs)} points of sweep {first.sweep}, stage {first.stage}"
         executor.update_parameters(**params, array_parallelism=array.parallel, **job_comment(token, what))
         below.check(self.profile.log_dir, folder)

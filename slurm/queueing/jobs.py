@@ -82,9 +82,11 @@ def this_job_id() -> str | None:
     """The scheduler's id of this process's job, the same on all its ranks and its requeues: the local
     controller's pid (submitit's local job id), or SLURM's job id (`123_4` for a task of an array, as
     job.json records it: its SLURM_JOB_ID is a number of its own); None when run by hand."""
+    if local := os.environ.get("SUBMITIT_LOCAL_JOB_ID"):  # first: a local job may run inside an allocation
+        return local
     if os.environ.get("SLURM_ARRAY_JOB_ID") and os.environ.get("SLURM_ARRAY_TASK_ID"):
         return f"{os.environ['SLURM_ARRAY_JOB_ID']}_{os.environ['SLURM_ARRAY_TASK_ID']}"
-    return os.environ.get("SUBMITIT_LOCAL_JOB_ID") or os.environ.get("SLURM_JOB_ID") or None
+    return os.environ.get("SLURM_JOB_ID") or None
 
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
@@ -183,11 +185,12 @@ class EvalStage(StageJob):
 
 class SharedEvalStage(submitit.helpers.Checkpointable):
     """Score several eval jobs of one base model in one process (eval/shared.py run_shared_eval), each into
-    its own eval folder, which it holds for its life as EvalStage holds its one, and marks DONE once
-    scored. A member already DONE (scored by its own job, or before a requeue) is not scored again; a
-    pruned one with `prune.eval_pruned: false` is skipped as EvalStage skips it; one whose training left
-    no adapter is not scored (its status says why). On USR2 or TERM it stops after the current batch and
-    requeues as EvalStage does: the next run starts at the first member not scored."""
+    its own eval folder, which it holds for its life as EvalStage holds its one, and marks DONE as soon as
+    it is scored. A member already DONE (scored by its own job, or before a requeue or a kill) is not
+    scored again; a pruned one with `prune.eval_pruned: false` is skipped as EvalStage skips it; one whose
+    training did not finish (no DONE there: failed, cancelled, or killed after it wrote its adapter) is not
+    scored, and its status says why. On USR2 or TERM it stops after the current batch and requeues as
+    EvalStage does: the next run starts at the first member not scored."""
 
     def __call__(self, specs: list[dict], hashes: list[str], progress: str, workdir: str) -> list[str]:
         from contextlib import ExitStack
@@ -198,7 +201,8 @@ class SharedEvalStage(submitit.helpers.Checkpointable):
 
         ready_process(specs[0], workdir)
         jobs = [(EvalJob.model_validate(spec), h) for spec, h in zip(specs, hashes, strict=True)]
-        left = [(job, h) for job, h in jobs if not is_done(Path(job.out_dir), h, "eval")]
+        left = [(job, h) for job, h in jobs if not is_done(Path(job.out_dir), h, "eval") and trained(job)]
+        hash_of = {job.out_dir: h for job, h in left}
         with ExitStack() as held:
             for job, _ in left:
                 refuse_links_in(Path(job.out_dir))
@@ -208,16 +212,30 @@ class SharedEvalStage(submitit.helpers.Checkpointable):
                 left.remove((job, h))
             stop = StopRequest()
             requeue = stop.listen()
-            results = run_shared_eval([job for job, _ in left], Path(progress), stop.event)
-            for (job, h), result in zip(left, results, strict=True):
-                if result is not None and "not_scored" not in result:
-                    mark_done(Path(job.out_dir), h)
+
+            def scored(job, result: dict) -> None:
+                if "not_scored" not in result:
+                    mark_done(Path(job.out_dir), hash_of[job.out_dir])
+
+            results = run_shared_eval([job for job, _ in left], Path(progress), stop.event, scored)
         if any(result is None for result in results):
+            if not stop.event.is_set():  # nothing asked it to stop: a requeue would end the same way
+                raise RuntimeError("a shared eval left members unscored without a stop signal")
             if stop.signal in (signal.SIGUSR2, None) and requeue is not None:
                 requeue(signal.SIGUSR2, None)  # submitit: checkpoint() → scontrol requeue → exit
             name = stop.signal.name if stop.signal else "USR2"
             raise RuntimeError(f"a shared eval stopped by {name}; its predictions are kept")
         return [job.out_dir for job, _ in jobs]
+
+
+def trained(job) -> bool:
+    """Whether the eval's training finished (its DONE; a base-model eval has no training)."""
+    if job.adapter_dir is None:
+        return True
+    if RunDir.of_adapter(job.adapter_dir).done.exists():
+        return True
+    log.warning("%s: not scored: its training %s has no DONE", job.out_dir, Path(job.adapter_dir).parent)
+    return False
 
 
 def skipped_as_pruned(job) -> bool:

@@ -305,8 +305,22 @@ def submit_to_slurm(decisions: list[Decision], batches: list, backend) -> dict[s
     ids = {d.job.id: d.scheduler_id for d in decisions if d.action == "queued"}
     todo = [d.job for d in decisions if d.action == "submit"]
     submitted: list[str] = []
+    to_queue = {job.id for job in todo}
     for batch in batches:
         first = batch if isinstance(batch, PlannedJob) else batch.jobs[0]
+        members = {first.id} if isinstance(batch, PlannedJob) else {j.id for j in batch.jobs}
+        unqueued = [
+            d.job_id
+            for job in ([batch] if isinstance(batch, PlannedJob) else batch.jobs)
+            for d in job.depends_on
+            if d.job_id in to_queue and d.job_id not in ids and d.job_id not in members
+        ]
+        if unqueued:  # it would start without waiting for them: never queue it so
+            backend.cancel(list(dict.fromkeys(ids[j] for j in submitted)))
+            raise LaunchError(
+                f"{first.id} would be queued before {', '.join(unqueued)}, which it waits for; the "
+                f"{len(submitted)} job(s) queued by this launch were cancelled (a bug: please report it)"
+            )
         try:
             if isinstance(batch, JobArray):
                 ids.update(submit_array(batch, ids, backend))

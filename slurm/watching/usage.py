@@ -50,6 +50,12 @@ def usage_of(
             (job.id, Path(job.run_dir)) for job in plan.jobs if pack in (r.job_id for r in records[job.id])
         ]
         pack_usages[pack] = pack_usage(pack, accounted[pack], units)
+    # A shared eval's members (slurm/queueing/jobs.py SharedEvalStage) share its allocation evenly: each
+    # charged the whole of it counted it once per point (before).
+    sharing: dict[str, int] = {}
+    for rs in records.values():
+        for job_id in {r.job_id for r in rs if r.shared}:
+            sharing[job_id] = sharing.get(job_id, 0) + 1
     jobs, unanswered = {}, set()
     for job in plan.jobs:
         parts = []
@@ -62,6 +68,8 @@ def usage_of(
                 part = None
             elif record.pack:
                 part = pack_usages[job_id][1].get(job.id, JobUsage(0, 0, 1, 0, ""))
+            elif record.shared:
+                part = shared_part(slurm_part(accounted[job_id]), job_id, sharing[job_id])
             else:
                 part = slurm_part(accounted[job_id])
             if part is None:  # one submission unknown: a sum without it would pass for the whole
@@ -78,6 +86,12 @@ def slurm_part(attempts: list[Allocation]) -> JobUsage:
     held = sum(a.elapsed_s for a in attempts)
     gpu_hours = sum(a.elapsed_s * a.gpus for a in attempts) / 3600
     return JobUsage(held, gpu_hours, attempts[-1].gpus, len(attempts), "sacct")
+
+
+def shared_part(whole: JobUsage, job_id: str, members: int) -> JobUsage:
+    """One member's even share of a shared eval's allocation (its `members` in the run root's records)."""
+    source = f"sacct: 1/{members} of shared eval {job_id}"
+    return JobUsage(whole.held_s / members, whole.gpu_hours / members, whole.gpus, whole.attempts, source)
 
 
 def combined(parts: list[JobUsage]) -> JobUsage:
