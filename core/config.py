@@ -278,6 +278,12 @@ class DataSpec(Section):
         """The field holding each example's turns (messages / sharegpt)."""
         return self.messages_field or {"sharegpt": "conversations"}.get(self.format, "messages")
 
+    def scored_only(self, source: str) -> DataSpec:
+        """This data as an eval reads it, scoring `source`: what only training reads (the training file, a
+        curriculum's `order`, the loader's workers) at its default, so two evals of the same examples are
+        one eval (a base row: slurm/planning/plan.py base_eval_content; a shared eval: EvalJob.sharing_key)."""
+        return self.model_copy(update={"train": source, "order": "shuffle", "num_workers": "auto"})
+
     @model_validator(mode="after")
     def _keys_of_the_format(self):
         if self.format == "fields":
@@ -1305,9 +1311,7 @@ class EvalJob(Section):
         is held (quantization, the adapter's method), the data scored, and the eval's settings (generation,
         metrics, split)."""
         adapter = self.adapter.model_dump(include={"method", "quant_type", "double_quant"})
-        # What only training reads is left out, as a base-model eval leaves it (slurm/planning/plan.py
-        # base_eval_content): a point's eval and its base row read the same examples.
-        data = self.data.model_copy(update={"train": self.source, "order": "shuffle", "num_workers": "auto"})
+        data = self.data.scored_only(self.source)  # a point's eval and its base row read the same examples
         parts = {"model": self.model.model_dump(), "adapter": adapter, "data": data.model_dump()}
         parts |= {"eval": self.eval.model_dump(), "pairs": self.preference_pairs is not None}
         return json.dumps(parts, sort_keys=True, default=str)

@@ -325,8 +325,7 @@ def legacy_base_eval_job(loaded: LoadedExperiment, profile: ClusterProfile) -> P
 def base_eval_content(loaded: LoadedExperiment) -> EvalJob:
     exp, stage = loaded.experiment, loaded.stages[-1]
     scored = stage.data.eval if exp.eval.split == "eval" else stage.data.train
-    # What only training reads is left at its default: a curriculum's `order` makes no other base row.
-    data = stage.data.model_copy(update={"train": scored, "order": "shuffle", "num_workers": "auto"})
+    data = stage.data.scored_only(scored)  # a curriculum's `order` makes no other base row
     adapter = AdapterSpec(
         method=exp.adapter.method, quant_type=exp.adapter.quant_type, double_quant=exp.adapter.double_quant
     )

@@ -78,11 +78,12 @@ def with_shared_evals(batches: list, waits_on: set[str], longest=None) -> list:
             jobs.insert(0, base)
     last_of: dict[str, list[SharedEval]] = {}  # the id of a group's last member → its shared evals
     members: set[str] = set()
+    position = {id(batch): index for index, batch in enumerate(batches)}
     for jobs in groups.values():
         if len(jobs) < 2:
             continue
         chunks = by_time(jobs, longest(jobs[0].resources) if longest else None)
-        last = max(jobs, key=lambda job: next(i for i, b in enumerate(batches) if b is job))
+        last = max(jobs, key=lambda job: position[id(job)])  # a base row may come after a point's eval
         last_of[last.id] = [  # a piece of one is its own job
             SharedEval(chunk, summed_resources(chunk), parents_of(chunk, waits_on))
             if len(chunk) > 1

@@ -25,7 +25,7 @@ from core.job_records import current_job, forget_intent, mark_cancelled, record_
 from core.problems import ConfigError, Interrupted, LaunchError
 from core.rundir import RunRoot, record_origin, write_spec
 from core.states import NEVER_STARTS_MARK, State
-from slurm.planning.arrays import JobArray, slurm_submissions
+from slurm.planning.arrays import JobArray, jobs_of, slurm_submissions
 from slurm.planning.pack import pack_plan, pack_resources, unit_of
 from slurm.planning.plan import Plan, PlannedJob
 from slurm.planning.shared_evals import SharedEval
@@ -307,11 +307,11 @@ def submit_to_slurm(decisions: list[Decision], batches: list, backend) -> dict[s
     submitted: list[str] = []
     to_queue = {job.id for job in todo}
     for batch in batches:
-        first = batch if isinstance(batch, PlannedJob) else batch.jobs[0]
-        members = {first.id} if isinstance(batch, PlannedJob) else {j.id for j in batch.jobs}
+        jobs = jobs_of(batch)
+        first, members = jobs[0], {job.id for job in jobs}
         unqueued = [
             d.job_id
-            for job in ([batch] if isinstance(batch, PlannedJob) else batch.jobs)
+            for job in jobs
             for d in job.depends_on
             if d.job_id in to_queue and d.job_id not in ids and d.job_id not in members
         ]
@@ -339,7 +339,7 @@ def submit_to_slurm(decisions: list[Decision], batches: list, backend) -> dict[s
         except KeyboardInterrupt:
             what = f"interrupted while submitting {first.id} (if sbatch queued it, a relaunch finds and records it)"
             raise Interrupted(partly_submitted(submitted, todo, ids, what)) from None
-        submitted += [batch.id] if isinstance(batch, PlannedJob) else [j.id for j in batch.jobs]
+        submitted += [job.id for job in jobs]
     return ids
 
 
@@ -348,28 +348,10 @@ class SchedulerRefused(Exception):
 
 
 def submit_one(job: PlannedJob, parents: list[tuple[str, str]], backend) -> str:
-    """Write the spec and the intent, sbatch, record. OSError before sbatch leaves nothing queued for the
-    job; a job.json that cannot be written after it cancels the job (else the next launch records it)."""
-    run_dir, code = Path(job.run_dir), backend.code.provenance()
-    archive_stale(job)
-    write_spec(run_dir, job.spec.model_dump(), code)
-    token = record_intent(run_dir, code)
-    try:
-        job_id = backend.submit(job, parents, token)
-    except OSError:
-        raise
-    except Exception as exc:
-        with contextlib.suppress(OSError):
-            forget_intent(run_dir)
-        raise SchedulerRefused(str(exc).strip()) from None
-    try:
-        record_job(run_dir, job_id, "slurm", code)
-    except OSError as exc:
-        backend.cancel([job_id])
-        raise OSError(
-            f"queued as SLURM job {job_id}, then cancelled: its job.json cannot be written ({exc})"
-        ) from None
-    return job_id
+    """Write the spec and the intent, sbatch, record (submit_together for one job). OSError before sbatch
+    leaves nothing queued for the job; a job.json that cannot be written after it cancels the job (else
+    the next launch records it)."""
+    return submit_together([job], lambda token: [backend.submit(job, parents, token)], backend)[0]
 
 
 def partly_submitted(submitted: list[str], todo: list[PlannedJob], ids: dict[str, str], what: str) -> str:
