@@ -537,7 +537,7 @@ class TrainSpec(Section):
     dpo: DpoSpec | None = Field(
         None,
         exclude_if=lambda value: value is None,
-        description="A `dpo` stage's objective (`beta`, `loss_type`, `reference`); read by `dpo` stages only and refused on an `sft` stage.",
+        description="A `dpo` stage's objective (`beta`, `loss_type`, `reference`); refused on any other stage.",
     )
     grpo: GrpoSpec | None = Field(
         None,
@@ -635,9 +635,10 @@ class TrainSpec(Section):
     @field_validator("dpo")
     @classmethod
     def _dpo_keys_on_a_dpo_stage(cls, value, info: ValidationInfo):
-        if value is not None and info.data.get("method") == "sft":  # method is checked before dpo
+        method = info.data.get("method")  # method is checked before dpo
+        if value is not None and method is not None and method != "dpo":
             raise ValueError(
-                "is the preference objective's block, but this stage is train.method: sft; set "
+                f"is the preference objective's block, but this stage is train.method: {method}; set "
                 "train.method: dpo (with data.format: preference), or remove train.dpo"
             )
         return value
@@ -968,7 +969,7 @@ class EvalSpec(Section):
     # these keys existed are not run again.
     bertscore_model: str | None = Field(
         None,
-        description="the bertscore metric's model: a local folder or a hub id (fetched on the node)",
+        description="the bertscore metric's model: a local folder or a hub id (fetched by preflight on the login node, or by the eval job with `hub_downloads: nodes`); required with `bertscore`",
         exclude_if=lambda model: model is None,
     )
     bertscore_rescale: bool = Field(

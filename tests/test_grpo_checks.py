@@ -333,3 +333,11 @@ def test_sft_then_dpo_then_grpo_plans_a_chain_whose_grpo_stage_reads_the_sft_dat
     assert rl["train"]["method"] == "grpo" and jobs["a/rl"]["depends_on"] == [
         {"job": "a/dpo", "kind": "afterok"}
     ]
+
+
+def test_a_dpo_block_written_in_a_grpo_stage_is_refused_not_silently_dropped(tmp_path, capsys):
+    more = grpo_stage(REWARD, stage_train="      dpo: {beta: 0.5}\n")
+    code, err = dry_run(experiment_folder(tmp_path, more=more), capsys)
+    text = " ".join(err.split())
+    assert code == 2 and "a.yaml:13: stages.1.train.dpo: is the preference objective's block" in text
+    assert "this stage is train.method: grpo" in text
