@@ -217,7 +217,9 @@ def check_file(path: Path, spec: DataSpec) -> TextSize:
     in the same read (the launcher reads each data file once per command)."""
     suffix = path.suffix.lower()
     if suffix not in TABLE_SUFFIXES:
-        raise ExampleError(path, f"unknown file type '{suffix}' (use .jsonl, .json (JSON Lines), .csv or .parquet)")
+        raise ExampleError(
+            path, f"unknown file type '{suffix}' (use .jsonl, .json (JSON Lines), .csv or .parquet)"
+        )
     if path.exists() and not path.is_file():  # a FIFO would block the launch at its open
         raise ExampleError(path, "is not a regular file (a FIFO, a socket, a device or a folder)")
     if suffix == ".parquet":
