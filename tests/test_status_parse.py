@@ -20,10 +20,13 @@ from core.durations import format_eta
 from core.states import State, from_slurm, jobs_verdict, parent_verdict
 from slurm.watching.status import (
     Allocation,
+    Done,
+    Row,
     SchedulerInfo,
     parse_sacct,
     parse_sacct_allocations,
     parse_squeue,
+    status_row,
     tres_gpus,
 )
 
@@ -222,6 +225,28 @@ def test_one_dependency_rule_as_slurm_applies_it(kind, parent, verdict):
     """afterok blocks on a parent that did not complete, afterany waits only for its end: the rule the local
     backend, a pack's lanes and --status all take from core/states.py."""
     assert parent_verdict(kind, parent) == verdict
+
+
+# job_status's table by hand, every combination that can happen (nothing is live unless queued): (DONE says, queued, the scheduler still has it) → row.
+STATUS_ROWS = (
+    [(Done.UNREADABLE, queued, live, Row.UNREADABLE) for queued in (False, True) for live in (False, True)]
+    + [(Done.THIS, queued, live, Row.FINISHED) for queued in (False, True) for live in (False, True)]
+    + [
+        (Done.OTHER, False, False, Row.ANOTHER_CONFIG),
+        (Done.OTHER, True, False, Row.ANOTHER_CONFIG),
+        (Done.OTHER, True, True, Row.SCHEDULED),  # requeued or relaunched with --force: it runs again
+        (Done.NONE, False, False, Row.PLANNED),
+        (Done.NONE, True, False, Row.SCHEDULED),
+        (Done.NONE, True, True, Row.SCHEDULED),
+    ]
+)
+
+
+@pytest.mark.parametrize("done, queued, live, row", STATUS_ROWS)
+def test_status_rows_an_edited_jobs_old_run_is_completed_not_failed_and_a_done_job_never_asks_slurm(
+    done, queued, live, row
+):
+    assert status_row(done, queued, live) is row
 
 
 def test_a_blocking_parent_blocks_even_while_another_still_runs():

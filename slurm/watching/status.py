@@ -7,6 +7,7 @@ import re
 import time
 from dataclasses import dataclass, replace
 from datetime import datetime
+from enum import Enum
 from pathlib import Path
 
 from core.config import ascii_int, what_it_computes
@@ -196,83 +197,178 @@ def plan_status(plan: Plan, log_root: str) -> list[JobStatus]:
     return list(statuses.values())
 
 
+class Done(Enum):
+    """What a run folder's DONE says of a planned job (core/rundir.py)."""
+
+    UNREADABLE = "cannot be read"
+    THIS = "this config"
+    OTHER = "another config"  # finished, with a config since edited (or another folder's --force)
+    NONE = "none"
+
+
+class Row(Enum):
+    """A row of job_status's table: which answer --status gives."""
+
+    UNREADABLE = "UNKNOWN: DONE cannot be read"
+    FINISHED = "COMPLETED (or PRUNED), with the scheduler's elapsed time and nodes"
+    ANOTHER_CONFIG = "COMPLETED with another config (changed: ...)"
+    PLANNED = "PLANNED, or BLOCKED by a parent that will never finish"
+    SCHEDULED = "the scheduler's answer, BLOCKED where a failed parent keeps it"
+
+
+def status_row(done: Done, queued: bool, live: bool) -> Row:
+    """--status's table over what DONE says, whether a job was queued for it (a record in its run folder),
+    and whether the scheduler still has it (`live`: pending or running); the first row that matches:
+
+        DONE            queued   live    the job is
+        cannot be read  -        -       UNREADABLE
+        this config     -        -       FINISHED
+        another config  -        no      ANOTHER_CONFIG (before, an edited job's old run read FAILED)
+        none / another  no       -       PLANNED
+        none / another  yes      -       SCHEDULED
+
+    The one rule of job_status, as parent_verdict is the dependencies'."""
+    if done is Done.UNREADABLE:
+        return Row.UNREADABLE
+    if done is Done.THIS:
+        return Row.FINISHED
+    if done is Done.OTHER and not live:
+        return Row.ANOTHER_CONFIG
+    return Row.SCHEDULED if queued else Row.PLANNED
+
+
+def read_done(run_dir: Path, job) -> Done:
+    done = done_hash(run_dir)
+    if done == UNREADABLE:
+        return Done.UNREADABLE
+    if is_done(run_dir, job.config_hash, job.kind):
+        return Done.THIS
+    return Done.OTHER if done and done != job.config_hash else Done.NONE
+
+
+@dataclass(frozen=True)
+class Seen:
+    """What job_status reads of one job before it decides: its record, its submitit job, its progress."""
+
+    job: PlannedJob
+    record: JobRecord | None
+    submitted: object | None  # submitit's Job, for the log's path and a local job's controller
+    progress: dict  # PROGRESS_FIELDS as progress.json has them
+    failed_parent: JobStatus | None  # the first parent whose end blocks this job (parent_verdict)
+
+    @property
+    def common(self) -> dict:
+        """The fields every queued job's row carries."""
+        return {
+            "scheduler_id": self.record.job_id if self.record else "",
+            "log_path": str(self.submitted.paths.stdout) if self.submitted else "",
+            "backend": self.record.backend if self.record else "",
+            **self.progress,
+        }
+
+
 def job_status(
     job, record: JobRecord | None, scheduler, earlier: dict[str, JobStatus], log_root: str
 ) -> JobStatus:
     run_dir = Path(job.run_dir)
     progress = RunDir(run_dir).read_progress()
-    fields = {key: progress.get(key) for key in PROGRESS_FIELDS}
-    scheduler_id = record.job_id if record else ""
-    submitted = _submitit_job(log_root, job.id, record, run_dir) if record else None
-    log_path = str(submitted.paths.stdout) if submitted else ""
-    backend = record.backend if record else ""
-    common = {"scheduler_id": scheduler_id, "log_path": log_path, "backend": backend, **fields}
-    done = done_hash(run_dir)
-    if done == UNREADABLE:
-        return JobStatus(job, State.UNKNOWN, reason=f"{RunDir(run_dir).done} cannot be read", **common)
-    if is_done(run_dir, job.config_hash, job.kind):
-        pruned = RunDir(run_dir).read_pruned() if job.kind == "train" else {}
-        ended = SchedulerInfo(State.COMPLETED)
-        if backend == "local" and submitted is not None:
-            ended = SchedulerInfo(State.COMPLETED, elapsed=local_elapsed(submitted, record, running=False))
-        else:
-            ended = scheduler.get(scheduler_id, ended)
-        return JobStatus(
-            job,
-            State.PRUNED if pruned else State.COMPLETED,
-            reason=pruned_reason(pruned),
-            **common,
-            elapsed=ended.elapsed,
-            nodes=ended.nodes,
-        )
-    failed_parent = next(
-        (
-            d.job_id
-            for d in job.depends_on
-            if parent_verdict(d.kind, earlier[d.job_id].state) is State.BLOCKED
-        ),
-        None,
+    seen = Seen(
+        job,
+        record,
+        _submitit_job(log_root, job.id, record, run_dir) if record else None,
+        {key: progress.get(key) for key in PROGRESS_FIELDS},
+        blocking_parent(job, earlier),
     )
-    if record is None:
-        if done and done != job.config_hash:  # finished with another config; no record of its job here
-            return JobStatus(job, State.COMPLETED, reason=another_config(job, run_dir), **fields)
-        if failed_parent:
-            return JobStatus(
-                job, State.BLOCKED, reason=f"parent {failed_parent} {earlier[failed_parent].state.value}"
-            )
-        return JobStatus(job, State.PLANNED, **fields)
-    if backend == "local":
-        info = local_info(submitted, record, job)
-    else:
-        info = scheduler.get(scheduler_id, unknown_to_slurm(record))
-        if record.pack:
-            info = packed_unit_info(run_dir, scheduler_id, info)
-        if record.shared:
-            info = shared_eval_info(info, scheduler_id, failed_parent and earlier[failed_parent])
-    state, reason = info.state, info.reason
-    # The nodes it holds or held; none while it waits (a requeued job's last nodes are not its next).
-    nodes = "" if state is State.PENDING else info.nodes
-    if state is State.FAILED and log_path:
-        tail = read_tail(log_path)
-        ranks = first_failed_rank(tail) if job.tasks > 1 else ""
-        reason = "; ".join(part for part in (reason, stage_stop(tail), ranks) if part)
-    if done and done != job.config_hash and not state.live:  # it finished with another config: no failure
+    done = read_done(run_dir, job)
+    answer = None
+    if record is not None and done in (Done.NONE, Done.OTHER):
+        answer = scheduler_answer(seen, scheduler)
+    row = status_row(done, record is not None, answer is not None and answer.state.live)
+    if row is Row.UNREADABLE:
+        return JobStatus(job, State.UNKNOWN, reason=f"{RunDir(run_dir).done} cannot be read", **seen.common)
+    if row is Row.FINISHED:
+        return finished_status(seen, scheduler)
+    if row is Row.ANOTHER_CONFIG:
+        ended = answer or SchedulerInfo(State.COMPLETED)
+        common = seen.common if record else seen.progress
         return JobStatus(
             job,
             State.COMPLETED,
             reason=another_config(job, run_dir),
-            elapsed=info.elapsed,
-            nodes=nodes,
+            elapsed=ended.elapsed,
+            nodes=ended.nodes,
             **common,
         )
-    if state is State.PENDING and reason in NEVER_STARTS and never_starts(reason, job.resources):
+    if row is Row.PLANNED:
+        if seen.failed_parent:
+            parent = seen.failed_parent
+            return JobStatus(job, State.BLOCKED, reason=f"parent {parent.job.id} {parent.state.value}")
+        return JobStatus(job, State.PLANNED, **seen.progress)
+    return scheduled_status(seen, answer)
+
+
+def blocking_parent(job, earlier: dict[str, JobStatus]) -> JobStatus | None:
+    """The first parent whose end means this job will never run (parent_verdict); None when none does."""
+    for parent in job.depends_on:
+        if parent_verdict(parent.kind, earlier[parent.job_id].state) is State.BLOCKED:
+            return earlier[parent.job_id]
+    return None
+
+
+def finished_status(seen: Seen, scheduler: dict[str, SchedulerInfo]) -> JobStatus:
+    """A job whose DONE is this config's: COMPLETED, or PRUNED where its sweep stopped it, with the time
+    and nodes its scheduler kept (a local job's own clock)."""
+    job, record = seen.job, seen.record
+    pruned = RunDir(Path(job.run_dir)).read_pruned() if job.kind == "train" else {}
+    ended = SchedulerInfo(State.COMPLETED)
+    if record and record.backend == "local" and seen.submitted is not None:
+        ended = SchedulerInfo(State.COMPLETED, elapsed=local_elapsed(seen.submitted, record, running=False))
+    elif record:
+        ended = scheduler.get(record.job_id, ended)
+    state = State.PRUNED if pruned else State.COMPLETED
+    common = seen.common
+    return JobStatus(
+        job, state, reason=pruned_reason(pruned), elapsed=ended.elapsed, nodes=ended.nodes, **common
+    )
+
+
+def scheduler_answer(seen: Seen, scheduler: dict[str, SchedulerInfo]) -> SchedulerInfo:
+    """What the scheduler says of a queued job not DONE: a local job's controller, squeue or sacct, a
+    packed unit's lane within its allocation, a member of a shared eval; a failure's reason completed from
+    its log, a pending reason that never resolves marked; no nodes while it waits (a requeued job's last
+    nodes are not its next)."""
+    job, record = seen.job, seen.record
+    if record.backend == "local":
+        info = local_info(seen.submitted, record, job)
+    else:
+        info = scheduler.get(record.job_id, unknown_to_slurm(record))
+        if record.pack:
+            info = packed_unit_info(Path(job.run_dir), record.job_id, info)
+        if record.shared:
+            info = shared_eval_info(info, record.job_id, seen.failed_parent)
+    reason = info.reason
+    if info.state is State.FAILED and seen.submitted is not None:
+        tail = read_tail(str(seen.submitted.paths.stdout))
+        ranks = first_failed_rank(tail) if job.tasks > 1 else ""
+        reason = "; ".join(part for part in (reason, stage_stop(tail), ranks) if part)
+    if info.state is State.PENDING and reason in NEVER_STARTS and never_starts(reason, job.resources):
         reason = f"{NEVER_STARTS_MARK}: {reason}"  # what it means: a line under the table (render.py)
+    nodes = "" if info.state is State.PENDING else info.nodes
+    return replace(info, reason=reason, nodes=nodes)
+
+
+def scheduled_status(seen: Seen, info: SchedulerInfo) -> JobStatus:
+    """A queued job not DONE, as its scheduler answers; BLOCKED where it waits on a dependency SLURM will
+    never satisfy, or ended CANCELLED or UNKNOWN after a parent failed (SLURM's kill of an orphan)."""
+    state, reason = info.state, info.reason
     stuck = state.live and "DependencyNeverSatisfied" in reason
-    if stuck or (failed_parent and state in (State.CANCELLED, State.UNKNOWN)):
-        parent = failed_parent or "a parent"
+    parent = seen.failed_parent
+    if stuck or (parent and state in (State.CANCELLED, State.UNKNOWN)):
         state = State.BLOCKED
-        reason = f"parent {parent} {earlier[parent].state.value}" if failed_parent else "a parent failed"
-    return JobStatus(job, state, reason=reason, elapsed=info.elapsed, stuck=stuck, nodes=nodes, **common)
+        reason = f"parent {parent.job.id} {parent.state.value}" if parent else "a parent failed"
+    return JobStatus(
+        seen.job, state, reason=reason, elapsed=info.elapsed, stuck=stuck, nodes=info.nodes, **seen.common
+    )
 
 
 def unknown_to_slurm(record: JobRecord) -> SchedulerInfo:
