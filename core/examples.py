@@ -60,6 +60,8 @@ class TextSize:
     # Preference pairs: the line of the first whose prompt is a conversation (a list of turns), rendered with
     # the model's chat template when data.chat_template names none; None: every prompt is text.
     conversation_line: int | None = None
+    # Preference pairs: the line of the first whose prompt is text; None: every prompt is a conversation.
+    text_line: int | None = None
 
 
 def needed_fields(spec: DataSpec) -> list[str]:
@@ -155,7 +157,7 @@ def check_rows(rows: Iterable[tuple[int, dict]], spec: DataSpec, path: Path) -> 
     pairs file held whole took 2.0 GB on the login node)."""
     needed = needed_fields(spec)
     listed: list[ExampleError] = []
-    unlisted, count, chars, answers, conversation_line = 0, 0, 0, [], None
+    unlisted, count, chars, answers, conversation_line, text_line = 0, 0, 0, [], None, None
     for number, row in rows:
         missing = [field for field in needed if field not in row]
         if missing:
@@ -199,8 +201,11 @@ def check_rows(rows: Iterable[tuple[int, dict]], spec: DataSpec, path: Path) -> 
         chars += conversations.chars(row, spec)
         if spec.format in ("messages", "sharegpt"):
             answers.append(len(conversations.scored_turns(conversations.conversation(row, spec), "all")))
-        if spec.format == "preference" and conversation_line is None and isinstance(row.get("prompt"), list):
-            conversation_line = number
+        if spec.format == "preference":
+            if conversation_line is None and isinstance(row.get("prompt"), list):
+                conversation_line = number
+            if text_line is None and isinstance(row.get("prompt"), str):
+                text_line = number
     if not count:
         raise ExampleError(path, "has no examples (the file is empty)")
     if listed:
@@ -209,7 +214,7 @@ def check_rows(rows: Iterable[tuple[int, dict]], spec: DataSpec, path: Path) -> 
             more = f"and {len(listed) - MOST_LISTED + unlisted} more mistakes in this file"
             shown.append(ExampleError(path, more, listed[min(MOST_LISTED, len(listed) - 1)].line))
         raise ExampleErrors(shown)
-    return TextSize(count, chars, tuple(answers), conversation_line)
+    return TextSize(count, chars, tuple(answers), conversation_line, text_line)
 
 
 def check_file(path: Path, spec: DataSpec) -> TextSize:

@@ -100,3 +100,52 @@ def test_the_dry_run_shows_refused_what_the_local_launch_refuses_not_planned(tmp
         "a launch would refuse:" in captured.err
         and "resources.nodes: asks for 2 nodes x 1 GPU" in captured.err
     )
+
+
+CHATS = '{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "SELECT 1"}]}\n'
+TEXT_PAIR = '{"prompt": "q", "chosen": "SELECT 1", "rejected": "SELECT 2"}\n'
+TURNS_PAIR = '{"prompt": [{"role": "user", "content": "q"}], "chosen": "SELECT 1", "rejected": "SELECT 2"}\n'
+
+
+def sft_then_dpo(tmp_path: Path, sft_data: str | None, pairs: str) -> Path:
+    """a.yaml as two stages: SFT on its own data (`sft_data`, chats; None: the fields of a.yaml), then DPO
+    on pairs.jsonl holding `pairs`."""
+    (tmp_path / "pairs.jsonl").write_text(pairs * 2)
+    sft = ""
+    if sft_data is not None:
+        (tmp_path / "chats.jsonl").write_text(sft_data * 2)
+        sft = f"    data: {{train: {tmp_path / 'chats.jsonl'}, eval: null, format: messages}}\n"
+    pairs_file = tmp_path / "pairs.jsonl"
+    dpo = f"    data: {{train: {pairs_file}, eval: {pairs_file}, format: preference}}\n"
+    stages = f"stages:\n  - name: sft\n{sft}  - name: dpo\n    train: {{method: dpo}}\n{dpo}"
+    return experiment_folder(tmp_path, more=stages)
+
+
+@pytest.mark.parametrize(
+    "sft_data, pairs, warned",
+    [
+        (
+            CHATS,
+            TEXT_PAIR,
+            "its text prompt is rendered raw, as `fields` are, but stage 'sft' before it "
+            "learned chats through the chat template",
+        ),
+        (
+            None,
+            TURNS_PAIR,
+            "its prompt is rendered through the chat template, but stage 'sft' before it learned raw prompts",
+        ),
+        (CHATS, TURNS_PAIR, None),
+        (None, TEXT_PAIR, None),
+    ],
+)
+def test_dpo_pairs_rendered_unlike_the_sft_stage_before_them_are_warned_not_silent(
+    tmp_path, capsys, sft_data, pairs, warned
+):
+    code, err = dry_run(sft_then_dpo(tmp_path, sft_data, pairs), capsys)
+    text = " ".join(err.split())
+    assert code == 0, err
+    if warned:
+        assert f"pairs.jsonl:1: prompt: stage 'dpo': {warned}" in text
+    else:
+        assert "stage 'dpo':" not in text

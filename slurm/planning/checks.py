@@ -28,6 +28,40 @@ from slurm.planning.sweeps import check_prune, check_select
 from slurm.planning.validation import LoadedExperiment, Stage, resolve_stages
 
 
+def pairs_rendered_unlike_the_stage_before(experiment: Experiment, stages: list[Stage]) -> list[Problem]:
+    """A warning where a DPO stage's pairs are rendered otherwise than the stage before it learned: text
+    prompts rendered raw (as `fields`) after a stage of chats through the chat template, or prompts rendered
+    through the template after a stage of raw `fields` prompts. Either trains the preference on prompts the
+    model was not tuned to read (before: silently, found only in the scores)."""
+    kind, problems = experiment.model.kind, []
+    for before, stage in zip(stages, stages[1:], strict=False):
+        if stage.data.format != PREFERENCE or before.data.format == PREFERENCE:
+            continue
+        size = read_examples(Path(stage.data.train), stage.data) if Path(stage.data.train).is_file() else None
+        if not isinstance(size, TextSize):
+            continue
+        learned_chats = templated(before.data, kind)
+        if learned_chats and stage.data.chat_template is None and size.text_line is not None:
+            line, how = size.text_line, "its text prompt is rendered raw, as `fields` are"
+            fix = (
+                "write the prompts as turns ([{role: user, content: ...}]) to render them with the model's "
+                "own template, or set data.chat_template to the template the stage before used"
+            )
+        elif not learned_chats and (size.conversation_line is not None or stage.data.chat_template):
+            line = size.conversation_line or size.text_line
+            how = "its prompt is rendered through the chat template"
+            fix = "write the prompts as text, as the stage before's were (and leave data.chat_template unset)"
+        else:
+            continue
+        message = (
+            f"stage {stage.name!r}: {how}, but stage {before.name!r} before it learned "
+            f"{'chats through the chat template' if learned_chats else 'raw prompts (format: fields)'}: "
+            f"DPO would tune the model on prompts it was not trained to read; {fix}"
+        )
+        problems.append(Problem(f"{stage.data.train}:{line}", "prompt", message, warning=True))
+    return problems
+
+
 def checked(
     experiment: Experiment,
     raw: dict,
@@ -47,6 +81,7 @@ def checked(
         + check_kind(experiment, chain)
         + check_chat_template(experiment, stages, chain)
         + check_preference(experiment, stages, chain)
+        + pairs_rendered_unlike_the_stage_before(experiment, stages)
         + check_grpo(experiment, stages, chain)
     )
 
