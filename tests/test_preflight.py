@@ -463,3 +463,26 @@ def test_what_the_libraries_print_while_preflight_computes_goes_to_its_log_not_t
     assert "examples/s" not in done.stderr and "Warning" not in done.stderr, done.stderr
     assert "sql-t5-lora/train" in done.stdout  # preflight's own table is still shown
     assert "examples/s" in (tmp_path / "cache" / "preflight" / "preflight.log").read_text()
+
+
+def test_an_offline_refusal_of_a_hub_id_names_the_local_folder_it_was_converted_into(tmp_path, monkeypatch):
+    """Before: offline, `HuggingFaceTB/SmolLM2-135M-Instruct` was refused naming only its download, while
+    the folder the real-model page had just made sat in models/."""
+    from slurm.planning import preflight
+    from slurm.planning.preflight import local_copy, unfetched
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(preflight, "MODEL_FOLDERS", (Path("models"),))  # not this checkout's own models/
+    (tmp_path / "models" / "smollm2-135m-instruct").mkdir(parents=True)
+    (tmp_path / "models" / "half-made").mkdir()  # no config.json: not a model folder
+    assert local_copy("HuggingFaceTB/SmolLM2-135M-Instruct") is None
+    (tmp_path / "models" / "smollm2-135m-instruct" / "config.json").write_text("{}")
+    assert local_copy("HuggingFaceTB/SmolLM2-135M-Instruct") == "./models/smollm2-135m-instruct"
+    assert local_copy("org/half-made") is None and local_copy("org/not-here") is None
+    missing = {"hf download HuggingFaceTB/SmolLM2-135M-Instruct": "offline"}
+    [problem] = unfetched(
+        "a/train", "a.yaml", "model.name_or_path", missing, "HuggingFaceTB/SmolLM2-135M-Instruct"
+    )
+    assert problem.message.endswith(
+        "a local copy is here: write model.name_or_path: ./models/smollm2-135m-instruct"
+    )

@@ -188,7 +188,9 @@ def preflight_plan(
                 )
             continue
         missing = hub_cache.fetch(planned.spec) if fetch else None
-        lacking = unfetched(planned.id, where, "model.name_or_path", missing or {})
+        lacking = unfetched(
+            planned.id, where, "model.name_or_path", missing or {}, planned.spec.model.name_or_path
+        )
         problems += lacking
         if mismatch := kind_problem(planned.spec, where):  # a hub model's config.json is here now
             problems.append(mismatch)
@@ -222,19 +224,40 @@ def kind_problem(job: TrainJob, where: str) -> Problem | None:
     return Problem(where, "model.kind", why) if why else None
 
 
-def unfetched(job_id: str, where: str, key: str, missing: dict[str, str]) -> list[Problem]:
+def unfetched(job_id: str, where: str, key: str, missing: dict[str, str], name: str = "") -> list[Problem]:
     if not missing:
         return []
     lines = "; ".join(f"{command} ({reason})" for command, reason in missing.items())
+    copy = local_copy(name)
+    here = f"; a local copy is here: write {key}: {copy}" if copy else ""
     return [
         Problem(
             where,
             key,
             f"{job_id} runs offline (cluster.yaml hub_downloads: login) and this machine could not fetch "
             f"what it needs: {lines}; run that where there is network, into the Hugging Face cache the nodes "
-            "share (HF_HOME), or set hub_downloads: nodes if the nodes have network",
+            f"share (HF_HOME), or set hub_downloads: nodes if the nodes have network{here}",
         )
     ]
+
+
+# Where local model folders are made (`python -m demo.tiny models`, `python -m bench.real_model --convert`).
+MODEL_FOLDERS = (Path("models"), Path(__file__).resolve().parents[2] / "models")
+
+
+def local_copy(hub_id: str) -> str | None:
+    """A local model folder a hub id's repo was saved or converted into (`models/smollm2-135m-instruct` for
+    `HuggingFaceTB/SmolLM2-135M-Instruct`), written as the config would name it; None when there is none.
+    Before: offline, the refusal named only the download, not the folder a user had just made."""
+    repo = hub_id.rsplit("/", 1)[-1].lower()
+    for folder in MODEL_FOLDERS:
+        if not repo or not folder.is_dir():
+            continue
+        for found in folder.iterdir():
+            if found.name.lower() == repo and (found / "config.json").is_file():
+                relative = os.path.relpath(found)
+                return str(found.resolve()) if relative.startswith("..") else f"./{relative}"
+    return None
 
 
 def cache_problem(exc: OSError) -> Problem | None:
@@ -260,6 +283,7 @@ def unavailable(job: TrainJob, exc: Exception) -> str:
     return (
         f"the config of {name!r} is neither a local folder nor in the Hugging Face cache ({first_line(exc)}); "
         f"fetch it on a machine with network: {fetch_command(name, job.model.revision)}"
+        + (f"; a local copy is here: write model.name_or_path: {copy}" if (copy := local_copy(name)) else "")
     )
 
 
