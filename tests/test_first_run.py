@@ -44,7 +44,29 @@ def test_the_readmes_first_run_yaml_is_a_valid_experiment(tmp_path, capsys, monk
     monkeypatch.chdir(tmp_path)
     code = launch.main(["--exp", "my-chat", "--config-dir", str(folder), "--dry-run"])
     assert code == 0, capsys.readouterr().err
-    assert "my-chat/train" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    # Its untuned model's row beside it: before, the example had none (no base.yaml, baseline false).
+    assert "my-chat/train" in out and "_base-SmolLM2_135M_Instruct-" in out
+
+
+def test_inheriting_base_yaml_from_a_folder_of_ones_own_names_the_projects_file_and_only_that(
+    tmp_path, capsys, monkeypatch
+):
+    """Before: `inherits: base.yaml` outside configs/ failed "not found", and a second, misleading error
+    followed: "--exp: no experiment named 'mine'" (the file that names it had failed to load)."""
+    from pathlib import Path
+
+    import launch
+
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    (folder / "mine.yaml").write_text("name: mine\ninherits: base.yaml\n")
+    monkeypatch.chdir(tmp_path)
+    code = launch.main(["--exp", "mine", "--config-dir", str(folder), "--dry-run"])
+    err = " ".join(capsys.readouterr().err.split())
+    shipped = Path(__file__).resolve().parent.parent / "configs" / "base.yaml"
+    assert code == 2 and f"the project's own base.yaml is {shipped}: write inherits: {shipped}" in err
+    assert "no experiment named" not in err and "1 problem(s)" in err
 
 
 def test_a_sweep_with_fewer_runs_than_min_points_is_told_it_can_never_prune(tmp_path, capsys):

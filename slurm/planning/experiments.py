@@ -25,6 +25,7 @@ from core.yamlfile import (
     deep_merge,
     load_bounded,
     load_chain,
+    read_yaml,
 )
 from slurm.cluster.profile import ClusterProfile
 from slurm.planning.checks import check_names, checked
@@ -96,6 +97,17 @@ class Selection(NamedTuple):
         return self.loaded, self.warnings, self.names, self.broken
 
 
+def own_name(path: Path) -> str | None:
+    """The `name:` a file writes itself, read without what it inherits; None if it writes none or is not
+    YAML."""
+    try:
+        data = read_yaml(path).data
+    except YamlProblem:
+        return None
+    name = data.get("name") if isinstance(data, dict) else None
+    return str(name) if name is not None else None
+
+
 def load_selected(
     config_dir: Path, profile: ClusterProfile, overrides: dict | None = None, names: list[str] | None = None
 ) -> Selection:
@@ -120,6 +132,8 @@ def load_selected(
             raw, chain = load_with_overrides(path, config_dir, overrides)
         except YamlProblem as exc:
             problems.append(exc.problem)
+            if (own := own_name(path)) is not None:  # so --exp names it, not "no experiment named"
+                written[own] = path
             continue
         written[str(raw.get("name"))] = path
         points, found = expanded(raw, chain, held)
