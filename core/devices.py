@@ -24,3 +24,11 @@ def visible_devices(value: str) -> tuple[str, ...]:
 # in CUDA_VISIBLE_DEVICES (0,0,0) is N slots (slurm/cluster/local_gpus.py), and each job plans to fill only its
 # share of the GPU's memory (train/device.py free_gpu_gb).
 GPU_SHARES = "LORA_GPU_SHARES"
+
+
+def estimated_gpus(asked: int, gpus_here: int | None) -> int:
+    """The GPUs a job's estimate and its `time: auto` limit count: what it asks (on SLURM, `gpus_here` is
+    None); none where the local backend runs it on a machine without GPUs, which then runs it on CPUs. Its
+    speed is then a CPU's, the speed book's CPU rows or a CPU guess, not an assumed GPU's: a DPO job once
+    ran 13:19 of a 15:00 limit sized for an A100 while it trained on two CPU cores."""
+    return 0 if gpus_here == 0 else asked

@@ -110,6 +110,29 @@ def generation_options(job: EvalJob) -> dict:
     }
 
 
+# How often a generating eval says how far it is (before: minutes of silence in its log while it scored).
+PROGRESS_EVERY_S = 30.0
+
+
+class Progress:
+    """A line at most every `every_s` seconds while an eval generates, and one at its last batch: answers
+    made of all, their rate this run, and the time left at that rate."""
+
+    def __init__(self, total: int, kept: int, every_s: float = PROGRESS_EVERY_S, clock=time.monotonic):
+        self.total, self.kept, self.every_s, self.clock = total, kept, every_s, clock
+        self.start = self.last = clock()
+
+    def line(self, made: int) -> str | None:
+        """What to log now that `made` answers exist (kept ones included); None while it is too soon."""
+        now = self.clock()
+        if made < self.total and now - self.last < self.every_s:
+            return None
+        self.last = now
+        rate = (made - self.kept) / max(now - self.start, 1e-9)
+        left = f", ~{(self.total - made) / rate:.0f} s left" if rate > 0 and made < self.total else ""
+        return f"generated {made}/{self.total} answers ({100 * made / self.total:.0f}%), {rate:.2f}/s{left}"
+
+
 def predict(model, tokenizer, job: EvalJob, examples: tuple, partial, made: dict, stop) -> int | None:
     """Generate the batches not all in `made` (rows by id), each kept on disk before the next starts;
     returns how many were generated, or None when `stop` was set first."""
@@ -120,10 +143,13 @@ def predict(model, tokenizer, job: EvalJob, examples: tuple, partial, made: dict
     if todo and stop is not None and stop.is_set():
         return None
     outputs = generated_batches(model, tokenizer, prompts, todo, images=images, **generation_options(job))
+    progress = Progress(len(prompts), len(made))
     for done, (batch, texts) in enumerate(outputs, 1):
         new = rows(batch, texts, prompts, references, images)
         partial.append(new)
         made.update((row["id"], row) for row in new)
+        if said := progress.line(len(made)):
+            log.info("%s", said)
         if done < len(todo) and stop is not None and stop.is_set():
             log.warning("stopped after %d of %d batches; %d predictions kept", done, len(todo), len(made))
             return None

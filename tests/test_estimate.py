@@ -545,7 +545,8 @@ def test_the_dry_run_names_the_jobs_that_would_run_on_a_guessed_speed(tmp_path, 
     measured = record(model=job.spec.model.name_or_path, batch_size=job.spec.train.batch_size)
     # A row for the training jobs (they share model and batch); none for the evals: those are guessed.
     (tmp_path / "runs" / "speeds.jsonl").write_text(json.dumps(measured.__dict__) + "\n")
-    assert launch.main(["--all", "--dry-run", "--config-dir", str(folder)]) == 0
+    # On SLURM, where a GPU job gets its GPU (a local machine without one estimates it as a CPU job).
+    assert launch.main(["--all", "--dry-run", "--config-dir", str(folder), "--backend", "slurm"]) == 0
     lines = capsys.readouterr().out.splitlines()
     guessed = next(line for line in lines if line.startswith("On a guessed speed"))
     assert "/train" not in guessed and "auto/eval" in guessed and "4x" in guessed
@@ -618,3 +619,42 @@ def test_a_grpo_step_longer_than_the_signal_delay_is_named_under_the_plan(tmp_pa
     assert "longer than its resources.signal_delay_s 60" in totals_text(plan)
     short_steps = write_experiments(tmp_path / "short", rl=text.replace("GEN", "16"))
     assert "One step of" not in totals_text(plan_for(folder=short_steps, names=["rl"]))
+
+
+def test_a_gpu_job_the_local_backend_runs_on_a_machine_without_gpus_is_estimated_as_the_cpu_job_it_is(
+    tmp_path,
+):
+    """Before: `gpus: 1` on a machine without GPUs was estimated on an assumed A100 while it trained on the
+    CPU (a DPO job ran 13:19 of an automatic 15:00). Now the local backend estimates it on this machine's
+    devices: the speed book's CPU row here, a GPU's on SLURM or on a machine with GPUs."""
+    from core.devices import estimated_gpus
+    from slurm.planning.plan import build_plan
+
+    assert [estimated_gpus(2, here) for here in (None, 0, 1, 4)] == [2, 0, 2, 2]
+    folder = auto_folder(tmp_path)
+    profile, _ = load_profile(folder)
+    experiments = load_experiments(folder, profile, {}, ["auto"])
+    cpu = record(
+        model="org/some-model", device_name="cpu", precision="fp32", tokens_per_s=5.0, startup_s=30.0
+    )
+    estimator = Estimator([cpu], hundred_examples)
+    on = {here: build_plan(experiments, profile, estimator, here).job("auto/train") for here in (None, 0, 1)}
+    assert on[None].estimate.source == on[1].estimate.source == "guess"
+    # 10,000 tokens at the CPU row's 5 tokens/s, its start-up, one in-training eval and no save in between.
+    assert on[0].estimate.source == "measured" and on[0].estimate.seconds > 30 + 10_000 / 5
+    wanted = auto_time_limit_s(on[0].estimate.seconds, 120, profile.max_time_s)
+    assert on[0].resources.time_s == wanted > on[None].resources.time_s
+
+
+def test_the_dry_run_says_a_gpu_job_runs_and_is_estimated_on_this_machines_cpus(
+    tmp_path, capsys, monkeypatch
+):
+    import launch
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # a machine without GPUs, whatever this one has
+    folder = auto_folder(tmp_path)
+    assert launch.main(["--exp", "auto", "--config-dir", str(folder), "--dry-run", "--backend", "local"]) == 0
+    said = " ".join(capsys.readouterr().out.split())
+    assert "This machine has no GPU: the local backend runs every job on its CPUs" in said
+    assert launch.main(["--exp", "auto", "--config-dir", str(folder), "--dry-run", "--backend", "slurm"]) == 0
+    assert "This machine has no GPU" not in capsys.readouterr().out

@@ -107,3 +107,16 @@ def test_predictions_of_other_settings_are_not_resumed(tiny, adapter, tmp_path):
     assert len(partial_rows(tmp_path)) == 2 * BATCH
     # Longer outputs: the kept ones were cut at 6 tokens and would be wrong.
     assert run_eval(eval_job(tiny, adapter, tmp_path, max_new_tokens=7))["predictions_kept"] == 0
+
+
+def test_a_generating_eval_says_how_far_it_is_every_30_s_not_minutes_of_silence():
+    """Before: nothing in an eval job's log between loading the model and its results. A clock by hand:
+    200 answers, 50 kept from an earlier attempt; the rate counts this run's answers only."""
+    from eval.job import Progress
+
+    ticks = iter([0.0, 10.0, 31.0, 40.0, 75.0])
+    progress = Progress(total=200, kept=50, clock=lambda: next(ticks))
+    assert progress.line(60) is None  # 10 s in: too soon
+    assert progress.line(112) == "generated 112/200 answers (56%), 2.00/s, ~44 s left"  # 62 in 31 s
+    assert progress.line(130) is None  # 9 s after the last line
+    assert progress.line(200) == "generated 200/200 answers (100%), 2.00/s"  # the last batch always says

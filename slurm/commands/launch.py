@@ -71,12 +71,21 @@ def loaded(request: LaunchRequest, profile) -> Loaded:
             highlight=False,
             soft_wrap=True,
         )
-    plan = build_plan(experiments, profile)
+    plan = build_plan(experiments, profile, gpus_here=gpus_here(request.backend))
     if request.action == "calibrate":
         plan = calibration_plan(plan, request.calibrate_steps)
     if removed := removed_from(Path(profile.run_dir), request.config_dir, names, broken):
         err.print(removed_text(removed, Path(profile.run_dir)), highlight=False, soft_wrap=True)
     return Loaded(experiments, plan, {request.config_dir.resolve(): selection.as_watched()})
+
+
+def gpus_here(backend: str) -> int | None:
+    """This machine's GPUs when the plan runs here (the local backend), for its estimates; None on SLURM."""
+    if backend_here(backend) != "local":
+        return None
+    from slurm.cluster.local_gpus import VisibleGpus
+
+    return len(set(VisibleGpus.detect().ids))
 
 
 def launch(request: LaunchRequest, profile) -> int:

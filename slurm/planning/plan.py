@@ -27,6 +27,7 @@ from core.config import (
     TrainJob,
     what_it_computes,
 )
+from core.devices import estimated_gpus
 from core.durations import format_duration, slurm_time
 from core.hashing import content_hash
 from core.names import PREFERENCE
@@ -125,6 +126,9 @@ class Plan:
     base_left_out: dict[str, str] = field(default_factory=dict)
     # sweep → its `parallel:` (how many of its array's tasks may run at once), where written
     sweep_parallel: dict[str, int] = field(default_factory=dict)
+    # The GPUs of this machine when the local backend runs the plan (0: its jobs run on CPUs, and are
+    # estimated so: core/devices.py estimated_gpus); None on SLURM.
+    gpus_here: int | None = None
 
     def job(self, job_id: str) -> PlannedJob:
         return next(j for j in self.jobs if j.id == job_id)
@@ -260,10 +264,14 @@ class Plan:
 
 
 def build_plan(
-    experiments: list[LoadedExperiment], profile: ClusterProfile, estimator: Estimator | None = None
+    experiments: list[LoadedExperiment],
+    profile: ClusterProfile,
+    estimator: Estimator | None = None,
+    gpus_here: int | None = None,
 ) -> Plan:
     """Jobs in an order where every dependency comes before its dependents, each with its estimate.
-    Estimates read the run root's speed book unless another `estimator` is given."""
+    Estimates read the run root's speed book unless another `estimator` is given; `gpus_here`: this
+    machine's GPUs when the local backend runs the plan (Plan.gpus_here), None on SLURM."""
     estimator = estimator or Estimator.for_run_root(profile.run_dir)
     jobs: dict[str, PlannedJob] = {}
     last_job: dict[str, str] = {}
@@ -276,7 +284,9 @@ def build_plan(
         if loaded.sweep is not None and loaded.sweep.parallel is not None:
             parallel[sweep] = loaded.sweep.parallel
         for job in experiment_jobs(loaded, profile, chained, jobs):
-            jobs[job.id] = replace(estimated(job, estimator, profile, str(loaded.file)), sweep=sweep)
+            jobs[job.id] = replace(
+                estimated(job, estimator, profile, str(loaded.file), gpus_here), sweep=sweep
+            )
         last_job[loaded.name] = job.id
         exp = loaded.experiment
         if exp.eval.metrics and exp.eval.baseline:
@@ -288,9 +298,11 @@ def build_plan(
                 continue
             base = base_eval_job(loaded, profile)
             if base.id not in jobs:  # shared: planned once for every experiment it is the base of
-                jobs[base.id] = estimated(base, estimator, profile, str(loaded.file))
+                jobs[base.id] = estimated(base, estimator, profile, str(loaded.file), gpus_here)
             base_of[exp.name] = base.id
-    return Plan(tuple(jobs.values()), profile.run_dir, profile.log_dir, base_of, base_left_out, parallel)
+    return Plan(
+        tuple(jobs.values()), profile.run_dir, profile.log_dir, base_of, base_left_out, parallel, gpus_here
+    )
 
 
 def base_eval_job(loaded: LoadedExperiment, profile: ClusterProfile) -> PlannedJob:
@@ -449,14 +461,20 @@ def estimated_again(plan: Plan, profile: ClusterProfile, files: dict[str, str]) 
     book grown meanwhile): estimates and `time: auto` limits change, not the jobs. `files`: experiment →
     its YAML, where a limit that does not fit is reported."""
     estimator = Estimator.for_run_root(plan.run_root)
-    jobs = tuple(estimated(job, estimator, profile, plan.file_of(job, files)) for job in plan.jobs)
+    jobs = tuple(
+        estimated(job, estimator, profile, plan.file_of(job, files), plan.gpus_here) for job in plan.jobs
+    )
     return replace(plan, jobs=jobs)
 
 
-def estimated(job: PlannedJob, estimator: Estimator, profile: ClusterProfile, file: str) -> PlannedJob:
-    """The job with its estimate, and `time: auto` replaced by the limit that estimate sets."""
-    gpu = guesses.job_gpu(job.resources, profile.partition)
-    estimate = estimator(job.spec, job.resources.gpus, gpu, profile.gpu_mem_for(job.resources))
+def estimated(
+    job: PlannedJob, estimator: Estimator, profile: ClusterProfile, file: str, gpus_here: int | None = None
+) -> PlannedJob:
+    """The job with its estimate, and `time: auto` replaced by the limit that estimate sets; on the devices
+    it will run on (core/devices.py estimated_gpus: a local machine without GPUs runs it on CPUs)."""
+    gpus = estimated_gpus(job.resources.gpus, gpus_here)
+    gpu = guesses.job_gpu(job.resources, profile.partition) if gpus else None
+    estimate = estimator(job.spec, gpus, gpu, profile.gpu_mem_for(job.resources) if gpus else None)
     resources = job.resources
     if job.time_auto:
         guessed = estimate.source == "guess"

@@ -184,6 +184,11 @@ def totals_text(plan: Plan) -> str:
                 f"its limit the job may be killed mid-step; set signal_delay_s to {math.ceil(2 * step_s)} or more"
             )
     guessed = [j.id for j in plan.jobs if j.estimate.source == "guess"]
+    if plan.gpus_here == 0 and any(job.resources.gpus for job in plan.jobs):
+        lines.append(
+            "This machine has no GPU: the local backend runs every job on its CPUs, so their estimates and "
+            "`time: auto` limits are a CPU's (the speed book's CPU rows, else a CPU guess), not a GPU's"
+        )
     if guessed:
         shown = ", ".join(guessed[:6]) + (f" and {len(guessed) - 6} more" if len(guessed) > 6 else "")
         lines.append(
