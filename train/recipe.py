@@ -744,7 +744,8 @@ class StageRecipe:
             step = int(Path(state.best_model_checkpoint).name.rsplit("-", 1)[-1])
             epoch = next((r.get("epoch") for r in state.log_history if r.get("step") == step), None)
             metric = args.metric_for_best_model
-            why = f"the best {metric} ({state.best_metric:.6g}) of the evals, not the last step's"
+            last = "the last step's too" if step == state.global_step else "not the last step's"
+            why = f"the best {metric} ({state.best_metric:.6g}) of the evals, {last}"
             return {"step": step, "epoch": epoch, "of_steps": state.global_step, "why": why}
         return {
             "step": state.global_step,
