@@ -76,3 +76,14 @@ def test_a_packed_unit_shows_its_allocations_nodes_once_a_lane_took_it(tmp_path)
     )
     ended = SchedulerInfo(State.CANCELLED, exit_code="0:15", nodes="n1")
     assert packed_unit_info(run_dir, "9", ended).nodes == "n1"  # it ran there before the cancel
+
+
+def test_a_status_of_local_jobs_heads_their_ids_pid_not_slurm_id(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    local = rows_of(tmp_path / "a", {"here": ("999999999", None)})
+    mixed = rows_of(
+        tmp_path / "b", {"here": ("999999999", None), "queued": ("11", SchedulerInfo(State.PENDING))}
+    )
+    assert [str(c.header) for c in status_table(local).columns][1] == "pid"
+    assert [str(c.header) for c in status_table(mixed).columns][1] == "slurm id"

@@ -32,6 +32,7 @@ STATUS_PRIORITY = (
     "eta",
     "loss",
     "slurm id",
+    "pid",  # the id column of a status whose every job ran here (the local backend)
     "elapsed",
     "nodes",  # where it runs or ran: kept over the GPU readings, dropped before the job's own figures
     "gpu",
@@ -387,9 +388,10 @@ def status_table(
 ) -> Table:
     """A row a job; each sweep in `folded` one row (sweep_status_row, from `plan`), where its first job is."""
     table = Table(title="Status", title_justify="left")
+    backends = {row.backend for row in rows if row.backend}
     columns = (
         "job",
-        "slurm id",
+        "pid" if backends == {"local"} else "slurm id",  # before: a local run's pids read as SLURM ids
         "state",
         "reason",
         "elapsed",
