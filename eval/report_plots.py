@@ -91,7 +91,7 @@ def numeric(value) -> bool:
 
 def draw_rewards(ax, name: str, rewards: dict[str, list], method: str = "dpo") -> None:
     for key, points in rewards.items():
-        ax.plot(*zip(*points, strict=True), label=f"{name} {key}")
+        ax.plot(*zip(*points, strict=True), label=f"{name} {key}", **dots(points))
     ax.axhline(0, color="grey", linewidth=0.8)
     ylabel, title = REWARD_AXES[method]
     ax.set_xlabel("optimizer step (across stages)")
@@ -212,10 +212,20 @@ def mean_band(curves: list[list[tuple]]) -> list[tuple]:
     return band
 
 
+# A curve of this many points or fewer shows each one: a line through a single point draws nothing (a short
+# stage's rows: the first step and the last).
+FEW_POINTS = 25
+
+
+def dots(points: list) -> dict:
+    """matplotlib's style for a curve of `points`: a marker on each when they are few."""
+    return {"marker": "o", "markersize": 3} if len(points) <= FEW_POINTS else {}
+
+
 def draw(ax, name, train, evals, boundaries, label_stages=False) -> None:
     line = None
     if train:
-        (line,) = ax.plot(*zip(*train, strict=True), label=f"{name} train")
+        (line,) = ax.plot(*zip(*train, strict=True), label=f"{name} train", **dots(train))
     if evals:
         color = line.get_color() if line else None
         ax.plot(*zip(*evals, strict=True), "o--", color=color, label=f"{name} eval")

@@ -1049,3 +1049,23 @@ def test_an_sft_then_grpo_experiment_plots_each_methods_loss_and_the_grpo_reward
     plot_losses(jobs, ["rl", "plain"], runs)
     widths = {name: png_width(runs / name / "loss.png") for name in ("rl", "plain")}
     assert widths["rl"] > 2.2 * widths["plain"]  # the SFT loss, the GRPO loss and the rewards: three panels
+
+
+def test_a_short_stages_one_logged_loss_is_drawn_as_a_dot_not_an_invisible_line():
+    """A first own run (8 steps) drew its loss.png with empty panels: a line through one point shows
+    nothing. Few points get a marker each; a long curve stays a plain line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from eval.report_plots import FEW_POINTS, draw, draw_rewards
+
+    fig, (ax, rewards_ax) = plt.subplots(1, 2)
+    draw(ax, "short", [(1, 1.75)], [(8, 0.87)], [])
+    draw(ax, "long", [(step, 1.0) for step in range(FEW_POINTS + 1)], [], [])
+    draw_rewards(rewards_ax, "short", {"rewards/accuracies": [(9, 0.0)]})
+    markers = {line.get_label(): line.get_marker() for line in [*ax.lines, *rewards_ax.lines]}
+    plt.close(fig)
+    assert markers["short train"] == "o" and markers["short rewards/accuracies"] == "o"
+    assert markers["long train"] in ("None", "", None)

@@ -95,7 +95,8 @@ def test_a_stop_on_an_eval_step_saves_before_it_evaluates_and_resumes_as_if_neve
 
     def job(run_dir: Path):  # 85 examples / 8: 11 steps an epoch; an eval and a save every 6 steps
         data = sql_data("easy", eval_split="dev")
-        return make_job(tiny, run_dir, data=data, max_steps=12, eval_every_epochs=0.5)
+        # logging_steps 5: the Trainer alone would log steps 1, 5 and 10, never the last
+        return make_job(tiny, run_dir, data=data, max_steps=12, eval_every_epochs=0.5, logging_steps=5)
 
     straight, stopped = tmp_path / "straight", tmp_path / "stopped"
     assert run_stage(job(straight)) == "completed"
@@ -135,6 +136,7 @@ def test_a_stop_on_an_eval_step_saves_before_it_evaluates_and_resumes_as_if_neve
     )
     best = load_file(str(straight / "checkpoints" / f"checkpoint-{best_step}" / "adapter_model.safetensors"))
     assert all((weight - adapters[0][name]).abs().max().item() == 0 for name, weight in best.items())
-    losses = [r["loss"] for r in read_jsonl(straight / "metrics.jsonl") if "loss" in r]
-    assert summary["final_train_loss"] == pytest.approx(losses[-1], abs=1e-6)
+    losses = [(r["step"], r["loss"]) for r in read_jsonl(straight / "metrics.jsonl") if "loss" in r]
+    assert losses[-1][0] == 12  # the last step is logged whatever logging_steps (before: step 10's was last)
+    assert summary["final_train_loss"] == pytest.approx(losses[-1][1], abs=1e-6)
     assert summary["mean_train_loss"] != summary["final_train_loss"]

@@ -167,6 +167,18 @@ class SaveEvery(TrainerCallback):
         return control
 
 
+class LogTheLastStep(TrainerCallback):
+    """A metrics.jsonl row at the last step, whatever `logging_steps`: the Trainer logs the first step and
+    every `logging_steps`, so a stage of 8 steps kept only step 1's loss (its loss curve a lone dot,
+    `summary.json`'s final_train_loss and --status's loss the first step's). Every rank sets it alike, so
+    the loss gather it starts runs on all of them."""
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step >= state.max_steps:
+            control.should_log = True
+        return control
+
+
 class NoCheckpointAtTheEnd(TrainerCallback):
     """No checkpoint at the last step of a run without in-training evals: the Trainer saves one there, and
     the recipe writes the adapter a moment later, so it only cost time (on the CPU bench, most of the gap

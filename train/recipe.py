@@ -108,6 +108,7 @@ from train import distributed, vl
 from train.callbacks import (
     CommitCheckpoints,
     FailOnNonFiniteLoss,
+    LogTheLastStep,
     NoCheckpointAtTheEnd,
     PruneAtRungs,
     RunDirectoryLog,
@@ -587,6 +588,7 @@ class StageRecipe:
             CommitCheckpoints(),
             self.stopper,
             FailOnNonFiniteLoss(self.placement.fp16),
+            LogTheLastStep(),
         ]
         if self.evaluating() and self.job.train.save_every_steps != args.save_steps:
             callbacks.append(SaveEvery(self.job.train.save_every_steps))
