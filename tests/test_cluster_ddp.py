@@ -173,3 +173,32 @@ def test_kill_9_of_the_rank_on_node_two_fails_the_job_at_once_naming_rank_and_no
     assert (summary["world_size"], summary["global_step"]) == (2, 4 * 15)
     assert step_of(Path(summary["resumed_from"])) >= checkpoint
     assert_every_step_logged_once(run_dir, summary["global_step"])
+
+
+def test_a_sweep_of_two_node_points_is_one_array_whose_tasks_each_span_both_nodes_on_a_port_of_their_own(
+    repo_root, tmp_path, two_node_cluster, tiny, monkeypatch, capsys
+):
+    """A multi-node point is an array task like any other: its own allocation of both nodes, its DDP
+    rendezvous at rank 0's node on a port derived from its own `123_4` id (as submitit's job id reads for an
+    array task), so two tasks, or a task and another job, never share one. Before: tested with one node."""
+    from submitit.core.utils import JobPaths as Paths
+
+    monkeypatch.chdir(repo_root)
+    folder = fault_experiment(
+        repo_root, tmp_path, "wide", epochs=1, save=1000, gpus=1, nodes=2, extra="sweep: {seeds: [1, 2]}"
+    )
+    assert submit(folder, "--wait") == 0
+    assert "1 job array(s)" in capsys.readouterr().out
+    tasks = {seed: slurm_id(tmp_path, f"wide-s{seed}/train") for seed in (1, 2)}
+    (array,) = {task.split("_")[0] for task in tasks.values()}
+    assert sorted(tasks.values()) == [f"{array}_0", f"{array}_1"]
+    ports = {rendezvous_port(task) for task in tasks.values()}
+    assert len(ports) == 2
+    for seed, task in tasks.items():
+        summary = json.loads((tmp_path / "runs" / f"wide-s{seed}" / "train" / "summary.json").read_text())
+        assert (summary["world_size"], summary["global_step"]) == (2, 15)  # 240 examples / (8 x 2)
+        port = rendezvous_port(task)
+        for rank, node in ((0, "n1"), (1, "n2")):
+            log = Paths(tmp_path / "logs" / "arrays", task, task_id=rank).stdout.read_text()
+            assert f"rank {rank} of 2 on cpu (gloo)" in log
+            assert f"rank 0 of 2 is on n1 (127.0.0.1:{port}); this task is rank {rank} on {node}" in log
