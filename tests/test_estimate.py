@@ -628,7 +628,7 @@ def test_a_gpu_job_the_local_backend_runs_on_a_machine_without_gpus_is_estimated
     CPU (a DPO job ran 13:19 of an automatic 15:00). Now the local backend estimates it on this machine's
     devices: the speed book's CPU row here, a GPU's on SLURM or on a machine with GPUs."""
     from core.devices import estimated_gpus
-    from slurm.planning.plan import build_plan
+    from slurm.planning.plan import build_plan, calibration_plan
 
     assert [estimated_gpus(2, here) for here in (None, 0, 1, 4)] == [2, 0, 2, 2]
     folder = auto_folder(tmp_path)
@@ -644,6 +644,9 @@ def test_a_gpu_job_the_local_backend_runs_on_a_machine_without_gpus_is_estimated
     assert on[0].estimate.source == "measured" and on[0].estimate.seconds > 30 + 10_000 / 5
     wanted = auto_time_limit_s(on[0].estimate.seconds, 120, profile.max_time_s)
     assert on[0].resources.time_s == wanted > on[None].resources.time_s
+    # --calibrate on that machine measures the CPU job it runs, and says so, as the plan it cuts from.
+    calibrating = calibration_plan(build_plan(experiments, profile, estimator, 0), 30, estimator)
+    assert calibrating.gpus_here == 0 and calibrating.jobs[0].estimate.source == "measured"
 
 
 def test_the_dry_run_says_a_gpu_job_runs_and_is_estimated_on_this_machines_cpus(

@@ -486,3 +486,9 @@ def test_an_offline_refusal_of_a_hub_id_names_the_local_folder_it_was_converted_
     assert problem.message.endswith(
         "a local copy is here: write model.name_or_path: ./models/smollm2-135m-instruct"
     )
+    # Only a dataset missing: the model is had, and no folder is suggested for it.
+    dataset = {"hf download org/ds --repo-type dataset": "offline"}
+    [problem] = unfetched(
+        "a/train", "a.yaml", "model.name_or_path", dataset, "HuggingFaceTB/SmolLM2-135M-Instruct"
+    )
+    assert "local copy" not in problem.message

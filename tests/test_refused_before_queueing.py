@@ -107,45 +107,86 @@ TEXT_PAIR = '{"prompt": "q", "chosen": "SELECT 1", "rejected": "SELECT 2"}\n'
 TURNS_PAIR = '{"prompt": [{"role": "user", "content": "q"}], "chosen": "SELECT 1", "rejected": "SELECT 2"}\n'
 
 
-def sft_then_dpo(tmp_path: Path, sft_data: str | None, pairs: str) -> Path:
+def sft_then_dpo(
+    tmp_path: Path,
+    sft_data: str | None,
+    pairs: str,
+    sft_template: str | None = None,
+    dpo_template: str | None = None,
+) -> Path:
     """a.yaml as two stages: SFT on its own data (`sft_data`, chats; None: the fields of a.yaml), then DPO
-    on pairs.jsonl holding `pairs`."""
+    on pairs.jsonl holding `pairs`; each with its data.chat_template where one is given."""
     (tmp_path / "pairs.jsonl").write_text(pairs * 2)
     sft = ""
     if sft_data is not None:
         (tmp_path / "chats.jsonl").write_text(sft_data * 2)
-        sft = f"    data: {{train: {tmp_path / 'chats.jsonl'}, eval: null, format: messages}}\n"
+        template = f", chat_template: {sft_template}" if sft_template else ""
+        sft = f"    data: {{train: {tmp_path / 'chats.jsonl'}, eval: null, format: messages{template}}}\n"
     pairs_file = tmp_path / "pairs.jsonl"
-    dpo = f"    data: {{train: {pairs_file}, eval: {pairs_file}, format: preference}}\n"
+    template = f", chat_template: {dpo_template}" if dpo_template else ""
+    dpo = f"    data: {{train: {pairs_file}, eval: {pairs_file}, format: preference{template}}}\n"
     stages = f"stages:\n  - name: sft\n{sft}  - name: dpo\n    train: {{method: dpo}}\n{dpo}"
     return experiment_folder(tmp_path, more=stages)
 
 
 @pytest.mark.parametrize(
-    "sft_data, pairs, warned",
+    "sft_data, pairs, sft_template, dpo_template, warned",
     [
         (
             CHATS,
             TEXT_PAIR,
-            "its text prompt is rendered raw, as `fields` are, but stage 'sft' before it "
-            "learned chats through the chat template",
+            None,
+            None,
+            "reaches the model as raw prompts (as `fields` are rendered), but stage "
+            "'sft' trained it on the model's own chat template",
         ),
         (
             None,
             TURNS_PAIR,
-            "its prompt is rendered through the chat template, but stage 'sft' before it learned raw prompts",
+            None,
+            None,
+            "reaches the model as the model's own chat template, but stage 'sft' trained it on raw prompts",
         ),
-        (CHATS, TURNS_PAIR, None),
-        (None, TEXT_PAIR, None),
+        (
+            CHATS,
+            TURNS_PAIR,
+            "chatml",
+            None,
+            "reaches the model as the model's own chat template, but stage "
+            "'sft' trained it on chat template 'chatml'",
+        ),
+        (CHATS, TEXT_PAIR, "chatml", "chatml", None),
+        (CHATS, TURNS_PAIR, None, None, None),
+        (None, TEXT_PAIR, None, None, None),
     ],
 )
 def test_dpo_pairs_rendered_unlike_the_sft_stage_before_them_are_warned_not_silent(
-    tmp_path, capsys, sft_data, pairs, warned
+    tmp_path, capsys, sft_data, pairs, sft_template, dpo_template, warned
 ):
-    code, err = dry_run(sft_then_dpo(tmp_path, sft_data, pairs), capsys)
+    folder = sft_then_dpo(tmp_path, sft_data, pairs, sft_template, dpo_template)
+    code, err = dry_run(folder, capsys)
     text = " ".join(err.split())
     assert code == 0, err
     if warned:
-        assert f"pairs.jsonl:1: prompt: stage 'dpo': {warned}" in text
+        assert f"pairs.jsonl:1: prompt: stage 'dpo': this pair's prompt {warned}" in text
+        if sft_template:
+            assert "set data.chat_template: chatml in this stage, as that stage has it" in text
     else:
         assert "stage 'dpo':" not in text
+
+
+def test_a_second_dpo_stage_is_held_to_the_sft_stage_that_taught_the_format_not_skipped(tmp_path, capsys):
+    """sft (chats) -> dpo (turns) -> dpo (text prompts): the third renders raw what two stages learned
+    through the template. Before, a DPO stage after a DPO stage was not checked."""
+    folder = sft_then_dpo(tmp_path, CHATS, TURNS_PAIR)
+    (tmp_path / "text-pairs.jsonl").write_text(TEXT_PAIR * 2)
+    text_pairs = tmp_path / "text-pairs.jsonl"
+    third = f"  - name: dpo2\n    train: {{method: dpo}}\n    data: {{train: {text_pairs}, eval: {text_pairs}, format: preference}}\n"
+    (folder / "a.yaml").write_text((folder / "a.yaml").read_text() + third)
+    code, err = dry_run(folder, capsys)
+    text = " ".join(err.split())
+    assert (
+        code == 0
+        and "text-pairs.jsonl:1: prompt: stage 'dpo2': this pair's prompt reaches the model as raw" in text
+    )
+    assert "stage 'dpo':" not in text

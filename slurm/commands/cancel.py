@@ -13,7 +13,7 @@ from core.rundir import RunDir, RunRoot
 from core.states import State
 from slurm.cluster.scheduler import cancel_rows
 from slurm.planning.plan import Plan, build_plan
-from slurm.planning.request import LaunchRequest
+from slurm.planning.request import LaunchRequest, gpus_here
 from slurm.queueing.decisions import adopt_unrecorded
 from slurm.watching.render import err, error, out, warning
 from slurm.watching.status import JobStatus, plan_status
@@ -33,7 +33,13 @@ def cancel(request: LaunchRequest, profile) -> int:
     # checks below (a base eval or a pack another folder's experiment needs is not this cancel's to stop).
     narrowed = request.experiments or request.config_dir_named
     everything = (
-        build_plan(watched_of(request, profile, None, named=False).experiments, profile) if narrowed else None
+        build_plan(
+            watched_of(request, profile, None, named=False).experiments,
+            profile,
+            gpus_here=gpus_here(request.backend),
+        )
+        if narrowed
+        else None
     )
     rows = plan_status(everything, profile.log_dir) if everything else []  # one squeue call for both
     kept = without_shared_evals(without_shared_bases(plan, everything, rows), rows)

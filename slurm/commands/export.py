@@ -7,7 +7,7 @@ from pathlib import Path
 from core.rundir import RunDir
 from slurm.planning.experiments import load_selected, parse_overrides
 from slurm.planning.plan import build_plan, with_exports
-from slurm.planning.request import LaunchRequest
+from slurm.planning.request import LaunchRequest, gpus_here
 from slurm.queueing.submit import submit, wait
 from slurm.watching.preflight_report import run_preflight
 from slurm.watching.render import err, error, out, plan_table, warning
@@ -28,7 +28,11 @@ def export(request: LaunchRequest, profile) -> int:
         err.print(warning(problem), highlight=False, soft_wrap=True)
     files = {e.name: str(e.file) for e in experiments}
     targets = export_targets(asked, experiments)
-    plan = with_exports(build_plan(experiments, profile), targets, request.export_format == "gguf")
+    plan = with_exports(
+        build_plan(experiments, profile, gpus_here=gpus_here(request.backend)),
+        targets,
+        request.export_format == "gguf",
+    )
     if request.backend == "local":
         from slurm.cluster.local_gpus import refuse_too_many_gpus
 

@@ -13,7 +13,7 @@ from slurm.planning.arrays import JobArray, slurm_submissions
 from slurm.planning.experiments import load_selected, parse_overrides
 from slurm.planning.pack import pack_plan
 from slurm.planning.plan import Plan, build_plan, calibration_plan, estimated_again
-from slurm.planning.request import LaunchRequest, backend_here
+from slurm.planning.request import LaunchRequest, backend_here, gpus_here
 from slurm.planning.shared_evals import SharedEval
 from slurm.planning.validation import LoadedExperiment
 from slurm.queueing.decisions import weigh
@@ -77,15 +77,6 @@ def loaded(request: LaunchRequest, profile) -> Loaded:
     if removed := removed_from(Path(profile.run_dir), request.config_dir, names, broken):
         err.print(removed_text(removed, Path(profile.run_dir)), highlight=False, soft_wrap=True)
     return Loaded(experiments, plan, {request.config_dir.resolve(): selection.as_watched()})
-
-
-def gpus_here(backend: str) -> int | None:
-    """This machine's GPUs when the plan runs here (the local backend), for its estimates; None on SLURM."""
-    if backend_here(backend) != "local":
-        return None
-    from slurm.cluster.local_gpus import VisibleGpus
-
-    return len(set(VisibleGpus.detect().ids))
 
 
 def launch(request: LaunchRequest, profile) -> int:

@@ -28,40 +28,6 @@ from slurm.planning.sweeps import check_prune, check_select
 from slurm.planning.validation import LoadedExperiment, Stage, resolve_stages
 
 
-def pairs_rendered_unlike_the_stage_before(experiment: Experiment, stages: list[Stage]) -> list[Problem]:
-    """A warning where a DPO stage's pairs are rendered otherwise than the stage before it learned: text
-    prompts rendered raw (as `fields`) after a stage of chats through the chat template, or prompts rendered
-    through the template after a stage of raw `fields` prompts. Either trains the preference on prompts the
-    model was not tuned to read (before: silently, found only in the scores)."""
-    kind, problems = experiment.model.kind, []
-    for before, stage in zip(stages, stages[1:], strict=False):
-        if stage.data.format != PREFERENCE or before.data.format == PREFERENCE:
-            continue
-        size = read_examples(Path(stage.data.train), stage.data) if Path(stage.data.train).is_file() else None
-        if not isinstance(size, TextSize):
-            continue
-        learned_chats = templated(before.data, kind)
-        if learned_chats and stage.data.chat_template is None and size.text_line is not None:
-            line, how = size.text_line, "its text prompt is rendered raw, as `fields` are"
-            fix = (
-                "write the prompts as turns ([{role: user, content: ...}]) to render them with the model's "
-                "own template, or set data.chat_template to the template the stage before used"
-            )
-        elif not learned_chats and (size.conversation_line is not None or stage.data.chat_template):
-            line = size.conversation_line or size.text_line
-            how = "its prompt is rendered through the chat template"
-            fix = "write the prompts as text, as the stage before's were (and leave data.chat_template unset)"
-        else:
-            continue
-        message = (
-            f"stage {stage.name!r}: {how}, but stage {before.name!r} before it learned "
-            f"{'chats through the chat template' if learned_chats else 'raw prompts (format: fields)'}: "
-            f"DPO would tune the model on prompts it was not trained to read; {fix}"
-        )
-        problems.append(Problem(f"{stage.data.train}:{line}", "prompt", message, warning=True))
-    return problems
-
-
 def checked(
     experiment: Experiment,
     raw: dict,
@@ -236,6 +202,59 @@ def check_preference(experiment: Experiment, stages: list[Stage], chain: list[Ya
             place = ("stages", index, *key) if key[1] in written else key
             file, line = where(chain, place)
             problems.append(Problem(file, ".".join(map(str, place)), why, line))
+    return problems
+
+
+RAW = "raw prompts (as `fields` are rendered)"
+
+
+def rendering(data: DataSpec, kind: str, text_prompt: bool = False) -> str:
+    """How a stage's prompts reach the model: raw, or through which chat template. A preference pair's
+    text prompt is raw unless data.chat_template names one; its turns go through the template (the
+    model's own when none is named), as conversations do (core/conversations.py templated)."""
+    if data.format == PREFERENCE:
+        through_template = not text_prompt or data.chat_template is not None
+    else:
+        through_template = templated(data, kind)
+    if not through_template:
+        return RAW
+    return f"chat template {data.chat_template!r}" if data.chat_template else "the model's own chat template"
+
+
+def pairs_rendered_unlike_the_stage_before(experiment: Experiment, stages: list[Stage]) -> list[Problem]:
+    """A warning where a DPO stage's pairs reach the model otherwise than the stage that taught it its
+    format (the last one before it of other data) did: text prompts rendered raw after chats through a
+    template, turns through a template after raw prompts, or another template than that stage's. Each
+    tunes the preference on prompts the model was not trained to read (before: silently, seen only in the
+    scores). `hf:` pairs are not read on the login node, so not checked."""
+    kind, problems = experiment.model.kind, []
+    for index, stage in enumerate(stages):
+        if stage.data.format != PREFERENCE or not Path(stage.data.train).is_file():
+            continue
+        taught = next((s for s in reversed(stages[:index]) if s.data.format != PREFERENCE), None)
+        size = read_examples(Path(stage.data.train), stage.data)
+        if taught is None or not isinstance(size, TextSize):
+            continue
+        learned = rendering(taught.data, kind)
+        for line, text_prompt in ((size.text_line, True), (size.conversation_line, False)):
+            renders = rendering(stage.data, kind, text_prompt)
+            if line is None or renders == learned:
+                continue
+            if learned == RAW:
+                fix = "write the prompts as text, as that stage's were, and leave data.chat_template unset"
+            elif taught.data.chat_template:
+                fix = (
+                    f"set data.chat_template: {taught.data.chat_template} in this stage, as that stage has it"
+                )
+            else:
+                fix = "write the prompts as turns ([{role: user, content: ...}]) and leave data.chat_template unset"
+            message = (
+                f"stage {stage.name!r}: this pair's prompt reaches the model as {renders}, but stage "
+                f"{taught.name!r} trained it on {learned}: DPO would tune the model on prompts it was not "
+                f"trained to read; {fix}"
+            )
+            problems.append(Problem(f"{stage.data.train}:{line}", "prompt", message, warning=True))
+            break
     return problems
 
 

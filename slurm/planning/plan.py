@@ -452,8 +452,10 @@ def calibration_plan(plan: Plan, steps: int, estimator: Estimator | None = None)
         )
         resources = first.resources.model_copy(update={"time": slurm_time(min(first.resources.time_s, 3600))})
         job = make_job(f"{name}/{stage}", "train", spec, resources, [], {})
-        jobs.append(replace(job, estimate=estimator(spec, resources.gpus, guesses.job_gpu(resources))))
-    return Plan(tuple(jobs), plan.run_root, plan.log_root)
+        gpus = estimated_gpus(resources.gpus, plan.gpus_here)
+        gpu = guesses.job_gpu(resources) if gpus else None
+        jobs.append(replace(job, estimate=estimator(spec, gpus, gpu)))
+    return Plan(tuple(jobs), plan.run_root, plan.log_root, gpus_here=plan.gpus_here)
 
 
 def estimated_again(plan: Plan, profile: ClusterProfile, files: dict[str, str]) -> Plan:

@@ -228,7 +228,9 @@ def unfetched(job_id: str, where: str, key: str, missing: dict[str, str], name: 
     if not missing:
         return []
     lines = "; ".join(f"{command} ({reason})" for command, reason in missing.items())
-    copy = local_copy(name)
+    # The model's own download among what is missing (not only a dataset's), and a folder of it here.
+    asked = name and not Path(name).is_dir() and any(name in command.split() for command in missing)
+    copy = local_copy(name) if asked else None
     here = f"; a local copy is here: write {key}: {copy}" if copy else ""
     return [
         Problem(

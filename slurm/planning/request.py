@@ -202,3 +202,14 @@ def door_problems(request: LaunchRequest, chose: bool) -> list[Problem]:
 def backend_here(backend: str) -> str:
     """`slurm` or `local`: what `auto` means on this machine (sbatch on PATH)."""
     return pick_backend(backend)
+
+
+def gpus_here(backend: str) -> int | None:
+    """This machine's GPUs when a plan runs here (the local backend), for its estimates and `time: auto`
+    limits (core/devices.py estimated_gpus); None on SLURM. The launch, the dry run, an export and the
+    watching commands plan alike, so --status names the limit a local job ran under."""
+    if backend_here(backend) != "local":
+        return None
+    from slurm.cluster.local_gpus import VisibleGpus
+
+    return len(set(VisibleGpus.detect().ids))

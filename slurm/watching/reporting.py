@@ -12,7 +12,7 @@ from core.runs import BaseEval, JobRun, PlanUsage, ReportInput
 from core.states import State
 from core.yamlfile import find_inherited
 from slurm.planning.plan import Plan, build_plan
-from slurm.planning.request import LaunchRequest
+from slurm.planning.request import LaunchRequest, gpus_here
 from slurm.watching.status import plan_status
 from slurm.watching.watched import FolderLoad, Watched, watched_of
 
@@ -33,7 +33,7 @@ def written_report(
         named = watched_of(request, profile, None, loaded=loaded)
         experiments.update({e.name: e for e in named.experiments if e.name not in experiments})
         folders.update({k: v for k, v in named.folders.items() if k not in folders})
-    plan = build_plan(list(experiments.values()), profile)
+    plan = build_plan(list(experiments.values()), profile, gpus_here=gpus_here(request.backend))
     states = {row.job.id: row.state for row in plan_status(plan, profile.log_dir)}
     baselines = [
         found

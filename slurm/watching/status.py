@@ -310,8 +310,9 @@ def job_status(
 def blocking_parent(job, earlier: dict[str, JobStatus]) -> JobStatus | None:
     """The first parent whose end means this job will never run (parent_verdict); None when none does."""
     for parent in job.depends_on:
-        if parent_verdict(parent.kind, earlier[parent.job_id].state) is State.BLOCKED:
-            return earlier[parent.job_id]
+        known = earlier.get(parent.job_id)  # a parent left out of the plan (Plan.only) counts as met
+        if known is not None and parent_verdict(parent.kind, known.state) is State.BLOCKED:
+            return known
     return None
 
 

@@ -16,7 +16,7 @@ from core.problems import ConfigError, Problem, did_you_mean
 from core.rundir import Origin, run_root_experiments
 from slurm.planning.experiments import chosen, load_watchable_experiments, parse_overrides
 from slurm.planning.plan import Plan, build_plan
-from slurm.planning.request import LaunchRequest
+from slurm.planning.request import LaunchRequest, gpus_here
 from slurm.planning.validation import LoadedExperiment
 from slurm.watching.render import err, out, warning
 
@@ -164,7 +164,7 @@ def removed_text(names: list[str], run_root: Path) -> str:
 def watched_plan(request: LaunchRequest, profile) -> tuple[Watched, Plan] | None:
     """The watched experiments and their plan; None (said so) when the run root holds nothing to show."""
     watched = warned(request, profile)
-    plan = build_plan(watched.experiments, profile)
+    plan = build_plan(watched.experiments, profile, gpus_here=gpus_here(request.backend))
     unknown = any(p.file == "command line" for p in watched.warnings)
     if not plan.jobs and not watched.gone and not unknown:
         out.print(
