@@ -191,9 +191,9 @@ def assert_same_adapter(a: Path, b: Path, relative: float | None = None) -> None
 
 def assert_every_step_logged_once(run_dir: Path, global_step: int, every: int = 4) -> None:
     """Across all the allocations, metrics.jsonl holds each logging step exactly once: none repeated after a
-    resume, none skipped. (The last step is logged only if it falls on the logging interval.)"""
+    resume, none skipped, and the last step whether or not it falls on the interval (LogTheLastStep)."""
     logged = [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl") if "loss" in r]
-    assert logged == [1, *range(every, global_step + 1, every)]
+    assert logged == list(dict.fromkeys([1, *range(every, global_step + 1, every), global_step]))
 
 
 def tensorboard_losses(run_dir: Path) -> list[tuple[int, float]]:
