@@ -151,6 +151,44 @@ def numbered_lines(path: Path) -> Iterator[tuple[int, str]]:
                 ) from None
 
 
+def unreadable_example(
+    row: dict, needed: list[str], spec: DataSpec, where: str, path: Path
+) -> ExampleError | None:
+    """What makes one example unusable whatever its format: a field the prompt or target needs is missing
+    or null, it is too big, or its image file is not there; None when it is usable. `where`: file:line."""
+    missing = [field for field in needed if field not in row]
+    if missing:
+        other = conversations.other_format(row, spec)  # ShareGPT's `conversations` as messages, or back
+        pair = "chosen" in row and "rejected" in row
+        hint = (
+            "; this looks like a preference pair: give it to a DPO stage (train.method: dpo, "
+            "data.format: preference)"
+            if pair
+            else ""
+        )
+        return ExampleError(
+            where,
+            other or f"no field {missing} in this example (it has {sorted(row)}){hint}",
+        )
+    if nulls := [field for field in needed if row[field] is None]:
+        return ExampleError(
+            where,
+            f"field {nulls} is null: null is not allowed here (the prompt or target needs a value)",
+        )
+    if (size := sum(len(str(row[field]).encode()) for field in needed)) > MAX_EXAMPLE_BYTES:
+        return ExampleError(
+            where,
+            f"this example holds {size:,} bytes, more than the {MAX_EXAMPLE_BYTES:,} an example may have",
+        )
+    if spec.image_field and not image_path(row, spec, path).is_file():
+        return ExampleError(
+            where,
+            f"image file not found: {image_path(row, spec, path)} (data.image_field "
+            f"{spec.image_field!r} = {row[spec.image_field]!r}, a path relative to the data file)",
+        )
+    return None
+
+
 def check_rows(rows: Iterable[tuple[int, dict]], spec: DataSpec, path: Path) -> TextSize:
     """Every example has every field the prompt template and the target need; the file's size, measured in
     the same pass. One example at a time: a file of millions is checked in the memory of one (M3: a 172 MB
@@ -159,36 +197,8 @@ def check_rows(rows: Iterable[tuple[int, dict]], spec: DataSpec, path: Path) -> 
     listed: list[ExampleError] = []
     unlisted, count, chars, answers, conversation_line, text_line = 0, 0, 0, [], None, None
     for number, row in rows:
-        missing = [field for field in needed if field not in row]
-        if missing:
-            other = conversations.other_format(row, spec)  # ShareGPT's `conversations` as messages, or back
-            pair = "chosen" in row and "rejected" in row
-            hint = (
-                "; this looks like a preference pair: give it to a DPO stage (train.method: dpo, "
-                "data.format: preference)"
-                if pair
-                else ""
-            )
-            raise ExampleError(
-                f"{path}:{number}",
-                other or f"no field {missing} in this example (it has {sorted(row)}){hint}",
-            )
-        if nulls := [field for field in needed if row[field] is None]:
-            raise ExampleError(
-                f"{path}:{number}",
-                f"field {nulls} is null: null is not allowed here (the prompt or target needs a value)",
-            )
-        if (size := sum(len(str(row[field]).encode()) for field in needed)) > MAX_EXAMPLE_BYTES:
-            raise ExampleError(
-                f"{path}:{number}",
-                f"this example holds {size:,} bytes, more than the {MAX_EXAMPLE_BYTES:,} an example may have",
-            )
-        if spec.image_field and not image_path(row, spec, path).is_file():
-            raise ExampleError(
-                f"{path}:{number}",
-                f"image file not found: {image_path(row, spec, path)} (data.image_field "
-                f"{spec.image_field!r} = {row[spec.image_field]!r}, a path relative to the data file)",
-            )
+        if (refused := unreadable_example(row, needed, spec, f"{path}:{number}", path)) is not None:
+            raise refused
         count += 1
         wrong = conversations.problems(row, spec) if spec.format != "fields" else []
         if wrong:

@@ -259,54 +259,18 @@ def pairs_rendered_unlike_the_stage_before(experiment: Experiment, stages: list[
 
 
 def check_grpo(experiment: Experiment, stages: list[Stage], chain: list[YamlFile]) -> list[Problem]:
-    """A GRPO stage's chain, before anything is queued: SFT data (its prompts are generated from and its
-    targets are the rewards' references), a causal model, a `reference: previous` that has a previous stage,
-    no in-training early stopping (a GRPO step has no eval loss), a database for each SQL reward, and a
-    warning on a first stage (a model that never earns a reward learns nothing) unless `from_base`."""
+    """A GRPO stage's chain, before anything is queued: what its place in the chain refuses or warns of
+    (grpo_stage_problem), a database for each SQL reward, and then its rewards run on its training data."""
     problems = []
     for index, stage in enumerate(stages):
         if stage.train.method != "grpo":
             continue
         grpo = stage.train.reward_objective
-        key, why, warning = None, None, False
-        if not grpo.rewards:
-            key = ("train", "method")
-            why = (
-                f"is grpo in stage {stage.name!r}, which has no rewards to learn from: add train.grpo: {{rewards: "
-                "[{score: sql_exec_accuracy}, {score: sql_executes, weight: 0.1}]}} (eval scores, or "
-                "{function: module:name})"
-            )
-        elif stage.data.format == PREFERENCE:
-            key = ("train", "method")
-            why = (
-                f"is grpo in stage {stage.name!r}, whose data is format: preference; GRPO generates from the "
-                "prompts of SFT data (fields or a conversation) and rewards against their targets"
-            )
-        elif experiment.model.kind != "causal":
-            key = ("train", "method")
-            why = (
-                f"is grpo, but model.kind is {experiment.model.kind}: TRL's GRPOTrainer trains causal models "
-                "only here (no seq2seq path; image-text is not supported yet): use a causal model"
-            )
-        elif stage.train.early_stopping:
-            key = ("train", "early_stopping")
-            why = f"is for SFT and DPO stages: GRPO stage {stage.name!r} has no in-training eval loss to stop on"
-        elif index == 0 and grpo.reference == "previous":
-            key = ("train", "grpo", "reference")
-            why = (
-                f"is previous, but stage {stage.name!r} is the first: there is no previous adapter; use "
-                "reference: base, or put an SFT stage before it"
-            )
-        elif index == 0 and not grpo.from_base:
-            key, warning = ("train", "method"), True
-            why = (
-                f"is grpo in the first stage {stage.name!r}: a base model that never earns a reward has no "
-                "reward variance and learns nothing (the stage stops early then); put an SFT stage before "
-                "it, or set train.grpo.from_base: true if the base model already earns rewards"
-            )
-        if why:
+        found = grpo_stage_problem(experiment, index, stage)
+        if found:
+            key, why, warning = found
             problems.append(stage_problem(experiment, index, key, why, chain, warning))
-        refused = bool(why) and not warning
+        refused = bool(found) and not found[2]
         for number, reward in enumerate(grpo.rewards):
             if (
                 reward.score in SQL_REWARD_SCORES and not reward.db
@@ -325,6 +289,56 @@ def check_grpo(experiment: Experiment, stages: list[Stage], chain: list[YamlFile
                 stage_problem(experiment, index, place, f"in stage {stage.name!r}: {what}", chain)
             )
     return problems
+
+
+def grpo_stage_problem(experiment: Experiment, index: int, stage: Stage) -> tuple[tuple, str, bool] | None:
+    """(key, why, warning) for the first thing a GRPO stage's place refuses: no rewards, preference pairs
+    for data (its prompts are generated from and its targets are the rewards' references), a model that is
+    not causal, in-training early stopping (a GRPO step has no eval loss), a `reference: previous` without
+    a previous stage; or warns of: a first stage (a model that never earns a reward learns nothing) unless
+    `from_base`. None when nothing does."""
+    grpo = stage.train.reward_objective
+    if not grpo.rewards:
+        return (
+            ("train", "method"),
+            f"is grpo in stage {stage.name!r}, which has no rewards to learn from: add train.grpo: {{rewards: "
+            "[{score: sql_exec_accuracy}, {score: sql_executes, weight: 0.1}]}} (eval scores, or "
+            "{function: module:name})",
+            False,
+        )
+    if stage.data.format == PREFERENCE:
+        return (
+            ("train", "method"),
+            f"is grpo in stage {stage.name!r}, whose data is format: preference; GRPO generates from the "
+            "prompts of SFT data (fields or a conversation) and rewards against their targets",
+            False,
+        )
+    if experiment.model.kind != "causal":
+        return (
+            ("train", "method"),
+            f"is grpo, but model.kind is {experiment.model.kind}: TRL's GRPOTrainer trains causal models "
+            "only here (no seq2seq path; image-text is not supported yet): use a causal model",
+            False,
+        )
+    if stage.train.early_stopping:
+        why = f"is for SFT and DPO stages: GRPO stage {stage.name!r} has no in-training eval loss to stop on"
+        return ("train", "early_stopping"), why, False
+    if index == 0 and grpo.reference == "previous":
+        return (
+            ("train", "grpo", "reference"),
+            f"is previous, but stage {stage.name!r} is the first: there is no previous adapter; use "
+            "reference: base, or put an SFT stage before it",
+            False,
+        )
+    if index == 0 and not grpo.from_base:
+        return (
+            ("train", "method"),
+            f"is grpo in the first stage {stage.name!r}: a base model that never earns a reward has no "
+            "reward variance and learns nothing (the stage stops early then); put an SFT stage before "
+            "it, or set train.grpo.from_base: true if the base model already earns rewards",
+            True,
+        )
+    return None
 
 
 def checked_rewards(stage: Stage, functions_from: str) -> list[tuple[int, str]]:
