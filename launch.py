@@ -19,7 +19,13 @@ from slurm import cli
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    return argument_parser().parse_args(argv)
+    args = argument_parser().parse_args(argv)
+    # `--exp a b key=value`: argparse hands the override to --exp, which takes every word after it. No
+    # experiment name holds '=' (core/config.py SAFE_NAME), so such a word is an override, in its place.
+    if args.exp and (overrides := [word for word in args.exp if "=" in word]):
+        args.exp = [word for word in args.exp if "=" not in word] or None
+        args.overrides = [*overrides, *args.overrides]
+    return args
 
 
 def argument_parser() -> argparse.ArgumentParser:

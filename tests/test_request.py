@@ -50,6 +50,15 @@ def test_the_request_says_what_the_flags_asked_for(tmp_path):
     assert not request.submits and request_from(launch.parse_args(["--all"])).action == "launch"
 
 
+def test_an_override_right_after_the_exp_names_is_an_override_not_a_third_name():
+    """Before: `--exp a b train.learning_rate=1e-4` (the docs' own example) took the override for an
+    experiment name and failed "no experiment named 'train.learning_rate=1e-4'"."""
+    args = launch.parse_args(["--exp", "a", "b", "train.learning_rate=1e-4", "data.max_length=512"])
+    request = request_from(args)
+    assert request.experiments == ("a", "b")
+    assert request.overrides == ("train.learning_rate=1e-4", "data.max_length=512")
+
+
 @pytest.mark.parametrize(
     ("argv", "flag"),
     [
