@@ -212,11 +212,7 @@ def rendering(data: DataSpec, kind: str, text_prompt: bool = False) -> str:
     """How a stage's prompts reach the model: raw, or through which chat template. A preference pair's
     text prompt is raw unless data.chat_template names one; its turns go through the template (the
     model's own when none is named), as conversations do (core/conversations.py templated)."""
-    if data.format == PREFERENCE:
-        through_template = not text_prompt or data.chat_template is not None
-    else:
-        through_template = templated(data, kind)
-    if not through_template:
+    if not (templated(data, kind) or (data.format == PREFERENCE and not text_prompt)):
         return RAW
     return f"chat template {data.chat_template!r}" if data.chat_template else "the model's own chat template"
 

@@ -230,8 +230,7 @@ def unfetched(job_id: str, where: str, key: str, missing: dict[str, str], name: 
     lines = "; ".join(f"{command} ({reason})" for command, reason in missing.items())
     # The model's own download among what is missing (not only a dataset's), and a folder of it here.
     asked = name and not Path(name).is_dir() and any(name in command.split() for command in missing)
-    copy = local_copy(name) if asked else None
-    here = f"; a local copy is here: write {key}: {copy}" if copy else ""
+    here = local_copy_hint(name, key) if asked else ""
     return [
         Problem(
             where,
@@ -245,6 +244,12 @@ def unfetched(job_id: str, where: str, key: str, missing: dict[str, str], name: 
 
 # Where local model folders are made (`python -m demo.tiny models`, `python -m bench.real_model --convert`).
 MODEL_FOLDERS = (Path("models"), Path(__file__).resolve().parents[2] / "models")
+
+
+def local_copy_hint(hub_id: str, key: str) -> str:
+    """`; a local copy is here: write KEY: ./models/NAME` where local_copy finds one, else ""."""
+    copy = local_copy(hub_id)
+    return f"; a local copy is here: write {key}: {copy}" if copy else ""
 
 
 def local_copy(hub_id: str) -> str | None:
@@ -285,7 +290,7 @@ def unavailable(job: TrainJob, exc: Exception) -> str:
     return (
         f"the config of {name!r} is neither a local folder nor in the Hugging Face cache ({first_line(exc)}); "
         f"fetch it on a machine with network: {fetch_command(name, job.model.revision)}"
-        + (f"; a local copy is here: write model.name_or_path: {copy}" if (copy := local_copy(name)) else "")
+        + local_copy_hint(name, "model.name_or_path")
     )
 
 
